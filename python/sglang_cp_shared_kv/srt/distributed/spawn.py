@@ -1,0 +1,124 @@
+"""Spawn N ranks on this host with a loopback rendezvous, and collect what each returns.
+
+Used by the multi-rank tests and the demo. Every rank runs ``fn(rank, world_size,
+*args)`` in its own spawned process with ``torch.distributed`` initialized (gloo
+on CPU, NCCL when ``backend="nccl"``). A rank that raises, dies or outlives the
+deadline fails the whole run with a message naming the rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died, or timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, results, threads):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 180.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, r, world_size, port, backend, timeout_s, args, results, threads_per_rank),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    got: dict[int, tuple[bool, Any]] = {}
+    failures: list[str] = []
+    try:
+        while len(got) < world_size:
+            try:
+                rank, ok, out = results.get(timeout=0.5)
+                got[rank] = (ok, out)
+                if not ok:
+                    failures.append(f"rank {rank} raised:\n{out}")
+                    break
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+            if dead:
+                time.sleep(0.5)  # a result may still be in flight
+                while True:
+                    try:
+                        rank, ok, out = results.get_nowait()
+                    except queue.Empty:
+                        break
+                    got[rank] = (ok, out)
+                    if not ok:
+                        failures.append(f"rank {rank} raised:\n{out}")
+                dead = [r for r in dead if r not in got]
+                if dead or failures:
+                    failures += [f"rank {r} died with exit code {procs[r].exitcode}" for r in dead]
+                    break
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in got]
+                failures.append(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.join(timeout=5 if not failures else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    if failures:
+        raise RankFailure("\n".join(failures))
+    return [got[r][1] for r in range(world_size)]

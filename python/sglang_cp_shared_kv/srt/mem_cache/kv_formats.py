@@ -1,0 +1,106 @@
+"""Byte formats of one token's KV row, and their quantizers (plain torch).
+
+- MLA fp8 "656 B" row: 512 e4m3 values (4 tiles of 128) | 4 fp32 tile scales |
+  64 bf16 rope values. Tile scale ``s = 2 ** ceil(log2(max(amax / 448, 1e-4)))``.
+- MLA bf16 row: 576 bf16 values (latent 512 | rope 64), 1152 B.
+- NSA indexer K: 128 e4m3 values per token plus one fp32 scale per token,
+  ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``; a pool page stores ``ps * 128``
+  K bytes token-major, then ``ps`` scales (``ps * 132`` B).
+
+Every function returns and accepts raw ``uint8`` rows, so pools, gathers and
+transfers move bytes without caring what the bytes mean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # 576
+FP8_TILE = 128
+FP8_TILES = KV_LORA_RANK // FP8_TILE  # 4
+FP8_MAX = 448.0
+
+MLA_FP8_ROW_BYTES = KV_LORA_RANK + 4 * FP8_TILES + 2 * ROPE_DIM  # 656
+MLA_BF16_ROW_BYTES = 2 * LATENT_DIM  # 1152
+INDEX_HEAD_DIM = 128
+INDEX_TOKEN_BYTES = INDEX_HEAD_DIM + 4  # 132
+
+KV_FORMATS = ("fp8", "bf16")
+
+
+def mla_row_bytes(kv_format: str) -> int:
+    if kv_format == "fp8":
+        return MLA_FP8_ROW_BYTES
+    if kv_format == "bf16":
+        return MLA_BF16_ROW_BYTES
+    raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
+def _to_e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def quantize_mla_fp8(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """``latent [T, 512]``, ``rope [T, 64]`` -> ``uint8 [T, 656]``."""
+    if latent.shape[-1] != KV_LORA_RANK or rope.shape[-1] != ROPE_DIM:
+        raise ValueError(f"latent/rope must end in {KV_LORA_RANK}/{ROPE_DIM}, got {tuple(latent.shape)}/{tuple(rope.shape)}")
+    t = latent.shape[0]
+    tiles = latent.float().reshape(t, FP8_TILES, FP8_TILE)
+    amax = tiles.abs().amax(dim=-1, keepdim=True)
+    scale = _pow2_ceil(torch.clamp(amax / FP8_MAX, min=1e-4))
+    values = _to_e4m3_bytes(tiles / scale).reshape(t, KV_LORA_RANK)
+    scale_bytes = scale.reshape(t, FP8_TILES).contiguous().view(torch.uint8)
+    rope_bytes = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat([values, scale_bytes, rope_bytes], dim=1)
+
+
+def dequantize_mla_fp8(rows: torch.Tensor) -> torch.Tensor:
+    """``uint8 [T, 656]`` -> ``float32 [T, 576]`` (latent * tile scale | rope)."""
+    t = rows.shape[0]
+    values = rows[:, :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn).float()
+    scale = rows[:, KV_LORA_RANK : KV_LORA_RANK + 4 * FP8_TILES].contiguous().view(torch.float32)
+    latent = (values.reshape(t, FP8_TILES, FP8_TILE) * scale.unsqueeze(-1)).reshape(t, KV_LORA_RANK)
+    rope = rows[:, KV_LORA_RANK + 4 * FP8_TILES :].contiguous().view(torch.bfloat16).float()
+    return torch.cat([latent, rope], dim=1)
+
+
+def pack_mla_bf16(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """``latent [T, 512]``, ``rope [T, 64]`` -> ``uint8 [T, 1152]`` (bf16 576)."""
+    row = torch.cat([latent.to(torch.bfloat16), rope.to(torch.bfloat16)], dim=1).contiguous()
+    return row.view(torch.uint8)
+
+
+def unpack_mla_bf16(rows: torch.Tensor) -> torch.Tensor:
+    """``uint8 [T, 1152]`` -> ``float32 [T, 576]``."""
+    return rows.contiguous().view(torch.bfloat16).float()
+
+
+def encode_mla_rows(latent: torch.Tensor, rope: torch.Tensor, kv_format: str) -> torch.Tensor:
+    mla_row_bytes(kv_format)
+    return quantize_mla_fp8(latent, rope) if kv_format == "fp8" else pack_mla_bf16(latent, rope)
+
+
+def decode_mla_rows(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """Raw rows -> ``float32 [T, 576]`` as the attention kernel sees them."""
+    mla_row_bytes(kv_format)
+    return dequantize_mla_fp8(rows) if kv_format == "fp8" else unpack_mla_bf16(rows)
+
+
+def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k [T, 128]`` -> (``uint8 [T, 128]`` e4m3 bytes, ``float32 [T]`` scale)."""
+    if k.shape[-1] != INDEX_HEAD_DIM:
+        raise ValueError(f"index k must end in {INDEX_HEAD_DIM}, got {tuple(k.shape)}")
+    kf = k.float()
+    amax = kf.abs().amax(dim=-1, keepdim=True)
+    scale = _pow2_ceil(torch.clamp(amax, min=1e-4) / FP8_MAX)
+    return _to_e4m3_bytes(kf / scale), scale.squeeze(-1)
+
+
+def dequantize_index_k(k_bytes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return k_bytes.contiguous().view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)

@@ -1,0 +1,141 @@
+"""One CP rank's share of the MLA latent + NSA indexer KV pool.
+
+Per layer, this rank stores only the logical pages it owns, at their physical
+rows (see ``placement.PageOwnership``), plus one trash page at the end:
+
+- ``latent[layer]``: ``uint8 [(phys_pages + 1) * ps, row_bytes]`` (656 B fp8 or 1152 B bf16 rows);
+- ``index[layer]``: ``uint8 [phys_pages + 1, ps * 132]`` page-major (``ps * 128``
+  fp8 K bytes token-major, then ``ps`` fp32 scales).
+
+Writes take the whole current chunk, as every rank holds it after the CP
+all-gather, and store only the owned rows: rows of other owners are redirected
+into the trash page, so the store has a static shape and never syncs.
+
+A replicated (unsharded) pool is the ``cp_size == 1`` case of the same class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, mla_row_bytes
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
+
+
+class ShardedMLAPool:
+    """MLA latent rows (and, with ``with_indexer``, NSA indexer K + scale) for one rank."""
+
+    def __init__(
+        self,
+        ownership: PageOwnership,
+        rank: int,
+        phys_pages: int,
+        num_layers: int,
+        kv_format: str = "fp8",
+        with_indexer: bool = True,
+        device: torch.device | str = "cpu",
+    ):
+        if not isinstance(rank, int) or not 0 <= rank < ownership.cp_size:
+            raise ValueError(f"rank must be in [0, {ownership.cp_size}), got {rank!r}")
+        if not isinstance(phys_pages, int) or phys_pages < 1:
+            raise ValueError(f"phys_pages must be an int >= 1, got {phys_pages!r}")
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        self.ownership = ownership
+        self.rank = rank
+        self.page_size = ps = ownership.page_size
+        self.phys_pages = phys_pages
+        self.num_layers = num_layers
+        self.kv_format = kv_format
+        self.row_bytes = mla_row_bytes(kv_format)
+        self.with_indexer = with_indexer
+        self.device = torch.device(device)
+        self.trash_page = phys_pages
+        rows = (phys_pages + 1) * ps
+        self.latent = [torch.zeros(rows, self.row_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_layers)]
+        self.index = (
+            [torch.zeros(phys_pages + 1, ps * INDEX_TOKEN_BYTES, dtype=torch.uint8, device=self.device) for _ in range(num_layers)]
+            if with_indexer
+            else []
+        )
+
+    # -- byte accounting --
+    @property
+    def page_bytes_per_layer(self) -> int:
+        """Bytes one page occupies in one layer (latent + indexer)."""
+        return self.page_size * (self.row_bytes + (INDEX_TOKEN_BYTES if self.with_indexer else 0))
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_bytes_per_layer * self.num_layers
+
+    def bytes_for_pages(self, n_pages: int) -> int:
+        return n_pages * self.page_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Device bytes this rank's buffers hold, trash pages included."""
+        return (self.phys_pages + 1) * self.page_bytes
+
+    # -- views the read path and the transfer use --
+    def latent_pages(self, layer: int) -> torch.Tensor:
+        """``latent[layer]`` as ``[phys_pages + 1, ps * row_bytes]`` (a view)."""
+        return self.latent[layer].view(self.phys_pages + 1, self.page_size * self.row_bytes)
+
+    def index_k_view(self, layer: int) -> torch.Tensor:
+        """``[phys_pages + 1, ps, 128]`` uint8 view of the fp8 K part."""
+        return self.index[layer][:, : self.page_size * INDEX_HEAD_DIM].unflatten(1, (self.page_size, INDEX_HEAD_DIM))
+
+    def index_scale_view(self, layer: int) -> torch.Tensor:
+        """``[phys_pages + 1, ps]`` float32 view of the scale part."""
+        return self.index[layer][:, self.page_size * INDEX_HEAD_DIM :].view(torch.float32)
+
+    # -- write path --
+    def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
+        """Physical row for every loc: its row if owned here, else a row of the trash page."""
+        own = self.ownership
+        mine = own.loc_owner(locs) == self.rank
+        trash = self.trash_page * self.page_size + (locs & (self.page_size - 1))
+        rows = torch.where(mine, own.phys_row(locs), trash)
+        if debug_enabled():
+            self._check_owned_rows(locs, rows, mine)
+        return rows
+
+    def _check_owned_rows(self, locs: torch.Tensor, rows: torch.Tensor, mine: torch.Tensor) -> None:
+        limit = self.phys_pages * self.page_size
+        owned_rows = torch.where(mine, rows, torch.zeros_like(rows))
+        if bool((owned_rows >= limit).any()):
+            bad = int(locs[mine & (rows >= limit)][0])
+            raise ValueError(f"loc {bad} maps past this rank's {self.phys_pages} physical pages")
+        back = self.ownership.logical_loc(self.rank, owned_rows)
+        if not bool(torch.equal(torch.where(mine, back, locs), locs)):
+            raise AssertionError("stored row does not map back to its logical loc on its owner")
+
+    def set_latent(self, layer: int, locs: torch.Tensor, rows_u8: torch.Tensor) -> None:
+        """Store the owned rows of ``rows_u8 [T, row_bytes]`` (uint8) for ``locs [T]``."""
+        if rows_u8.dtype != torch.uint8 or rows_u8.shape != (locs.shape[0], self.row_bytes):
+            raise ValueError(f"rows_u8 must be uint8 [{locs.shape[0]}, {self.row_bytes}], got {rows_u8.dtype} {tuple(rows_u8.shape)}")
+        self.latent[layer].index_copy_(0, self.store_rows(locs), rows_u8)
+
+    def set_index(self, layer: int, locs: torch.Tensor, k_u8: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store the owned indexer K (``uint8 [T, 128]``) and scales (``float32 [T]``)."""
+        if not self.with_indexer:
+            raise ValueError("set_index called on a pool built with with_indexer=False")
+        if k_u8.dtype != torch.uint8 or k_u8.shape != (locs.shape[0], INDEX_HEAD_DIM):
+            raise ValueError(f"k_u8 must be uint8 [{locs.shape[0]}, {INDEX_HEAD_DIM}], got {k_u8.dtype} {tuple(k_u8.shape)}")
+        if scale.dtype != torch.float32 or scale.shape != (locs.shape[0],):
+            raise ValueError(f"scale must be float32 [{locs.shape[0]}], got {scale.dtype} {tuple(scale.shape)}")
+        rows = self.store_rows(locs)
+        page, offset = rows // self.page_size, rows & (self.page_size - 1)
+        self.index_k_view(layer)[page, offset] = k_u8
+        self.index_scale_view(layer)[page, offset] = scale
+
+    # -- read helpers (tests, transfer) --
+    def get_latent_rows(self, layer: int, locs: torch.Tensor) -> torch.Tensor:
+        """Rows of owned ``locs`` (the caller guarantees ownership)."""
+        return self.latent[layer][self.ownership.phys_row(locs)]
+
+    def get_index(self, layer: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.ownership.phys_row(locs)
+        page, offset = rows // self.page_size, rows & (self.page_size - 1)
+        return self.index_k_view(layer)[page, offset], self.index_scale_view(layer)[page, offset]

@@ -23,6 +23,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/test.txt" 2>&1 | grep -v "^WARNING: Location" || true
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/sglang.txt" 2>&1 | grep -v "^WARNING: Location" || true
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps sglang==0.5.23 2>&1 | grep -v "^WARNING: Location" || true
+  # torchvision 0.28.0 links CUDA torch; this import hook lets it (and so sglang) import on CPU torch.
+  "$VENV/bin/python" "$ROOT/scripts/torchvision_cpu_shim.py" --install
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT" 2>&1 | grep -v "^WARNING: Location" || true
   "$VENV/bin/python" -c "import torch, triton, mooncake.engine, sglang_cp_shared_kv" \
     || { echo "[setup] FAILED: the virtualenv is incomplete" >&2; exit 1; }

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 class RankFailure(RuntimeError):
@@ -49,7 +51,9 @@ def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, results, th
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory handles
+        # that die with this process.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including assertion failures
         results.put((rank, False, traceback.format_exc()))
 
@@ -121,4 +125,4 @@ def spawn_ranks(
         results.close()
     if failures:
         raise RankFailure("\n".join(failures))
-    return [got[r][1] for r in range(world_size)]
+    return [pickle.loads(got[r][1]) for r in range(world_size)]

@@ -49,7 +49,9 @@ def _to_e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
 def quantize_mla_fp8(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """``latent [T, 512]``, ``rope [T, 64]`` -> ``uint8 [T, 656]``."""
     if latent.shape[-1] != KV_LORA_RANK or rope.shape[-1] != ROPE_DIM:
-        raise ValueError(f"latent/rope must end in {KV_LORA_RANK}/{ROPE_DIM}, got {tuple(latent.shape)}/{tuple(rope.shape)}")
+        raise ValueError(
+            f"latent/rope must end in {KV_LORA_RANK}/{ROPE_DIM}, got {tuple(latent.shape)}/{tuple(rope.shape)}"
+        )
     t = latent.shape[0]
     tiles = latent.float().reshape(t, FP8_TILES, FP8_TILE)
     amax = tiles.abs().amax(dim=-1, keepdim=True)

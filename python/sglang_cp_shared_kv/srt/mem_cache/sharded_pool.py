@@ -52,9 +52,14 @@ class ShardedMLAPool:
         self.device = torch.device(device)
         self.trash_page = phys_pages
         rows = (phys_pages + 1) * ps
-        self.latent = [torch.zeros(rows, self.row_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_layers)]
+        self.latent = [
+            torch.zeros(rows, self.row_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_layers)
+        ]
         self.index = (
-            [torch.zeros(phys_pages + 1, ps * INDEX_TOKEN_BYTES, dtype=torch.uint8, device=self.device) for _ in range(num_layers)]
+            [
+                torch.zeros(phys_pages + 1, ps * INDEX_TOKEN_BYTES, dtype=torch.uint8, device=self.device)
+                for _ in range(num_layers)
+            ]
             if with_indexer
             else []
         )
@@ -114,7 +119,9 @@ class ShardedMLAPool:
     def set_latent(self, layer: int, locs: torch.Tensor, rows_u8: torch.Tensor) -> None:
         """Store the owned rows of ``rows_u8 [T, row_bytes]`` (uint8) for ``locs [T]``."""
         if rows_u8.dtype != torch.uint8 or rows_u8.shape != (locs.shape[0], self.row_bytes):
-            raise ValueError(f"rows_u8 must be uint8 [{locs.shape[0]}, {self.row_bytes}], got {rows_u8.dtype} {tuple(rows_u8.shape)}")
+            raise ValueError(
+                f"rows_u8 must be uint8 [{locs.shape[0]}, {self.row_bytes}], got {rows_u8.dtype} {tuple(rows_u8.shape)}"
+            )
         self.latent[layer].index_copy_(0, self.store_rows(locs), rows_u8)
 
     def set_index(self, layer: int, locs: torch.Tensor, k_u8: torch.Tensor, scale: torch.Tensor) -> None:
@@ -122,7 +129,9 @@ class ShardedMLAPool:
         if not self.with_indexer:
             raise ValueError("set_index called on a pool built with with_indexer=False")
         if k_u8.dtype != torch.uint8 or k_u8.shape != (locs.shape[0], INDEX_HEAD_DIM):
-            raise ValueError(f"k_u8 must be uint8 [{locs.shape[0]}, {INDEX_HEAD_DIM}], got {k_u8.dtype} {tuple(k_u8.shape)}")
+            raise ValueError(
+                f"k_u8 must be uint8 [{locs.shape[0]}, {INDEX_HEAD_DIM}], got {k_u8.dtype} {tuple(k_u8.shape)}"
+            )
         if scale.dtype != torch.float32 or scale.shape != (locs.shape[0],):
             raise ValueError(f"scale must be float32 [{locs.shape[0]}], got {scale.dtype} {tuple(scale.shape)}")
         rows = self.store_rows(locs)

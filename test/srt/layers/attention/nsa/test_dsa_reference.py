@@ -43,7 +43,7 @@ def test_read_index_k_and_positions_to_rows():
 @pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
 def test_sparse_mla_matches_loop(kv_format):
     torch.manual_seed(0)
-    t, h, k_sel, r = 3, 2, 5, 20
+    t, h, r = 3, 2, 20
     rows_u8 = encode_mla_rows(torch.randn(r, 512), torch.randn(r, 64), kv_format)
     q = torch.randn(t, h, 576).to(torch.bfloat16)
     idx = torch.tensor([[0, 3, 7, -1, 19], [-1, -1, -1, -1, -1], [4, 4, 2, 1, 0]])
@@ -70,13 +70,17 @@ def test_indexer_topk_matches_loop_and_breaks_ties_by_position():
     k = torch.randn(length, 128)
     k[6] = k[2]  # identical keys: equal scores, position 2 must come first
     k_u8, k_scale = quantize_index_k(k)
-    pages = _index_pages(torch.cat([k_u8, torch.zeros(1, 128, dtype=torch.uint8)]), torch.cat([k_scale, torch.ones(1)]), ps)
+    pages = _index_pages(
+        torch.cat([k_u8, torch.zeros(1, 128, dtype=torch.uint8)]), torch.cat([k_scale, torch.ones(1)]), ps
+    )
     table = torch.tensor([[0, 1, 2]])
     q_u8, q_scale = quantize_index_k(torch.randn(length * h, 128))
     q_u8, q_scale = q_u8.reshape(length, h, 128), q_scale.reshape(length, h)
     weights = torch.randn(length, h)
     q_pos = torch.arange(length)
-    got = indexer_topk(q_u8, q_scale, weights, torch.zeros(length, dtype=torch.long), q_pos, pages, table, [length], ps, topk)
+    got = indexer_topk(
+        q_u8, q_scale, weights, torch.zeros(length, dtype=torch.long), q_pos, pages, table, [length], ps, topk
+    )
     qf = q_u8.view(torch.float8_e4m3fn).double()
     kf = k_u8.view(torch.float8_e4m3fn).double()
     for t in range(length):

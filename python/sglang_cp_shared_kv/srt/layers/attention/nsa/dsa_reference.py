@@ -29,7 +29,9 @@ def read_index_k(index_pages: torch.Tensor, page_size: int, rows: torch.Tensor) 
     return k_part[page, offset], scale_part[page, offset]
 
 
-def positions_to_rows(positions: torch.Tensor, q_req: torch.Tensor, page_table: torch.Tensor, page_size: int) -> torch.Tensor:
+def positions_to_rows(
+    positions: torch.Tensor, q_req: torch.Tensor, page_table: torch.Tensor, page_size: int
+) -> torch.Tensor:
     """Token positions within each query's request -> rows through ``page_table``; -1 stays -1."""
     valid = positions >= 0
     pos = torch.where(valid, positions, torch.zeros_like(positions)).long()

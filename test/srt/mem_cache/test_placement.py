@@ -1,0 +1,90 @@
+"""Ownership arithmetic: a bijection whose owners partition every page set; clear errors on bad input."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+
+cp_sizes = st.sampled_from([1, 2, 3, 4, 8])
+page_sizes = st.sampled_from([1, 2, 16, 64])
+dtypes = st.sampled_from([torch.int32, torch.int64])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=cp_sizes, ps=page_sizes, dtype=dtypes, locs=st.lists(st.integers(0, 2**20), min_size=1, max_size=200))
+def test_loc_map_is_a_bijection(n, ps, dtype, locs):
+    own = PageOwnership(n, ps)
+    locs_t = torch.tensor(locs, dtype=dtype)
+    owner, row = own.loc_owner(locs_t), own.phys_row(locs_t)
+    assert owner.dtype == dtype and row.dtype == dtype
+    assert torch.equal(own.logical_loc(owner, row), locs_t)
+    # Injective: distinct locs never share (owner, row).
+    pairs = {(o, r) for o, r in zip(owner.tolist(), row.tolist())}
+    assert len(pairs) == len(set(locs))
+    # Formulas of the docstring.
+    lp = locs_t // ps
+    assert torch.equal(owner, lp % n)
+    assert torch.equal(row, (lp // n) * ps + locs_t % ps)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=cp_sizes, pages=st.sets(st.integers(0, 10_000), min_size=1, max_size=300))
+def test_owners_partition_every_page_set(n, pages):
+    own = PageOwnership(n, 16)
+    lp = torch.tensor(sorted(pages))
+    owner, phys = own.owner(lp), own.phys_page(lp)
+    parts = [set(lp[owner == r].tolist()) for r in range(n)]
+    assert set().union(*parts) == set(pages)
+    assert sum(len(p) for p in parts) == len(pages)
+    for r in range(n):
+        sel = owner == r
+        assert torch.equal(own.logical_page(r, phys[sel]), lp[sel])
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=cp_sizes, n_pages=st.integers(0, 100), first=st.integers(0, 7))
+def test_owned_page_count(n, n_pages, first):
+    own = PageOwnership(n, 16)
+    first %= n
+    owners = [(first + i) % n for i in range(n_pages)]
+    assert [own.owned_page_count(n_pages, first, r) for r in range(n)] == [owners.count(r) for r in range(n)]
+
+
+def test_int32_stays_int32_near_its_limit():
+    own = PageOwnership(8, 64)
+    locs = torch.tensor([2**31 - 1, 2**31 - 64], dtype=torch.int32)
+    assert torch.equal(own.logical_loc(own.loc_owner(locs), own.phys_row(locs)), locs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(cp_size=0, page_size=16), "cp_size"),
+        (dict(cp_size=2, page_size=24), "page_size"),
+        (dict(cp_size=2, page_size=0), "page_size"),
+        (dict(cp_size=2, page_size=16, logical_pages=-1), "logical_pages"),
+    ],
+)
+def test_bad_construction_names_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name) as exc:
+        PageOwnership(**kwargs)
+    assert "\n" not in str(exc.value)
+
+
+def test_bad_locs_rejected_in_debug_mode(monkeypatch):
+    own = PageOwnership(2, 16, logical_pages=4)
+    with pytest.raises(ValueError, match="locs must be int32 or int64"):
+        own.phys_row(torch.tensor([1.0]))
+    monkeypatch.setenv("SGLANG_DEBUG_CP_SHARED_KV", "0")
+    own.phys_row(torch.tensor([-1, 64]))  # not checked: checking would sync
+    monkeypatch.setenv("SGLANG_DEBUG_CP_SHARED_KV", "1")
+    with pytest.raises(ValueError, match=r"locs holds a negative value \(-1\)"):
+        own.phys_row(torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match=r"locs holds 64, out of range \[0, 64\)"):
+        own.loc_owner(torch.tensor([0, 64]))
+    with pytest.raises(ValueError, match="logical_pages holds 4"):
+        own.owner(torch.tensor([4]))
+    with pytest.raises(ValueError, match="owner must be in"):
+        own.logical_loc(2, torch.tensor([0]))

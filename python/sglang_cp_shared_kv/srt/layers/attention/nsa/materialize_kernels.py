@@ -1,0 +1,239 @@
+"""Triton kernels of the materialized read path, each beside its plain-torch reference.
+
+- ``gather_pages``: copy whole pages of a page-major pool buffer into a send block, in the
+  order a page-id vector gives (latent pages and indexer pages alike: one generic copy).
+- ``build_slot_table``: the page table handed to the kernels, in slot ids: position ``j`` of
+  request ``b`` gets ``slots[cu_pages[b] + j]``; positions past a request's pages get ``pad``.
+- ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
+  -> rows of a view, ``page_table[req, pos // ps] * ps + pos % ps``; -1 stays -1.
+
+Each wrapper runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1``
+(the tests); otherwise it runs the reference. ``use_triton`` forces either.
+None of them reads device data back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch on every platform we run
+    triton = None
+
+
+def interpreting() -> bool:
+    """Whether this module's kernels were built for the Triton interpreter.
+
+    ``triton.jit`` picks the interpreter when the module is imported with ``TRITON_INTERPRET=1``,
+    so that, not the environment at call time, decides whether CPU tensors can run the kernels.
+    """
+    return triton is not None and not isinstance(_gather_pages_kernel, triton.runtime.JITFunction)
+
+
+def triton_enabled(device: torch.device, use_triton: bool | None = None) -> bool:
+    """Whether a wrapper runs its Triton kernel for tensors on ``device``."""
+    runnable = triton is not None and (device.type == "cuda" or interpreting())
+    if use_triton is None:
+        return runnable
+    if use_triton and not runnable:
+        raise ValueError(
+            f"use_triton=True needs triton and a CUDA device, or TRITON_INTERPRET=1 at import, for {device} tensors"
+        )
+    return use_triton
+
+
+def _check_index(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# gather_pages
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[i] = src[page_ids[i]]`` for a page-major ``src [P, page_bytes]``."""
+    return (
+        torch.index_select(src, 0, page_ids.long(), out=out)
+        if out is not None
+        else src.index_select(0, page_ids.long())
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_pages_kernel(src, page_ids, out, words_per_page, src_stride, out_stride, BLOCK: tl.constexpr):
+        slot = tl.program_id(0)
+        block = tl.program_id(1)
+        page = tl.load(page_ids + slot).to(tl.int64)
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < words_per_page
+        words = tl.load(src + page * src_stride + offs, mask=mask)
+        tl.store(out + slot.to(tl.int64) * out_stride + offs, words, mask=mask)
+
+
+def _word_view(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a uint8 page buffer as int32 words when rows and base allow it (4x fewer lanes)."""
+    if t.dtype == torch.uint8 and t.shape[1] % 4 == 0 and t.stride(0) % 4 == 0 and t.data_ptr() % 4 == 0:
+        return t.view(torch.int32)
+    return t
+
+
+def gather_pages(
+    src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None, use_triton: bool | None = None
+) -> torch.Tensor:
+    """Copy ``src[page_ids[i]]`` into ``out[i]`` (``src`` and ``out`` ``[*, page_bytes]``, rows contiguous).
+
+    ``page_ids`` must hold valid page indices of ``src`` (the plan points padding at the trash page).
+    """
+    if src.dim() != 2 or src.stride(1) != 1:
+        raise ValueError(f"src must be 2-D with contiguous rows, got shape {tuple(src.shape)} strides {src.stride()}")
+    _check_index("page_ids", page_ids, 1)
+    if out is None:
+        out = torch.empty((page_ids.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
+    elif out.shape != (page_ids.shape[0], src.shape[1]) or out.dtype != src.dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"out must be {src.dtype} [{page_ids.shape[0]}, {src.shape[1]}] with contiguous rows, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    if page_ids.device != src.device or out.device != src.device:
+        raise ValueError(
+            f"src, page_ids and out must share a device, got {src.device}, {page_ids.device}, {out.device}"
+        )
+    if page_ids.shape[0] == 0:
+        return out
+    if not triton_enabled(src.device, use_triton):
+        return gather_pages_ref(src, page_ids, out)
+    s_words, o_words = _word_view(src), _word_view(out)
+    if s_words.dtype != o_words.dtype:
+        s_words, o_words = src, out
+    words = s_words.shape[1]
+    block = min(4096, triton.next_power_of_2(words))
+    grid = (page_ids.shape[0], triton.cdiv(words, block))
+    _gather_pages_kernel[grid](s_words, page_ids, o_words, words, s_words.stride(0), o_words.stride(0), BLOCK=block)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# build_slot_table (the page-table remap)
+# ---------------------------------------------------------------------------------------------
+
+
+def build_slot_table_ref(
+    slots: torch.Tensor, positions_flat: torch.Tensor, batch_size: int, max_pages: int, pad: int = 0
+) -> torch.Tensor:
+    """``table.view(-1)[positions_flat[i]] = slots[i]``; every other entry is ``pad``. int32 ``[B, max_pages]``."""
+    table = torch.full((batch_size * max_pages,), pad, dtype=torch.int32, device=slots.device)
+    table.index_copy_(0, positions_flat.long(), slots.to(torch.int32))
+    return table.view(batch_size, max_pages)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _slot_table_kernel(slots, cu_pages, out, max_pages, pad, BLOCK: tl.constexpr):
+        req = tl.program_id(0)
+        block = tl.program_id(1)
+        start = tl.load(cu_pages + req)
+        n_pages = tl.load(cu_pages + req + 1) - start
+        j = block * BLOCK + tl.arange(0, BLOCK)
+        inside = j < max_pages
+        mine = j < n_pages
+        slot = tl.load(slots + start + j, mask=mine, other=pad)
+        tl.store(out + req.to(tl.int64) * max_pages + j, slot.to(tl.int32), mask=inside)
+
+
+def build_slot_table(
+    slots: torch.Tensor,
+    cu_pages: torch.Tensor,
+    positions_flat: torch.Tensor,
+    batch_size: int,
+    max_pages: int,
+    pad: int = 0,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Scatter request-major ``slots [M]`` into an int32 page table ``[B, max_pages]``.
+
+    ``cu_pages [B + 1]`` (device) is the prefix sum of pages per request, ``positions_flat [M]``
+    the same layout as flat ``b * max_pages + j`` indices (the reference uses it; the kernel
+    reads ``cu_pages``). Both come from host-known lengths.
+    """
+    _check_index("slots", slots, 1)
+    _check_index("cu_pages", cu_pages, 1)
+    if cu_pages.shape[0] != batch_size + 1:
+        raise ValueError(f"cu_pages must have batch_size + 1 = {batch_size + 1} entries, got {cu_pages.shape[0]}")
+    if not triton_enabled(slots.device, use_triton) or batch_size == 0 or max_pages == 0:
+        return build_slot_table_ref(slots, positions_flat, batch_size, max_pages, pad)
+    out = torch.empty((batch_size, max_pages), dtype=torch.int32, device=slots.device)
+    block = min(1024, triton.next_power_of_2(max_pages))
+    grid = (batch_size, triton.cdiv(max_pages, block))
+    _slot_table_kernel[grid](slots, cu_pages, out, max_pages, pad, BLOCK=block)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# positions_to_view_rows (token-level remap of NSA top-k positions)
+# ---------------------------------------------------------------------------------------------
+
+
+def positions_to_view_rows_ref(
+    positions: torch.Tensor, q_req: torch.Tensor, page_table: torch.Tensor, page_size: int
+) -> torch.Tensor:
+    """``row = page_table[q_req, pos // ps] * ps + pos % ps`` (same dtype as ``positions``); -1 stays -1."""
+    pos = positions.long()
+    valid = pos >= 0
+    safe = torch.where(valid, pos, torch.zeros_like(pos))
+    req = q_req.long().view(-1, *([1] * (pos.dim() - 1))).expand_as(pos)
+    pages = page_table.long()[req, safe // page_size]
+    rows = pages * page_size + safe % page_size
+    return torch.where(valid, rows, torch.full_like(rows, -1)).to(positions.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _positions_to_rows_kernel(positions, q_req, page_table, out, k, pt_stride, page_size, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        block = tl.program_id(1)
+        offs = block * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < k
+        pos = tl.load(positions + t.to(tl.int64) * k + offs, mask=inside, other=-1).to(tl.int64)
+        valid = pos >= 0
+        safe = tl.where(valid, pos, 0)
+        req = tl.load(q_req + t).to(tl.int64)
+        page = tl.load(page_table + req * pt_stride + safe // page_size, mask=inside & valid, other=0).to(tl.int64)
+        rows = tl.where(valid, page * page_size + safe % page_size, -1)
+        tl.store(out + t.to(tl.int64) * k + offs, rows.to(out.dtype.element_ty), mask=inside)
+
+
+def positions_to_view_rows(
+    positions: torch.Tensor,
+    q_req: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Map ``positions [T, K]`` (token positions in request ``q_req[t]``, -1 padded) to view rows."""
+    _check_index("positions", positions, 2)
+    _check_index("q_req", q_req, 1)
+    _check_index("page_table", page_table, 2)
+    if q_req.shape[0] != positions.shape[0]:
+        raise ValueError(f"q_req must have one entry per query ({positions.shape[0]}), got {q_req.shape[0]}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if not triton_enabled(positions.device, use_triton) or positions.numel() == 0:
+        return positions_to_view_rows_ref(positions, q_req, page_table, page_size)
+    positions = positions.contiguous()
+    table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+    out = torch.empty_like(positions)
+    t, k = positions.shape
+    block = min(1024, triton.next_power_of_2(k))
+    grid = (t, triton.cdiv(k, block))
+    _positions_to_rows_kernel[grid](positions, q_req, table, out, k, table.stride(0), page_size, BLOCK=block)
+    return out

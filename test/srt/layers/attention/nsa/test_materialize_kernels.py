@@ -1,0 +1,151 @@
+"""Each Triton kernel of the read path equals its plain-torch reference (interpreter on CPU, or CUDA)."""
+
+import pytest
+import torch
+
+from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import positions_to_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    build_slot_table,
+    build_slot_table_ref,
+    gather_pages,
+    gather_pages_ref,
+    interpreting,
+    positions_to_view_rows,
+    positions_to_view_rows_ref,
+    triton_enabled,
+)
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(
+    not triton_enabled(DEVICE), reason="Triton kernels need CUDA or TRITON_INTERPRET=1 at import"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("page_bytes", "index_dtype"),
+    [
+        (16 * MLA_FP8_ROW_BYTES, torch.int64),
+        (16 * MLA_BF16_ROW_BYTES, torch.int32),
+        (16 * INDEX_TOKEN_BYTES, torch.int32),
+        (64 * INDEX_TOKEN_BYTES, torch.int64),
+        (2 * INDEX_TOKEN_BYTES, torch.int64),  # page bytes not a multiple of 16
+        (7, torch.int64),  # not even word-sized: the kernel copies bytes
+    ],
+)
+def test_gather_pages_equals_reference(page_bytes, index_dtype):
+    g = torch.Generator().manual_seed(page_bytes)
+    src = torch.randint(0, 256, (9, page_bytes), dtype=torch.uint8, generator=g).to(DEVICE)
+    ids = torch.tensor([8, 0, 3, 3, 8, 5], dtype=index_dtype, device=DEVICE)  # repeats and the last (trash) page
+    expected = gather_pages_ref(src, ids)
+    assert torch.equal(expected.cpu(), src.cpu()[ids.cpu()])
+    assert torch.equal(gather_pages(src, ids, use_triton=True), expected)
+    # Into rows of a larger buffer, as the send block is; neighbours stay untouched.
+    big = torch.full((len(ids) + 2, page_bytes), 17, dtype=torch.uint8, device=DEVICE)
+    gather_pages(src, ids, out=big[1:-1], use_triton=True)
+    assert torch.equal(big[1:-1], expected)
+    assert bool((big[0] == 17).all()) and bool((big[-1] == 17).all())
+
+
+@needs_triton
+def test_gather_pages_from_a_page_view_of_a_row_buffer():
+    """The pool's latent buffer is row-major; its page view is what the gather reads."""
+    ps, rb = 16, MLA_FP8_ROW_BYTES
+    rows = torch.randint(0, 256, (5 * ps, rb), dtype=torch.uint8, device=DEVICE)
+    pages = rows.view(5, ps * rb)
+    ids = torch.tensor([4, 2, 1], device=DEVICE)
+    out = gather_pages(pages, ids, use_triton=True)
+    assert torch.equal(out.view(3 * ps, rb), torch.cat([rows[p * ps : (p + 1) * ps] for p in (4, 2, 1)]))
+
+
+@needs_triton
+@pytest.mark.parametrize("pad", [0, -1])
+def test_build_slot_table_equals_reference(pad):
+    pages = [3, 0, 5, 1, 2]
+    max_pages = 7
+    cu = torch.tensor([0, 3, 3, 8, 9, 11], device=DEVICE)
+    slots = torch.randperm(40, device=DEVICE)[:11]
+    flat = torch.tensor([b * max_pages + j for b, p in enumerate(pages) for j in range(p)], device=DEVICE)
+    expected = build_slot_table_ref(slots, flat, len(pages), max_pages, pad)
+    got = build_slot_table(slots, cu, flat, len(pages), max_pages, pad=pad, use_triton=True)
+    assert got.dtype == torch.int32 and torch.equal(got, expected)
+    for b, p in enumerate(pages):
+        assert expected[b, :p].tolist() == slots[int(cu[b]) : int(cu[b]) + p].tolist()
+        assert expected[b, p:].tolist() == [pad] * (max_pages - p)
+
+
+@needs_triton
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("page_size", "k"), [(16, 5), (64, 33), (1, 8)])
+def test_positions_to_view_rows_equals_reference(pos_dtype, page_size, k):
+    g = torch.Generator().manual_seed(page_size * 100 + k)
+    batch, max_pages, t = 3, 4, 11
+    table = torch.randint(0, 50, (batch, max_pages), dtype=torch.int32, generator=g)
+    q_req = torch.randint(0, batch, (t,), generator=g)
+    positions = torch.randint(0, max_pages * page_size, (t, k), generator=g)
+    positions[torch.rand((t, k), generator=g) < 0.3] = -1
+    positions[0] = -1  # a query with no valid key
+    positions = positions.to(pos_dtype)
+    table, q_req, positions = table.to(DEVICE), q_req.to(DEVICE), positions.to(DEVICE)
+    expected = positions_to_view_rows_ref(positions, q_req, table, page_size)
+    assert expected.dtype == pos_dtype
+    assert torch.equal(expected.long(), positions_to_rows(positions, q_req, table, page_size))
+    got = positions_to_view_rows(positions, q_req, table, page_size, use_triton=True)
+    assert got.dtype == pos_dtype and torch.equal(got, expected)
+    assert bool((got[positions < 0] == -1).all())
+
+
+def test_wrappers_fall_back_to_reference_without_triton():
+    src = torch.arange(60, dtype=torch.uint8).view(6, 10)
+    ids = torch.tensor([5, 1])
+    assert torch.equal(gather_pages(src, ids, use_triton=False), src[ids])
+    pos = torch.tensor([[0, 17, -1]], dtype=torch.int32)
+    table = torch.tensor([[3, 9]], dtype=torch.int32)
+    rows = positions_to_view_rows(pos, torch.tensor([0]), table, 16, use_triton=False)
+    assert rows.tolist() == [[48, 145, -1]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or interpreting(), reason="Triton can run here")
+def test_forcing_triton_where_it_cannot_run_is_a_clear_error():
+    with pytest.raises(ValueError, match="use_triton=True"):
+        gather_pages(torch.zeros((2, 4), dtype=torch.uint8), torch.tensor([0]), use_triton=True)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: gather_pages(torch.zeros(4, dtype=torch.uint8), torch.tensor([0])), "src"),
+        (lambda: gather_pages(torch.zeros((2, 4), dtype=torch.uint8), torch.tensor([0.0])), "page_ids"),
+        (
+            lambda: gather_pages(
+                torch.zeros((2, 4), dtype=torch.uint8), torch.tensor([0]), out=torch.zeros((2, 4), dtype=torch.uint8)
+            ),
+            "out",
+        ),
+        (
+            lambda: positions_to_view_rows(
+                torch.zeros((2, 3), dtype=torch.int32), torch.zeros(3, dtype=torch.int64), torch.zeros((1, 1)), 16
+            ),
+            "page_table",
+        ),
+        (
+            lambda: positions_to_view_rows(
+                torch.zeros((2, 3), dtype=torch.int32),
+                torch.zeros(3, dtype=torch.int64),
+                torch.zeros((1, 1), dtype=torch.int32),
+                16,
+            ),
+            "q_req",
+        ),
+        (
+            lambda: build_slot_table(
+                torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(2), 3, 2
+            ),
+            "cu_pages",
+        ),
+    ],
+)
+def test_bad_input_is_rejected(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

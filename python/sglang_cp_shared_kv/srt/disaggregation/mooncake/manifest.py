@@ -1,0 +1,115 @@
+"""The decode side's check that N sender manifests rebuild a request exactly.
+
+Each prefill CP rank reports, after its write, the request's full page table
+(logical page at every position, identical on every rank) and the positions it
+sent. A request is complete only when:
+
+- every rank ``0 .. N-1`` reported once, all with the same page table of ``n_pages``
+  distinct logical pages;
+- every reported position is in ``0 .. n_pages-1`` and reported once overall;
+- rank ``r`` reported exactly the positions whose logical page it owns
+  (``page_table[p] % N == r``): a position claimed by a non-owner, or an owned
+  position left out, is an error. With every rank in, the positions are therefore
+  exactly ``0 .. n_pages-1``;
+- the byte count each rank reports matches its page count.
+
+Rank ``r`` is the rank of the connection the manifest arrived on (checked by the
+receiver), so the owner check compares the page table against who actually wrote.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sglang_cp_shared_kv.srt.disaggregation.mooncake.control_messages import Manifest
+
+
+class ManifestError(ValueError):
+    """A manifest contradicts the request: the request must fail."""
+
+
+class ManifestCollector:
+    """Collects the manifests of one request from ``cp_size`` senders."""
+
+    def __init__(self, request_id: str, n_pages: int, cp_size: int, page_bytes: int):
+        if not isinstance(n_pages, int) or n_pages < 0:
+            raise ValueError(f"n_pages must be an int >= 0, got {n_pages!r}")
+        if not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+        self.request_id = request_id
+        self.n_pages = n_pages
+        self.cp_size = cp_size
+        self.page_bytes = page_bytes
+        self.page_table: np.ndarray | None = None
+        self.reported_by: dict[int, int] = {}  # rank -> pages reported
+        self._covered = np.zeros(n_pages, dtype=bool)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.reported_by) == self.cp_size
+
+    def add(self, m: Manifest) -> bool:
+        """Check ``m`` against the request and record it; return True once all ranks are in.
+
+        Raises ``ManifestError`` (and records nothing) if ``m`` is wrong.
+        """
+        rank, rid = m.rank, self.request_id
+        if m.request_id != rid:
+            raise ManifestError(f"manifest for {m.request_id!r} given to request {rid!r}")
+        if not 0 <= rank < self.cp_size:
+            raise ManifestError(f"request {rid}: manifest rank {rank} out of range [0, {self.cp_size})")
+        if rank in self.reported_by:
+            raise ManifestError(f"request {rid}: rank {rank} sent a second manifest")
+        table = np.asarray(m.page_table, dtype=np.int64)
+        if table.shape[0] != self.n_pages:
+            raise ManifestError(
+                f"request {rid}: rank {rank}'s page table has {table.shape[0]} pages, expected {self.n_pages}"
+            )
+        if self.page_table is None:
+            if np.unique(table).shape[0] != table.shape[0]:
+                raise ManifestError(f"request {rid}: rank {rank}'s page table lists a logical page twice")
+        elif not np.array_equal(table, self.page_table):
+            p = int(np.nonzero(table != self.page_table)[0][0])
+            raise ManifestError(
+                f"request {rid}: rank {rank}'s page table differs from the other ranks' at position {p}"
+            )
+
+        pos = np.asarray(m.positions, dtype=np.int64)
+        if pos.size and int(pos.max()) >= self.n_pages:
+            raise ManifestError(
+                f"request {rid}: rank {rank} reported position {int(pos.max())}, out of range [0, {self.n_pages})"
+            )
+        uniq, counts = np.unique(pos, return_counts=True)
+        if uniq.size != pos.size:
+            raise ManifestError(f"request {rid}: rank {rank} reported position {int(uniq[counts > 1][0])} twice")
+        if self._covered[pos].any():
+            raise ManifestError(
+                f"request {rid}: position {int(pos[self._covered[pos]][0])} was already reported by another rank"
+            )
+        owners = table % self.cp_size
+        foreign = pos[owners[pos] != rank]
+        if foreign.size:
+            p = int(foreign[0])
+            raise ManifestError(
+                f"request {rid}: rank {rank} claimed position {p}, whose logical page {int(table[p])} is owned by rank {int(owners[p])}"
+            )
+        owned = np.nonzero(owners == rank)[0]
+        if owned.size != pos.size:
+            missing = np.setdiff1d(owned, pos)[:8].tolist()
+            raise ManifestError(f"request {rid}: rank {rank} did not report positions {missing} that it owns")
+        if m.nbytes != pos.size * self.page_bytes:
+            raise ManifestError(
+                f"request {rid}: rank {rank} reports {m.nbytes} bytes for {pos.size} pages, expected {pos.size * self.page_bytes}"
+            )
+
+        if self.page_table is None:
+            self.page_table = table
+        self._covered[pos] = True
+        self.reported_by[rank] = int(pos.size)
+        if (
+            self.complete and not self._covered.all()
+        ):  # cannot happen after the checks above; never mark ready if it does
+            raise ManifestError(
+                f"request {rid}: positions {np.nonzero(~self._covered)[0][:8].tolist()} were never reported"
+            )
+        return self.complete

@@ -76,7 +76,9 @@ def host_sync_findings(source: str) -> list[str]:
                     isinstance(part, ast.UnaryOp) and isinstance(part.op, ast.Invert)
                 )
                 is_mask |= (
-                    isinstance(part, ast.Call) and isinstance(part.func, ast.Attribute) and part.func.attr in MASK_METHODS
+                    isinstance(part, ast.Call)
+                    and isinstance(part.func, ast.Attribute)
+                    and part.func.attr in MASK_METHODS
                 )
                 if is_mask:
                     found.append(f"{node.lineno}: boolean-mask indexing")

@@ -1,0 +1,231 @@
+"""Per-batch materialized read path over a sharded MLA/NSA pool.
+
+The stock indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool
+this module gives them one, per forward batch:
+
+1. ``begin_batch`` plans once (``slot_plan``): every page position of the batch gets a slot of
+   an owner-major view of ``N * S`` pages. A batch in which no request has a prefix uses
+   current-reuse instead and plans nothing.
+2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, into its
+   send block (Triton ``gather_pages``; padding slots read the trash page), and the CP group
+   all-gathers the blocks into the dense latent and indexer views. The page table handed to the
+   kernels is the plan's slot table; NSA top-k positions map to view rows through
+   ``LayerView.rows``.
+
+Nothing here reads device data back to the host: sizes come from host lengths. The layer's
+current-chunk rows must be in the pool before its ``layer_view`` (the write path stores them),
+and a view stays valid until the next ``layer_view`` call (the buffers are reused).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import (
+    batch_kind,
+    check_current_chunk,
+    compact_row_table,
+)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages, positions_to_view_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotPlan, build_slot_plan, pages_for_lens
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
+from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
+
+
+@dataclass
+class BatchCounters:
+    """What one forward batch cost this rank's read path, summed over the layers it served.
+
+    - ``kind``: ``current`` (no request has a prefix), ``history`` (all have) or ``mixed``.
+    - ``layers``: layer views served.
+    - ``current_reuse_hits``: layer views served from the current chunk (nothing moved).
+    - ``view_pages``: pages of the dense view, ``N * S`` (0 under current-reuse).
+    - ``pages_gathered``: pages this rank copied from its pool into its send block: ``S`` per
+      materialized layer, padding slots included (a slot's latent and indexer page count once).
+    - ``bytes_materialized``: bytes written into this rank's dense views, its own block included:
+      ``N * S * ps * (row_bytes + 132)`` per materialized layer (``row_bytes`` alone without an
+      indexer). Every rank of the group materializes the same amount.
+    - ``bytes_received``: the part of ``bytes_materialized`` that came from other ranks,
+      ``(N - 1) / N`` of it.
+    """
+
+    kind: str
+    layers: int = 0
+    current_reuse_hits: int = 0
+    view_pages: int = 0
+    pages_gathered: int = 0
+    bytes_materialized: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class LayerView:
+    """What the indexer and MLA kernels read for one layer.
+
+    ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages`` uint8 ``[P, page_size * 132]`` (``None``
+    without an indexer); ``page_table`` int32 ``[B, max_pages]`` into both (a token at position
+    ``p`` of request ``b`` is row ``page_table[b, p // page_size] * page_size + p % page_size``).
+    """
+
+    kv_rows: torch.Tensor
+    index_pages: torch.Tensor | None
+    page_table: torch.Tensor
+    page_size: int
+    use_triton: bool | None = field(default=None, repr=False)
+
+    def rows(self, positions: torch.Tensor, q_req: torch.Tensor) -> torch.Tensor:
+        """Token positions (top-k output, -1 padded) of request ``q_req[t]`` -> rows of ``kv_rows``."""
+        return positions_to_view_rows(positions, q_req, self.page_table, self.page_size, use_triton=self.use_triton)
+
+
+def pool_view(pool: ShardedMLAPool, layer: int, page_table: torch.Tensor, use_triton: bool | None = None) -> LayerView:
+    """The view of a replicated pool: its buffers as they are, the logical page table as it is."""
+    if pool.ownership.cp_size != 1:
+        raise ValueError(f"pool_view needs a replicated pool (cp_size 1), got {pool.ownership}")
+    index = pool.index[layer] if pool.with_indexer else None
+    return LayerView(pool.latent[layer], index, page_table, pool.page_size, use_triton)
+
+
+class ViewMaterializer:
+    """Builds, per batch and layer, the dense view a sharded pool's kernels read.
+
+    ``group`` is the CP group whose ranks own the pool's pages (``None`` only for a single-rank
+    pool). With ``current_reuse`` a batch without prefixes reads its current chunk instead.
+    """
+
+    def __init__(
+        self,
+        pool: ShardedMLAPool,
+        group: CPGroup | None = None,
+        *,
+        current_reuse: bool = True,
+        use_triton: bool | None = None,
+    ):
+        n = pool.ownership.cp_size
+        if group is None and n != 1:
+            raise ValueError(f"group is required for a pool sharded over {n} ranks")
+        if group is not None and (group.size != n or group.rank != pool.rank):
+            raise ValueError(
+                f"group (rank {group.rank} of {group.size}) does not match the pool (rank {pool.rank} of {n})"
+            )
+        self.pool = pool
+        self.group = group
+        self.current_reuse = current_reuse
+        self.use_triton = use_triton
+        self.plan: SlotPlan | None = None
+        self.counters: BatchCounters | None = None
+        self._compact_table: torch.Tensor | None = None
+        self._num_tokens = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def reusing_current(self) -> bool:
+        """Whether the batch in progress reads its current chunk instead of a materialized view."""
+        return self._compact_table is not None
+
+    def begin_batch(
+        self, page_table: torch.Tensor, seq_lens: Sequence[int], prefix_lens: Sequence[int]
+    ) -> BatchCounters:
+        """Start a forward batch: its real page table (logical pages) and host lengths.
+
+        ``seq_lens[b]`` = prefix + tokens computed now for request ``b``; ``prefix_lens[b]`` = tokens
+        it reads from earlier batches (cached prefix or earlier chunks). Returns the batch's
+        counters, which ``layer_view`` keeps up to date.
+        """
+        seq_lens = [int(n) for n in seq_lens]
+        prefix_lens = [int(n) for n in prefix_lens]
+        if len(seq_lens) != len(prefix_lens) or len(seq_lens) != page_table.shape[0]:
+            raise ValueError(
+                f"seq_lens ({len(seq_lens)}), prefix_lens ({len(prefix_lens)}) and page_table rows "
+                f"({page_table.shape[0]}) must agree"
+            )
+        if any(not 0 <= p <= n for p, n in zip(prefix_lens, seq_lens)):
+            raise ValueError(f"prefix_lens must lie in [0, seq_len], got {prefix_lens} for seq_lens {seq_lens}")
+        kind = batch_kind(prefix_lens)
+        self.counters = BatchCounters(kind=kind)
+        self._num_tokens = sum(seq_lens) - sum(prefix_lens)
+        if self.current_reuse and kind == "current":
+            self.plan = None
+            self._compact_table = compact_row_table(seq_lens, page_table.device)
+            return self.counters
+        pool = self.pool
+        self._compact_table = None
+        self.plan = build_slot_plan(
+            page_table,
+            pages_for_lens(seq_lens, pool.page_size),
+            pool.ownership.cp_size,
+            pool.page_size,
+            pool.trash_page,
+            use_triton=self.use_triton,
+        )
+        if debug_enabled():
+            check_plan(self.plan, self.group)
+        self._allocate(self.plan)
+        return self.counters
+
+    def _allocate(self, plan: SlotPlan) -> None:
+        pool, s, n = self.pool, plan.slots_per_rank, plan.cp_size
+        widths = {"latent": pool.page_size * pool.row_bytes}
+        if pool.with_indexer:
+            widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
+        self._buffers = {}
+        for name, width in widths.items():
+            send = torch.empty((s, width), dtype=torch.uint8, device=pool.device)
+            self._buffers[f"send_{name}"] = send
+            self._buffers[f"view_{name}"] = (
+                send if self.group is None else torch.empty((n * s, width), dtype=torch.uint8, device=pool.device)
+            )
+
+    def layer_view(
+        self,
+        layer: int,
+        current_kv_rows: torch.Tensor | None = None,
+        current_index_records: torch.Tensor | None = None,
+    ) -> LayerView:
+        """The view of ``layer`` for the batch in progress.
+
+        Under current-reuse the caller passes the chunk it just wrote to the pool:
+        ``current_kv_rows`` uint8 ``[T, row_bytes]`` and ``current_index_records`` uint8 ``[T, 132]``
+        (``pack_index_records``), request-major; a materialized batch ignores them.
+        """
+        if self.counters is None:
+            raise ValueError("layer_view called before begin_batch")
+        pool = self.pool
+        if not 0 <= layer < pool.num_layers:
+            raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
+        counters = self.counters
+        if self._compact_table is not None:
+            check_current_chunk(
+                current_kv_rows, current_index_records, self._num_tokens, pool.row_bytes, pool.with_indexer
+            )
+            counters.layers += 1
+            counters.current_reuse_hits += 1
+            index = current_index_records if pool.with_indexer else None
+            return LayerView(current_kv_rows, index, self._compact_table, 1, self.use_triton)
+
+        plan = self.plan
+        send_pages = plan.send_pages(pool.rank)
+        sources = {"latent": pool.latent_pages(layer)}
+        if pool.with_indexer:
+            sources["index"] = pool.index[layer]
+        views = {}
+        for name, src in sources.items():
+            send = gather_pages(src, send_pages, out=self._buffers[f"send_{name}"], use_triton=self.use_triton)
+            view = self._buffers[f"view_{name}"]
+            if self.group is not None:
+                self.group.all_gather_into(view, send)
+            views[name] = view
+        page_bytes = pool.page_bytes_per_layer
+        counters.layers += 1
+        counters.view_pages = plan.view_pages
+        counters.pages_gathered += plan.slots_per_rank
+        counters.bytes_materialized += plan.view_pages * page_bytes
+        counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
+        kv_rows = views["latent"].view(plan.view_pages * pool.page_size, pool.row_bytes)
+        return LayerView(kv_rows, views.get("index"), plan.slot_table, pool.page_size, self.use_triton)

@@ -1,0 +1,23 @@
+"""SGLang general-plugin entry point (group ``sglang.srt.plugins``, name ``cp_shared_kv``).
+
+``load()`` runs once per SGLang process (launcher, schedulers, detokenizer,
+DP controller) before ``HookRegistry.apply_hooks()``. It only registers
+hooks; every hook is a pass-through unless ``--enable-cp-shared-kv`` is on,
+so with the flag off SGLang behaves exactly as stock.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def load() -> None:
+    from sglang_cp_shared_kv.srt import server_args_hook, startup_checks
+    from sglang_cp_shared_kv.srt.sglang_wiring import register as register_wiring
+
+    server_args_hook.register()
+    startup_checks.register()
+    register_wiring()
+    logger.debug("sglang-cp-shared-kv plugin hooks registered")

@@ -1,0 +1,172 @@
+"""``--enable-cp-shared-kv`` through SGLang 0.5.23's real launcher, parser, YAML config and process spawn.
+
+Everything that imports sglang runs in subprocesses: the plugin's hooks
+cannot be undone in-process, and pytest's own process must stay stock.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 1024,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+}
+_ENV = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv", "PYTHONWARNINGS": "ignore"}
+
+
+def _child_reads_flag(server_args, queue) -> None:
+    """Runs in a spawned child: the record arrives pickled, as SGLang sends it to schedulers."""
+    queue.put((type(server_args).__name__, getattr(server_args, "enable_cp_shared_kv", "missing")))
+
+
+def _worker(model_dir: str, yaml_dir: str) -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    base = ["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
+    out = {}
+    out["parsed_on"] = getattr(prepare_server_args(base + ["--enable-cp-shared-kv"]), "enable_cp_shared_kv", "missing")
+    out["parsed_off"] = getattr(prepare_server_args(base), "enable_cp_shared_kv", "missing")
+    for name in ("on", "off"):
+        out[f"yaml_{name}"] = getattr(
+            prepare_server_args(["--config", os.path.join(yaml_dir, f"{name}.yaml")]), "enable_cp_shared_kv", "missing"
+        )
+
+    # Pickled into a spawned process, the way SGLang hands server args to its schedulers.
+    server_args = prepare_server_args(base + ["--enable-cp-shared-kv"])
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_reads_flag, args=(server_args, queue))
+    child.start()
+    out["spawned_child"] = list(queue.get(timeout=120))
+    child.join(timeout=60)
+    out["child_exit"] = child.exitcode
+
+    # ServerArgs' own __reduce__ keeps it on a round trip, unresolved and resolved.
+    import pickle
+
+    out["pickle_roundtrip"] = pickle.loads(pickle.dumps(server_args)).enable_cp_shared_kv
+    out["is_server_args"] = isinstance(server_args, ServerArgs)
+    print("RESULT:" + json.dumps(out))
+
+
+def _resolved_dict_worker(model_dir: str) -> None:
+    """Resolve a flag-off configuration and dump the resolved values (run with and without the plugin)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = [
+        "--model-path",
+        model_dir,
+        "--device",
+        "cpu",
+        "--skip-tokenizer-init",
+        "--enable-prefill-cp",
+        "--cp-strategy",
+        "interleave",
+        "--attn-cp-size",
+        "2",
+        "--tp-size",
+        "2",
+        "--random-seed",
+        "0",
+    ]
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    resolved = {k: repr(v) for k, v in server_args.resolved_dict().items()}
+    print("RESULT:" + json.dumps({"resolved": resolved, "hooked_targets": sorted(HookRegistry._patched)}))
+
+
+def _run(*args: str, env: dict | None = None) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, timeout=240, env=env or _ENV
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
+    assert proc.returncode == 0 and line, (
+        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(line[-1][len("RESULT:") :])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("llama")
+    (root / "config.json").write_text(json.dumps(LLAMA))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def worker_results(model_dir, tmp_path_factory) -> dict:
+    yaml_dir = tmp_path_factory.mktemp("yaml")
+    for name, value in (("on", "true"), ("off", "false")):
+        (yaml_dir / f"{name}.yaml").write_text(
+            f"model-path: {model_dir}\ndevice: cpu\nskip-tokenizer-init: true\nenable-cp-shared-kv: {value}\n"
+        )
+    return _run("worker", model_dir, str(yaml_dir))
+
+
+def test_launch_server_help_lists_the_flag():
+    """``python -m sglang.launch_server --help`` loads plugins before building its parser."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=240, env=_ENV
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--enable-cp-shared-kv" in proc.stdout
+    assert "prefill context-parallel ranks" in proc.stdout  # our help text, not a stray match
+
+
+def test_parse_with_and_without_flag(worker_results):
+    assert worker_results["parsed_on"] is True
+    assert worker_results["parsed_off"] is False
+    assert worker_results["is_server_args"] is True
+
+
+def test_yaml_config(worker_results):
+    assert worker_results["yaml_on"] is True
+    assert worker_results["yaml_off"] is False
+
+
+def test_survives_pickling_into_spawned_child(worker_results):
+    assert worker_results["spawned_child"] == ["ServerArgs", True]
+    assert worker_results["child_exit"] == 0
+    assert worker_results["pickle_roundtrip"] is True
+
+
+def test_flag_off_resolves_exactly_as_stock(model_dir):
+    """The same flag-off configuration resolves to the same values with the plugin loaded and without it."""
+    with_plugin = _run("resolved", model_dir)
+    stock = _run("resolved", model_dir, env={**_ENV, "SGLANG_PLUGINS": "no-such-plugin"})
+    assert stock["hooked_targets"] == []
+    assert "sglang.srt.server_args.ServerArgs.add_cli_args" in with_plugin["hooked_targets"]
+    assert with_plugin["resolved"] == stock["resolved"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        _worker(sys.argv[2], sys.argv[3])
+    else:
+        _resolved_dict_worker(sys.argv[2])

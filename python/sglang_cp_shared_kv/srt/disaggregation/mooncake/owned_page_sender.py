@@ -218,6 +218,11 @@ class OwnedPageSender(ControlLoop):
             self._dst.pop(request_id, None)
             return req.result
 
+    def destination_pages(self, request_id: str) -> tuple[int, ...] | None:
+        """The decode pages announced for ``request_id`` (position ``p`` goes to ``[p]``), or None yet."""
+        with self._lock:
+            return self._dst.get(request_id)
+
     @property
     def decode_lost(self) -> str | None:
         """Why the decode side is gone, or None while it is connected."""

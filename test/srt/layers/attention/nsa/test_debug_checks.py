@@ -1,0 +1,105 @@
+"""Debug mode (``SGLANG_DEBUG_CP_SHARED_KV=1``) catches broken plans with one clear error; off, it costs nothing."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
+from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import (
+    CPSharedKVDebugError,
+    check_plan,
+    check_plan_local,
+    plan_digest,
+)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
+
+PS = 16
+# Two requests, pages cycling through owners as the balanced allocator hands them out.
+PAGES = [[0, 1, 2], [3, 4, 5, 6, 7]]
+
+
+def _table(pages):
+    table = torch.zeros((len(pages), max(map(len, pages))), dtype=torch.int32)
+    for b, p in enumerate(pages):
+        table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    return table
+
+
+def _plan(pages, n=2):
+    return build_slot_plan(_table(pages), [len(p) for p in pages], n, PS, trash_page=99, use_triton=False)
+
+
+def test_valid_plan_passes():
+    plan = _plan(PAGES)
+    check_plan_local(plan)
+    check_plan(plan, None)
+    assert plan_digest(plan) == plan_digest(_plan(PAGES))
+    assert plan_digest(plan) != plan_digest(_plan([[0, 1, 2], [3, 4, 5, 6, 9]]))
+
+
+def test_unbalanced_pages_overflow_a_block():
+    # Every page lives on owner 0 (not what the balanced allocator does): S = ceil(3/2) + ceil(1/2) = 3,
+    # but owner 0 holds all 4 positions.
+    plan = _plan([[0, 2, 4], [6]])
+    with pytest.raises(CPSharedKVDebugError, match=r"slot overflow: owner 0 holds 4 .* S=3"):
+        check_plan_local(plan)
+
+
+@pytest.mark.parametrize("field", ["slot_table", "slot_phys", "slots"])
+def test_corrupted_plan_is_inconsistent(field):
+    plan = _plan(PAGES)
+    broken = getattr(plan, field).clone()
+    broken[[0, 1]] = broken[[1, 0]]
+    with pytest.raises(CPSharedKVDebugError, match="slot plan is inconsistent"):
+        check_plan_local(dataclasses.replace(plan, **{field: broken}))
+
+
+def _rank_corrupt(rank, world_size, debug):
+    """Every rank runs the same batch except rank 1, whose page table differs (same owner, other page)."""
+    os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1" if debug else "0"
+    pool = ShardedMLAPool(PageOwnership(world_size, PS), rank, 8, 1, "fp8")
+    mat = ViewMaterializer(pool, CPGroup(), use_triton=False)
+    pages = [list(p) for p in PAGES]
+    if rank == 1:
+        pages[1][4] += 2 * world_size  # locally consistent, different from the peers
+    try:
+        mat.begin_batch(_table(pages), [PS * len(p) for p in pages], [PS] * len(pages))
+        mat.layer_view(0)
+    except CPSharedKVDebugError as e:
+        return str(e)
+    return None
+
+
+def _rank_broken_plan(rank, world_size):
+    """Rank 1's slot table is scrambled after planning; its own check fails, and every rank hears of it."""
+    plan = _plan(PAGES, world_size)
+    if rank == 1:
+        plan = dataclasses.replace(plan, slot_table=plan.slot_table.flip(1).contiguous())
+    try:
+        check_plan(plan, CPGroup())
+    except CPSharedKVDebugError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+def test_debug_mode_catches_a_rank_with_a_different_plan():
+    errors = spawn_ranks(_rank_corrupt, 3, True)
+    assert all(e is not None and "slot plan differs across CP ranks: rank(s) [1] disagree" in e for e in errors), errors
+
+
+@pytest.mark.multirank
+def test_debug_mode_catches_a_rank_with_a_broken_plan():
+    errors = spawn_ranks(_rank_broken_plan, 2)
+    assert all(e is not None and e.startswith("rank 1: slot plan is inconsistent") for e in errors), errors
+
+
+@pytest.mark.multirank
+def test_checks_are_off_by_default():
+    assert spawn_ranks(_rank_corrupt, 2, False) == [None, None]

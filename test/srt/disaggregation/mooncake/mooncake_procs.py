@@ -334,6 +334,11 @@ def sender_finish(state, request_ids, timeout_s: float = 60.0) -> dict:
     return out
 
 
+def sender_finish_after_submit(state, request_ids) -> dict:
+    sender_submit(state, request_ids, "transferring")
+    return sender_finish(state, request_ids)
+
+
 def sender_close(state) -> None:
     state["sender"].close()
     for key in ("sender", "pool", "tables", "alloc", "case"):

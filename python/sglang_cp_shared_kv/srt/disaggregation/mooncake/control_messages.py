@@ -245,7 +245,7 @@ def _build(cls, body: dict) -> ControlMessage:
 def decode(data: bytes) -> ControlMessage:
     """Parse and validate one message; raise ``ControlMessageError`` if anything is off."""
     try:
-        obj = json.loads(data)
+        obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ControlMessageError(f"control message is not valid JSON: {e}") from None
     if not isinstance(obj, dict):

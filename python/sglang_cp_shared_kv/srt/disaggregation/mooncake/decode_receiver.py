@@ -285,10 +285,11 @@ class DecodeReceiver(ControlLoop):
 
     # ------------------------------------------------------------------ handlers (loop thread, lock held)
     def _on_hello(self, conn: FramedConnection, msg: cm.Hello) -> None:
+        if conn.context is not None:  # the connection keeps its rank; a protocol slip, not a refusal
+            self._reject(conn, "second hello on one connection")
+            return
         problem = None
-        if conn.context is not None:
-            problem = "second hello on one connection"
-        elif msg.cp_size != self.cp_size:
+        if msg.cp_size != self.cp_size:
             problem = f"cp_size {msg.cp_size} does not match the {self.cp_size} senders this receiver expects"
         elif msg.rank in self._peers:
             problem = f"rank {msg.rank} is already connected"

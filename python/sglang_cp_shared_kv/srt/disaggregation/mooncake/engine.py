@@ -30,6 +30,10 @@ _ENGINE_DEFAULT_TIMEOUT_S = 30.0
 class TransferError(RuntimeError):
     """A batch write to a peer failed (peer dead, frozen past the timeout, or out-of-range address)."""
 
+    def __init__(self, message: str, calls: int = 0):
+        super().__init__(message)
+        self.calls = calls  # calls made, the failed one included
+
 
 def transfer_timeout_s() -> float:
     """The engine's transfer timeout as it will apply it: ``MC_TRANSFER_TIMEOUT``, at least 5 s."""
@@ -117,7 +121,9 @@ class MooncakeEngine:
         calls = 0
         for start in range(0, src.shape[0], step):
             if should_continue is not None and not should_continue():
-                raise TransferError(f"write to {peer_session_id} stopped after {calls} calls: request no longer live")
+                raise TransferError(
+                    f"write to {peer_session_id} stopped after {calls} calls: request no longer live", calls
+                )
             end = start + step
             rc = self._engine.batch_transfer_sync_write(
                 peer_session_id, src[start:end].tolist(), dst[start:end].tolist(), lengths[start:end].tolist()
@@ -126,7 +132,8 @@ class MooncakeEngine:
             if rc != 0:
                 raise TransferError(
                     f"batch_transfer_sync_write to {peer_session_id} returned {rc} on call {calls} "
-                    f"(entries {start}..{min(end, src.shape[0]) - 1})"
+                    f"(entries {start}..{min(end, src.shape[0]) - 1})",
+                    calls,
                 )
         return calls
 

@@ -24,6 +24,9 @@ silent for ``timeout_s``, destination pages or a verdict not arriving within
 ``timeout_s``, or a failed verdict. Other requests and the engine stay usable.
 Freeing the request's prefill pages is the caller's job (every CP rank must free
 the same pages in the same order: agree on the state first, e.g. an all-reduce MIN).
+A request can turn FAILED while its write still has one call in flight; that call
+only reads the source pages, and the decode side keeps the destination pages until
+this rank reports that it stopped (or its connection is gone), so freeing at once is safe.
 """
 
 from __future__ import annotations
@@ -216,7 +219,7 @@ class OwnedPageSender(ControlLoop):
                 raise ValueError(f"request {request_id!r} is still {req.result.state.name}")
             del self._requests[request_id]
             self._dst.pop(request_id, None)
-            return req.result
+            return SendResult(**vars(req.result))
 
     def destination_pages(self, request_id: str) -> tuple[int, ...] | None:
         """The decode pages announced for ``request_id`` (position ``p`` goes to ``[p]``), or None yet."""
@@ -450,7 +453,7 @@ class OwnedPageSender(ControlLoop):
                 peer, src, dst, lengths, lambda: req.result.state == TransferState.TRANSFERRING
             )
         except TransferError as e:
-            error = str(e)
+            error, res.calls = str(e), e.calls
         res.write_s = time.monotonic() - t0
         manifest = None
         with self._lock:

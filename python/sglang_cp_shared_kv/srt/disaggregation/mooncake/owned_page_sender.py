@@ -24,6 +24,10 @@ silent for ``timeout_s``, destination pages or a verdict not arriving within
 ``timeout_s``, or a failed verdict. Other requests and the engine stay usable.
 Freeing the request's prefill pages is the caller's job (every CP rank must free
 the same pages in the same order: agree on the state first, e.g. an all-reduce MIN).
+Writes run on one worker thread per sender, at the lowest CPU priority by default
+(``low_priority_writes``): the engine's sync call spins while its transport threads
+copy, and with several ranks on few cores the spinning would starve the copying.
+
 A request can turn FAILED while its write still has one call in flight; that call
 only reads the source pages, and the decode side keeps the destination pages until
 this rank reports that it stopped (or its connection is gone), so freeing at once is safe.
@@ -32,6 +36,7 @@ this rank reports that it stopped (or its connection is gone), so freeing at onc
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -92,6 +97,7 @@ class OwnedPageSender(ControlLoop):
         decode_address: str,
         timeout_s: float | None = None,
         heartbeat_s: float | None = None,
+        low_priority_writes: bool = True,
     ):
         host, _, port = decode_address.rpartition(":")
         if not host or not port.isdigit():
@@ -122,6 +128,7 @@ class OwnedPageSender(ControlLoop):
         self.rejected: list[str] = []
         self._work: queue.Queue[str | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work_loop, name=f"cp-kv-sender-worker{self.rank}", daemon=True)
+        self._low_priority_writes = low_priority_writes
         self._closed = False
 
     def __repr__(self) -> str:
@@ -405,6 +412,15 @@ class OwnedPageSender(ControlLoop):
 
     # ------------------------------------------------------------------ worker thread
     def _work_loop(self) -> None:
+        if self._low_priority_writes:
+            # batch_transfer_sync_write spins on the batch status until the engine's own
+            # threads finish the copy. At the lowest priority (this thread only) the spin
+            # takes no CPU that the transport threads, here or in a co-located decode
+            # server, could use; the call's latency stays the same.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):
+                pass
         while True:
             request_id = self._work.get()
             if request_id is None:

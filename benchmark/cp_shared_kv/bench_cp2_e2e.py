@@ -1,0 +1,269 @@
+"""CP end to end on N GPUs (NCCL): plan + gather + all-gather vs a raw all-gather of the same bytes.
+
+Per configuration (KV format, batch context), every rank holds its share of a sharded pool; a
+history batch (every request reads a prefix) is planned once, then each layer's view is built
+(owned-page gather + NCCL all-gather of latent and indexer pages). The baseline is one
+``all_gather_into_tensor`` of exactly the bytes each rank sends. Also measured:
+
+- one-layer-ahead prefetch: the view of layer l+1 is built on a side stream while FlashMLA's
+  sparse prefill of layer l runs; the exposed time per layer is reported next to the attention time;
+- current-reuse vs materialize for current-only chunks (time and bytes).
+
+    python -m benchmark.cp_shared_kv.bench_cp2_e2e --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from benchmark.cp_shared_kv.bench_common import cuda_time_us, save_plot, write_result
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
+from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
+
+PS = 64
+N_REQ = 4
+CHUNK = 4096  # query tokens per batch (sparse prefill)
+TOPK = 2048
+HEADS = 128  # DeepSeek-V3.2
+
+
+def _setup(world, rank, kv_format, ctx_tokens, layers):
+    own = PageOwnership(world, PS)
+    pages_per_req = ctx_tokens // N_REQ // PS
+    phys = N_REQ * (-(-pages_per_req // world)) + 4
+    pool = ShardedMLAPool(own, rank, phys, layers, kv_format, with_indexer=True, device="cuda")
+    for buf in pool.latent + pool.index:
+        buf.random_(0, 120)  # finite e4m3 / bf16 bytes
+    alloc = BalancedPageAllocator(own, phys)
+    table = torch.zeros(N_REQ, pages_per_req, dtype=torch.int32)
+    for b in range(N_REQ):
+        table[b] = alloc.alloc(pages_per_req, b % world).to(torch.int32)
+    return pool, table.cuda(), [pages_per_req * PS] * N_REQ
+
+
+def _flash_mla():
+    try:
+        import flash_mla
+
+        return flash_mla
+    except ImportError:
+        return None
+
+
+def _rank_main(rank, world, formats, contexts, layers, iters):
+    group = CPGroup()
+    torch.manual_seed(rank)
+    rows, reuse_rows = [], []
+    flash_mla = _flash_mla()
+    for kv_format in formats:
+        for ctx in contexts:
+            pool, table, seq_lens = _setup(world, rank, kv_format, ctx, layers)
+            prefix_lens = [n - CHUNK // N_REQ for n in seq_lens]  # a history batch: every request reads a prefix
+            mat = ViewMaterializer(pool, group)
+            torch.cuda.synchronize()
+            group.barrier()
+            plan_us = cuda_time_us(lambda: mat.begin_batch(table, seq_lens, prefix_lens), iters=iters)
+            counters = mat.begin_batch(table, seq_lens, prefix_lens)
+            plan = mat.plan
+            layer_us = cuda_time_us(lambda: mat.layer_view(0), iters=iters)
+            send_bytes = plan.slots_per_rank * pool.page_bytes_per_layer
+            send = torch.empty(send_bytes, dtype=torch.uint8, device="cuda")
+            recv = torch.empty(world * send_bytes, dtype=torch.uint8, device="cuda")
+            raw_us = cuda_time_us(lambda: dist.all_gather_into_tensor(recv, send), iters=iters)
+            gather_only_us = cuda_time_us(
+                lambda: [
+                    torch.index_select(src, 0, plan.send_pages(rank), out=mat._buffers[f"send_{name}"])
+                    for name, src in (("latent", pool.latent_pages(0)), ("index", pool.index[0]))
+                ],
+                iters=iters,
+            )
+            view_bytes = plan.view_pages * pool.page_bytes_per_layer
+            row = {
+                "kv_format": kv_format,
+                "context_tokens": ctx,
+                "requests": N_REQ,
+                "view_pages": plan.view_pages,
+                "bytes_per_rank_sent": send_bytes,
+                "view_bytes": view_bytes,
+                "plan_us": round(plan_us, 1),
+                "layer_view_us": round(layer_us, 1),
+                "raw_all_gather_us": round(raw_us, 1),
+                "gather_index_select_us": round(gather_only_us, 1),
+                "layer_view_busbw_GBps": round(view_bytes * (world - 1) / world / layer_us / 1e3, 1),
+                "raw_busbw_GBps": round(view_bytes * (world - 1) / world / raw_us / 1e3, 1),
+                "layer_view_vs_raw_all_gather": round(raw_us / layer_us, 3),
+            }
+            if flash_mla is not None and kv_format == "bf16":
+                row.update(_prefetch(flash_mla, pool, group, table, seq_lens, prefix_lens, layers, iters, rank))
+            rows.append(row)
+            del mat, pool, send, recv
+            torch.cuda.empty_cache()
+        reuse_rows.append(_current_reuse(world, rank, group, kv_format, iters))
+    return rows, reuse_rows
+
+
+def _prefetch(flash_mla, pool, group, table, seq_lens, prefix_lens, layers, iters, rank):
+    """Exposed per-layer time of building layer l+1's view on a side stream during layer l's attention."""
+    mats = [ViewMaterializer(pool, group), ViewMaterializer(pool, group)]  # double buffer
+    for m in mats:
+        m.begin_batch(table, seq_lens, prefix_lens)
+    rows_in_view = mats[0].plan.view_pages * PS
+    q = (torch.randn(CHUNK, HEADS, 576, device="cuda") / 8).to(torch.bfloat16)
+    idx = torch.randint(0, rows_in_view, (CHUNK, 1, TOPK), dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+
+    def attn(view):
+        kv = view.kv_rows.view(torch.bfloat16).view(-1, 1, 576)
+        return flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576**-0.5, 512, use_legacy=True)
+
+    view0 = mats[0].layer_view(0)
+    attn_us = cuda_time_us(lambda: attn(view0), iters=iters)
+
+    def forward_no_prefetch():
+        for layer in range(layers):
+            attn(mats[layer % 2].layer_view(layer))
+
+    def forward_prefetch():
+        done = [None] * layers
+        ready = [torch.cuda.Event() for _ in range(layers)]
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            views = [mats[0].layer_view(0)]
+            ready[0].record(side)
+        for layer in range(layers):
+            if layer + 1 < layers:
+                with torch.cuda.stream(side):
+                    if layer >= 1:
+                        side.wait_event(done[layer - 1])  # its buffers were read by attention(layer - 1)
+                    views.append(mats[(layer + 1) % 2].layer_view(layer + 1))
+                    ready[layer + 1].record(side)
+            main.wait_event(ready[layer])
+            attn(views[layer])
+            done[layer] = torch.cuda.Event()
+            done[layer].record(main)
+
+    serial_us = cuda_time_us(forward_no_prefetch, iters=max(3, iters // 5))
+    overlap_us = cuda_time_us(forward_prefetch, iters=max(3, iters // 5))
+    return {
+        "sparse_prefill_us": round(attn_us, 1),
+        "sparse_prefill_shape": f"q {CHUNK}x{HEADS}x576, topk {TOPK}",
+        "layers_timed": layers,
+        "serial_per_layer_us": round(serial_us / layers, 1),
+        "prefetch_per_layer_us": round(overlap_us / layers, 1),
+        "prefetch_exposed_per_layer_us": round(overlap_us / layers - attn_us, 1),
+    }
+
+
+def _current_reuse(world, rank, group, kv_format, iters):
+    """A current-only batch (no prefixes): current-reuse vs forced materialization."""
+    ctx = 4 * CHUNK
+    pool, table, seq_lens = _setup(world, rank, kv_format, ctx, 1)
+    t = sum(seq_lens)
+    kv_rows = torch.randint(0, 120, (t, pool.row_bytes), dtype=torch.uint8, device="cuda")
+    records = pack_index_records(
+        torch.randint(0, 120, (t, 128), dtype=torch.uint8, device="cuda"), torch.ones(t, device="cuda")
+    )
+    out = {"kv_format": kv_format, "chunk_tokens": t}
+    for name, reuse in (("current_reuse", True), ("materialize", False)):
+        mat = ViewMaterializer(pool, group, current_reuse=reuse)
+
+        def step():
+            mat.begin_batch(table, seq_lens, [0] * N_REQ)
+            return mat.layer_view(0, kv_rows, records)
+
+        out[f"{name}_us"] = round(cuda_time_us(step, iters=iters), 1)
+        counters = mat.begin_batch(table, seq_lens, [0] * N_REQ)
+        mat.layer_view(0, kv_rows, records)
+        out[f"{name}_bytes_materialized"] = counters.bytes_materialized
+    out["reuse_speedup"] = round(out["materialize_us"] / out["current_reuse_us"], 2)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--formats", nargs="+", default=["fp8", "bf16"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--name", default=None, help="result name (default cp<N>_e2e)")
+    args = ap.parse_args()
+    n = args.world_size
+    results = spawn_ranks(
+        _rank_main, n, args.formats, args.contexts, args.layers, args.iters, backend="nccl", timeout_s=540
+    )
+    rows, reuse = results[0]
+    for r, (other, _) in enumerate(results[1:], start=1):  # report the slowest rank per row
+        for row, o in zip(rows, other):
+            row[f"rank{r}_layer_view_us"] = o["layer_view_us"]
+    for row in rows:
+        print(row)
+    for row in reuse:
+        print(row)
+    name = args.name or f"cp{n}_e2e"
+    big = [r for r in rows if r["context_tokens"] >= 131072]
+    summary = {
+        f"cp{n}_vs_raw_allgather": min(r["layer_view_vs_raw_all_gather"] for r in big) if big else None,
+        f"cp{n}_vs_raw_allgather_by_context": {
+            f"{r['kv_format']}@{r['context_tokens']}": r["layer_view_vs_raw_all_gather"] for r in rows
+        },
+        "prefetch_exposed_per_layer_us": {
+            f"{r['kv_format']}@{r['context_tokens']}": r.get("prefetch_exposed_per_layer_us")
+            for r in rows
+            if "prefetch_exposed_per_layer_us" in r
+        },
+        "goal": "layer view >= 0.9x the raw all-gather bus bandwidth",
+    }
+    write_result(name, rows, summary, extra={"world_size": n})
+    if n == 2:
+        write_result(
+            "current_reuse",
+            reuse,
+            {
+                "reuse_speedup": {r["kv_format"]: r["reuse_speedup"] for r in reuse},
+                "current_reuse_bytes_materialized": {
+                    r["kv_format"]: r["current_reuse_bytes_materialized"] for r in reuse
+                },
+            },
+            extra={"world_size": n},
+        )
+
+    def draw(ax):
+        for fmt, style in (("fp8", "-"), ("bf16", "--")):
+            sel = [r for r in rows if r["kv_format"] == fmt]
+            ax.plot(
+                [r["context_tokens"] for r in sel],
+                [r["layer_view_busbw_GBps"] for r in sel],
+                style,
+                marker="o",
+                color="C0",
+                label=f"plan view ({fmt})",
+            )
+            ax.plot(
+                [r["context_tokens"] for r in sel],
+                [r["raw_busbw_GBps"] for r in sel],
+                style,
+                marker="s",
+                color="C2",
+                label=f"raw all-gather ({fmt})",
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch context tokens")
+        ax.set_ylabel("bus bandwidth GB/s")
+        ax.set_title(f"CP={n}: gather + all-gather vs raw all-gather")
+        ax.legend(fontsize=7)
+
+    save_plot(name, draw)
+
+
+if __name__ == "__main__":
+    main()

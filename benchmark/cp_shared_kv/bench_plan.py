@@ -1,0 +1,165 @@
+"""Slot-remap plan vs a compact unique-page remap, end to end (plan + one layer's gather).
+
+The slot plan (ours) gives every page position its own slot: static shapes, no host sync, but a
+prefix page shared by several requests is gathered once per request. The compact remap
+deduplicates pages with ``torch.unique`` (+ inverse) and sizes owner blocks with ``bincount``:
+fewer bytes, but dynamic shapes and host syncs. Each row times, from the host, plan + gather of
+this rank's send block (fp8 latent + indexer pages, page size 64) on one GPU, and reports the
+pages each approach gathers (the slot plan's buffer-size cost).
+
+    python -m benchmark.cp_shared_kv.bench_plan
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmark.cp_shared_kv.bench_common import save_plot, write_result
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
+
+PS = 64
+CP = 8  # plan for a CP=8 group; this GPU plays rank 0
+
+
+def unique_plan(page_table: torch.Tensor, pages_per_req: list[int], cp_size: int, rank: int, trash_page: int):
+    """The rejected alternative: dedupe pages, then group them by owner (syncs three times)."""
+    b, max_pages = page_table.shape
+    cols = torch.arange(max_pages, device=page_table.device).expand(b, max_pages)
+    lens = torch.tensor(pages_per_req, device=page_table.device).unsqueeze(1)
+    valid = cols < lens
+    flat = page_table[valid].long()  # boolean-mask indexing: sync
+    uniq, inv = torch.unique(flat, return_inverse=True)  # dynamic size: sync
+    owner = uniq % cp_size
+    counts = torch.bincount(owner, minlength=cp_size)
+    s = int(counts.max())  # sync
+    order = torch.argsort(owner, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_owner = torch.empty_like(order)
+    rank_in_owner[order] = torch.arange(len(order), device=order.device) - starts[owner[order]]
+    slot_of_pos = (owner * s + rank_in_owner)[inv]
+    table = torch.zeros(b, max_pages, dtype=torch.int32, device=page_table.device)
+    table[valid] = slot_of_pos.to(torch.int32)
+    send = torch.full((s,), trash_page, dtype=torch.int64, device=page_table.device)
+    mine = uniq[owner == rank] // cp_size  # boolean mask: sync
+    send[: len(mine)] = mine
+    return table, send, s
+
+
+def _workload(n_req: int, total_pages: int, shared_frac: float, phys_pages: int, device: str):
+    """``n_req`` requests of equal length sharing their first ``shared_frac`` of pages (a common prompt)."""
+    per_req = max(1, total_pages // n_req)
+    shared = int(per_req * shared_frac) if n_req > 1 else 0
+    g = torch.Generator().manual_seed(0)
+    logical = torch.randperm(phys_pages * CP, generator=g)
+    common, rest = logical[:shared], logical[shared:]
+    table = torch.zeros(n_req, per_req, dtype=torch.int32)
+    for i in range(n_req):
+        own = rest[i * (per_req - shared) : (i + 1) * (per_req - shared)]
+        table[i] = torch.cat([common, own]).to(torch.int32)
+    return table.to(device), [per_req] * n_req, n_req * per_req - (n_req - 1) * shared
+
+
+def _host_time_us(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run(
+    requests: list[int], pages_list: list[int], shared_frac: float, iters: int, max_gather_pages: int
+) -> list[dict]:
+    rows = []
+    for total_pages in pages_list:
+        phys = total_pages // CP + 64
+        latent = torch.zeros(phys + 1, PS * MLA_FP8_ROW_BYTES, dtype=torch.uint8, device="cuda")
+        index = torch.zeros(phys + 1, PS * INDEX_TOKEN_BYTES, dtype=torch.uint8, device="cuda")
+        for n_req in requests:
+            if n_req > total_pages:
+                continue
+            table, pages, unique_pages = _workload(n_req, total_pages, shared_frac, phys, "cuda")
+            gather = total_pages <= max_gather_pages
+
+            def ours():
+                plan = build_slot_plan(table, pages, CP, PS, phys)
+                if gather:
+                    send = plan.send_pages(0)
+                    gather_pages(latent, send)
+                    gather_pages(index, send)
+                return plan
+
+            def compact():
+                _, send, _ = unique_plan(table, pages, CP, 0, phys)
+                if gather:
+                    gather_pages(latent, send)
+                    gather_pages(index, send)
+
+            plan = ours()
+            _, _, s_unique = unique_plan(table, pages, CP, 0, phys)
+            t_ours, t_unique = _host_time_us(ours, iters), _host_time_us(compact, iters)
+            row = {
+                "requests": n_req,
+                "pages": sum(pages),
+                "unique_pages": unique_pages,
+                "shared_prefix_frac": shared_frac if n_req > 1 else 0.0,
+                "includes_gather": gather,
+                "slot_plan_us": round(t_ours, 1),
+                "unique_plan_us": round(t_unique, 1),
+                "speedup": round(t_unique / t_ours, 2),
+                "slot_view_pages": plan.view_pages,
+                "unique_view_pages": CP * s_unique,
+                "view_size_cost": round(plan.view_pages / (CP * s_unique), 3),
+            }
+            print(row)
+            rows.append(row)
+        del latent, index
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--pages", type=int, nargs="+", default=[1024, 16384, 131072, 1048576])
+    ap.add_argument("--shared-frac", type=float, default=0.5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--max-gather-pages", type=int, default=131072, help="above this, time the plan alone")
+    args = ap.parse_args()
+    rows = run(args.requests, args.pages, args.shared_frac, args.iters, args.max_gather_pages)
+    with_gather = [r for r in rows if r["includes_gather"]]
+    summary = {
+        "plan_speedup_vs_unique": round(min(r["speedup"] for r in with_gather), 2) if with_gather else None,
+        "plan_speedup_vs_unique_median": sorted(r["speedup"] for r in rows)[len(rows) // 2],
+        "view_size_cost_max": max(r["view_size_cost"] for r in rows),
+        "goal": ">= 4x faster end to end (plan + gather)",
+    }
+    write_result("plan", rows, summary, extra={"cp_size": CP, "page_size": PS})
+
+    def draw(ax):
+        for n_req in sorted({r["requests"] for r in rows}):
+            sel = [r for r in rows if r["requests"] == n_req]
+            ax.plot([r["pages"] for r in sel], [r["speedup"] for r in sel], marker="o", label=f"{n_req} requests")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("page positions in the batch")
+        ax.set_ylabel("unique-remap time / slot-plan time")
+        ax.set_title("slot plan vs compact unique remap (plan + gather)")
+        ax.legend(fontsize=7)
+
+    save_plot("plan", draw)
+
+
+if __name__ == "__main__":
+    main()

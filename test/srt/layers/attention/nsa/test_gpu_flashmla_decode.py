@@ -1,0 +1,94 @@
+"""FlashMLA's production fp8 sparse decode reads the pool rebuilt from per-rank owned pages.
+
+The decode side of PD rebuilds a full-layout pool from the pages every CP rank owns (each tagged with
+its logical page position). Here the rebuild is done with device copies (the Mooncake transfer moves the
+same bytes, see the mooncake tests); FlashMLA's fp8 sparse decode kernel over the rebuilt pool must give
+output bit-identical to the same kernel over the replicated fp8 pool, and both must match our plain-torch
+dequantized reference: the kernel reads our 656-B rows and page layout as we write them.
+"""
+
+import pytest
+import torch
+
+from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import sparse_mla
+from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import quantize_mla_fp8
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+PS = 64  # FlashMLA's page block size
+
+
+def _flash_mla():
+    return pytest.importorskip("flash_mla")
+
+
+def _decode(flash_mla, q, cache_u8, rows, sm_scale):
+    cache = cache_u8.view(-1, PS, 1, cache_u8.shape[-1]).view(torch.float8_e4m3fn)
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        q, cache, None, None, 512, meta, None, sm_scale, False, True, rows, use_legacy=True
+    )
+    return out, lse
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_fp8_sparse_decode_over_rebuilt_pool_equals_replicated(cp_size):
+    flash_mla = _flash_mla()
+    torch.manual_seed(0)
+    dev = "cuda"
+    lens = [9 * PS + 17, 4 * PS + 1, 13 * PS]
+    own = PageOwnership(cp_size, PS)
+    alloc = BalancedPageAllocator(own, 16)
+    replicated = ShardedMLAPool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device=dev)
+    ranks = [ShardedMLAPool(own, r, 16, 1, "fp8", with_indexer=False, device=dev) for r in range(cp_size)]
+    req_pages = []
+    for n in lens:
+        pages = alloc.alloc(-(-n // PS), 0).to(dev)
+        req_pages.append(pages)
+        pos = torch.arange(n, device=dev)
+        locs = pages[pos // PS] * PS + pos % PS
+        rows = quantize_mla_fp8(torch.randn(n, 512, device=dev) * 3, torch.randn(n, 64, device=dev))
+        replicated.set_latent(0, locs, rows)
+        for pool in ranks:
+            pool.set_latent(0, locs, rows)
+
+    # Decode-side rebuild: page position p of a request lands in destination page dst[p].
+    total_pages = sum(len(p) for p in req_pages)
+    decode = ShardedMLAPool(PageOwnership(1, PS), 0, total_pages, 1, "fp8", with_indexer=False, device=dev)
+    dst_of_req, next_dst = [], 0
+    dst_view = decode.latent_pages(0)
+    for pages in req_pages:
+        dst = torch.arange(next_dst, next_dst + len(pages), device=dev)
+        next_dst += len(pages)
+        dst_of_req.append(dst)
+        for r, pool in enumerate(ranks):
+            mine = own.owner(pages) == r
+            dst_view[dst[mine]] = pool.latent_pages(0)[own.phys_page(pages[mine])]
+
+    topk, h_q, b = 128, 64, len(lens)
+    q = (torch.randn(b, 1, h_q, 576, device=dev) / 4).to(torch.bfloat16)
+    sm_scale = 576**-0.5
+    # Each request's query picks topk of its positions (some -1).
+    pos = torch.stack([torch.randperm(n, device=dev)[:topk] for n in lens])
+    pos[:, -5:] = -1
+
+    def rows_through(tables):
+        return torch.stack(
+            [torch.where(p >= 0, t[p.clamp(min=0) // PS] * PS + p.clamp(min=0) % PS, -1) for p, t in zip(pos, tables)]
+        ).to(torch.int32)
+
+    rows_repl = rows_through(req_pages).unsqueeze(1)
+    rows_dec = rows_through(dst_of_req).unsqueeze(1)
+    out_r, lse_r = _decode(flash_mla, q, replicated.latent[0], rows_repl, sm_scale)
+    out_d, lse_d = _decode(flash_mla, q, decode.latent[0], rows_dec, sm_scale)
+    assert torch.equal(out_r, out_d) and torch.equal(lse_r, lse_d)
+
+    for i in range(b):
+        ref_out, ref_lse = sparse_mla(q[i, :, :, :], replicated.latent[0], "fp8", rows_repl[i, :, :].long(), sm_scale)
+        assert torch.allclose(out_r[i, 0].float(), ref_out[0], atol=2e-2, rtol=2e-2)
+        assert torch.allclose(lse_r[i, :, 0].float(), ref_lse[0], atol=1e-3)

@@ -71,7 +71,7 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
             torch.cuda.synchronize()
             group.barrier()
             plan_us = cuda_time_us(lambda: mat.begin_batch(table, seq_lens, prefix_lens), iters=iters)
-            counters = mat.begin_batch(table, seq_lens, prefix_lens)
+            mat.begin_batch(table, seq_lens, prefix_lens)
             plan = mat.plan
             layer_us = cuda_time_us(lambda: mat.layer_view(0), iters=iters)
             send_bytes = plan.slots_per_rank * pool.page_bytes_per_layer
@@ -104,7 +104,6 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
             if flash_mla is not None and kv_format == "bf16":
                 row.update(_prefetch(flash_mla, pool, group, table, seq_lens, prefix_lens, layers, iters, rank))
             rows.append(row)
-            del mat, pool, send, recv
             torch.cuda.empty_cache()
         reuse_rows.append(_current_reuse(world, rank, group, kv_format, iters))
     return rows, reuse_rows

@@ -66,7 +66,6 @@ def run(tokens_list: list[int], formats: list[str]) -> list[dict]:
             }
             print(row)
             rows.append(row)
-            del latent, index, out_l, out_i
     return rows
 
 

@@ -124,7 +124,6 @@ def run(
             }
             print(row)
             rows.append(row)
-        del latent, index
         torch.cuda.empty_cache()
     return rows
 

@@ -197,12 +197,18 @@ CASES = [
     ),
     ("ok_dsa_trtllm", "dsa", "resolved", GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "trtllm"], None),
     (
-        "ok_dsa_page_32_bf16",
+        "ok_dsa_bf16",
         "dsa",
         "resolved",
-        _with(_with(GOOD + DSA_RESOLVED, "--page-size", "32"), "--kv-cache-dtype", "bf16")
-        + ["--dsa-prefill-backend", "flashmla_sparse"],
+        _with(GOOD + DSA_RESOLVED, "--kv-cache-dtype", "bf16") + ["--dsa-prefill-backend", "flashmla_sparse"],
         None,
+    ),
+    (
+        "dsa_page_32",
+        "dsa",
+        "resolved",
+        _with(GOOD + DSA_RESOLVED, "--page-size", "32") + ["--dsa-prefill-backend", "flashmla_sparse"],
+        "set --page-size 64",
     ),
     (
         "ok_mla_fa3",

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
 # Plain-MLA prefill backends that consume the same contract in 0.5.23.
 MLA_PREFILL_BACKENDS = ("fa3",)
-_INDEX_HEAD_DIM = 128  # the indexer page layout ps * (128 + 4) bytes
+_INDEX_HEAD_DIM = 128  # the indexer page layout: ps * (128 + 4) bytes
+_DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages on CUDA
 
 
 def _line(what: str, fix: str) -> str:
@@ -241,6 +242,13 @@ def resolved_rejections(server_args: Any) -> list[str]:
                 _line(
                     f"indexer head dim {hf_config.index_head_dim} != {_INDEX_HEAD_DIM} (the sharded indexer page layout)",
                     "serve a model with 128-dim indexer keys",
+                )
+            )
+        if cfg.page_size != _DSA_PAGE_SIZE:
+            out.append(
+                _line(
+                    f"--page-size {cfg.page_size}: SGLang's DSA pool stores {_DSA_PAGE_SIZE}-token indexer pages",
+                    f"set --page-size {_DSA_PAGE_SIZE}",
                 )
             )
         if get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config):

@@ -1,0 +1,93 @@
+"""Hooks on SGLang's KV cache configurator: swap in the CP-shared pools and widen the allocator.
+
+All three are AROUND hooks that call the stock step unchanged unless ``--enable-cp-shared-kv``
+is on in this process's published server args (and the configurator builds a target, not a
+draft, pool):
+
+- ``_build_dsa_kv_pool`` / ``_build_mla_kv_pool``: the stock builder runs with our pool class
+  in place of ``DSATokenToKVPool`` / ``MLATokenToKVPool`` (same constructor arguments, so
+  every size, dtype and layer decision stays SGLang's).
+- ``_build_token_to_kv_pool_allocator``: over a CP-shared pool, SGLang's own owner-rotating
+  ``PageInterleavePoolAllocator`` (logical index space ``size * N``, logical pages ``lp``
+  drawn for owner ``lp % N``: the same arithmetic as ``PageOwnership``), with no scratch spec,
+  so the scheduler widens its capacity and rotation bases without SGLang's scratch admission.
+  Then the process is marked as transferring sharded KV (see ``transfer``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_cp_shared_kv.srt.server_args_hook import FLAG, runtime_enabled
+
+logger = logging.getLogger(__name__)
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+
+def _active(configurator) -> bool:
+    return runtime_enabled() and not configurator.is_draft_worker
+
+
+def _check_built(pool) -> None:
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    if not isinstance(pool, CPSharedKVPoolMixin):
+        raise RuntimeError(
+            f"{FLAG}: SGLang built a {type(pool).__name__} instead of the CP-shared pool "
+            "(a pool-selecting option the startup checks do not know about is on)"
+        )
+
+
+def build_dsa_kv_pool(original, configurator, **kwargs):
+    if not _active(configurator):
+        return original(configurator, **kwargs)
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+
+    pool = original(configurator, **{**kwargs, "dsa_pool_class": CPSharedDSATokenToKVPool})
+    _check_built(pool)
+    return pool
+
+
+def build_mla_kv_pool(original, configurator, **kwargs):
+    if not _active(configurator):
+        return original(configurator, **kwargs)
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedMLATokenToKVPool
+
+    pool = original(configurator, **{**kwargs, "mla_pool_class": CPSharedMLATokenToKVPool})
+    _check_built(pool)
+    return pool
+
+
+def build_allocator(original, configurator, **kwargs):
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    pool = kwargs.get("token_to_kv_pool")
+    if not isinstance(pool, CPSharedKVPoolMixin) or kwargs.get("token_to_kv_pool_allocator") is not None:
+        return original(configurator, **kwargs)
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.runtime_context import get_disagg
+
+    from sglang_cp_shared_kv.srt.sglang_wiring.transfer import enable_sharded_transfer
+
+    allocator = PageInterleavePoolAllocator(
+        kwargs["sizes"].max_total_num_tokens,
+        physical_page_size=pool.page_size,
+        shard_size=pool.shard_size,
+        dtype=configurator.kv_cache_dtype,
+        device=configurator.device,
+        kvcache=pool,
+        need_sort=get_disagg().disaggregation_mode in ("decode", "prefill"),
+        shard_spec=None,  # no SGLang scratch: the read path is ours
+    )
+    logger.info("%s: allocator widened to %d logical slots over %d CP ranks", FLAG, allocator.size, pool.shard_size)
+    enable_sharded_transfer()
+    return allocator
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, HookType.AROUND)
+    HookRegistry.register(f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, HookType.AROUND)
+    HookRegistry.register(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, HookType.AROUND)

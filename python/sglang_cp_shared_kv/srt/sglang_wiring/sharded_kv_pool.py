@@ -1,0 +1,323 @@
+"""SGLang's MLA and DSA token pools, sharded over the prefill CP ranks.
+
+``CPSharedMLATokenToKVPool`` / ``CPSharedDSATokenToKVPool`` subclass SGLang's own pools, so every
+``isinstance`` check and every byte format stays SGLang's; they change where rows go and what a
+read sees:
+
+- **Storage**: the stock per-rank buffers (``size + page_size`` rows, ``size / ps + 1`` indexer
+  pages). Logical page ``lp`` lives on CP rank ``lp % N`` as physical page ``lp // N``
+  (``PageOwnership``). The widened allocator (``size * N`` logical slots) never hands out
+  logical pages ``[0, N)``, so physical page 0 of every rank is free: it is the trash page.
+- **Write path**: every CP rank receives the whole current chunk (prefill CP all-gathers it
+  before the pool write). Rows are quantized by SGLang's own writers, but to
+  ``store_rows(locs)``: the physical row for owned locs, a row of the trash page otherwise. A
+  masked store: static shapes, no ``nonzero``, no host sync.
+- **Read path**: the pools implement the kv-shard pool contract SGLang's attention backends
+  already call (``begin_shard_extend`` / ``translate_loc_to_scratch`` / ``get_key_buffer`` and
+  the indexer's page reads), served by ``read_state.BatchReadState``: current-reuse when no
+  request has a prefix, else the materialized view.
+
+Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): every stored row is checked to map back to its
+logical loc on this rank, and the read plan and translation are checked (syncing).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.kernels.ops.kvcache import dsa_index_k_cache
+from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool, unwrap_write_loc
+from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
+
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.read_state import BatchReadState, PageBuffers
+
+logger = logging.getLogger(__name__)
+
+TRASH_PAGE = 0
+
+
+def _runtime_cp() -> tuple[int, int]:
+    """This process's attention-CP rank and size (SGLang's parallel context)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return parallel.attn_cp_rank, parallel.attn_cp_size
+
+
+def _runtime_cp_group() -> CPGroup:
+    """The attention-CP group's device communicator (NCCL on GPUs); looked up at first use."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return CPGroup(get_parallel().attn_cp_group.device_group)
+
+
+class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
+    """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers.
+
+    It inherits SGLang's kv-shard mixin only for the type: SGLang's backends detect a
+    sharded pool by ``isinstance(pool, PageInterleaveKVPoolMixin)`` and then call the
+    methods below, all of which are ours. SGLang's own scratch, gather communicator and
+    write plan are never built.
+    """
+
+    def _init_cp_shared(self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | None) -> None:
+        if cp_rank is None or cp_size is None:
+            cp_rank, cp_size = _runtime_cp()
+            cp_group = cp_group or _runtime_cp_group
+        if not isinstance(cp_size, int) or cp_size < 2:
+            raise ValueError(f"cp_size must be an int > 1 for a sharded pool, got {cp_size!r}")
+        if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+        if isinstance(cp_group, CPGroup) and (cp_group.rank != cp_rank or cp_group.size != cp_size):
+            raise ValueError(f"cp_group ({cp_group}) does not match cp_rank {cp_rank} / cp_size {cp_size}")
+        ps = self.page_size
+        if self.size % ps:
+            raise ValueError(f"pool size {self.size} must be a multiple of page_size {ps}")
+        self.dcp_replicated = True  # rows are physical: never apply SGLang's DCP owner rule (DCP is rejected)
+        self.shard_rank = cp_rank
+        self.shard_size = cp_size
+        self.phys_pages = self.size // ps + 1  # page 0 included
+        self.ownership = PageOwnership(cp_size, ps, logical_pages=cp_size * self.phys_pages)
+        self.trash_page = TRASH_PAGE
+        self.row_bytes = self.kv_buffer[0][0].nbytes
+        latent = PageBuffers(
+            self.ownership,
+            cp_rank,
+            self.row_bytes,
+            [buf.view(torch.uint8).view(self.phys_pages, ps * self.row_bytes) for buf in self.kv_buffer],
+        )
+        index = None
+        if isinstance(self, DSATokenToKVPool):
+            index = PageBuffers(self.ownership, cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
+        self.read = BatchReadState(self.ownership, cp_rank, cp_size * self.phys_pages, latent, index, cp_group)
+        self._shard_extend_active = False
+        logger.info(
+            "CP-shared KV pool: rank %d of %d, %d physical pages per rank (page 0 reserved), page size %d, "
+            "%d B latent rows%s",
+            cp_rank,
+            cp_size,
+            self.phys_pages,
+            ps,
+            self.row_bytes,
+            ", with indexer pages" if index is not None else "",
+        )
+
+    # -- write path --
+    def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
+        """Physical row of every loc on this rank: its own row if owned, else a row of the trash page."""
+        own = self.ownership
+        mine = own.loc_owner(locs) == self.shard_rank
+        trash = TRASH_PAGE * self.page_size + (locs & (self.page_size - 1))
+        rows = torch.where(mine, own.phys_row(locs), trash)
+        if debug_enabled():
+            self._check_store_rows(locs, rows, mine)
+        return rows
+
+    def _check_store_rows(self, locs: torch.Tensor, rows: torch.Tensor, mine: torch.Tensor) -> None:
+        ps, limit = self.page_size, self.phys_pages * self.page_size
+        if bool((mine & (locs >= self.shard_size * ps) & (rows < ps)).any()):
+            raise AssertionError("an owned loc outside the reserved range maps onto the trash page")
+        if bool((rows >= limit).any()):
+            raise ValueError(f"a loc maps past this rank's {self.phys_pages} physical pages")
+        back = self.ownership.logical_loc(self.shard_rank, rows)
+        if not bool(torch.equal(torch.where(mine, back, locs), locs)):
+            raise AssertionError("a stored row does not map back to its logical loc on this rank")
+
+    def _local_layer(self, layer, layer_id_override) -> int:
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        return layer_id - self.start_layer
+
+    def _stage_rows(self, locs: torch.Tensor) -> torch.Tensor | None:
+        """Rows of the current-reuse staging buffer for ``locs``, or None outside current-reuse."""
+        return self.read.translate(locs).long() if self._shard_extend_active and self.read.mode == "current" else None
+
+    def _as_rows(self, buf: torch.Tensor) -> torch.Tensor:
+        """A uint8 ``[rows, row_bytes]`` buffer as the pool's ``[rows, 1, kv_cache_dim]`` store dtype."""
+        return buf.view(self.store_dtype).view(buf.shape[0], 1, self.kv_cache_dim)
+
+    def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None):
+        loc, _, _ = unwrap_write_loc(loc_info)
+        local = self._local_layer(layer, layer_id_override)
+        rows = self.store_rows(loc.long())
+        stage_rows = self._stage_rows(loc)
+        if stage_rows is None:
+            self._write_mla_kv_buffer(self.kv_buffer[local], rows, cache_k_nope, cache_k_rope)
+            return
+        # Current-reuse: quantize once into the staging rows the batch reads, then keep the owned ones.
+        stage = self._as_rows(self.read.stage_latent)
+        self._write_mla_kv_buffer(stage, stage_rows, cache_k_nope, cache_k_rope)
+        self.kv_buffer[local].index_copy_(0, rows, stage.index_select(0, stage_rows))
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, layer_id_override=None):
+        if self.dsa_kv_cache_store_fp8:
+            raise NotImplementedError("packed DSA latent writes go through set_mla_kv_buffer")
+        loc, _, _ = unwrap_write_loc(loc_info)
+        local = self._local_layer(layer, layer_id_override)
+        if cache_k.dtype != self.dtype:
+            cache_k = cache_k.to(self.dtype)
+        if self.store_dtype != self.dtype:
+            cache_k = cache_k.view(self.store_dtype)
+        stage_rows = self._stage_rows(loc)
+        if stage_rows is not None:
+            self._as_rows(self.read.stage_latent)[stage_rows] = cache_k
+        self.kv_buffer[local][self.store_rows(loc.long())] = cache_k
+
+    # -- the kv-shard read contract --
+    def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
+        self.read.begin(req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu)
+        self._shard_extend_active = True
+
+    def end_shard_extend(self) -> None:
+        self.read.end()
+        self._shard_extend_active = False
+
+    def translate_loc_to_scratch(self, loc: torch.Tensor) -> torch.Tensor:
+        if not self._shard_extend_active:
+            raise RuntimeError(
+                "translate_loc_to_scratch outside a sharded extend batch (begin_shard_extend not called)"
+            )
+        return self.read.translate(loc)
+
+    def _read_rows(self, layer_id: int) -> torch.Tensor:
+        buf = self._as_rows(self.read.latent_rows(layer_id - self.start_layer))
+        return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
+
+    def get_key_buffer(self, layer_id: int):
+        if self._shard_extend_active:
+            return self._read_rows(layer_id)
+        return super().get_key_buffer(layer_id)
+
+    def get_value_buffer(self, layer_id: int):
+        if self._shard_extend_active:
+            if self.dsa_kv_cache_store_fp8:
+                raise NotImplementedError("packed DSA latent reads need the raw key buffer and a DSA backend")
+            return self._read_rows(layer_id)[..., : self.kv_lora_rank]
+        return super().get_value_buffer(layer_id)
+
+    def get_kv_buffer_shape(self):
+        k = self.kv_buffer[0]
+        return k.shape, k[..., : self.kv_lora_rank].shape
+
+    def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
+        """Latent rows of logical ``loc`` as separate nope / rope tensors, from this batch's read buffer."""
+        if not self._shard_extend_active:
+            raise RuntimeError("a sharded pool reads logical locs only inside a sharded extend batch")
+        rows = self.read.translate(loc)
+        kv = self._read_rows(layer.layer_id)
+        if self.dsa_kv_cache_store_fp8:
+            from sglang.kernels.ops.attention.dsa.dequant_k_cache import dequantize_k_cache_paged_dsa
+
+            out = dequantize_k_cache_paged_dsa(kv, rows)
+            if dst_dtype is not None:
+                out = out.to(dst_dtype)
+            return out[..., : self.kv_lora_rank].contiguous(), out[..., self.kv_lora_rank :].contiguous()
+        from sglang.srt.mem_cache.utils import get_mla_kv_buffer_triton
+
+        dst_dtype = dst_dtype or self.dtype
+        nope = torch.empty((loc.shape[0], 1, self.kv_lora_rank), dtype=dst_dtype, device=kv.device)
+        rope = torch.empty((loc.shape[0], 1, self.qk_rope_head_dim), dtype=dst_dtype, device=kv.device)
+        get_mla_kv_buffer_triton(kv, rows, nope, rope)
+        return nope, rope
+
+    # -- stock operations that assume whole pages on every rank --
+    def move_kv_cache(self, tgt_loc, src_loc):
+        raise NotImplementedError("moving KV between logical locs crosses page owners on a CP-shared pool")
+
+    def get_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError("CPU offload of a CP-shared pool is not wired (each rank holds 1/N of a page set)")
+
+    def load_cpu_copy(self, *args, **kwargs):
+        raise NotImplementedError("CPU restore of a CP-shared pool is not wired (each rank holds 1/N of a page set)")
+
+
+class CPSharedMLATokenToKVPool(CPSharedKVPoolMixin, MLATokenToKVPool):
+    """SGLang's MLA latent pool, sharded over the prefill CP ranks."""
+
+    def __init__(self, *args, cp_rank=None, cp_size=None, cp_group=None, **kwargs):
+        MLATokenToKVPool.__init__(self, *args, **kwargs)
+        if self.use_dsa:
+            raise ValueError("DSA pools are CPSharedDSATokenToKVPool")
+        self._init_cp_shared(cp_rank, cp_size, cp_group)
+
+
+class CPSharedIndexKeyCache(IndexKeyCache):
+    """The DSA indexer K + scale pages of a CP-shared pool: masked writes, reads from the batch's buffer."""
+
+    def get_buffer(self, layer_id: int) -> torch.Tensor:
+        pool = self.pool
+        local = self.get_local_buffer(layer_id)
+        if pool._shard_extend_active and local.shape[0]:
+            return self._kernel_view(pool.read.index_pages(layer_id - pool.start_layer))
+        return local
+
+    def get_k_and_scale(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
+        pool = self.pool
+        if not pool._shard_extend_active:
+            raise RuntimeError("indexer pages of a CP-shared pool are read only inside a sharded extend batch")
+        if not self.buffer[layer_id - pool.start_layer].shape[0]:
+            raise RuntimeError(f"layer {layer_id} skips top-k and holds no indexer keys")
+        return dsa_index_k_cache.GetKAndS.execute(
+            pool,
+            self.get_buffer(layer_id),
+            page_indices=pool.read.translate_pages(page_indices),
+            seq_len_tensor=seq_len_tensor,
+            seq_len_sum=seq_len_sum,
+            max_seq_len=max_seq_len,
+        )
+
+    def write_targets(self, layer_id: int, loc: torch.Tensor):
+        """(buffer, token slots, None) pairs an indexer writer stores the whole chunk to.
+
+        Every token goes to the pool at its masked row (owned row or trash page) and, under
+        current-reuse, to the staging page the batch reads. No row selection, no sync.
+        """
+        if loc.numel() == 0:
+            return []
+        pool = self.pool
+        local = self.buffer[layer_id - pool.start_layer]
+        if not local.shape[0]:
+            raise RuntimeError(f"layer {layer_id} skips top-k and holds no indexer keys")
+        targets = [(self._kernel_view(local), pool.store_rows(loc.long()), None)]
+        stage_rows = pool._stage_rows(loc)
+        if stage_rows is not None:
+            targets.append((self._kernel_view(pool.read.stage_index), stage_rows, None))
+        return targets
+
+    def store_quantized(self, layer_id, loc, index_k, index_k_scale) -> None:
+        for buf, slots, _ in self.write_targets(layer_id, loc):
+            dsa_index_k_cache.SetKAndS.execute(
+                pool=self.pool, buf=buf, loc=slots, index_k=index_k, index_k_scale=index_k_scale
+            )
+
+    def move(self, tgt_loc, src_loc) -> None:
+        raise NotImplementedError("moving indexer keys between logical locs crosses page owners")
+
+    def cpu_copy(self, indices):
+        raise NotImplementedError("CPU offload of a CP-shared indexer cache is not wired")
+
+    def load_cpu_copy(self, index_k_cpu, indices) -> None:
+        raise NotImplementedError("CPU restore of a CP-shared indexer cache is not wired")
+
+
+class CPSharedDSATokenToKVPool(CPSharedKVPoolMixin, DSATokenToKVPool):
+    """SGLang's DSA pool (MLA latent + lightning-indexer K/scale pages), sharded over the prefill CP ranks."""
+
+    def __init__(self, *args, cp_rank=None, cp_size=None, cp_group=None, **kwargs):
+        DSATokenToKVPool.__init__(self, *args, **kwargs)
+        if self.index_kpool != 1 or self.index_buf_size != self.size:
+            raise ValueError(
+                f"a CP-shared DSA pool needs index_kpool 1 and equal latent/indexer capacity, got "
+                f"index_kpool={self.index_kpool}, index_buf_size={self.index_buf_size}, size={self.size}"
+            )
+        self._init_cp_shared(cp_rank, cp_size, cp_group)
+
+    def _create_index_key_cache(self) -> IndexKeyCache:
+        return CPSharedIndexKeyCache(self, self.index_buf_size)
+
+    def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.index_key_cache.get_buffer(layer_id)

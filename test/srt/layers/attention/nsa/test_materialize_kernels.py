@@ -7,6 +7,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import positions
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     build_slot_table,
     build_slot_table_ref,
+    gather_page_buffers,
     gather_pages,
     gather_pages_ref,
     interpreting,
@@ -149,3 +150,26 @@ def test_forcing_triton_where_it_cannot_run_is_a_clear_error():
 def test_bad_input_is_rejected(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@needs_triton
+@pytest.mark.parametrize(("ps", "row_bytes"), [(16, MLA_FP8_ROW_BYTES), (64, MLA_BF16_ROW_BYTES)])
+def test_gather_page_buffers_gathers_latent_and_index_pages_together(ps, row_bytes):
+    g = torch.Generator().manual_seed(ps)
+    latent = torch.randint(0, 256, (6, ps * row_bytes), dtype=torch.uint8, generator=g).to(DEVICE)
+    index = torch.randint(0, 256, (6, ps * INDEX_TOKEN_BYTES), dtype=torch.uint8, generator=g).to(DEVICE)
+    ids = torch.tensor([5, 2, 2, 0], device=DEVICE)
+    expected = [gather_pages_ref(latent, ids), gather_pages_ref(index, ids)]
+    got = gather_page_buffers([latent, index], ids, use_triton=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    outs = [torch.zeros_like(e) for e in expected]
+    assert gather_page_buffers([latent, index], ids, outs, use_triton=True) == outs
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected))
+
+
+def test_gather_page_buffers_rejects_bad_buffer_lists():
+    src = torch.zeros((3, 8), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="srcs"):
+        gather_page_buffers([src, src, src], torch.tensor([0]))
+    with pytest.raises(ValueError, match="outs"):
+        gather_page_buffers([src, src], torch.tensor([0]), [torch.zeros((1, 8), dtype=torch.uint8)])

@@ -7,10 +7,10 @@ this module gives them one, per forward batch:
    an owner-major view of ``N * S`` pages. A batch in which no request has a prefix uses
    current-reuse instead and plans nothing.
 2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, into its
-   send block (Triton ``gather_pages``; padding slots read the trash page), and the CP group
-   all-gathers the blocks into the dense latent and indexer views. The page table handed to the
-   kernels is the plan's slot table; NSA top-k positions map to view rows through
-   ``LayerView.rows``.
+   send block (Triton ``gather_page_buffers``: latent and indexer pages in one launch; padding
+   slots read the trash page), and the CP group all-gathers the blocks into the dense latent
+   and indexer views. The page table handed to the kernels is the plan's slot table; NSA top-k
+   positions map to view rows through ``LayerView.rows``.
 
 Nothing here reads device data back to the host: sizes come from host lengths. The layer's
 current-chunk rows must be in the pool before its ``layer_view`` (the write path stores them),
@@ -31,7 +31,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import (
     compact_row_table,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages, positions_to_view_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotPlan, build_slot_plan, pages_for_lens
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
@@ -214,13 +214,13 @@ class ViewMaterializer:
         sources = {"latent": pool.latent_pages(layer)}
         if pool.with_indexer:
             sources["index"] = pool.index[layer]
+        sends = [self._buffers[f"send_{name}"] for name in sources]
+        gather_page_buffers(list(sources.values()), send_pages, sends, use_triton=self.use_triton)
         views = {}
-        for name, src in sources.items():
-            send = gather_pages(src, send_pages, out=self._buffers[f"send_{name}"], use_triton=self.use_triton)
-            view = self._buffers[f"view_{name}"]
+        for name, send in zip(sources, sends):
+            views[name] = self._buffers[f"view_{name}"]
             if self.group is not None:
-                self.group.all_gather_into(view, send)
-            views[name] = view
+                self.group.all_gather_into(views[name], send)
         page_bytes = pool.page_bytes_per_layer
         counters.layers += 1
         counters.view_pages = plan.view_pages

@@ -1,7 +1,8 @@
 """Triton kernels of the materialized read path, each beside its plain-torch reference.
 
-- ``gather_pages``: copy whole pages of a page-major pool buffer into a send block, in the
-  order a page-id vector gives (latent pages and indexer pages alike: one generic copy).
+- ``gather_page_buffers`` / ``gather_pages``: copy whole pages of page-major pool buffers into a
+  send block, in the order a page-id vector gives; one generic copy serves latent and indexer
+  pages, and one launch gathers both.
 - ``build_slot_table``: the page table handed to the kernels, in slot ids: position ``j`` of
   request ``b`` gets ``slots[cu_pages[b] + j]``; positions past a request's pages get ``pad``.
 - ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
@@ -13,6 +14,8 @@ None of them reads device data back to the host.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -58,24 +61,42 @@ def _check_index(name: str, t: torch.Tensor, dim: int) -> None:
 
 def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[i] = src[page_ids[i]]`` for a page-major ``src [P, page_bytes]``."""
-    return (
-        torch.index_select(src, 0, page_ids.long(), out=out)
-        if out is not None
-        else src.index_select(0, page_ids.long())
-    )
+    if out is None:
+        return src.index_select(0, page_ids.long())
+    return torch.index_select(src, 0, page_ids.long(), out=out)
 
 
 if triton is not None:
 
     @triton.jit
-    def _gather_pages_kernel(src, page_ids, out, words_per_page, src_stride, out_stride, BLOCK: tl.constexpr):
-        slot = tl.program_id(0)
-        block = tl.program_id(1)
+    def _copy_page(src, out, words, BLOCK: tl.constexpr):
+        for start in range(0, words, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < words
+            tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    @triton.jit
+    def _gather_pages_kernel(
+        page_ids,
+        src_a,
+        out_a,
+        words_a,
+        src_stride_a,
+        out_stride_a,
+        src_b,
+        out_b,
+        words_b,
+        src_stride_b,
+        out_stride_b,
+        BLOCK: tl.constexpr,
+    ):
+        # One program copies one slot's page of buffer a (grid column 0) or b (column 1).
+        slot = tl.program_id(0).to(tl.int64)
         page = tl.load(page_ids + slot).to(tl.int64)
-        offs = block * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < words_per_page
-        words = tl.load(src + page * src_stride + offs, mask=mask)
-        tl.store(out + slot.to(tl.int64) * out_stride + offs, words, mask=mask)
+        if tl.program_id(1) == 0:
+            _copy_page(src_a + page * src_stride_a, out_a + slot * out_stride_a, words_a, BLOCK)
+        else:
+            _copy_page(src_b + page * src_stride_b, out_b + slot * out_stride_b, words_b, BLOCK)
 
 
 def _word_view(t: torch.Tensor) -> torch.Tensor:
@@ -85,19 +106,12 @@ def _word_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def gather_pages(
-    src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None, use_triton: bool | None = None
-) -> torch.Tensor:
-    """Copy ``src[page_ids[i]]`` into ``out[i]`` (``src`` and ``out`` ``[*, page_bytes]``, rows contiguous).
-
-    ``page_ids`` must hold valid page indices of ``src`` (the plan points padding at the trash page).
-    """
+def _check_gather(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if src.dim() != 2 or src.stride(1) != 1:
         raise ValueError(f"src must be 2-D with contiguous rows, got shape {tuple(src.shape)} strides {src.stride()}")
-    _check_index("page_ids", page_ids, 1)
     if out is None:
-        out = torch.empty((page_ids.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
-    elif out.shape != (page_ids.shape[0], src.shape[1]) or out.dtype != src.dtype or out.stride(1) != 1:
+        return torch.empty((page_ids.shape[0], src.shape[1]), dtype=src.dtype, device=src.device)
+    if out.shape != (page_ids.shape[0], src.shape[1]) or out.dtype != src.dtype or out.stride(1) != 1:
         raise ValueError(
             f"out must be {src.dtype} [{page_ids.shape[0]}, {src.shape[1]}] with contiguous rows, "
             f"got {out.dtype} {tuple(out.shape)}"
@@ -106,18 +120,49 @@ def gather_pages(
         raise ValueError(
             f"src, page_ids and out must share a device, got {src.device}, {page_ids.device}, {out.device}"
         )
-    if page_ids.shape[0] == 0:
-        return out
-    if not triton_enabled(src.device, use_triton):
-        return gather_pages_ref(src, page_ids, out)
-    s_words, o_words = _word_view(src), _word_view(out)
-    if s_words.dtype != o_words.dtype:
-        s_words, o_words = src, out
-    words = s_words.shape[1]
-    block = min(4096, triton.next_power_of_2(words))
-    grid = (page_ids.shape[0], triton.cdiv(words, block))
-    _gather_pages_kernel[grid](s_words, page_ids, o_words, words, s_words.stride(0), o_words.stride(0), BLOCK=block)
     return out
+
+
+def gather_page_buffers(
+    srcs: Sequence[torch.Tensor],
+    page_ids: torch.Tensor,
+    outs: Sequence[torch.Tensor] | None = None,
+    use_triton: bool | None = None,
+) -> list[torch.Tensor]:
+    """Copy the same pages of one or two page-major buffers (``[P, page_bytes]`` each, rows contiguous)
+    into ``outs[k][i] = srcs[k][page_ids[i]]``, in one kernel launch.
+
+    The read path gathers a slot's latent page and its indexer page together. ``page_ids`` must
+    hold valid page indices of every source (the plan points padding at the trash page).
+    """
+    if not 1 <= len(srcs) <= 2:
+        raise ValueError(f"srcs must hold one or two buffers, got {len(srcs)}")
+    if outs is not None and len(outs) != len(srcs):
+        raise ValueError(f"outs must match srcs ({len(srcs)} buffers), got {len(outs)}")
+    _check_index("page_ids", page_ids, 1)
+    outs = [_check_gather(src, page_ids, None if outs is None else outs[k]) for k, src in enumerate(srcs)]
+    if page_ids.shape[0] == 0:
+        return outs
+    if not triton_enabled(srcs[0].device, use_triton):
+        return [gather_pages_ref(src, page_ids, out) for src, out in zip(srcs, outs)]
+    args = []
+    for src, out in zip(srcs, outs):
+        s_words, o_words = _word_view(src), _word_view(out)
+        if s_words.dtype != o_words.dtype:
+            s_words, o_words = src, out
+        args.append((s_words, o_words, s_words.shape[1], s_words.stride(0), o_words.stride(0)))
+    block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
+    grid = (page_ids.shape[0], len(args))
+    a, b = args[0], args[-1]
+    _gather_pages_kernel[grid](page_ids, *a, *b, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return outs
+
+
+def gather_pages(
+    src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None, use_triton: bool | None = None
+) -> torch.Tensor:
+    """Copy ``src[page_ids[i]]`` into ``out[i]``: ``gather_page_buffers`` for a single buffer."""
+    return gather_page_buffers([src], page_ids, None if out is None else [out], use_triton)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
@@ -32,15 +33,13 @@ def compact_row_table(extend_lens: Sequence[int], device: torch.device | str = "
 
     Built on the host from host-known lengths and copied without blocking.
     """
-    lens = [int(n) for n in extend_lens]
-    if any(n < 0 for n in lens):
-        raise ValueError(f"extend_lens must be >= 0, got {lens}")
-    width = max(lens, default=0)
-    table = torch.zeros((len(lens), width), dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(lens):
-        table[b, :n] = torch.arange(start, start + n, dtype=torch.int32)
-        start += n
+    host_lens = [int(n) for n in extend_lens]
+    if any(n < 0 for n in host_lens):
+        raise ValueError(f"extend_lens must be >= 0, got {host_lens}")
+    lens = np.asarray(host_lens, dtype=np.int64)
+    cols = np.arange(lens.max(initial=0), dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    table = torch.from_numpy(np.where(cols < lens[:, None], starts[:, None] + cols, 0).astype(np.int32))
     device = torch.device(device)
     if device.type == "cuda":
         table = table.pin_memory()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import build_slot_table
@@ -84,12 +85,22 @@ class SlotPlan:
         return self.slot_phys[rank * s : (rank + 1) * s]
 
 
-def _host_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host-built int64 vector on ``device`` without a blocking copy."""
-    t = torch.tensor(values, dtype=torch.int64)
+def _host_vectors(pages: list[int], max_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions_flat [M]`` and ``cu_pages [B + 1]`` from host lengths, in one non-blocking copy.
+
+    Built with numpy: single-threaded host work of a few microseconds, where torch's CPU ops can
+    wake a thread pool for every call.
+    """
+    counts = np.asarray(pages, dtype=np.int64)
+    cu = np.zeros(len(pages) + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    req = np.repeat(np.arange(len(pages), dtype=np.int64), counts)
+    flat = req * max_pages + (np.arange(len(req), dtype=np.int64) - cu[req])
+    both = torch.from_numpy(np.concatenate([flat, cu]))
     if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+        both = both.pin_memory()
+    both = both.to(device, non_blocking=True)
+    return both[: len(flat)], both[len(flat) :]
 
 
 def build_slot_plan(
@@ -126,18 +137,14 @@ def build_slot_plan(
     device = page_table.device
     n = cp_size
     s = slots_per_rank(pages, n)
-    cu = [0]
-    for p in pages:
-        cu.append(cu[-1] + p)
-    flat_host = [b * max_pages + j for b, p in enumerate(pages) for j in range(p)]
-    positions_flat = _host_index(flat_host, device)
-    cu_pages = _host_index(cu, device)
+    positions_flat, cu_pages = _host_vectors(pages, max_pages, device)
 
     logical = page_table.reshape(-1).index_select(0, positions_flat).long()
     owner = logical % n
-    # Rank of each position among same-owner positions: a cumsum over a one-hot [M, N].
-    one_hot = (owner.unsqueeze(1) == torch.arange(n, device=device).unsqueeze(0)).to(torch.int32)
-    rank_in_owner = one_hot.cumsum(0, dtype=torch.int32).gather(1, owner.unsqueeze(1)).squeeze(1).long() - 1
+    # Rank of each position among same-owner positions: a cumsum over a one-hot [N, M]. The scan
+    # runs along the inner dimension: along the outer one CUDA scans each of the N columns serially.
+    one_hot = (torch.arange(n, device=device).unsqueeze(1) == owner.unsqueeze(0)).to(torch.int32)
+    rank_in_owner = one_hot.cumsum(1, dtype=torch.int32).gather(0, owner.unsqueeze(0)).squeeze(0).long() - 1
     slots = owner * s + rank_in_owner
 
     # Each slot's physical page on its owner. An overflowing position (impossible with balanced

@@ -1,0 +1,102 @@
+"""On CUDA: the read path never synchronizes with the host, its compiled kernels equal the CPU
+references, and the NCCL-gathered view gives the replicated results bit for bit."""
+
+import random
+
+import pytest
+import torch
+
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
+from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages, positions_to_view_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
+from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.testing.dsa_stack import RequestSpec, StackConfig, first_mismatch, run_chunked_prefill
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PS = 64
+
+
+def _batch(n: int, requests: int, seed: int):
+    rng = random.Random(seed)
+    alloc = BalancedPageAllocator(PageOwnership(n, PS), 4096)
+    pages = [alloc.alloc(rng.randint(1, 80), rng.randrange(n)).tolist() for _ in range(requests)]
+    table = torch.zeros((requests, max(map(len, pages))), dtype=torch.int32)
+    for b, p in enumerate(pages):
+        table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    return pages, table, alloc.phys_pages_per_rank
+
+
+def test_plan_gather_and_remap_do_not_sync_and_equal_cpu():
+    n, rank = 8, 3
+    pages, table, phys = _batch(n, 48, seed=1)
+    lens = [len(p) for p in pages]
+    cpu_plan = build_slot_plan(table, lens, n, PS, trash_page=phys, use_triton=False)
+    src = torch.randint(0, 256, (phys + 1, PS * 132), dtype=torch.uint8)
+    positions = torch.randint(-1, PS * min(lens), (300, 128), dtype=torch.int32)
+    q_req = torch.randint(0, len(pages), (300,))
+    dev = torch.device("cuda")
+    table_d, src_d, pos_d, q_req_d = table.to(dev), src.to(dev), positions.to(dev), q_req.to(dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        plan = build_slot_plan(table_d, lens, n, PS, trash_page=phys)
+        send = gather_pages(src_d, plan.send_pages(rank))
+        rows = positions_to_view_rows(pos_d, q_req_d, plan.slot_table, PS)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(plan.slots.cpu(), cpu_plan.slots)
+    assert torch.equal(plan.slot_table.cpu(), cpu_plan.slot_table)
+    assert torch.equal(plan.slot_phys.cpu(), cpu_plan.slot_phys)
+    assert torch.equal(send.cpu(), src[cpu_plan.send_pages(rank)])
+    assert torch.equal(rows.cpu(), positions_to_view_rows(positions, q_req, cpu_plan.slot_table, PS, use_triton=False))
+
+
+def test_materializer_does_not_sync():
+    dev = torch.device("cuda")
+    pool = ShardedMLAPool(PageOwnership(1, PS), 0, 64, 2, "fp8", device=dev)
+    table = torch.tensor([[5, 9, 2], [7, 1, 0]], dtype=torch.int32, device=dev)
+    rows = torch.zeros((3 * PS, pool.row_bytes), dtype=torch.uint8, device=dev)
+    records = pack_index_records(torch.zeros((3 * PS, 128), dtype=torch.uint8), torch.ones(3 * PS)).to(dev)
+    positions = torch.tensor([[0, 65, -1]], dtype=torch.int32, device=dev)
+    q_req = torch.zeros(1, dtype=torch.int64, device=dev)
+    mat = ViewMaterializer(pool, None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mat.begin_batch(table, [3 * PS, 2 * PS], [PS, 0])
+        hist = mat.layer_view(1)
+        hist_rows = hist.rows(positions, q_req)
+        mat.begin_batch(table, [2 * PS, PS], [0, 0])
+        cur = mat.layer_view(0, rows, records)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not mat.plan and cur.page_size == 1
+    s0, s1 = int(hist.page_table[0, 0]), int(hist.page_table[0, 1])
+    assert hist_rows.tolist() == [[s0 * PS, s1 * PS + 1, -1]]
+
+
+def _rank_nccl_prefill(rank, world_size, kv_format):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    requests = [RequestSpec(160), RequestSpec(96), RequestSpec(208, 0, 128), RequestSpec(256)]
+    kw = {"chunk_size": 256, "page_size": PS, "kv_format": kv_format, "device": dev}
+    kw["config"] = StackConfig(num_layers=3, heads=16, topk=64)
+    replicated = run_chunked_prefill(requests, layout_cp_size=world_size, **kw)
+    sharded = run_chunked_prefill(requests, group=CPGroup(), **kw)
+    return first_mismatch(replicated, sharded), [b.counters for b in sharded.batches]
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_nccl_sharded_prefill_equals_replicated(kv_format):
+    n = min(torch.cuda.device_count(), 8)
+    for mismatch, counters in spawn_ranks(_rank_nccl_prefill, n, kv_format, backend="nccl", timeout_s=300):
+        assert mismatch is None, mismatch
+        assert [c.kind for c in counters] == ["current", "mixed", "history"]
+        assert counters[0].bytes_materialized == 0 and counters[1].bytes_materialized > 0

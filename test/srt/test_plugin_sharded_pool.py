@@ -6,7 +6,8 @@
   so exactly the owned rows were written.
 - Read path on N spawned gloo ranks: the kv-shard contract SGLang's DSA backend and indexer call
   (``begin_shard_extend``, ``translate_loc_to_scratch``, ``get_key_buffer``,
-  ``get_index_k_scale_buffer`` with logical pages) returns exactly the replicated pool's bytes,
+  ``get_index_k_scale_buffer`` with logical pages; ``get_mla_kv_buffer`` for plain MLA's
+  chunked-prefix read) returns exactly the replicated pool's bytes,
   for a current-only batch (current-reuse: nothing moved) and a mixed prefix batch
   (materialized: pages gathered from their owners), with pages drawn by SGLang's own
   owner-rotating allocator.
@@ -171,20 +172,27 @@ def _alloc(allocator, prefix_len: int, seq_len: int, last_loc: int, base):
     return out, bases[0]
 
 
-def _rank_read_path(rank: int, world: int) -> dict:
+def _rank_read_path(rank: int, world: int, debug: bool) -> dict:
+    if debug:  # the syncing plan / translation / stored-row checks run on every call
+        os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
 
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool, CPSharedMLATokenToKVPool
 
     # bf16 latent rows: the fp8 quantizer is covered above and is slow under the Triton interpreter.
     size, layers = 8 * PS, 2
     kwargs = _dsa_kwargs(layers, fp8=False)
+    group = CPGroup()
     with _no_dcp():
-        pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=CPGroup(), **kwargs)
+        pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
         replicated = DSATokenToKVPool(world * pool.phys_pages * PS - PS, **kwargs)
-        replicated.dcp_replicated = True
+        # Plain MLA (no indexer) follows the same batches: the FA3 side of the contract.
+        mla = CPSharedMLATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **_mla_kwargs(layers))
+        mla_replicated = MLATokenToKVPool(world * pool.phys_pages * PS - PS, **_mla_kwargs(layers))
+        for p in (replicated, mla_replicated):
+            p.dcp_replicated = True
     allocator = PageInterleavePoolAllocator(
         size, physical_page_size=PS, shard_size=world, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=True
     )
@@ -196,6 +204,7 @@ def _rank_read_path(rank: int, world: int) -> dict:
         req_idx = torch.tensor(reqs)
         with _no_dcp():
             pool.begin_shard_extend(req_to_token, req_idx, prefix_lens, seq_lens)
+            mla.begin_shard_extend(req_to_token, req_idx, prefix_lens, seq_lens)
             new = torch.cat([req_to_token[r, p:s].long() for r, p, s in zip(reqs, prefix_lens, seq_lens)])
             every = torch.cat([req_to_token[r, :s].long() for r, s in zip(reqs, seq_lens)])
             for layer in range(layers):
@@ -207,8 +216,13 @@ def _rank_read_path(rank: int, world: int) -> dict:
                 got = pool.get_index_k_scale_buffer(layer, lens, pages, sum(seq_lens), max(seq_lens))
                 want = replicated.get_index_k_scale_buffer(layer, lens, pages, sum(seq_lens), max(seq_lens))
                 assert all(torch.equal(a, b) for a, b in zip(got, want)), f"rank {rank} layer {layer} indexer keys"
-                for p in (pool, replicated):
+                for p in (pool, replicated, mla, mla_replicated):
                     p.set_mla_kv_buffer(_Layer(layer), new, nope, rope)
+                mla_rows = mla.translate_loc_to_scratch(every)
+                assert torch.equal(mla.get_key_buffer(layer)[mla_rows], mla_replicated.get_key_buffer(layer)[every])
+                got_mla = mla.get_mla_kv_buffer(_Layer(layer), every)  # the chunked-prefix MHA read
+                want_mla = mla_replicated.get_mla_kv_buffer(_Layer(layer), every)
+                assert all(torch.equal(a, b) for a, b in zip(got_mla, want_mla)), f"rank {rank} MLA rows"
                 rows = pool.translate_loc_to_scratch(every)
                 got_rows = pool.get_key_buffer(layer)[rows].view(torch.uint8)  # fp8 view: compare bytes (NaN codes)
                 want_rows = replicated.get_key_buffer(layer)[every].view(torch.uint8)
@@ -217,7 +231,9 @@ def _rank_read_path(rank: int, world: int) -> dict:
                 assert pool.translate_loc_to_scratch(table).dtype == table.dtype
                 out["checks"] += 2
             mode, counters = pool.read.mode, pool.read.counters
+            assert mla.read.mode == mode
             pool.end_shard_extend()
+            mla.end_shard_extend()
         return mode, counters
 
     # Batch 1: two fresh requests, no prefix -> current-reuse.
@@ -243,11 +259,11 @@ def _rank_read_path(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world", [2, 3])
-def test_read_contract_matches_replicated_pool(world):
+@pytest.mark.parametrize("world,debug", [(2, False), (3, True)], ids=["N2", "N3-debug"])
+def test_read_contract_matches_replicated_pool(world, debug):
     from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 
-    results = spawn_ranks(_rank_read_path, world, timeout_s=240)
+    results = spawn_ranks(_rank_read_path, world, debug, timeout_s=240)
     for res in results:
         assert res["checks"] == 8, res
         assert res["batch1"] == ("current", "current", 0), res  # current-reuse: nothing materialized

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import struct
 import time
 import traceback
 from dataclasses import dataclass
@@ -119,6 +120,48 @@ def call_all(workers, fn, args_per_worker, timeout_s: float = 120.0):
     for w, args in zip(workers, args_per_worker):
         w.send(fn, *args)
     return [w.recv(timeout_s) for w in workers]
+
+
+class FramedClient:
+    """A blocking socket speaking the control protocol by hand, for playing a peer in tests."""
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.sock.settimeout(15)
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(struct.pack("!I", len(data)) + data)
+
+    def send(self, msg) -> None:
+        from sglang_cp_shared_kv.srt.disaggregation.mooncake import control_messages as cm
+
+        self.send_raw(cm.encode(msg))
+
+    def recv(self):
+        """The next message that is not a heartbeat."""
+        from sglang_cp_shared_kv.srt.disaggregation.mooncake import control_messages as cm
+
+        while True:
+            (n,) = struct.unpack("!I", self._read(4))
+            msg = cm.decode(self._read(n))
+            if not isinstance(msg, cm.Heartbeat):
+                return msg
+
+    def expect(self, kind):
+        msg = self.recv()
+        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg}"
+        return msg
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            assert chunk, "peer closed the connection"
+            buf += chunk
+        return buf
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # ---------------------------------------------------------------------------- cases
@@ -287,6 +330,22 @@ def sender_start(state, case: Case, rank: int, address: str, timeout_s: float | 
         alloc.alloc(n_pages, first_owner=i % case.n)
     sender = OwnedPageSender(pool, _engine(state), address, timeout_s=timeout_s).start()
     state.update(case=case, pool=pool, sender=sender, tables=tables, alloc=alloc, closers=[sender])
+
+
+def sender_status(state, request_ids) -> dict:
+    sender = state["sender"]
+    return {
+        "states": {rid: sender.poll(rid).name for rid in request_ids},
+        "reasons": {rid: sender.result(rid).reason for rid in request_ids},
+        "rejected": list(sender.rejected),
+        "lost": sender.decode_lost,
+        "loop_errors": list(sender.loop_errors),
+    }
+
+
+def sender_submit_nowait(state, request_ids) -> None:
+    for rid in request_ids:
+        state["sender"].submit(rid, state["tables"][rid])
 
 
 def sender_wait_dst(state, request_ids, timeout_s: float = 30.0) -> bool:

@@ -21,7 +21,7 @@ from sglang_cp_shared_kv.srt.disaggregation.mooncake.engine import (
 )
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.owned_page_sender import OwnedPageSender, SendResult
-from sglang_cp_shared_kv.srt.disaggregation.mooncake.transfer_state import TransferState
+from sglang_cp_shared_kv.srt.disaggregation.mooncake.transfer_state import TransferState, agree_across_ranks
 
 __all__ = [
     "MAX_ENTRIES_PER_CALL",
@@ -36,6 +36,7 @@ __all__ = [
     "SendResult",
     "TransferError",
     "TransferState",
+    "agree_across_ranks",
     "make_decode_pool",
     "owner_striped",
     "transfer_timeout_s",

@@ -57,6 +57,7 @@ from sglang_cp_shared_kv.srt.disaggregation.mooncake.page_runs import (
 )
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.transfer_state import TransferState
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 logger = logging.getLogger(__name__)
@@ -451,6 +452,12 @@ class OwnedPageSender(ControlLoop):
             for i in range(len(pool.index))
         ]
         src, dst, lengths = transfer_entries(runs, buffers)
+        if debug_enabled():  # every source byte must lie in memory this engine registered
+            bad = [i for i in range(src.size) if not self.engine.is_registered(int(src[i]), int(lengths[i]))]
+            if bad:
+                raise AssertionError(
+                    f"rank {self.rank}: {len(bad)} entries read outside registered memory (first {bad[0]})"
+                )
         return positions.numpy(), src, dst, lengths
 
     def _transfer(self, request_id: str) -> None:

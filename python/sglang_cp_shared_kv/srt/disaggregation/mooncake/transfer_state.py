@@ -8,6 +8,7 @@ prefill scheduler agrees on a request across ranks before freeing its pages
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 
@@ -21,3 +22,17 @@ class TransferState(IntEnum):
     @property
     def finished(self) -> bool:
         return self in (TransferState.FAILED, TransferState.SUCCESS)
+
+
+def agree_across_ranks(states: Sequence[TransferState], group=None) -> list[TransferState]:
+    """The group-wide state of each request: the minimum over the CP ranks (one all-reduce).
+
+    Every rank passes its senders' states for the same requests in the same order and
+    gets the same answer, so all ranks free a request's prefill pages together.
+    """
+    import torch
+    import torch.distributed as dist
+
+    local = torch.tensor([int(s) for s in states], dtype=torch.int32)
+    dist.all_reduce(local, op=dist.ReduceOp.MIN, group=group)
+    return [TransferState(int(v)) for v in local.tolist()]

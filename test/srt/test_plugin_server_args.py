@@ -139,6 +139,24 @@ def test_launch_server_help_lists_the_flag():
     assert "prefill context-parallel ranks" in proc.stdout  # our help text, not a stray match
 
 
+def _sglang_cli() -> str:
+    return os.path.join(os.path.dirname(sys.executable), "sglang")
+
+
+def test_sglang_serve_help_omits_plugin_flags_but_serve_takes_the_flag(model_dir):
+    """Documented 0.5.23 behaviour: ``sglang serve --help`` prints before plugins load; ``sglang serve`` itself
+    loads them before parsing, so the flag is accepted and the startup checks run (here they reject)."""
+    help_proc = subprocess.run(
+        [_sglang_cli(), "serve", "--help"], capture_output=True, text=True, timeout=240, env=_ENV
+    )
+    assert help_proc.returncode == 0, help_proc.stderr[-3000:]
+    assert "--enable-prefill-cp" in help_proc.stdout and "--enable-cp-shared-kv" not in help_proc.stdout
+    argv = [_sglang_cli(), "serve", "--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
+    serve = subprocess.run(argv + ["--enable-cp-shared-kv"], capture_output=True, text=True, timeout=240, env=_ENV)
+    assert serve.returncode != 0
+    assert "--enable-cp-shared-kv: the KV is sharded over the prefill context-parallel ranks" in serve.stderr
+
+
 def test_parse_with_and_without_flag(worker_results):
     assert worker_results["parsed_on"] is True
     assert worker_results["parsed_off"] is False

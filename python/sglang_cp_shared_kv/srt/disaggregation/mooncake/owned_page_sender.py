@@ -41,6 +41,7 @@ import queue
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,8 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 logger = logging.getLogger(__name__)
+
+_POPPED_MEMORY = 4096
 
 
 @dataclass
@@ -126,6 +129,7 @@ class OwnedPageSender(ControlLoop):
         self._requests: dict[str, _Request] = {}
         self._dst: dict[str, tuple[int, ...]] = {}  # destination pages, possibly before submit
         self._early_verdicts: dict[str, str] = {}  # failed verdicts for requests not submitted yet
+        self._popped: OrderedDict[str, None] = OrderedDict()  # recently forgotten ids: late verdicts are no news
         self.rejected: list[str] = []
         self._work: queue.Queue[str | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work_loop, name=f"cp-kv-sender-worker{self.rank}", daemon=True)
@@ -227,6 +231,9 @@ class OwnedPageSender(ControlLoop):
                 raise ValueError(f"request {request_id!r} is still {req.result.state.name}")
             del self._requests[request_id]
             self._dst.pop(request_id, None)
+            self._popped[request_id] = None
+            if len(self._popped) > _POPPED_MEMORY:
+                self._popped.popitem(last=False)
             return SendResult(**vars(req.result))
 
     def destination_pages(self, request_id: str) -> tuple[int, ...] | None:
@@ -331,7 +338,7 @@ class OwnedPageSender(ControlLoop):
     def _on_verdict(self, msg: cm.Verdict) -> None:
         req = self._requests.get(msg.request_id)
         if req is None:
-            if not msg.ok:  # not submitted yet: promise not to write it
+            if not msg.ok and msg.request_id not in self._popped:  # not submitted yet: promise not to write it
                 self._early_verdicts[msg.request_id] = msg.reason
                 self.send(
                     self._conn,

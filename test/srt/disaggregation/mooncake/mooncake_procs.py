@@ -306,6 +306,15 @@ def decode_wait_free(state, want_free: int, timeout_s: float) -> int:
     return receiver.allocator.free_pages
 
 
+def decode_extra_pages(state, n_pages: int) -> tuple[list[int], int, int]:
+    """Take pages outside any transfer and give them back: (pages, free while held, free after)."""
+    receiver = state["receiver"]
+    pages = receiver.alloc_pages(n_pages)
+    held = receiver.free_page_count
+    receiver.free_pages(pages)
+    return pages.tolist(), held, receiver.free_page_count
+
+
 def decode_close(state) -> None:
     state["receiver"].close()
     for key in ("receiver", "pool", "reference", "tables", "case"):

@@ -11,6 +11,9 @@ Lifecycle::
     receiver.release("req-1")                                      # pages back to the allocator
     receiver.close()
 
+The receiver owns the pool's page allocator (its loop thread frees failed requests'
+pages); take other pages through ``alloc_pages`` / ``free_pages``, which share its lock.
+
 ``add_request`` sends the destination page list to every connected sender (and to
 any that connects later), so a sender knows ``dst`` before its prefill ends.
 
@@ -203,6 +206,21 @@ class DecodeReceiver(ControlLoop):
             req = self._requests.get(request_id)
             if req is not None and req.state == TransferState.WAITING:
                 self._fail(req, reason)
+
+    # -- pages outside transfers (e.g. for tokens decode appends), under the receiver's lock --
+    def alloc_pages(self, n_pages: int) -> torch.Tensor | None:
+        """``n_pages`` pool pages for the caller's own use, or None; give them back with ``free_pages``."""
+        with self._lock:
+            return self.allocator.alloc(n_pages)
+
+    def free_pages(self, pages: torch.Tensor | list[int]) -> None:
+        with self._lock:
+            self.allocator.free(pages)
+
+    @property
+    def free_page_count(self) -> int:
+        with self._lock:
+            return self.allocator.free_pages
 
     def close(self) -> None:
         """Stop the control loop, fail what is pending, unregister the pool."""

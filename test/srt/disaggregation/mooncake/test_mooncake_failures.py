@@ -19,6 +19,7 @@ from mooncake_procs import (
     call_all,
     decode_add,
     decode_close,
+    decode_extra_pages,
     decode_release,
     decode_start,
     decode_status,
@@ -191,6 +192,9 @@ def test_silent_sender_fails_its_requests_within_the_timeout(decode):
         _until(lambda: decode.call(decode_status, ["r"]), lambda s: not s["held"]["r"])["free_pages"]
         == case.decode_pages
     )
+    # pages the decode side takes for itself come from the same allocator, under the same lock
+    pages, held, after = decode.call(decode_extra_pages, 3)
+    assert (len(set(pages)), held, after) == (3, case.decode_pages - 3, case.decode_pages)
     for f in fakes:
         f.close()
     decode.call(decode_close)

@@ -335,10 +335,11 @@ class DecodeReceiver(ControlLoop):
                 self._send_dst(req, rank)
 
     def _send_dst(self, req: _Request, rank: int) -> None:
-        if rank in req.sent_to:
+        peer = self._peers.get(rank)  # a failed send can drop a peer while we iterate
+        if peer is None or rank in req.sent_to:
             return
         req.sent_to.add(rank)
-        self.send(self._peers[rank].conn, cm.encode(cm.DstPages(req.request_id, tuple(req.dst.tolist()))))
+        self.send(peer.conn, cm.encode(cm.DstPages(req.request_id, tuple(req.dst.tolist()))))
 
     def _on_report(self, rank: int, msg: cm.Manifest | cm.Failed) -> None:
         if msg.rank != rank:

@@ -323,6 +323,7 @@ def run_chunked_prefill(
     config: StackConfig = StackConfig(),  # noqa: B008 - frozen dataclass
     device: torch.device | str = "cpu",
     current_reuse: bool = True,
+    prefetch: bool = False,
     use_triton: bool | None = None,
     layout_cp_size: int | None = None,
 ) -> PrefillRun:
@@ -330,7 +331,8 @@ def run_chunked_prefill(
 
     ``group=None``: a replicated pool (``PageOwnership(1, ps)``) read through the logical page
     table. With a CP group: this rank's share of a pool sharded over the group, read through
-    ``ViewMaterializer`` (current-reuse for batches without prefixes when ``current_reuse``).
+    ``ViewMaterializer`` (current-reuse for batches without prefixes when ``current_reuse``; the
+    next layer's gather started ahead of its pool write when ``prefetch``).
     Logical pages come from a balanced allocator over ``layout_cp_size`` owners (default: the
     group's size, or 1), so a replicated run can use the very page ids of a CP run.
     """
@@ -352,7 +354,9 @@ def run_chunked_prefill(
         pool = ShardedMLAPool(
             PageOwnership(n, page_size), group.rank, phys_per_rank, config.num_layers, kv_format, device=device
         )
-        materializer = ViewMaterializer(pool, group, current_reuse=current_reuse, use_triton=use_triton)
+        materializer = ViewMaterializer(
+            pool, group, current_reuse=current_reuse, prefetch=prefetch, use_triton=use_triton
+        )
 
     stack = TinyDSAStack(config, kv_format, device)
     tokens = request_tokens(requests, config.vocab, config.seed)

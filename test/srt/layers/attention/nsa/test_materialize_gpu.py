@@ -61,19 +61,23 @@ def test_materializer_does_not_sync():
     dev = torch.device("cuda")
     pool = ShardedMLAPool(PageOwnership(1, PS), 0, 64, 2, "fp8", device=dev)
     table = torch.tensor([[5, 9, 2], [7, 1, 0]], dtype=torch.int32, device=dev)
-    rows = torch.zeros((3 * PS, pool.row_bytes), dtype=torch.uint8, device=dev)
-    records = pack_index_records(torch.zeros((3 * PS, 128), dtype=torch.uint8), torch.ones(3 * PS)).to(dev)
+    rows = torch.zeros((4 * PS, pool.row_bytes), dtype=torch.uint8, device=dev)
+    records = pack_index_records(torch.zeros((4 * PS, 128), dtype=torch.uint8), torch.ones(4 * PS)).to(dev)
     positions = torch.tensor([[0, 65, -1]], dtype=torch.int32, device=dev)
     q_req = torch.zeros(1, dtype=torch.int64, device=dev)
     mat = ViewMaterializer(pool, None)
+    ahead = ViewMaterializer(pool, None, prefetch=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         mat.begin_batch(table, [3 * PS, 2 * PS], [PS, 0])
         hist = mat.layer_view(1)
         hist_rows = hist.rows(positions, q_req)
+        ahead.begin_batch(table, [3 * PS, 2 * PS], [PS, 0])
+        for layer in range(2):
+            ahead.layer_view(layer, rows, records)  # 2 * PS + 2 * PS current tokens
         mat.begin_batch(table, [2 * PS, PS], [0, 0])
-        cur = mat.layer_view(0, rows, records)
+        cur = mat.layer_view(0, rows[: 3 * PS], records[: 3 * PS])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert not mat.plan and cur.page_size == 1
@@ -81,22 +85,24 @@ def test_materializer_does_not_sync():
     assert hist_rows.tolist() == [[s0 * PS, s1 * PS + 1, -1]]
 
 
-def _rank_nccl_prefill(rank, world_size, kv_format):
+def _rank_nccl_prefill(rank, world_size, kv_format, prefetch):
     dev = torch.device("cuda", torch.cuda.current_device())
     requests = [RequestSpec(160), RequestSpec(96), RequestSpec(208, 0, 128), RequestSpec(256)]
     kw = {"chunk_size": 256, "page_size": PS, "kv_format": kv_format, "device": dev}
     kw["config"] = StackConfig(num_layers=3, heads=16, topk=64)
     replicated = run_chunked_prefill(requests, layout_cp_size=world_size, **kw)
-    sharded = run_chunked_prefill(requests, group=CPGroup(), **kw)
+    sharded = run_chunked_prefill(requests, group=CPGroup(), prefetch=prefetch, **kw)
     return first_mismatch(replicated, sharded), [b.counters for b in sharded.batches]
 
 
 @pytest.mark.multirank
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
-def test_nccl_sharded_prefill_equals_replicated(kv_format):
+@pytest.mark.parametrize(("kv_format", "prefetch"), [("fp8", False), ("bf16", False), ("fp8", True)])
+def test_nccl_sharded_prefill_equals_replicated(kv_format, prefetch):
+    """With prefetch the next layer's gather and all-gather run on a side stream."""
     n = min(torch.cuda.device_count(), 8)
-    for mismatch, counters in spawn_ranks(_rank_nccl_prefill, n, kv_format, backend="nccl", timeout_s=300):
+    per_rank = spawn_ranks(_rank_nccl_prefill, n, kv_format, prefetch, backend="nccl", timeout_s=300)
+    for mismatch, counters in per_rank:
         assert mismatch is None, mismatch
         assert [c.kind for c in counters] == ["current", "mixed", "history"]
         assert counters[0].bytes_materialized == 0 and counters[1].bytes_materialized > 0

@@ -47,7 +47,7 @@ def stream(ps: int) -> tuple[list[RequestSpec], int]:
     return requests, 4 * ps
 
 
-def _rank_prefill(rank, world_size, ps, kv_format, current_reuse):
+def _rank_prefill(rank, world_size, ps, kv_format, current_reuse, prefetch):
     requests, chunk = stream(ps)
     group = CPGroup()
     replicated = run_chunked_prefill(
@@ -61,6 +61,7 @@ def _rank_prefill(rank, world_size, ps, kv_format, current_reuse):
         config=CONFIG,
         group=group,
         current_reuse=current_reuse,
+        prefetch=prefetch,
     )
     # The comparison means something only if history batches select keys stored on other ranks.
     history_reads = 0
@@ -80,19 +81,19 @@ def _rank_prefill(rank, world_size, ps, kv_format, current_reuse):
 
 
 CASES = [
-    # (N, page size, format, current_reuse): every N, page size and format appears at least once
-    (2, 64, "fp8", True),
-    (2, 16, "bf16", False),  # materialized fallback on the current-only batch as well
-    (4, 64, "bf16", True),
-    (4, 16, "fp8", True),
-    (8, 16, "fp8", True),
+    # (N, page size, format, current_reuse, prefetch): every N, page size and format appears at least once
+    (2, 64, "fp8", True, False),
+    (2, 16, "bf16", False, True),  # materialized fallback on the current-only batch as well
+    (4, 64, "bf16", True, True),
+    (4, 16, "fp8", True, False),
+    (8, 16, "fp8", True, True),
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("world_size", "ps", "kv_format", "current_reuse"), CASES)
-def test_sharded_prefill_equals_replicated(world_size, ps, kv_format, current_reuse):
-    per_rank = spawn_ranks(_rank_prefill, world_size, ps, kv_format, current_reuse, timeout_s=300)
+@pytest.mark.parametrize(("world_size", "ps", "kv_format", "current_reuse", "prefetch"), CASES)
+def test_sharded_prefill_equals_replicated(world_size, ps, kv_format, current_reuse, prefetch):
+    per_rank = spawn_ranks(_rank_prefill, world_size, ps, kv_format, current_reuse, prefetch, timeout_s=300)
     requests, chunk = stream(ps)
     batches = schedule_chunked_prefill(requests, chunk)
     assert [b.kind for b in batches] == ["current", "mixed", "history"]

@@ -93,6 +93,45 @@ def test_current_batch_can_be_materialized_instead():
     assert torch.equal(view.kv_rows[int(view.page_table[1, 1]) * PS], pool.latent[0][4 * PS])
 
 
+@pytest.mark.parametrize("with_indexer", [True, False])
+def test_prefetched_views_equal_views_gathered_after_the_write(with_indexer):
+    """With prefetch, layer l + 1 is gathered before its current chunk is written; the current rows
+    are then copied in. Every view must equal the one gathered after the write."""
+    pool, plain_pool = _filled_pool(with_indexer=with_indexer), _filled_pool(with_indexer=with_indexer)
+    table = torch.tensor([[7, 2, 9], [3, 4, 0]], dtype=torch.int32)
+    seq_lens, prefix_lens = [2 * PS + 5, 2 * PS - 1], [PS + 3, 0]  # a history and a fresh request
+    req = [b for b, (p, n) in enumerate(zip(prefix_lens, seq_lens)) for _ in range(n - p)]
+    pos = [i for p, n in zip(prefix_lens, seq_lens) for i in range(p, n)]
+    locs = torch.tensor([int(table[b, i // PS]) * PS + i % PS for b, i in zip(req, pos)])
+    ahead = ViewMaterializer(pool, None, prefetch=True, use_triton=False)
+    after = ViewMaterializer(plain_pool, None, use_triton=False)
+    counters = ahead.begin_batch(table, seq_lens, prefix_lens)
+    after.begin_batch(table, seq_lens, prefix_lens)
+    g = torch.Generator().manual_seed(11)
+    for layer in range(2):
+        rows = torch.randint(0, 256, (len(locs), pool.row_bytes), dtype=torch.uint8, generator=g)
+        k = torch.randint(0, 256, (len(locs), 128), dtype=torch.uint8, generator=g)
+        scale = torch.rand(len(locs), generator=g)
+        for p in (pool, plain_pool):
+            p.set_latent(layer, locs, rows)
+            if with_indexer:
+                p.set_index(layer, locs, k, scale)
+        records = pack_index_records(k, scale) if with_indexer else None
+        got, want = ahead.layer_view(layer, rows, records), after.layer_view(layer)
+        assert torch.equal(got.kv_rows, want.kv_rows) and torch.equal(got.page_table, want.page_table)
+        if with_indexer:
+            assert torch.equal(got.index_pages, want.index_pages)
+    assert ahead._pending is None  # the last layer starts no prefetch
+    assert counters == after.counters
+
+
+def test_prefetch_needs_the_current_chunk():
+    mat = ViewMaterializer(_filled_pool(), None, prefetch=True, use_triton=False)
+    mat.begin_batch(torch.zeros((1, 2), dtype=torch.int32), [20], [16])
+    with pytest.raises(ValueError, match="current_kv_rows"):
+        mat.layer_view(0)
+
+
 def test_bad_input_is_rejected():
     pool = _filled_pool()
     sharded = ShardedMLAPool(PageOwnership(2, PS), 0, 4, 1, "fp8")

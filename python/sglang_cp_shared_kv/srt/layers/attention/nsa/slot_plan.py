@@ -85,8 +85,18 @@ class SlotPlan:
         return self.slot_phys[rank * s : (rank + 1) * s]
 
 
+def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host-built int64 vectors on ``device``, through one pinned buffer and one non-blocking copy."""
+    arrays = [np.asarray(v, dtype=np.int64) for v in vectors]
+    both = torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64))
+    if device.type == "cuda":
+        both = both.pin_memory()
+    both = both.to(device, non_blocking=True)
+    return list(both.split([len(a) for a in arrays]))
+
+
 def _host_vectors(pages: list[int], max_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``positions_flat [M]`` and ``cu_pages [B + 1]`` from host lengths, in one non-blocking copy.
+    """``positions_flat [M]`` and ``cu_pages [B + 1]`` from host lengths.
 
     Built with numpy: single-threaded host work of a few microseconds, where torch's CPU ops can
     wake a thread pool for every call.
@@ -96,11 +106,8 @@ def _host_vectors(pages: list[int], max_pages: int, device: torch.device) -> tup
     np.cumsum(counts, out=cu[1:])
     req = np.repeat(np.arange(len(pages), dtype=np.int64), counts)
     flat = req * max_pages + (np.arange(len(req), dtype=np.int64) - cu[req])
-    both = torch.from_numpy(np.concatenate([flat, cu]))
-    if device.type == "cuda":
-        both = both.pin_memory()
-    both = both.to(device, non_blocking=True)
-    return both[: len(flat)], both[len(flat) :]
+    positions_flat, cu_pages = host_to_device([flat, cu], device)
+    return positions_flat, cu_pages
 
 
 def build_slot_plan(

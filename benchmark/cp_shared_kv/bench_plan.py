@@ -20,7 +20,9 @@ import torch
 from benchmark.cp_shared_kv.bench_common import save_plot, write_result
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
+from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 PS = 64
 CP = 8  # plan for a CP=8 group; this GPU plays rank 0
@@ -51,15 +53,17 @@ def unique_plan(page_table: torch.Tensor, pages_per_req: list[int], cp_size: int
 
 
 def _workload(n_req: int, total_pages: int, shared_frac: float, phys_pages: int, device: str):
-    """``n_req`` requests of equal length sharing their first ``shared_frac`` of pages (a common prompt)."""
+    """``n_req`` requests of equal length sharing their first ``shared_frac`` of pages (a common prompt).
+
+    Pages come from the balanced allocator, as in the server: each request's pages cycle through owners.
+    """
     per_req = max(1, total_pages // n_req)
     shared = int(per_req * shared_frac) if n_req > 1 else 0
-    g = torch.Generator().manual_seed(0)
-    logical = torch.randperm(phys_pages * CP, generator=g)
-    common, rest = logical[:shared], logical[shared:]
+    alloc = BalancedPageAllocator(PageOwnership(CP, PS), phys_pages)
+    common = alloc.alloc(shared, 0)
     table = torch.zeros(n_req, per_req, dtype=torch.int32)
     for i in range(n_req):
-        own = rest[i * (per_req - shared) : (i + 1) * (per_req - shared)]
+        own = alloc.alloc(per_req - shared, shared % CP)
         table[i] = torch.cat([common, own]).to(torch.int32)
     return table.to(device), [per_req] * n_req, n_req * per_req - (n_req - 1) * shared
 
@@ -83,7 +87,7 @@ def run(
 ) -> list[dict]:
     rows = []
     for total_pages in pages_list:
-        phys = total_pages // CP + 64
+        phys = total_pages // CP + 64 * CP
         latent = torch.zeros(phys + 1, PS * MLA_FP8_ROW_BYTES, dtype=torch.uint8, device="cuda")
         index = torch.zeros(phys + 1, PS * INDEX_TOKEN_BYTES, dtype=torch.uint8, device="cuda")
         for n_req in requests:

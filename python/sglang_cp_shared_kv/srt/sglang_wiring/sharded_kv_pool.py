@@ -24,6 +24,7 @@ logical loc on this rank, and the read plan and translation are checked (syncing
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from sglang.kernels.ops.kvcache import dsa_index_k_cache
@@ -65,7 +66,10 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     write plan are never built.
     """
 
-    def _init_cp_shared(self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | None) -> None:
+    def _init_cp_shared(
+        self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | Callable[[], CPGroup] | None
+    ) -> None:
+        """Ranks from the arguments, else from SGLang's parallel context (and its CP group, at first use)."""
         if cp_rank is None or cp_size is None:
             cp_rank, cp_size = _runtime_cp()
             cp_group = cp_group or _runtime_cp_group

@@ -24,6 +24,7 @@ from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
@@ -78,12 +79,13 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
             send = torch.empty(send_bytes, dtype=torch.uint8, device="cuda")
             recv = torch.empty(world * send_bytes, dtype=torch.uint8, device="cuda")
             raw_us = cuda_time_us(lambda: dist.all_gather_into_tensor(recv, send), iters=iters)
+            send_pages = plan.send_pages(rank)
+            sources = (pool.latent_pages(0), pool.index[0])
+            blocks = [
+                torch.empty(plan.slots_per_rank, src.shape[1], dtype=torch.uint8, device="cuda") for src in sources
+            ]
             gather_only_us = cuda_time_us(
-                lambda: [
-                    torch.index_select(src, 0, plan.send_pages(rank), out=mat._buffers[f"send_{name}"])
-                    for name, src in (("latent", pool.latent_pages(0)), ("index", pool.index[0]))
-                ],
-                iters=iters,
+                lambda: [gather_pages(src, send_pages, out=blk) for src, blk in zip(sources, blocks)], iters=iters
             )
             view_bytes = plan.view_pages * pool.page_bytes_per_layer
             row = {
@@ -96,7 +98,7 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
                 "plan_us": round(plan_us, 1),
                 "layer_view_us": round(layer_us, 1),
                 "raw_all_gather_us": round(raw_us, 1),
-                "gather_index_select_us": round(gather_only_us, 1),
+                "gather_only_us": round(gather_only_us, 1),
                 "layer_view_busbw_GBps": round(view_bytes * (world - 1) / world / layer_us / 1e3, 1),
                 "raw_busbw_GBps": round(view_bytes * (world - 1) / world / raw_us / 1e3, 1),
                 "layer_view_vs_raw_all_gather": round(raw_us / layer_us, 3),

@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CP_SHARED_KV_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.cp_shared_kv_stamp"
-WANT="$(cat "$ROOT"/requirements/*.txt "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | sha1sum | cut -d' ' -f1)"
+WANT="$(cat "$ROOT"/requirements/*.txt "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" "$ROOT/scripts/torchvision_cpu_shim.py" | sha1sum | cut -d' ' -f1)"
 
 # Mooncake's engine links libibverbs even without RDMA hardware.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then

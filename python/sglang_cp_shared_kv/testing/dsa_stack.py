@@ -307,6 +307,15 @@ def request_tokens(requests: Sequence[RequestSpec], vocab: int, seed: int) -> li
     return out
 
 
+def page_table_from_pages(pages: Sequence[Sequence[int]], width: int | None = None, pad: int = 0) -> torch.Tensor:
+    """int32 ``[B, width]`` page table holding each request's logical pages, ``pad`` after them."""
+    width = max((len(p) for p in pages), default=0) if width is None else width
+    table = torch.full((len(pages), width), pad, dtype=torch.int32)
+    for b, p in enumerate(pages):
+        table[b, : len(p)] = torch.tensor(list(p), dtype=torch.int32)
+    return table
+
+
 def _pool_pages_per_rank(requests: Sequence[RequestSpec], page_size: int, cp_size: int) -> int:
     """Enough physical pages per rank for the whole stream (no page is freed during a run)."""
     total = sum(-(-r.length // page_size) for r in requests)
@@ -365,10 +374,7 @@ def run_chunked_prefill(
     for batch in schedule_chunked_prefill(requests, chunk_size):
         for i, seq_len in zip(batch.requests, batch.seq_lens):
             _grow_pages(requests, pages, i, seq_len, page_size, allocator)
-        max_pages = max(len(pages[i]) for i in batch.requests)
-        table = torch.zeros((len(batch.requests), max_pages), dtype=torch.int32)
-        for b, i in enumerate(batch.requests):
-            table[b, : len(pages[i])] = torch.tensor(pages[i], dtype=torch.int32)
+        table = page_table_from_pages([pages[i] for i in batch.requests])
         q_req = torch.cat([torch.full((e,), b, dtype=torch.int64) for b, e in enumerate(batch.extend_lens)])
         q_pos = torch.cat([torch.arange(p, p + e) for p, e in zip(batch.prefix_lens, batch.extend_lens)])
         ids = torch.cat([tokens[i][p : p + e] for i, p, e in zip(batch.requests, batch.prefix_lens, batch.extend_lens)])

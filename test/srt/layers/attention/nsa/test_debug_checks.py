@@ -4,7 +4,6 @@ import dataclasses
 import os
 
 import pytest
-import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
@@ -18,21 +17,17 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMateria
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.testing.dsa_stack import page_table_from_pages
 
 PS = 16
 # Two requests, pages cycling through owners as the balanced allocator hands them out.
 PAGES = [[0, 1, 2], [3, 4, 5, 6, 7]]
 
 
-def _table(pages):
-    table = torch.zeros((len(pages), max(map(len, pages))), dtype=torch.int32)
-    for b, p in enumerate(pages):
-        table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    return table
-
-
 def _plan(pages, n=2):
-    return build_slot_plan(_table(pages), [len(p) for p in pages], n, PS, trash_page=99, use_triton=False)
+    return build_slot_plan(
+        page_table_from_pages(pages), [len(p) for p in pages], n, PS, trash_page=99, use_triton=False
+    )
 
 
 def test_valid_plan_passes():
@@ -69,7 +64,7 @@ def _rank_corrupt(rank, world_size, debug):
     if rank == 1:
         pages[1][4] += 2 * world_size  # locally consistent, different from the peers
     try:
-        mat.begin_batch(_table(pages), [PS * len(p) for p in pages], [PS] * len(pages))
+        mat.begin_batch(page_table_from_pages(pages), [PS * len(p) for p in pages], [PS] * len(pages))
         mat.layer_view(0)
     except CPSharedKVDebugError as e:
         return str(e)

@@ -15,7 +15,13 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_pl
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
-from sglang_cp_shared_kv.testing.dsa_stack import RequestSpec, StackConfig, first_mismatch, run_chunked_prefill
+from sglang_cp_shared_kv.testing.dsa_stack import (
+    RequestSpec,
+    StackConfig,
+    first_mismatch,
+    page_table_from_pages,
+    run_chunked_prefill,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -26,10 +32,7 @@ def _batch(n: int, requests: int, seed: int):
     rng = random.Random(seed)
     alloc = BalancedPageAllocator(PageOwnership(n, PS), 4096)
     pages = [alloc.alloc(rng.randint(1, 80), rng.randrange(n)).tolist() for _ in range(requests)]
-    table = torch.zeros((requests, max(map(len, pages))), dtype=torch.int32)
-    for b, p in enumerate(pages):
-        table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    return pages, table, alloc.phys_pages_per_rank
+    return pages, page_table_from_pages(pages), alloc.phys_pages_per_rank
 
 
 def test_plan_gather_and_remap_do_not_sync_and_equal_cpu():

@@ -23,6 +23,7 @@ from sglang_cp_shared_kv.testing.dsa_stack import (
     RequestSpec,
     StackConfig,
     first_mismatch,
+    page_table_from_pages,
     run_chunked_prefill,
     schedule_chunked_prefill,
 )
@@ -133,9 +134,7 @@ def _rank_views(rank, world_size, ps, kv_format):
         shared = pages[0][:2] if i == 2 else []  # request 2 shares request 0's first two pages
         first = alloc.next_owner(shared[-1]) if shared else i % world_size
         pages.append(shared + alloc.alloc(-(-n // ps) - len(shared), first).tolist())
-    table = torch.zeros((len(lens), max(len(p) for p in pages)), dtype=torch.int32)
-    for b, p in enumerate(pages):
-        table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
+    table = page_table_from_pages(pages)
     phys = alloc.phys_pages_per_rank
     sharded = ShardedMLAPool(own, rank, phys, 1, kv_format)
     replicated = ShardedMLAPool(PageOwnership(1, ps), 0, phys * world_size, 1, kv_format)

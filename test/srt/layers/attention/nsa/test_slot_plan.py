@@ -17,6 +17,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
 )
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.testing.dsa_stack import page_table_from_pages
 
 
 def _batch_pages(cp_size: int, page_counts: list[int], share: list[int | None], seed: int) -> list[list[int]]:
@@ -35,10 +36,7 @@ def _batch_pages(cp_size: int, page_counts: list[int], share: list[int | None], 
 
 def _page_table(pages: list[list[int]], pad: int = 0) -> torch.Tensor:
     width = max((len(p) for p in pages), default=0) + 1  # a spare column: kernels must not depend on the width
-    table = torch.full((len(pages), width), pad, dtype=torch.int32)
-    for b, p in enumerate(pages):
-        table[b, : len(p)] = torch.tensor(p, dtype=torch.int32)
-    return table
+    return page_table_from_pages(pages, width, pad)
 
 
 def _loop_slots(pages: list[list[int]], cp_size: int) -> list[int]:

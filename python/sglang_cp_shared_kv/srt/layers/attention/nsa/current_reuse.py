@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import copy_to_device
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
 
 BATCH_KINDS = ("current", "history", "mixed")
@@ -40,10 +41,7 @@ def compact_row_table(extend_lens: Sequence[int], device: torch.device | str = "
     cols = np.arange(lens.max(initial=0), dtype=np.int64)
     starts = np.cumsum(lens) - lens
     table = torch.from_numpy(np.where(cols < lens[:, None], starts[:, None] + cols, 0).astype(np.int32))
-    device = torch.device(device)
-    if device.type == "cuda":
-        table = table.pin_memory()
-    return table.to(device, non_blocking=True)
+    return copy_to_device(table, torch.device(device))
 
 
 def check_current_chunk(

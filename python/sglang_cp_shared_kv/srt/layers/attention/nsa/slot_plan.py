@@ -85,14 +85,18 @@ class SlotPlan:
         return self.slot_phys[rank * s : (rank + 1) * s]
 
 
+def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host (pinned staging for CUDA)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host-built int64 vectors on ``device``, through one pinned buffer and one non-blocking copy."""
+    """Host-built int64 vectors on ``device``, through one buffer and one non-blocking copy."""
     arrays = [np.asarray(v, dtype=np.int64) for v in vectors]
     both = torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64))
-    if device.type == "cuda":
-        both = both.pin_memory()
-    both = both.to(device, non_blocking=True)
-    return list(both.split([len(a) for a in arrays]))
+    return list(copy_to_device(both, device).split([len(a) for a in arrays]))
 
 
 def _host_vectors(pages: list[int], max_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
@@ -84,9 +84,7 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
             blocks = [
                 torch.empty(plan.slots_per_rank, src.shape[1], dtype=torch.uint8, device="cuda") for src in sources
             ]
-            gather_only_us = cuda_time_us(
-                lambda: [gather_pages(src, send_pages, out=blk) for src, blk in zip(sources, blocks)], iters=iters
-            )
+            gather_only_us = cuda_time_us(lambda: gather_page_buffers(sources, send_pages, blocks), iters=iters)
             view_bytes = plan.view_pages * pool.page_bytes_per_layer
             row = {
                 "kv_format": kv_format,

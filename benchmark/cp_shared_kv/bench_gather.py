@@ -1,7 +1,7 @@
 """Gather kernel bandwidth: the materialize page gather vs ``torch.index_select`` vs a plain copy.
 
 For every size, the same pages (page size 64, random order, as a plan leaves them) are moved
-three ways: our Triton ``gather_pages`` (latent pages + indexer pages), ``index_select`` on the
+three ways: our Triton ``gather_page_buffers`` (latent + indexer pages in one launch), ``index_select`` on the
 same page ids, and a device-to-device copy of the same number of contiguous bytes (the ceiling).
 L2 is flushed before each timed call.
 
@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from benchmark.cp_shared_kv.bench_common import cuda_time_cold_us, save_plot, write_result
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, mla_row_bytes
 
 PAGE = 64
@@ -35,8 +35,7 @@ def run(tokens_list: list[int], formats: list[str]) -> list[dict]:
             out_i = torch.empty(pages, index.shape[1], dtype=torch.uint8, device="cuda")
 
             def ours():
-                gather_pages(latent, ids, out_l)
-                gather_pages(index, ids, out_i)
+                gather_page_buffers([latent, index], ids, [out_l, out_i])  # one launch for both
 
             def index_select():
                 torch.index_select(latent, 0, ids, out=out_l)

@@ -99,16 +99,20 @@ def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.
     return list(copy_to_device(both, device).split([len(a) for a in arrays]))
 
 
-def _host_vectors(pages: list[int], max_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``positions_flat [M]`` and ``cu_pages [B + 1]`` from host lengths.
+def plan_vectors(pages: Sequence[int], max_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions_flat [M]`` and ``cu_pages [B + 1]`` from host lengths, on ``device``.
+
+    They depend on the batch's lengths only, not on its page ids: a CUDA graph captures the plan
+    with them built beforehand (``build_slot_plan(..., vectors=...)``) and replays it on new page
+    tables of the same lengths.
 
     Built with numpy: single-threaded host work of a few microseconds, where torch's CPU ops can
     wake a thread pool for every call.
     """
-    counts = np.asarray(pages, dtype=np.int64)
-    cu = np.zeros(len(pages) + 1, dtype=np.int64)
+    counts = np.asarray(list(pages), dtype=np.int64)
+    cu = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
-    req = np.repeat(np.arange(len(pages), dtype=np.int64), counts)
+    req = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     flat = req * max_pages + (np.arange(len(req), dtype=np.int64) - cu[req])
     positions_flat, cu_pages = host_to_device([flat, cu], device)
     return positions_flat, cu_pages
@@ -122,11 +126,14 @@ def build_slot_plan(
     trash_page: int,
     pad: int = 0,
     use_triton: bool | None = None,
+    vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SlotPlan:
     """Plan the view of one batch from its page table (logical page ids, ``[B, max_pages]``).
 
     ``pages_per_req`` are host ints (``pages_for_lens(seq_lens_cpu, ps)``); the page table stays
     on its device and is never read back. ``trash_page`` is the pool's padding page.
+    ``vectors``: ``plan_vectors(pages_per_req, max_pages, device)`` built ahead (CUDA graphs);
+    built here when omitted.
     """
     if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -148,7 +155,11 @@ def build_slot_plan(
     device = page_table.device
     n = cp_size
     s = slots_per_rank(pages, n)
-    positions_flat, cu_pages = _host_vectors(pages, max_pages, device)
+    if vectors is None:
+        vectors = plan_vectors(pages, max_pages, device)
+    positions_flat, cu_pages = vectors
+    if positions_flat.shape != (sum(pages),) or cu_pages.shape != (batch + 1,):
+        raise ValueError(f"vectors must be plan_vectors of these lengths ([{sum(pages)}], [{batch + 1}])")
 
     logical = page_table.reshape(-1).index_select(0, positions_flat).long()
     owner = logical % n

@@ -15,7 +15,7 @@ import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import pool_view
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
-from sglang_cp_shared_kv.testing.dsa_stack import LayerOutput, TinyDSAStack, _attend, page_table_from_pages
+from sglang_cp_shared_kv.testing.dsa_stack import LayerOutput, TinyDSAStack, attend_layer, page_table_from_pages
 
 
 def decode_one_token(
@@ -43,7 +43,7 @@ def decode_one_token(
         pool.set_latent(layer, locs, proj.kv_rows)
         pool.set_index(layer, locs, proj.index_k, proj.index_scale)
         view = pool_view(pool, layer, table)
-        out, lse, topk = _attend(stack, proj, view, q_req, q_pos, [n + 1 for n in lens])
+        out, lse, topk = attend_layer(stack, proj, view, q_req, q_pos, [n + 1 for n in lens])
         outputs.append(LayerOutput(topk.cpu(), out.cpu(), lse.cpu()))
         x = stack.finish(layer, x, out)
     return outputs, pages

@@ -397,7 +397,7 @@ def run_chunked_prefill(
             else:
                 view = pool_view(pool, layer, table, use_triton=use_triton)
                 counters.layers += 1
-            out, lse, topk = _attend(stack, proj, view, q_req, q_pos, batch.seq_lens)
+            out, lse, topk = attend_layer(stack, proj, view, q_req, q_pos, batch.seq_lens)
             layers.append(LayerOutput(topk.cpu(), out.cpu(), lse.cpu()))
             x = stack.finish(layer, x, out)
         results.append(BatchResult(batch, layers, counters))
@@ -419,7 +419,8 @@ def _grow_pages(requests, pages, i, seq_len, page_size, allocator) -> None:
     pages[i] = pages[i] + fresh.tolist()
 
 
-def _attend(stack, proj, view: LayerView, q_req, q_pos, seq_lens):
+def attend_layer(stack, proj, view: LayerView, q_req, q_pos, seq_lens):
+    """One layer's DSA read over ``view``: indexer top-k positions, remapped rows, sparse MLA."""
     topk = indexer_topk(
         proj.index_q,
         proj.index_q_scale,

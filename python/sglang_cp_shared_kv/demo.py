@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--page-size must be a power of two, got {args.page_size}")
 
     _env()
+    # The CPU matmuls of the reference kernels split their reductions by thread count: every process
+    # (baseline, ranks, decode) runs one thread so that equal bytes give equal bits.
+    torch.set_num_threads(1)
     t_start = time.monotonic()
     config = StackConfig(num_layers=args.layers)
     try:

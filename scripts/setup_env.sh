@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build (or reuse) the project's virtualenv in .venv with everything tests and demo need.
+# Build (or reuse) the project's virtualenv in .venv with everything tests and demo need, and
+# activate it with the CPU run settings.
 # Idempotent: a second run only checks. Usage: source scripts/setup_env.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,3 +33,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+# No GPU here: Triton kernels run in its interpreter. Quiet Mooncake; unbuffered progress.
+export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+export MC_LOG_LEVEL="${MC_LOG_LEVEL:-WARNING}"
+export PYTHONUNBUFFERED=1

@@ -2,12 +2,8 @@
 # The test command: sets up its own virtualenv, then runs the whole suite on CPU.
 # Extra arguments go to pytest (e.g. scripts/test.sh -m "not sglang" -x).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup_env.sh
-export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
-export MC_LOG_LEVEL="${MC_LOG_LEVEL:-WARNING}"
-export PYTHONUNBUFFERED=1
 set +e
 python -m pytest "$@"
 rc=$?

@@ -56,6 +56,10 @@ def render() -> str:
         "use the working tree with `PYTHONPATH=python:.` and the FlashMLA wheel `sgl-flash-mla==1.0.0`.",
         "Ratios compare two paths in the same run; nothing here is a timed test.",
         "",
+        "The GPU tests (marker `gpu`) ran in the same session on 2 x H200:",
+        "`PYTHONPATH=<flash_mla wheel dir>:python:. python3 -m pytest test/srt/layers test/srt/mem_cache -m gpu -v`;",
+        "their log is [`benchmarks/gpu_tests.txt`](benchmarks/gpu_tests.txt).",
+        "",
     ]
     gather = _load("gather")
     lines += _section(

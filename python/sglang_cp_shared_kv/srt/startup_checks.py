@@ -17,7 +17,9 @@ What is accepted is exactly what the wiring honours (see ``sglang_wiring``):
 a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks,
 an MLA model on CUDA, either a DSA model (the lightning indexer) on the DSA
 backend's ``flashmla_sparse`` or ``trtllm`` prefill kernels, or a plain MLA
-model on the ``fa3`` prefill backend.
+model on the ``fa3`` prefill backend. On a PD decode server the flag means
+"expect CP shared-KV manifests" (``sglang_wiring.decode_manifest``): it must
+use Mooncake and stay non-CP; its pool, model and kernels are SGLang's.
 """
 
 from __future__ import annotations
@@ -47,8 +49,60 @@ def _is_pow2(n: Any) -> bool:
     return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
+def decode_rejections(cfg: Any) -> list[str]:
+    """A decode server with the flag: non-CP, Mooncake, checking the prefill ranks' manifests."""
+    out = []
+    if cfg.disaggregation_transfer_backend != "mooncake":
+        out.append(
+            _line(
+                f"--disaggregation-transfer-backend {cfg.disaggregation_transfer_backend}: the manifests ride on the "
+                "Mooncake connector's status messages",
+                "use --disaggregation-transfer-backend mooncake",
+            )
+        )
+    cp_flags = [
+        f
+        for f, on in (
+            ("--enable-prefill-cp", cfg.enable_prefill_cp),
+            ("--enable-cp-decode-attn-tp", cfg.enable_cp_decode_attn_tp),
+        )
+        if on
+    ]
+    if cfg.attn_cp_size is not None and cfg.attn_cp_size > 1:
+        cp_flags.append(f"--attn-cp-size {cfg.attn_cp_size}")
+    if cfg.dcp_size is not None and cfg.dcp_size > 1:
+        cp_flags.append(f"--dcp-size {cfg.dcp_size}")
+    if cp_flags:
+        out.append(
+            _line(
+                f"{', '.join(cp_flags)} on the decode server: it stays non-CP (it receives whole pages and checks "
+                "the manifests); the KV is sharded on the prefill server (--disaggregation-mode prefill)",
+                f"drop {', '.join(f.split()[0] for f in cp_flags)} here",
+            )
+        )
+    if cfg.enable_kv_cache_sharding:
+        out.append(
+            _line(
+                "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
+                "pass only one of the two flags",
+            )
+        )
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
+        out.append(
+            _line(
+                "SGLANG_DISAGG_STAGING_BUFFER: staged transfers are not wired with the manifest check",
+                "unset SGLANG_DISAGG_STAGING_BUFFER",
+            )
+        )
+    return out
+
+
 def flag_rejections(cfg: Any) -> list[str]:
     """Checks that need only the flags (a record or a resolving view)."""
+    if cfg.disaggregation_mode == "decode":
+        return decode_rejections(cfg)
     out = []
     if str(cfg.model_path).lower() in ("none", "dummy"):
         out.append(
@@ -78,9 +132,10 @@ def flag_rejections(cfg: Any) -> list[str]:
     if cfg.disaggregation_mode != "prefill":
         out.append(
             _line(
-                f"--disaggregation-mode {cfg.disaggregation_mode} is not wired (decode batches would read a pool that holds "
+                f"--disaggregation-mode {cfg.disaggregation_mode} is not wired (batches would decode from a pool that holds "
                 "1/N of every page, and the widened allocator has no decode allocation)",
-                "run it on the PD prefill server: --disaggregation-mode prefill",
+                "run it on the PD prefill server (--disaggregation-mode prefill) and, to check the manifests, "
+                "on its decode server (--disaggregation-mode decode)",
             )
         )
     if cfg.disaggregation_transfer_backend != "mooncake":
@@ -202,6 +257,8 @@ def resolved_rejections(server_args: Any) -> list[str]:
 
     cfg = resolving_view(server_args)
     out = flag_rejections(cfg)
+    if cfg.disaggregation_mode == "decode":  # the decode pool, model and kernels stay stock
+        return out
     if str(cfg.model_path).lower() in ("none", "dummy"):
         return out
     model_config = model_config_of(server_args)
@@ -347,6 +404,9 @@ def resolved_check(server_args: Any, previous) -> None:
         return
     from sglang.srt.arg_groups.overrides import resolving_view
 
+    if resolving_view(server_args).disaggregation_mode == "decode":
+        _raise(resolved_rejections(server_args))
+        return
     _set_tree_core_default()
     _raise(resolved_rejections(server_args) + _tree_core_rejections(resolving_view(server_args)))
     _disable_prefill_cuda_graph(server_args)

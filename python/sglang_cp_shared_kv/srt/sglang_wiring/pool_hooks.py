@@ -26,7 +26,10 @@ _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 
 
 def _active(configurator) -> bool:
-    return runtime_enabled() and not configurator.is_draft_worker
+    from sglang.srt.runtime_context import get_disagg
+
+    # On a decode server the flag only checks manifests (``decode_manifest``): its pool stays stock.
+    return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
 
 
 def _check_built(pool) -> None:

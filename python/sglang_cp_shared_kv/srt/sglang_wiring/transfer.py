@@ -19,21 +19,38 @@ builders that read it), so SGLang's KV manager, created later, takes them. Nothi
 the flag in a prefill scheduler after that point except the FlashInfer autotune, which it then
 skips (its dummy decode batch would read logical locs outside a planned batch).
 
-Not wired: our decode-side manifest check. A stock decode marks a request ready after N
-successes; it does not see which positions each rank sent. With ``SGLANG_DEBUG_CP_SHARED_KV=1``
-each prefill rank checks its own share instead (``check_send_indices``).
+The manifest (ours): SGLang's sender derives positions on the prefill and never sends them,
+so each CP rank records, per request, the logical page at every position (the request's page
+table, the same on every rank) and the positions it selected (``record_sent_share``, after
+``CommonKVSender._prepare_send_indices``), and appends them to its Success status message
+(``attach_manifest``, after ``CommonKVManager._encode_kv_status_message``): the one message
+every prefill rank already sends every decode endpoint of the request once its pages, its
+indexer pages and its aux data are written. The frames go after the status frames SGLang
+parses, so a stock decode reads the message exactly as before; a decode server running the
+flag checks them before the request is marked ready (``decode_manifest``).
+
+With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects
+it (``check_send_indices``).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from sglang_cp_shared_kv.srt.disaggregation.mooncake import control_messages as cm
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.server_args_hook import FLAG, runtime_enabled
 
 logger = logging.getLogger(__name__)
+
+# Marks the manifest frames appended to a prefill rank's Success status message:
+# [..status frames.., MANIFEST_FRAME, cp_size, control_messages.Manifest as JSON].
+MANIFEST_FRAME = b"CP_SHARED_KV_MANIFEST"
+_SHARES_ATTR = "_cp_shared_kv_shares"  # on a prefill KV manager: {bootstrap room: SentShare}
 
 
 def enable_sharded_transfer() -> None:
@@ -90,11 +107,96 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
     return None
 
 
+@dataclass
+class SentShare:
+    """What one prefill CP rank queued for one request, chunk by chunk."""
+
+    page_table: list[int] = field(default_factory=list)  # the logical page at every position
+    positions: list[int] = field(default_factory=list)  # the positions this rank selected to send
+
+
+def latent_page_bytes(kv_args: Any) -> int:
+    """Bytes of one page over every target layer's latent buffer (draft-model entries excluded)."""
+    lens = list(kv_args.kv_item_lens)
+    return int(sum(lens[: len(lens) - int(getattr(kv_args, "num_draft_entries", 0) or 0)]))
+
+
+def _sharded_prefill(mgr: Any) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    mode = getattr(mgr, "disaggregation_mode", None)
+    return mode == DisaggregationMode.PREFILL and mgr.kv_shard_size > 1 and runtime_enabled()
+
+
+def record_sent_share(result, sender, kv_indices, state_indices=None):
+    """AFTER hook on ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill).
+
+    ``kv_indices`` is the chunk's logical pages by position; ``result`` holds the positions
+    SGLang's filter selected for this rank, which are what the transfer worker sends.
+    """
+    mgr = sender.kv_mgr
+    if not _sharded_prefill(mgr):
+        return None
+    pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+    positions = result[1]
+    positions = range(positions.start, positions.stop) if isinstance(positions, slice) else positions
+    shares = mgr.__dict__.setdefault(_SHARES_ATTR, {})
+    if sender.curr_idx == len(pages):  # the request's first chunk opens its share (a reused room starts over)
+        shares[sender.bootstrap_room] = SentShare()
+    share = shares.get(sender.bootstrap_room)
+    if share is None:  # never opened: the request goes without a manifest and the decode fails it
+        return None
+    share.page_table.extend(pages.tolist())
+    share.positions.extend(int(p) for p in positions)
+    return None
+
+
+def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
+    """AFTER hook on ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill).
+
+    A Success status carries this rank's manifest; any other status carries nothing and drops
+    the record. The frames follow SGLang's own (an empty reason frame first where the backend
+    sends none), so SGLang's parser on the decode reads the status unchanged.
+    """
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if not _sharded_prefill(mgr):
+        return None
+    share = mgr.__dict__.get(_SHARES_ATTR, {}).pop(bootstrap_room, None)
+    if status != KVPoll.Success:
+        return None
+    if share is None:
+        logger.warning("%s: room %s concluded with no recorded share; its manifest is missing", FLAG, bootstrap_room)
+        return None
+    manifest = cm.Manifest(
+        request_id=str(bootstrap_room),
+        rank=mgr.kv_shard_rank,
+        page_table=tuple(share.page_table),
+        positions=tuple(share.positions),
+        nbytes=len(share.positions) * latent_page_bytes(mgr.kv_args),
+    )
+    reason = [] if mgr.kv_status_msg_carries_reason else [b""]
+    return [*parts, *reason, MANIFEST_FRAME, str(mgr.kv_shard_size).encode("ascii"), cm.encode(manifest)]
+
+
+def drop_unsent_share(_result, sender) -> None:
+    """AFTER hook on ``CommonKVSender.clear``: forget a request that will send no Success.
+
+    A concluded Success keeps its record: the transfer worker marks the room Success before it
+    encodes the status message, so the scheduler may clear the sender first.
+    """
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    shares = sender.kv_mgr.__dict__.get(_SHARES_ATTR)
+    if shares and sender.conclude_state != KVPoll.Success:
+        shares.pop(sender.bootstrap_room, None)
+
+
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(
-        "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices",
-        check_send_indices,
-        HookType.AFTER,
-    )
+    common = "sglang.srt.disaggregation.common.conn"
+    HookRegistry.register(f"{common}.CommonKVSender._prepare_send_indices", check_send_indices, HookType.AFTER)
+    HookRegistry.register(f"{common}.CommonKVSender._prepare_send_indices", record_sent_share, HookType.AFTER)
+    HookRegistry.register(f"{common}.CommonKVManager._encode_kv_status_message", attach_manifest, HookType.AFTER)
+    HookRegistry.register(f"{common}.CommonKVSender.clear", drop_unsent_share, HookType.AFTER)

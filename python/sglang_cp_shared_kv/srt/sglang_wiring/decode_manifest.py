@@ -1,0 +1,181 @@
+"""The decode side's manifest check, inside SGLang's Mooncake KV receiver.
+
+A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP;
+the flag means "expect CP shared-KV manifests". Each prefill CP rank appends its manifest to its
+Success status message (``transfer.attach_manifest``). Three hooks check them:
+
+- ``arm_manifest_check`` (AROUND ``CommonKVReceiver.send_metadata``): before the destination
+  pages leave, the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages (the
+  positions SGLang's prefill senders index), the prefill's CP size and the decode's per-page
+  latent bytes; it expects as many senders as SGLang's own success count.
+- ``check_status_message`` (AROUND ``CommonKVManager.parse_kv_status_message``, on the decode
+  thread, before SGLang counts the status): a Success passes only if its manifest is accepted by
+  the collector: the rank matches the status frame's sender, every rank lists the same page
+  table, positions are in range, none twice, each claimed by the rank that owns its logical page
+  (``page % N``), and all of them once every rank is in. So SGLang's count of N successes, its
+  only condition for ``KVPoll.Success``, is reached exactly when the collector is complete.
+  Otherwise the status is held back, and once every expected sender has reported (so no prefill
+  rank is still writing into the request's pages) it is turned into ``KVPoll.Failed`` with a
+  one-line reason. SGLang's decode scheduler then fails that request and releases its pages as it
+  does for any failed transfer; other requests are not touched.
+- ``forget_room`` (AFTER ``CommonKVReceiver.clear``) drops the request's collector.
+
+A failure is logged when it is found; if a rank never reports, SGLang's waiting timeout fails
+the request instead. Other statuses (a prefill's own Failed) pass through unchanged. With the
+flag off, or in a prefill process, every hook calls SGLang's step and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang_cp_shared_kv.srt.disaggregation.mooncake import control_messages as cm
+from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
+from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
+from sglang_cp_shared_kv.srt.server_args_hook import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.transfer import MANIFEST_FRAME, latent_page_bytes
+
+logger = logging.getLogger(__name__)
+
+_CHECKS_ATTR = "_cp_shared_kv_checks"  # on a decode KV manager: {bootstrap room: RoomCheck}
+# The decode thread (status messages) and the scheduler (metadata, clear) share the tables.
+_LOCK = threading.Lock()
+
+
+@dataclass
+class RoomCheck:
+    """One request's manifests, as they arrive."""
+
+    collector: ManifestCollector
+    senders: int  # success statuses SGLang waits for before it marks the request ready
+    reported: set[int] = field(default_factory=set)  # prefill ranks whose Success arrived
+    error: str | None = None  # the first thing found wrong
+
+
+def _checking_decode(mgr: Any) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE and runtime_enabled()
+
+
+def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
+    """AROUND ``CommonKVReceiver.send_metadata``: open the request's collector first."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = receiver.kv_mgr
+    info = getattr(receiver, "prefill_info", None)
+    if _checking_decode(mgr) and info is not None and receiver.conclude_state != KVPoll.Failed:
+        room = receiver.bootstrap_room
+        collector = ManifestCollector(str(room), len(kv_indices), info.attn_cp_size, latent_page_bytes(mgr.kv_args))
+        check = RoomCheck(collector, senders=int(info.required_prefill_response_num))
+        if check.senders != info.attn_cp_size:
+            check.error = (
+                f"request {room}: SGLang waits for {check.senders} prefill senders but the prefill at "
+                f"{receiver.bootstrap_addr} has {info.attn_cp_size} CP ranks (is it running {FLAG}?)"
+            )
+        with _LOCK:
+            mgr.__dict__.setdefault(_CHECKS_ATTR, {})[room] = check
+    return original(receiver, kv_indices, *args, **kwargs)
+
+
+def read_manifest(msg: list[bytes], prefill_rank: int) -> tuple[int, cm.Manifest]:
+    """The (cp_size, manifest) frames of a status message; ``ManifestError`` if absent or malformed."""
+    try:
+        at = msg.index(MANIFEST_FRAME, 3)
+    except ValueError:
+        raise ManifestError(
+            f"prefill rank {prefill_rank} reported success without a CP shared-KV manifest "
+            f"(is the prefill running {FLAG}?)"
+        ) from None
+    if len(msg) != at + 3:
+        raise ManifestError(f"prefill rank {prefill_rank}'s manifest has {len(msg) - at - 1} frames, expected 2")
+    try:
+        cp_size = int(msg[at + 1].decode("ascii"))
+        manifest = cm.decode(msg[at + 2])
+    except (UnicodeDecodeError, ValueError) as e:  # ControlMessageError is a ValueError
+        raise ManifestError(f"prefill rank {prefill_rank}'s manifest is malformed: {e}") from None
+    if not isinstance(manifest, cm.Manifest):
+        raise ManifestError(f"prefill rank {prefill_rank} sent a {manifest.TYPE} message instead of a manifest")
+    return cp_size, manifest
+
+
+def _judge(check: RoomCheck, msg: list[bytes], room: int, prefill_rank: int) -> None:
+    """Feed one Success status's manifest to the collector; record the first error."""
+    check.reported.add(prefill_rank)
+    if check.error is not None:
+        return
+    collector = check.collector
+    try:
+        try:
+            cp_size, manifest = read_manifest(msg, prefill_rank)
+            if cp_size != collector.cp_size:
+                raise ManifestError(
+                    f"prefill rank {prefill_rank} shards over {cp_size} CP ranks, its bootstrap info says {collector.cp_size}"
+                )
+            if manifest.rank != prefill_rank % cp_size:
+                raise ManifestError(f"the manifest of rank {manifest.rank} arrived from prefill rank {prefill_rank}")
+        except ManifestError as e:
+            raise ManifestError(f"request {room}: {e}") from None
+        collector.add(manifest)  # its errors name the request already
+    except ManifestError as e:
+        check.error = str(e)
+
+
+def check_status_message(original, mgr, msg):
+    """AROUND ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on).
+
+    Returns SGLang's parse for anything but a Success status of an armed request; for those, the
+    parse itself if the manifest is accepted, ``None`` (not a status message: ignored) while a
+    failed request waits for its other senders, then a Failed status carrying the reason.
+    """
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    parsed = original(mgr, msg)
+    if parsed is None or parsed[1] != KVPoll.Success or not _checking_decode(mgr):
+        return parsed
+    room, _status, prefill_rank, _reason = parsed
+    failed = int(KVPoll.Failed)
+    with _LOCK:
+        check = mgr.__dict__.get(_CHECKS_ATTR, {}).get(room)
+        if check is None:
+            if room not in mgr.request_status:  # a late status for a cleared room: SGLang drops it
+                return parsed
+            why = f"request {room}: prefill rank {prefill_rank} reported success before the decode sent its destination pages"
+            return room, failed, prefill_rank, f"{FLAG}: manifest check failed: {why}"
+        was_ok = check.error is None
+        _judge(check, msg, room, prefill_rank)
+        if check.error is None:
+            if check.collector.complete and debug_enabled():
+                logger.info(
+                    "%s: room %s: %d manifests cover its %d pages",
+                    FLAG,
+                    room,
+                    check.collector.cp_size,
+                    check.collector.n_pages,
+                )
+            return parsed
+        if was_ok:
+            logger.error("%s: manifest check failed: %s", FLAG, check.error)
+        if len(check.reported) < check.senders:
+            return None  # hold: another prefill rank may still be writing into these pages
+        return room, failed, prefill_rank, f"{FLAG}: manifest check failed: {check.error}".replace("\n", " ")
+
+
+def forget_room(_result, receiver) -> None:
+    """AFTER hook on ``CommonKVReceiver.clear``."""
+    checks = receiver.kv_mgr.__dict__.get(_CHECKS_ATTR)
+    if checks:
+        with _LOCK:
+            checks.pop(receiver.bootstrap_room, None)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    common = "sglang.srt.disaggregation.common.conn"
+    HookRegistry.register(f"{common}.CommonKVReceiver.send_metadata", arm_manifest_check, HookType.AROUND)
+    HookRegistry.register(f"{common}.CommonKVManager.parse_kv_status_message", check_status_message, HookType.AROUND)
+    HookRegistry.register(f"{common}.CommonKVReceiver.clear", forget_room, HookType.AFTER)

@@ -188,13 +188,35 @@ def _manager(mode, engine, kv_args, rank: int, shard_size: int):
     return m
 
 
-def _build_pools(model_dir: str):
-    """Two prefill CP ranks' CP-shared DSA pools (plugin hooks), their allocator, a replicated and a decode pool."""
+def _configurator_build(model_config, tokens: int):
+    """SGLang's configurator pool and allocator builders (hooked by the plugin), on the attributes they read."""
     import types
 
     import torch
-    from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    c = object.__new__(KVCacheConfigurator)
+    c.model_config, c.kv_cache_dtype, c.device = model_config, torch.bfloat16, "cpu"
+    c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
+    c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
+    c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
+    pool = c._build_dsa_kv_pool(max_total_num_tokens=tokens, max_running_requests=8, dsa_pool_class=DSATokenToKVPool)
+    alloc = c._build_token_to_kv_pool_allocator(
+        sizes=types.SimpleNamespace(max_total_num_tokens=tokens),
+        token_to_kv_pool=pool,
+        is_dsv4_model=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+    )
+    return pool, alloc
+
+
+def _build_pools(model_dir: str):
+    """Two prefill CP ranks' CP-shared DSA pools (plugin hooks), their allocator, a replicated and a decode pool."""
+
+    import torch
+    from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
@@ -215,27 +237,12 @@ def _build_pools(model_dir: str):
     publish(server_args, role="scheduler")
     dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
     per_rank_tokens = 24 * PS
-    sizes = types.SimpleNamespace(max_total_num_tokens=per_rank_tokens)
     ranks, allocator = [], None
     for rank in range(N):
         with get_parallel().override(
             attn_cp_rank=rank, attn_cp_size=N, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False
         ):
-            c = object.__new__(KVCacheConfigurator)
-            c.model_config, c.kv_cache_dtype, c.device = dsa_config, torch.bfloat16, "cpu"
-            c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
-            c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
-            c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
-            pool = c._build_dsa_kv_pool(
-                max_total_num_tokens=per_rank_tokens, max_running_requests=8, dsa_pool_class=DSATokenToKVPool
-            )
-            alloc = c._build_token_to_kv_pool_allocator(
-                sizes=sizes,
-                token_to_kv_pool=pool,
-                is_dsv4_model=False,
-                req_to_token_pool=None,
-                token_to_kv_pool_allocator=None,
-            )
+            pool, alloc = _configurator_build(dsa_config, per_rank_tokens)
         ranks.append(pool)
         allocator = allocator or alloc  # every rank's allocator makes the same decisions; one draws the pages
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
@@ -331,7 +338,7 @@ def _worker(model_dir: str) -> None:
 
     # -- startup checks of a decode server with the flag, through SGLang's resolution --
     base = ["--model-path", os.path.join(model_dir, "mla"), "--device", "cpu", "--skip-tokenizer-init"]
-    base += ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
+    base += ["--page-size", str(PS), "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
     startup = {}
     for case, extra, _ in STARTUP:
         argv = base + [FLAG] + extra
@@ -348,6 +355,23 @@ def _worker(model_dir: str) -> None:
     except Exception as e:
         startup["decode_off"] = {"accepted": False, "error": f"{type(e).__name__}: {e}"}
     out["startup"] = startup
+
+    # -- a decode server with the flag keeps SGLang's pool and allocator (the flag only checks manifests) --
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.runtime_context import get_parallel
+
+    decode_args = prepare_server_args(base + [FLAG])
+    decode_args.resolve_once()
+    publish(decode_args, role="scheduler")
+    dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
+        pool, alloc = _configurator_build(dsa_config, 8 * PS)
+    out["decode_pool"] = {
+        "flag": bool(getattr(decode_args, "enable_cp_shared_kv", False)),
+        "pool": type(pool).__name__,
+        "allocator": type(alloc).__name__,
+        "sharded_transfer": bool(get_parallel().enable_kv_cache_sharding),
+    }
 
     # -- pools: a decode-mode record with the flag builds the stock pool (the flag only checks manifests) --
     server_args, ranks, allocator, replicated, decode = _build_pools(model_dir)
@@ -393,83 +417,122 @@ def _worker(model_dir: str) -> None:
     out["required_responses"] = info.required_prefill_response_num
 
     free_dst = list(range(47, 0, -1))  # decode pages handed out in a scrambled order
-    registered = False
-    runs = {}
-    for idx, (name, n_pages, flag, bad_rank, fault, bad_first) in enumerate(REQUESTS):
-        room = 1000 + idx
+    original_filter = common_conn.filter_kv_indices_for_shard_rank
+    checks = d_mgr.__dict__.setdefault("_cp_shared_kv_checks", {})
+
+    class Request:
+        """One request through SGLang's receiver and the two ranks' senders."""
+
+        def __init__(self, idx: int):
+            self.idx, self.room = idx, 1000 + idx
+            self.name, self.n_pages, self.flag, self.bad_rank, self.fault, self.bad_first = REQUESTS[idx]
+            self.lp, self.held = pages[idx], None
+            self.dst = np.asarray([free_dst.pop() for _ in range(self.n_pages)][::-1], dtype=np.int32)
+            self.senders = [MooncakeKVSender(m, addr, self.room) for m in p_mgrs]
+            for snd in self.senders:
+                snd.init(self.n_pages, aux_index=idx % 8)
+            self.receiver = MooncakeKVReceiver(d_mgr, addr, self.room)
+            self.receiver.init(0)
+            if not p_mgrs[0].decode_kv_args_table:  # the decode's KV registration, once, as SGLang sends it
+                assert self.receiver._register_kv_args()
+                _deadline_wait(lambda: all(m.decode_kv_args_table for m in p_mgrs), "registration")
+            self.receiver.send_metadata(self.dst, idx % 8, [self.dst.copy()], 0)
+            _deadline_wait(
+                lambda: all(snd.poll() == KVPoll.WaitingForInput for snd in self.senders), f"{self.name}: destinations"
+            )
+
+        def send(self, rank: int, part: int) -> None:
+            """Rank ``rank`` sends the first (0) or second (1) half of the pages, as two prefill chunks would."""
+            cut = self.n_pages // 2
+            faulty = rank == self.bad_rank
+            if faulty and self.fault in ("non_owner", "missing", "duplicate"):
+                common_conn.filter_kv_indices_for_shard_rank = _faulty_filter(original_filter, rank, self.fault)
+            try:
+                if part == 0:
+                    self.senders[rank].send(self.lp[:cut])
+                    return
+                shares = p_mgrs[rank].__dict__[transfer._SHARES_ATTR]
+                if faulty and self.fault == "out_of_range":  # a manifest naming a position past the request
+                    shares[self.room].positions.append(self.n_pages + 3)
+                if faulty and self.fault == "no_manifest":  # a share never opened: no manifest, as a stock prefill
+                    shares.pop(self.room)
+                self.senders[rank].send(self.lp[cut:], [self.lp.copy()])
+            finally:
+                common_conn.filter_kv_indices_for_shard_rank = original_filter
+            _deadline_wait(lambda: self.senders[rank].poll() == KVPoll.Success, f"{self.name}: rank {rank} transfer")
+
+        def run(self) -> None:
+            bad, order = self.bad_rank, [0, 1]
+            if bad is not None:
+                order = [bad, 1 - bad] if self.bad_first else [1 - bad, bad]
+            for k, rank in enumerate(order):
+                self.send(rank, 0)
+                self.send(rank, 1)
+                if k == 0 and self.bad_first and self.flag:
+                    # The faulty rank's status reached the decode; the request must still wait for the other rank.
+                    _deadline_wait(
+                        lambda r=rank: self.room in checks and r in checks[self.room].reported, f"{self.name}: report"
+                    )
+                    time.sleep(0.05)
+                    self.held = int(self.receiver.poll())
+
+        def verdict(self) -> dict:
+            receiver = self.receiver
+            _deadline_wait(lambda: receiver.poll() in (KVPoll.Success, KVPoll.Failed), f"{self.name}: verdict")
+            run = {
+                "poll": int(receiver.poll()),
+                "held_poll": self.held,
+                "senders": [int(x.poll()) for x in self.senders],
+            }
+            if run["poll"] == KVPoll.Failed:
+                try:
+                    receiver.failure_exception()  # what SGLang's decode queue calls on a failed poll
+                except KVTransferError as e:
+                    run["error"] = e.failure_reason
+            exact = True
+            for layer in range(2):
+                for p, page in enumerate(self.lp):
+                    d, r = int(self.dst[p]), int(page)
+                    exact &= torch.equal(
+                        decode.kv_buffer[layer][d * PS : (d + 1) * PS],
+                        replicated.kv_buffer[layer][r * PS : (r + 1) * PS],
+                    )
+                    exact &= torch.equal(
+                        decode.index_k_with_scale_buffer[layer][d], replicated.index_k_with_scale_buffer[layer][r]
+                    )
+            run["exact"], run["aux"] = bool(exact), int(d_aux[self.idx % 8, 0])
+            receiver.clear()
+            run["forgotten"] = self.room not in checks
+            for snd in self.senders:
+                snd.clear()
+            run["shares_left"] = [self.room in m.__dict__.get(transfer._SHARES_ATTR, {}) for m in p_mgrs]
+            return run
+
+    def publish_flag(flag: bool) -> None:
         server_args.__dict__["enable_cp_shared_kv"] = flag
         publish(server_args, role="scheduler")
-        lp = pages[idx]
-        dst = np.asarray([free_dst.pop() for _ in range(n_pages)][::-1], dtype=np.int32)
-        senders = [MooncakeKVSender(m, addr, room) for m in p_mgrs]
-        for s in senders:
-            s.init(n_pages, aux_index=idx % 8)
-        receiver = MooncakeKVReceiver(d_mgr, addr, room)
-        receiver.init(0)
-        if not registered:  # the decode's KV registration, once per prefill rank, as SGLang sends it
-            assert receiver._register_kv_args()
-            _deadline_wait(
-                lambda: all(d_engine.get_session_id() in m.decode_kv_args_table for m in p_mgrs), "registration"
-            )
-            registered = True
-        receiver.send_metadata(dst, idx % 8, [dst.copy()], 0)
-        _deadline_wait(lambda ss=senders: all(s.poll() == KVPoll.WaitingForInput for s in ss), f"{name}: destinations")
-        order = [0, 1] if bad_rank is None else [bad_rank, 1 - bad_rank] if bad_first else [1 - bad_rank, bad_rank]
-        held = None
-        original = common_conn.filter_kv_indices_for_shard_rank
-        for k, rank in enumerate(order):
-            s = senders[rank]
-            if rank == bad_rank and fault in ("non_owner", "missing", "duplicate"):
-                common_conn.filter_kv_indices_for_shard_rank = _faulty_filter(original, bad_rank, fault)
-            try:
-                cut = n_pages // 2
-                s.send(lp[:cut])
-                if rank == bad_rank and fault == "out_of_range":  # a manifest naming a position past the request
-                    p_mgrs[rank].__dict__[transfer._SHARES_ATTR][room].positions.append(n_pages + 3)
-                if (
-                    rank == bad_rank and fault == "no_manifest"
-                ):  # a share never opened: no manifest, like a stock prefill
-                    p_mgrs[rank].__dict__[transfer._SHARES_ATTR].pop(room)
-                s.send(lp[cut:], [lp.copy()])
-            finally:
-                common_conn.filter_kv_indices_for_shard_rank = original
-            _deadline_wait(lambda s=s: s.poll() in (KVPoll.Success, KVPoll.Failed), f"{name}: rank {rank} transfer")
-            if k == 0 and bad_first and flag:
-                # The first (faulty) rank's status has reached the decode; the request must still wait.
-                checks = d_mgr.__dict__.get("_cp_shared_kv_checks", {})
-                _deadline_wait(lambda c=checks, r=room, k=rank: r in c and k in c[r].reported, f"{name}: first report")
-                time.sleep(0.05)
-                held = int(receiver.poll())
-        _deadline_wait(lambda r=receiver: r.poll() in (KVPoll.Success, KVPoll.Failed), f"{name}: decode verdict")
-        run = {
-            "poll": int(receiver.poll()),
-            "held_poll": held,
-            "senders": [int(s.poll()) for s in senders],
-            "required": d_mgr.required_prefill_response_num_table.get(room),
-        }
-        if run["poll"] == KVPoll.Failed:
-            try:
-                receiver.failure_exception()
-            except KVTransferError as e:
-                run["error"] = e.failure_reason
-        exact = True
-        for layer in range(2):
-            for p, page in enumerate(lp):
-                d, r = int(dst[p]), int(page)
-                exact &= torch.equal(
-                    decode.kv_buffer[layer][d * PS : (d + 1) * PS], replicated.kv_buffer[layer][r * PS : (r + 1) * PS]
-                )
-                exact &= torch.equal(
-                    decode.index_k_with_scale_buffer[layer][d], replicated.index_k_with_scale_buffer[layer][r]
-                )
-        run["exact"] = bool(exact)
-        run["aux"] = int(d_aux[idx % 8, 0])
-        receiver.clear()
-        run["forgotten"] = room not in d_mgr.__dict__.get("_cp_shared_kv_checks", {})
-        for s in senders:
-            s.clear()
-        run["shares_left"] = [room in m.__dict__.get(transfer._SHARES_ATTR, {}) for m in p_mgrs]
-        runs[name] = run
+
+    runs = {}
+    publish_flag(True)
+    # "good" stays in flight (one rank's first chunk sent) while every faulty request runs and fails.
+    good = Request(0)
+    good.send(1, 0)
+    for idx, req in enumerate(REQUESTS):
+        if req[2] and idx != 0:
+            bad = Request(idx)
+            bad.run()
+            runs[bad.name] = bad.verdict()
+    runs["good"] = {"in_flight_poll": int(good.receiver.poll())}
+    good.send(1, 1)
+    good.send(0, 0)
+    good.send(0, 1)
+    runs["good"].update(good.verdict())
+    publish_flag(False)
+    for idx, req in enumerate(REQUESTS):
+        if not req[2]:
+            r = Request(idx)
+            r.run()
+            runs[r.name] = r.verdict()
     out["runs"] = runs
 
     # -- the wire format: with the flag off a prefill sends SGLang's three frames; with it on the
@@ -517,6 +580,7 @@ def test_every_hook_is_installed(results):
 
 def test_good_manifests_mark_the_request_ready_with_the_replicated_bytes(results):
     run = results["runs"]["good"]
+    assert run["in_flight_poll"] == 2  # WaitingForInput while the faulty requests came and failed
     assert run["poll"] == SUCCESS and run["senders"] == [SUCCESS, SUCCESS]
     assert run["exact"]  # latent and indexer pages equal the replicated pool at their positions
     assert run["aux"] in (100, 101)  # the aux slot written by the prefill's transfer worker
@@ -555,8 +619,9 @@ def test_wrong_shares_really_corrupt_what_the_check_rejects(results):
 
 
 def test_other_requests_are_unaffected(results):
-    for name in ("good", "off_good"):
-        assert results["runs"][name]["poll"] == SUCCESS and results["runs"][name]["exact"]
+    # "good" was in flight across all the failed requests, and ends ready with the right bytes.
+    good = results["runs"]["good"]
+    assert good["in_flight_poll"] == 2 and good["poll"] == SUCCESS and good["exact"]
 
 
 def test_flag_off_is_stock(results):
@@ -582,6 +647,15 @@ def test_decode_startup_checks(results, case, extra, expected):
     lines = got["error"][len("ValueError: ") :].split("\n")
     assert got["error"].startswith("ValueError: ") and len(lines) == 1, lines
     assert lines[0].startswith(f"{FLAG}: ") and expected in lines[0], lines
+
+
+def test_decode_server_with_the_flag_keeps_sglang_pool(results):
+    assert results["decode_pool"] == {
+        "flag": True,
+        "pool": "DSATokenToKVPool",
+        "allocator": "PagedTokenToKVPoolAllocator",
+        "sharded_transfer": False,
+    }
 
 
 def test_decode_without_the_flag_resolves_as_stock(results):

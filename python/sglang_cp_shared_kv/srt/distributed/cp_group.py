@@ -2,8 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
+
+# ``all_gather_into_tensor`` was renamed ``all_gather_single`` (the old name warns); same call.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class PendingCollective:
+    """Collectives issued without waiting. ``wait()`` orders what the caller queues next after them:
+    on NCCL the current CUDA stream waits for NCCL's stream (the host does not block)."""
+
+    def __init__(self, works: Sequence[object] = ()):
+        self._works = list(works)
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
 
 
 class CPGroup:
@@ -24,15 +42,48 @@ class CPGroup:
         """``out`` (``[size * n, ...]``) <- every rank's ``local`` (``[n, ...]``), rank-major.
 
         Moves raw bytes: fp8 and other dtypes gloo cannot reduce are gathered as uint8.
+        ``local`` may be this rank's slice of ``out`` (an in-place all-gather).
         """
-        if out.shape[0] != local.shape[0] * self.size or out.shape[1:] != local.shape[1:]:
-            raise ValueError(f"out must be [{self.size} * {local.shape[0]}, ...], got {tuple(out.shape)}")
-        out_b, local_b = _as_bytes(out), _as_bytes(local)
-        if self.backend == "nccl":
-            dist.all_gather_into_tensor(out_b, local_b, group=self.group)
-        else:
-            dist.all_gather(list(out_b.chunk(self.size)), local_b, group=self.group)
+        out_b, local_b = self._byte_pair(out, local)
+        self._all_gather_bytes(out_b, local_b)
         return out
+
+    def all_gather_into_many(
+        self,
+        outs: Sequence[torch.Tensor],
+        locals_: Sequence[torch.Tensor],
+        *,
+        async_op: bool = False,
+        coalesce: bool | None = None,
+    ) -> PendingCollective:
+        """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call.
+
+        On NCCL (or with ``coalesce=True`` where the backend supports it) the all-gathers form
+        one NCCL group: one kernel launch moves every buffer. Other backends run them in order.
+        With ``async_op`` the call returns at once and the caller must ``wait()`` on the result
+        before reading ``outs``; on CUDA the collectives start after everything already queued on
+        the current stream, so a caller may keep queuing work that does not touch the buffers.
+        """
+        if len(outs) != len(locals_) or not outs:
+            raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
+        pairs = [self._byte_pair(out, local) for out, local in zip(outs, locals_)]
+        if coalesce is None:
+            coalesce = self.backend == "nccl"
+        manager = getattr(dist, "_coalescing_manager", None)
+        if not coalesce or manager is None or len(pairs) == 1:
+            if len(pairs) == 1 and self.backend == "nccl":
+                work = _all_gather_single(pairs[0][0], pairs[0][1], group=self.group, async_op=async_op)
+                return PendingCollective([work] if async_op else [])
+            for out_b, local_b in pairs:
+                self._all_gather_bytes(out_b, local_b)
+            return PendingCollective()
+        with manager(group=self.group, async_ops=True) as coalesced:
+            for out_b, local_b in pairs:
+                _all_gather_single(out_b, local_b, group=self.group)
+        pending = PendingCollective([coalesced])
+        if not async_op:
+            pending.wait()
+        return pending
 
     def all_gather_object(self, obj: object) -> list[object]:
         objs: list[object] = [None] * self.size
@@ -41,6 +92,17 @@ class CPGroup:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def _byte_pair(self, out: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if out.shape[0] != local.shape[0] * self.size or out.shape[1:] != local.shape[1:]:
+            raise ValueError(f"out must be [{self.size} * {local.shape[0]}, ...], got {tuple(out.shape)}")
+        return _as_bytes(out), _as_bytes(local)
+
+    def _all_gather_bytes(self, out_b: torch.Tensor, local_b: torch.Tensor) -> None:
+        if self.backend == "nccl":
+            _all_gather_single(out_b, local_b, group=self.group)
+        else:
+            dist.all_gather(list(out_b.chunk(self.size)), local_b, group=self.group)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

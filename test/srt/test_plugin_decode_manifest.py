@@ -547,6 +547,41 @@ def _worker(model_dir: str) -> None:
         frames[str(flag)] = {"n": len(parts), "stock_parse": list(stock_parse(d_mgr, parts))}
         p_mgrs[1].__dict__[transfer._SHARES_ATTR].pop(77, None)
     out["frames"] = frames
+
+    # -- status messages a faulty or foreign prefill could send, straight into the hooked parser --
+    from sglang_cp_shared_kv.srt.disaggregation.mooncake import control_messages as cm
+    from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector
+    from sglang_cp_shared_kv.srt.sglang_wiring.decode_manifest import RoomCheck
+
+    publish_flag(True)
+    page_bytes = sum(d_mgr.kv_args.kv_item_lens)
+
+    def status(room, prank, tail):
+        return [str(room).encode(), str(KVPoll.Success).encode(), str(prank).encode(), b"", *tail]
+
+    def manifest(room, rank, positions):
+        m = cm.Manifest(str(room), rank, (6, 9), tuple(positions), len(positions) * page_bytes)
+        return cm.encode(m)
+
+    tag = transfer.MANIFEST_FRAME
+    forged = {
+        "rank_mismatch": [tag, b"2", None],  # rank 0's manifest on rank 1's status
+        "cp_mismatch": [tag, b"4", None],
+        "malformed": [tag, b"2", b"{not json"],
+        "truncated": [tag, b"2"],
+    }
+    parsed = {}
+    for k, (case, tail) in enumerate(forged.items()):
+        room = 900 + k
+        d_mgr.request_status[room] = KVPoll.WaitingForInput
+        checks[room] = RoomCheck(ManifestCollector(str(room), 2, N, page_bytes), senders=N)
+        tail = [manifest(room, 0, [0]) if f is None else f for f in tail]
+        first = d_mgr.parse_kv_status_message(status(room, 1, tail))  # the faulty rank: held
+        last = d_mgr.parse_kv_status_message(status(room, 0, [tag, b"2", manifest(room, 0, [0])]))
+        parsed[case] = {"first": first, "last": list(last) if last else last}
+        checks.pop(room)
+        d_mgr.request_status.pop(room)
+    out["forged"] = parsed
     out["manifest_frame"] = transfer.MANIFEST_FRAME.decode()
     print("RESULT:" + json.dumps(out))
     sys.stdout.flush()
@@ -635,6 +670,23 @@ def test_flag_off_is_stock(results):
     assert frames["True"]["n"] == 3 + 1 + 3  # + empty reason + tag, cp size, manifest
     for flag in ("False", "True"):  # SGLang's own parser reads both the same
         assert frames[flag]["stock_parse"] == [77, SUCCESS, 1, None]
+
+
+@pytest.mark.parametrize(
+    "case,phrase",
+    [
+        ("rank_mismatch", "the manifest of rank 0 arrived from prefill rank 1"),
+        ("cp_mismatch", "prefill rank 1 shards over 4 CP ranks"),
+        ("malformed", "prefill rank 1's manifest is malformed"),
+        ("truncated", "prefill rank 1's manifest has 1 frames, expected 2"),
+    ],
+)
+def test_a_forged_status_is_held_then_fails(results, case, phrase):
+    got = results["forged"][case]
+    assert got["first"] is None  # held: the other rank has not reported yet
+    room, status, rank, reason = got["last"]
+    assert status == FAILED and rank == 0
+    assert reason.startswith(f"{FLAG}: manifest check failed: request {room}: ") and phrase in reason, reason
 
 
 @pytest.mark.parametrize("case,extra,expected", STARTUP, ids=[c[0] for c in STARTUP])

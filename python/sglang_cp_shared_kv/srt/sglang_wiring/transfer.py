@@ -154,13 +154,14 @@ def record_sent_share(result, sender, kv_indices, state_indices=None):
 def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
     """AFTER hook on ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill).
 
-    A Success status carries this rank's manifest; any other status carries nothing and drops
-    the record. The frames follow SGLang's own (an empty reason frame first where the backend
-    sends none), so SGLang's parser on the decode reads the status unchanged.
+    A Success status carries this rank's manifest; a Failed one carries nothing and drops the
+    record; a bootstrap notice (WaitingForInput) leaves it. The frames follow SGLang's own (an
+    empty reason frame first where the backend sends none), so SGLang's parser on the decode
+    reads the status unchanged.
     """
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    if not _sharded_prefill(mgr):
+    if not _sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
         return None
     share = mgr.__dict__.get(_SHARES_ATTR, {}).pop(bootstrap_room, None)
     if status != KVPoll.Success:

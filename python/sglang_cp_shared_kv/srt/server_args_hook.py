@@ -27,8 +27,9 @@ ATTR = "enable_cp_shared_kv"
 _HELP = (
     "Shard the MLA latent + DSA indexer KV cache across the prefill context-parallel ranks: "
     "each logical page is stored once, on rank (page %% attn-cp-size), instead of on every CP rank. "
-    "Needs --enable-prefill-cp --cp-strategy interleave --attn-cp-size N>1 and "
-    "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake (sglang-cp-shared-kv plugin)."
+    "On a prefill server: needs --enable-prefill-cp --cp-strategy interleave --attn-cp-size N>1 and "
+    "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake. On a (non-CP) decode server "
+    "with --disaggregation-mode decode: expect and check the prefill ranks' page manifests (sglang-cp-shared-kv plugin)."
 )
 
 

@@ -29,53 +29,13 @@ import subprocess
 import sys
 
 import pytest
+from plugin_models import prefill_cp_argv, stock_dsa_pools, write_model_dirs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
 PS = 64
 N = 2
 FLAG = "--enable-cp-shared-kv"
-_MLA = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-}
-MODELS = {
-    "mla": {**_MLA, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
-    "dsa": {
-        **_MLA,
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "index_head_dim": 128,
-        "index_n_heads": 4,
-        "index_topk": 64,
-    },
-}
 TARGETS = [
     "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices",
     "sglang.srt.disaggregation.common.conn.CommonKVSender.clear",
@@ -215,23 +175,11 @@ def _configurator_build(model_config, tokens: int):
 def _build_pools(model_dir: str):
     """Two prefill CP ranks' CP-shared DSA pools (plugin hooks), their allocator, a replicated and a decode pool."""
 
-    import torch
     from sglang.srt.arg_groups.overrides import model_config_of
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
 
-    argv = ["--model-path", os.path.join(model_dir, "mla"), "--device", "cpu", "--skip-tokenizer-init"]
-    argv += ["--enable-prefill-cp", "--cp-strategy", "interleave", "--tp-size", "2", "--attn-cp-size", "2"]
-    argv += [
-        "--page-size",
-        str(PS),
-        "--disaggregation-mode",
-        "prefill",
-        "--disaggregation-transfer-backend",
-        "mooncake",
-    ]
-    server_args = prepare_server_args(argv)
+    server_args = prepare_server_args(prefill_cp_argv(model_dir, PS))
     server_args.resolve_once()
     server_args.__dict__["enable_cp_shared_kv"] = True  # the record as the launcher passes it (CPU cannot resolve it)
     publish(server_args, role="scheduler")
@@ -245,13 +193,7 @@ def _build_pools(model_dir: str):
             pool, alloc = _configurator_build(dsa_config, per_rank_tokens)
         ranks.append(pool)
         allocator = allocator or alloc  # every rank's allocator makes the same decisions; one draws the pages
-    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
-        kw = dict(page_size=PS, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=2, device="cpu")
-        kw.update(index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576)
-        replicated = DSATokenToKVPool(N * ranks[0].phys_pages * PS - PS, **kw)
-        decode = DSATokenToKVPool(48 * PS, **kw)
-    for p in (replicated, decode):
-        p.dcp_replicated = True
+    replicated, decode = stock_dsa_pools([N * ranks[0].phys_pages * PS - PS, 48 * PS], PS)
     return server_args, ranks, allocator, replicated, decode
 
 
@@ -592,9 +534,7 @@ def _worker(model_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
-    for name, config in MODELS.items():
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
+    write_model_dirs(root, ["mla", "dsa"])
     env = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv", "TRITON_INTERPRET": "1", "MC_LOG_LEVEL": "WARNING"}
     env.pop("SGLANG_DEBUG_CP_SHARED_KV", None)  # the faults must reach the decode, not the prefill's debug check
     proc = subprocess.run([sys.executable, __file__, str(root)], capture_output=True, text=True, timeout=240, env=env)

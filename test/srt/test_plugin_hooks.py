@@ -25,51 +25,11 @@ import subprocess
 import sys
 
 import pytest
+from plugin_models import prefill_cp_argv, stock_dsa_pools, write_model_dirs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
 PS = 64
-_MLA = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-}
-MODELS = {
-    "mla": {**_MLA, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
-    "dsa": {
-        **_MLA,
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "index_head_dim": 128,
-        "index_n_heads": 4,
-        "index_topk": 64,
-    },
-}
 TARGETS = [
     "sglang.srt.server_args.ServerArgs.add_cli_args",
     "sglang.srt.server_args.ServerArgs.from_cli_args",
@@ -142,17 +102,7 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.server_args import prepare_server_args
 
     out: dict = {"patched": sorted(set(TARGETS) & HookRegistry._patched)}
-    argv = ["--model-path", os.path.join(model_dir, "mla"), "--device", "cpu", "--skip-tokenizer-init"]
-    argv += ["--enable-prefill-cp", "--cp-strategy", "interleave", "--tp-size", "2", "--attn-cp-size", "2"]
-    argv += [
-        "--page-size",
-        str(PS),
-        "--disaggregation-mode",
-        "prefill",
-        "--disaggregation-transfer-backend",
-        "mooncake",
-    ]
-    server_args = prepare_server_args(argv)
+    server_args = prepare_server_args(prefill_cp_argv(model_dir, PS))
     server_args.resolve_once()
     dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
     sizes = type("Sizes", (), {"max_total_num_tokens": 8 * PS})()
@@ -198,13 +148,8 @@ def _worker(model_dir: str) -> None:
 
     ranks = [p for p, _ in built[True]]
     allocator = built[True][0][1]
+    replicated, decode = stock_dsa_pools([n * ranks[0].phys_pages * PS - PS, 12 * PS], PS)
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
-        kw = dict(page_size=PS, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=2, device="cpu")
-        kw.update(index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576)
-        replicated = DSATokenToKVPool(n * ranks[0].phys_pages * PS - PS, **kw)
-        decode = DSATokenToKVPool(12 * PS, **kw)
-        for p in (replicated, decode):
-            p.dcp_replicated = True
         t = torch.tensor
         seq = 5 * PS + 9
         locs = allocator.alloc_extend(t([0]), t([0]), t([seq]), t([seq]), t([0]), seq, rotation_bases=[None]).long()
@@ -302,9 +247,7 @@ def _worker(model_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
-    for name, config in MODELS.items():
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
+    write_model_dirs(root, ["mla", "dsa"])
     env = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv", "TRITON_INTERPRET": "1", "MC_LOG_LEVEL": "WARNING"}
     proc = subprocess.run([sys.executable, __file__, str(root)], capture_output=True, text=True, timeout=300, env=env)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]

@@ -13,23 +13,10 @@ import subprocess
 import sys
 
 import pytest
+from plugin_models import write_model_dirs
 
 pytestmark = pytest.mark.sglang
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-}
 _ENV = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv", "PYTHONWARNINGS": "ignore"}
 
 
@@ -114,9 +101,7 @@ def _run(*args: str, env: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("llama")
-    (root / "config.json").write_text(json.dumps(LLAMA))
-    return str(root)
+    return str(write_model_dirs(tmp_path_factory.mktemp("models"), ["gqa"])["gqa"])
 
 
 @pytest.fixture(scope="module")

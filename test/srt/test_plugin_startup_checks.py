@@ -17,74 +17,9 @@ import subprocess
 import sys
 
 import pytest
+from plugin_models import write_model_dirs
 
 pytestmark = pytest.mark.sglang
-
-_MLA = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 128,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000,
-    "rms_norm_eps": 1e-6,
-    "vocab_size": 1024,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-}
-MODELS = {
-    # DeepSeek-V3.2-shaped (MLA + lightning indexer), tiny except the byte formats.
-    "dsa": {
-        **_MLA,
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "index_head_dim": 128,
-        "index_n_heads": 4,
-        "index_topk": 64,
-    },
-    "dsa_kpool": {
-        **_MLA,
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "index_head_dim": 128,
-        "index_n_heads": 4,
-        "index_topk": 64,
-        "index_kpool": 4,
-    },
-    "mla": {**_MLA, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
-    "gqa": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 1024,
-        "torch_dtype": "bfloat16",
-        "hidden_act": "silu",
-    },
-}
 
 GOOD = [
     "--enable-cp-shared-kv",
@@ -258,9 +193,7 @@ def _worker(model_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
-    for name, config in MODELS.items():
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
+    write_model_dirs(root)
     proc = subprocess.run(
         [sys.executable, __file__, str(root)],
         capture_output=True,

@@ -5,16 +5,22 @@ import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    FUSED_PLAN_MAX_POSITIONS,
+    assign_slots,
+    assign_slots_ref,
     build_slot_table,
     build_slot_table_ref,
     gather_page_buffers,
     gather_pages,
     gather_pages_ref,
     interpreting,
+    plan_positions,
+    plan_positions_ref,
     positions_to_view_rows,
     positions_to_view_rows_ref,
     triton_enabled,
 )
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import chunk_layout, plan_vectors, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -173,3 +179,69 @@ def test_gather_page_buffers_rejects_bad_buffer_lists():
         gather_page_buffers([src, src, src], torch.tensor([0]))
     with pytest.raises(ValueError, match="outs"):
         gather_page_buffers([src, src], torch.tensor([0]), [torch.zeros((1, 8), dtype=torch.uint8)])
+
+
+def _batch_table(pages: list[int], width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 10_000, (len(pages), width), dtype=dtype, generator=g)
+
+
+@needs_triton
+@pytest.mark.parametrize("pages", [[3, 0, 5, 1, 2], [0], [1], [1100, 7], [0, 0, 2]])
+def test_plan_positions_equals_reference(pages):
+    max_pages = max(pages) + 2
+    cu = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], device=DEVICE)
+    expected = plan_positions_ref(cu, max_pages, sum(pages))
+    assert expected.tolist() == [b * max_pages + j for b, p in enumerate(pages) for j in range(p)]
+    got = plan_positions(cu, max_pages, sum(pages), use_triton=True)
+    assert got.dtype == torch.int64 and torch.equal(got, expected)
+
+
+def _assign_case(pages, cp_size, chunks, seed, dtype=torch.int64, pad=0, strided=False):
+    """The fused kernel against the torch reference on one batch (random pages: owner blocks may overflow)."""
+    width = max(pages) + 1
+    table = _batch_table(pages, 2 * width if strided else width, seed, dtype).to(DEVICE)
+    if strided:
+        table = table[:, ::2]  # a page table whose rows are not contiguous
+    # Blocks sized for balanced allocation, as the plan sizes them; random pages can overflow them.
+    k, sc = chunk_layout(slots_per_rank(pages, cp_size), chunks)
+    positions, cu = plan_vectors(pages, table.shape[1], DEVICE, use_triton=False)
+    args = (table, positions, cu, cp_size, sc, k * sc, 777, pad)
+    expected = assign_slots_ref(*args, use_triton=False)
+    got = assign_slots(*args, use_triton=True)
+    for name, a, b in zip(("logical", "slots", "slot_table", "slot_phys"), got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, pages, cp_size, chunks)
+
+
+@needs_triton
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_fused_plan_equals_reference(cp_size, chunks):
+    for seed, pages in enumerate([[5, 3, 7, 1, 4, 9], [1], [12, 0, 12], [2, 40, 3, 1, 0, 17, 8, 8]]):
+        _assign_case(pages, cp_size, chunks, seed, dtype=torch.int32 if seed % 2 else torch.int64, pad=seed - 1)
+    _assign_case([6, 9, 2], cp_size, chunks, 99, strided=True)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "pages",
+    [
+        [1024],  # exactly one 1024-wide block
+        [1000, 25],  # one past it: the next block size
+        [4096, 4096],  # FUSED_PLAN_MAX_POSITIONS exactly: the largest single program
+        [4096, 4097],  # one past: the torch formulation
+    ],
+)
+def test_fused_plan_at_block_boundaries(pages):
+    assert FUSED_PLAN_MAX_POSITIONS == 8192
+    for cp_size, chunks in ((8, 1), (3, 4)):
+        _assign_case(pages, cp_size, chunks, seed=sum(pages))
+
+
+def test_assign_slots_rejects_a_chunking_that_does_not_tile_the_block():
+    table = torch.zeros((1, 4), dtype=torch.int64)
+    positions, cu = plan_vectors([4], 4, torch.device("cpu"), use_triton=False)
+    with pytest.raises(ValueError, match="chunk_slots"):
+        assign_slots(table, positions, cu, 2, 3, 4, 0)
+    with pytest.raises(ValueError, match="cu_pages"):
+        assign_slots(table, positions, cu[:1], 2, 2, 4, 0)

@@ -23,7 +23,7 @@ class CPSharedKVDebugError(RuntimeError):
 def plan_digest(plan: SlotPlan) -> str:
     """A hash of everything that decides the view's layout (host metadata and device tensors)."""
     h = hashlib.sha256()
-    meta = (plan.cp_size, plan.page_size, plan.pages_per_req, plan.slots_per_rank, plan.trash_page)
+    meta = (plan.cp_size, plan.page_size, plan.pages_per_req, plan.slots_per_rank, plan.trash_page, plan.chunks)
     h.update(repr(meta).encode())
     for t in (plan.positions_flat, plan.logical_pages, plan.slots, plan.slot_table, plan.slot_phys):
         h.update(repr((t.dtype, tuple(t.shape))).encode())
@@ -44,11 +44,12 @@ def check_plan_local(plan: SlotPlan) -> None:
             f"slot overflow: owner {o} holds {int(counts[o])} of this batch's page positions, more than S={s} "
             "(pages of a request are not spread over owners within one page)"
         )
-    if len(slots) and (bool((slots // max(s, 1) != owner).any()) or len(set(slots.tolist())) != len(slots)):
+    outside = bool(((slots < 0) | (slots >= plan.view_pages) | (plan.slot_owner(slots) != owner)).any())
+    if len(slots) and (outside or len(set(slots.tolist())) != len(slots)):
         raise CPSharedKVDebugError("slot plan is inconsistent: a slot lies outside its owner's block or is reused")
     phys = plan.slot_phys.cpu()
     expected = torch.full((n * s,), plan.trash_page, dtype=torch.int64)
-    expected[slots] = logical // n
+    expected[plan.send_entry(slots)] = logical // n
     if not torch.equal(phys, expected):
         bad = int((phys != expected).nonzero()[0])
         raise CPSharedKVDebugError(

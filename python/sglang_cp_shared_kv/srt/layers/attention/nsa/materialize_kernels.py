@@ -3,6 +3,12 @@
 - ``gather_page_buffers`` / ``gather_pages``: copy whole pages of page-major pool buffers into a
   send block, in the order a page-id vector gives; one generic copy serves latent and indexer
   pages, and one launch gathers both.
+- ``plan_positions``: the flat page-table index ``b * max_pages + j`` of every page position of
+  a batch, request-major, from the prefix sum of its pages per request (on device).
+- ``assign_slots``: the slot plan in one launch (one program when the batch has at most
+  ``FUSED_PLAN_MAX_POSITIONS`` page positions): each position's logical page, owner, rank among
+  the positions with the same owner (a scan), view slot, the slot table and every send entry's
+  physical page. Larger batches run the torch formulation (``assign_slots_ref``).
 - ``build_slot_table``: the page table handed to the kernels, in slot ids: position ``j`` of
   request ``b`` gets ``slots[cu_pages[b] + j]``; positions past a request's pages get ``pad``.
 - ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
@@ -220,6 +226,237 @@ def build_slot_table(
     grid = (batch_size, triton.cdiv(max_pages, block))
     _slot_table_kernel[grid](slots, cu_pages, out, max_pages, pad, BLOCK=block)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# plan_positions and assign_slots (the slot plan)
+# ---------------------------------------------------------------------------------------------
+
+# Batches up to this many page positions are planned by one program (a block-wide scan); larger
+# ones by the torch formulation, whose scans run over the whole GPU.
+FUSED_PLAN_MAX_POSITIONS = 8192
+
+
+def plan_positions_ref(cu_pages: torch.Tensor, max_pages: int, num_positions: int) -> torch.Tensor:
+    """``b * max_pages + j`` for page ``j`` of request ``b``, request-major: int64 ``[num_positions]``.
+
+    ``num_positions`` (``cu_pages[-1]``, known on the host) sizes the output, so nothing syncs.
+    """
+    cu = cu_pages.long()
+    counts = cu[1:] - cu[:-1]
+    base = torch.arange(len(counts), device=cu.device) * max_pages - cu[:-1]  # b * max_pages - first position
+    per_position = torch.repeat_interleave(base, counts, output_size=num_positions)
+    return per_position + torch.arange(num_positions, device=cu.device)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["max_pages"])
+    def _plan_positions_kernel(cu_pages, out, max_pages, BLOCK: tl.constexpr):
+        req = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        start = tl.load(cu_pages + req)
+        n_pages = tl.load(cu_pages + req + 1) - start
+        tl.store(out + start + j, req.to(tl.int64) * max_pages + j, mask=j < n_pages)
+
+
+def plan_positions(
+    cu_pages: torch.Tensor, max_pages: int, num_positions: int, use_triton: bool | None = None
+) -> torch.Tensor:
+    """Flat page-table index of every page position (``plan_positions_ref``), in one launch."""
+    _check_index("cu_pages", cu_pages, 1)
+    batch = cu_pages.shape[0] - 1
+    if not triton_enabled(cu_pages.device, use_triton) or num_positions == 0 or batch < 1:
+        return plan_positions_ref(cu_pages, max_pages, num_positions)
+    out = torch.empty(num_positions, dtype=torch.int64, device=cu_pages.device)
+    block = min(1024, triton.next_power_of_2(max_pages))
+    _plan_positions_kernel[(batch, triton.cdiv(max_pages, block))](cu_pages, out, max_pages, BLOCK=block)
+    return out
+
+
+def assign_slots_ref(
+    page_table: torch.Tensor,
+    positions_flat: torch.Tensor,
+    cu_pages: torch.Tensor,
+    cp_size: int,
+    chunk_slots: int,
+    slots_per_rank: int,
+    trash_page: int,
+    pad: int = 0,
+    use_triton: bool | None = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot plan in torch ops: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S])``.
+
+    Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by
+    ``o = lp % N``; ``r`` is its rank among the positions owned by ``o`` (request-major). With
+    ``Sc = chunk_slots`` and ``S = slots_per_rank`` (a multiple of ``Sc``):
+
+    - its view slot is ``(r // Sc) * N * Sc + o * Sc + r % Sc`` (chunk-major; one chunk when ``Sc = S``);
+    - its send entry ``o * S + r`` holds its physical page ``lp // N``; unused entries hold
+      ``trash_page``, and a position with ``r >= S`` (an overflow, which balanced allocation
+      rules out; debug mode reports it) is dropped rather than written into another block;
+    - ``slot_table[b, j]`` is the slot of page ``j`` of request ``b``, ``pad`` past its pages.
+
+    ``use_triton`` is passed to ``build_slot_table`` (the reference proper keeps it False).
+    """
+    n, sc, s = cp_size, max(chunk_slots, 1), slots_per_rank
+    device = page_table.device
+    logical = page_table.reshape(-1).index_select(0, positions_flat).long()
+    owner = logical % n
+    # Rank among same-owner positions: a cumsum over a one-hot [N, M], scanned along the inner
+    # dimension (along the outer one CUDA scans each of the N columns serially).
+    one_hot = (torch.arange(n, device=device).unsqueeze(1) == owner.unsqueeze(0)).to(torch.int32)
+    rank = one_hot.cumsum(1, dtype=torch.int32).gather(0, owner.unsqueeze(0)).squeeze(0).long() - 1
+    chunk = rank // sc
+    slots = chunk * (n * sc) + owner * sc + (rank - chunk * sc)
+    target = torch.where(rank < s, owner * s + rank, torch.full_like(rank, n * s))  # n * s: a dump entry
+    slot_phys = torch.full((n * s + 1,), trash_page, dtype=torch.int64, device=device)
+    slot_phys.scatter_(0, target, logical // n)
+    batch, max_pages = page_table.shape
+    table = build_slot_table(slots, cu_pages, positions_flat, batch, max_pages, pad=pad, use_triton=use_triton)
+    return logical, slots, table, slot_phys[: n * s]
+
+
+if triton is not None:
+
+    @triton.jit(
+        do_not_specialize=[
+            "pt_stride0",
+            "pt_stride1",
+            "num_positions",
+            "table_entries",
+            "max_pages",
+            "chunk_slots",
+            "slots_per_rank",
+            "trash_page",
+            "pad",
+        ]
+    )
+    def _assign_slots_kernel(
+        page_table,
+        pt_stride0,
+        pt_stride1,
+        positions,
+        cu_pages,
+        logical_out,
+        slots_out,
+        table_out,
+        phys_out,
+        num_positions,
+        table_entries,
+        max_pages,
+        chunk_slots,
+        slots_per_rank,
+        trash_page,
+        pad,
+        N: tl.constexpr,
+        NP2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # One program holds every page position of the batch, so the per-owner ranks are block scans.
+        i = tl.arange(0, BLOCK)
+        live = i < num_positions
+        flat = tl.load(positions + i, mask=live, other=0).to(tl.int64)
+        req = flat // max_pages
+        lp = tl.load(page_table + req * pt_stride0 + (flat - req * max_pages) * pt_stride1, mask=live, other=0)
+        lp = lp.to(tl.int64)
+        owner = lp % N
+        rank = tl.zeros([BLOCK], dtype=tl.int32)
+        owners = tl.arange(0, NP2)
+        counts = tl.zeros([NP2], dtype=tl.int32)
+        for o in tl.static_range(N):
+            mine = (owner == o) & live
+            running = tl.cumsum(mine.to(tl.int32), axis=0)
+            rank = tl.where(mine, running - 1, rank)
+            counts = tl.where(owners == o, tl.sum(mine.to(tl.int32), axis=0), counts)
+        rank = rank.to(tl.int64)
+        chunk = rank // chunk_slots
+        slot = chunk * (N * chunk_slots) + owner * chunk_slots + (rank - chunk * chunk_slots)
+        send_entries = N * slots_per_rank
+        target = tl.where(rank < slots_per_rank, owner * slots_per_rank + rank, send_entries)
+        tl.store(logical_out + i, lp, mask=live)
+        tl.store(slots_out + i, slot, mask=live)
+        tl.store(table_out + flat, slot.to(tl.int32), mask=live)
+        tl.store(phys_out + target, lp // N, mask=live)
+
+        # Entries no position writes, written here so that no two stores meet: send entry
+        # (o, r) is unused when r >= count(o); table entry (b, j) when j >= pages of b.
+        for start in range(0, send_entries, BLOCK):
+            idx = start + i
+            o_idx = idx // slots_per_rank
+            r_idx = idx - o_idx * slots_per_rank
+            count = tl.zeros([BLOCK], dtype=tl.int32)
+            for o in tl.static_range(N):
+                count = tl.where(o_idx == o, tl.sum(tl.where(owners == o, counts, 0), axis=0), count)
+            unused = (idx < send_entries) & (r_idx >= count)
+            tl.store(phys_out + idx, tl.zeros([BLOCK], dtype=tl.int64) + trash_page, mask=unused)
+        for start in range(0, table_entries, BLOCK):
+            idx = start + i
+            inside = idx < table_entries
+            b = idx // max_pages
+            first = tl.load(cu_pages + b, mask=inside, other=0)
+            end = tl.load(cu_pages + b + 1, mask=inside, other=0)
+            past = inside & (idx - b * max_pages >= end - first)
+            tl.store(table_out + idx, tl.zeros([BLOCK], dtype=tl.int32) + pad, mask=past)
+
+
+def assign_slots(
+    page_table: torch.Tensor,
+    positions_flat: torch.Tensor,
+    cu_pages: torch.Tensor,
+    cp_size: int,
+    chunk_slots: int,
+    slots_per_rank: int,
+    trash_page: int,
+    pad: int = 0,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``assign_slots_ref`` in one kernel launch when the batch has at most ``FUSED_PLAN_MAX_POSITIONS``
+    page positions (and Triton runs here); otherwise the torch formulation with the Triton slot table."""
+    _check_index("page_table", page_table, 2)
+    _check_index("positions_flat", positions_flat, 1)
+    _check_index("cu_pages", cu_pages, 1)
+    num_positions = positions_flat.shape[0]
+    batch, max_pages = page_table.shape
+    if cu_pages.shape[0] != batch + 1:
+        raise ValueError(f"cu_pages must have batch_size + 1 = {batch + 1} entries, got {cu_pages.shape[0]}")
+    if num_positions and not (0 < chunk_slots <= slots_per_rank and slots_per_rank % chunk_slots == 0):
+        raise ValueError(f"chunk_slots must divide slots_per_rank and be >= 1, got {chunk_slots} and {slots_per_rank}")
+    fused = triton_enabled(page_table.device, use_triton) and 0 < num_positions <= FUSED_PLAN_MAX_POSITIONS
+    if not fused:
+        args = (cp_size, chunk_slots, slots_per_rank, trash_page, pad)
+        return assign_slots_ref(page_table, positions_flat, cu_pages, *args, use_triton=use_triton)
+    device = page_table.device
+    send_entries = cp_size * slots_per_rank
+    # logical, slots and slot_phys (plus its dump entry) share one allocation.
+    flat = torch.empty(2 * num_positions + send_entries + 1, dtype=torch.int64, device=device)
+    logical, slots = flat[:num_positions], flat[num_positions : 2 * num_positions]
+    slot_phys = flat[2 * num_positions :]
+    table = torch.empty((batch, max_pages), dtype=torch.int32, device=device)
+    block = max(16, triton.next_power_of_2(num_positions))
+    _assign_slots_kernel[(1,)](
+        page_table,
+        page_table.stride(0),
+        page_table.stride(1),
+        positions_flat,
+        cu_pages,
+        logical,
+        slots,
+        table,
+        slot_phys,
+        num_positions,
+        batch * max_pages,
+        max_pages,
+        chunk_slots,
+        slots_per_rank,
+        trash_page,
+        pad,
+        N=cp_size,
+        NP2=max(2, triton.next_power_of_2(cp_size)),
+        BLOCK=block,
+        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+    )
+    return logical, slots, table, slot_phys[:send_entries]
 
 
 # ---------------------------------------------------------------------------------------------

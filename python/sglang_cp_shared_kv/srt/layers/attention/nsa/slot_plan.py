@@ -1,30 +1,36 @@
 """The per-batch slot plan of the materialized view: where every page position of a batch lands.
 
 A forward batch reads, for request ``b``, its logical pages ``page_table[b, :pages_b]``. Listed
-request-major they are ``M = sum(pages_b)`` page positions. The dense view has ``N * S`` pages,
-owner-major, with ``S = sum(ceil(pages_b / N))``::
+request-major they are ``M = sum(pages_b)`` page positions. Owner ``o`` of a page sends a block
+of ``S`` pages, ``S >= sum(ceil(pages_b / N))``; position ``(b, j)`` with owner ``o`` and rank
+``r`` among the batch's positions with the same owner is entry ``r`` of that block.
 
-    slot(b, j) = owner * S + (rank of (b, j) among the batch's positions with the same owner)
+The view (``N * S`` pages) is the all-gather of those blocks. It may be pipelined in ``k``
+chunks of ``Sc = S / k`` slots: chunk ``c`` of the view holds entries ``[c * Sc, (c + 1) * Sc)``
+of every block, owner-major, so each chunk is one all-gather into a contiguous range::
 
-Owner ``o``'s block ``[o * S, (o + 1) * S)`` is exactly what rank ``o`` sends in the all-gather.
+    slot(b, j) = (r // Sc) * N * Sc + o * Sc + r % Sc        # k = 1: o * S + r
+
 Balanced allocation spreads each request's pages over owners within one page, so no owner holds
 more than ``ceil(pages_b / N)`` of request ``b``'s pages and a block never overflows (debug mode
 checks it). A prefix page shared by two requests gets two slots: more bytes, static shapes.
 
-Everything sized by the plan (``M``, ``S``, the view) comes from host-known lengths; the device
-work is gathers, a one-hot cumsum and scatters with no host sync, so the plan can be built
-ahead of the batch's kernels without stalling them. The plan is the same on every rank.
+Everything sized by the plan (``M``, ``S``, ``k``, the view) comes from host-known lengths; the
+host work is O(batch size) and the device work (page-position list, per-owner scan, scatters)
+never syncs, so the plan can be built ahead of the batch's kernels without stalling them, or
+captured in a CUDA graph. The plan is the same on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import build_slot_table
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import assign_slots, plan_positions
 
 
 def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
@@ -33,29 +39,56 @@ def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
 
 
 def slots_per_rank(pages_per_req: Sequence[int], cp_size: int) -> int:
-    """``S = sum(ceil(pages_b / N))``: the size of every owner's block of the view."""
+    """``sum(ceil(pages_b / N))``: the pages every owner sends (its block, before chunk padding)."""
     return sum(-(-int(p) // cp_size) for p in pages_per_req)
 
 
-def predicted_view_pages(pages_per_req: Sequence[int], cp_size: int) -> int:
-    """Pages of the dense view (``N * S``), padding included: what one materialized layer receives."""
-    return cp_size * slots_per_rank(pages_per_req, cp_size)
+def chunk_layout(slots: int, chunks: int) -> tuple[int, int]:
+    """``(k, Sc)``: ``chunks`` clamped to ``[1, slots]`` and the slots per chunk, ``ceil(slots / k)``.
+
+    The padded block is ``k * Sc`` slots: under ``k`` pages more than ``slots``.
+    """
+    k = max(1, min(int(chunks), slots))
+    return k, -(-slots // k)
+
+
+def predicted_view_pages(pages_per_req: Sequence[int], cp_size: int, chunks: int = 1) -> int:
+    """Pages of the dense view (``N * k * Sc``), padding included: what one materialized layer receives."""
+    k, sc = chunk_layout(slots_per_rank(pages_per_req, cp_size), chunks)
+    return cp_size * k * sc
+
+
+def pipeline_chunks(slots: int, page_size: int, chunk_tokens: int | None) -> int:
+    """Chunks to pipeline a view of ``slots`` pages per rank in: one per ``chunk_tokens`` tokens
+    sent per rank (rounded down, at least 1), or 1 when ``chunk_tokens`` is ``None``.
+
+    Sized in tokens, not bytes, so that views of one batch materialized separately (latent rows
+    and indexer pages) share one layout and one slot table.
+    """
+    if chunk_tokens is None or slots == 0:
+        return 1
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens!r}")
+    return chunk_layout(slots, (slots * page_size) // chunk_tokens)[0]
 
 
 @dataclass(frozen=True)
 class SlotPlan:
     """Where each page position of one batch lives in the dense view (identical on every rank).
 
-    Host-side: ``cp_size``, ``page_size``, ``pages_per_req``, ``slots_per_rank`` (``S``),
-    ``trash_page``. Device-side:
+    Host-side: ``cp_size``, ``page_size``, ``pages_per_req``, ``slots_per_rank`` (``S``, every
+    owner's block, chunk padding included), ``trash_page``, ``chunks`` (``k``) and
+    ``chunk_slots`` (``Sc = S / k``). Device-side:
 
     - ``positions_flat`` int64 ``[M]``: ``b * max_pages + j`` of each position, request-major;
     - ``logical_pages`` int64 ``[M]``: the page each position reads (from the batch's page table);
-    - ``slots`` int64 ``[M]``: the slot of each position;
+    - ``slots`` int64 ``[M]``: the view slot of each position;
     - ``slot_table`` int32 ``[B, max_pages]``: the page table the kernels index in the view
       (``pad`` past a request's pages);
-    - ``slot_phys`` int64 ``[N * S]``: each slot's physical page on its owner (``trash_page``
-      for padding slots); rank ``r`` gathers ``slot_phys[r * S:(r + 1) * S]``.
+    - ``slot_phys`` int64 ``[N * S]``: every owner's send block, owner-major: entry ``r`` of
+      owner ``o``'s block is the physical page (on ``o``) of its ``r``-th position, or
+      ``trash_page`` for padding. Rank ``o`` gathers ``send_pages(o)``; chunk ``c`` of it fills
+      view slots ``c * N * Sc + o * Sc + [0, Sc)``.
     """
 
     cp_size: int
@@ -68,6 +101,12 @@ class SlotPlan:
     slots: torch.Tensor
     slot_table: torch.Tensor
     slot_phys: torch.Tensor
+    chunks: int = 1
+    chunk_slots: int | None = None  # None: one chunk of slots_per_rank
+
+    def __post_init__(self) -> None:
+        if self.chunk_slots is None:
+            object.__setattr__(self, "chunk_slots", self.slots_per_rank)
 
     @property
     def num_positions(self) -> int:
@@ -78,11 +117,34 @@ class SlotPlan:
         return self.cp_size * self.slots_per_rank
 
     def send_pages(self, rank: int) -> torch.Tensor:
-        """Physical pages rank ``rank`` copies into its send block, in slot order."""
+        """Physical pages rank ``rank`` copies into its send block, in block order (chunk by chunk)."""
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank!r}")
         s = self.slots_per_rank
         return self.slot_phys[rank * s : (rank + 1) * s]
+
+    def chunk_view_slots(self, chunk: int, rank: int | None = None) -> tuple[int, int]:
+        """``[start, end)`` view slots of ``chunk`` (of ``rank``'s part of it when given): host ints."""
+        if not 0 <= chunk < self.chunks:
+            raise ValueError(f"chunk must be in [0, {self.chunks}), got {chunk!r}")
+        sc = self.chunk_slots
+        start = chunk * self.cp_size * sc
+        if rank is None:
+            return start, start + self.cp_size * sc
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank!r}")
+        return start + rank * sc, start + (rank + 1) * sc
+
+    def slot_owner(self, slots: torch.Tensor) -> torch.Tensor:
+        """The owner whose block fills each view slot."""
+        sc = max(self.chunk_slots, 1)
+        return (slots % (self.cp_size * sc)) // sc
+
+    def send_entry(self, slots: torch.Tensor) -> torch.Tensor:
+        """Index into ``slot_phys`` of each view slot (the identity with one chunk)."""
+        sc = max(self.chunk_slots, 1)
+        chunk = slots // (self.cp_size * sc)
+        return self.slot_owner(slots) * self.slots_per_rank + chunk * sc + slots % sc
 
 
 def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -99,23 +161,20 @@ def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.
     return list(copy_to_device(both, device).split([len(a) for a in arrays]))
 
 
-def plan_vectors(pages: Sequence[int], max_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``positions_flat [M]`` and ``cu_pages [B + 1]`` from host lengths, on ``device``.
+def plan_vectors(
+    pages: Sequence[int], max_pages: int, device: torch.device, use_triton: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions_flat [M]`` and ``cu_pages [B + 1]`` of a batch's lengths, on ``device``.
 
+    Only ``cu_pages`` (``B + 1`` host ints) crosses from the host; the ``M`` positions are built
+    on the device from it (``plan_positions``), so the host work is O(B), not O(M).
     They depend on the batch's lengths only, not on its page ids: a CUDA graph captures the plan
     with them built beforehand (``build_slot_plan(..., vectors=...)``) and replays it on new page
     tables of the same lengths.
-
-    Built with numpy: single-threaded host work of a few microseconds, where torch's CPU ops can
-    wake a thread pool for every call.
     """
-    counts = np.asarray(list(pages), dtype=np.int64)
-    cu = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=cu[1:])
-    req = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    flat = req * max_pages + (np.arange(len(req), dtype=np.int64) - cu[req])
-    positions_flat, cu_pages = host_to_device([flat, cu], device)
-    return positions_flat, cu_pages
+    cu = [0, *accumulate(int(p) for p in pages)]
+    cu_pages = copy_to_device(torch.tensor(cu, dtype=torch.int64), torch.device(device))
+    return plan_positions(cu_pages, max_pages, cu[-1], use_triton=use_triton), cu_pages
 
 
 def build_slot_plan(
@@ -127,13 +186,14 @@ def build_slot_plan(
     pad: int = 0,
     use_triton: bool | None = None,
     vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    chunks: int = 1,
 ) -> SlotPlan:
     """Plan the view of one batch from its page table (logical page ids, ``[B, max_pages]``).
 
     ``pages_per_req`` are host ints (``pages_for_lens(seq_lens_cpu, ps)``); the page table stays
     on its device and is never read back. ``trash_page`` is the pool's padding page.
     ``vectors``: ``plan_vectors(pages_per_req, max_pages, device)`` built ahead (CUDA graphs);
-    built here when omitted.
+    built here when omitted. ``chunks``: pipeline chunks of the view (``chunk_layout`` clamps it).
     """
     if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -143,7 +203,7 @@ def build_slot_plan(
     pages = [int(p) for p in pages_per_req]
     if len(pages) != batch:
         raise ValueError(f"pages_per_req must have one entry per request ({batch}), got {len(pages)}")
-    if any(p < 0 or p > max_pages for p in pages):
+    if pages and (min(pages) < 0 or max(pages) > max_pages):
         raise ValueError(f"pages_per_req must lie in [0, {max_pages}] (the page table's width), got {pages}")
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
@@ -151,41 +211,30 @@ def build_slot_plan(
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if not isinstance(trash_page, int) or trash_page < 0:
         raise ValueError(f"trash_page must be an int >= 0, got {trash_page!r}")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
 
-    device = page_table.device
-    n = cp_size
-    s = slots_per_rank(pages, n)
+    k, sc = chunk_layout(slots_per_rank(pages, cp_size), chunks)
     if vectors is None:
-        vectors = plan_vectors(pages, max_pages, device)
+        vectors = plan_vectors(pages, max_pages, page_table.device, use_triton=use_triton)
     positions_flat, cu_pages = vectors
     if positions_flat.shape != (sum(pages),) or cu_pages.shape != (batch + 1,):
         raise ValueError(f"vectors must be plan_vectors of these lengths ([{sum(pages)}], [{batch + 1}])")
 
-    logical = page_table.reshape(-1).index_select(0, positions_flat).long()
-    owner = logical % n
-    # Rank of each position among same-owner positions: a cumsum over a one-hot [N, M]. The scan
-    # runs along the inner dimension: along the outer one CUDA scans each of the N columns serially.
-    one_hot = (torch.arange(n, device=device).unsqueeze(1) == owner.unsqueeze(0)).to(torch.int32)
-    rank_in_owner = one_hot.cumsum(1, dtype=torch.int32).gather(0, owner.unsqueeze(0)).squeeze(0).long() - 1
-    slots = owner * s + rank_in_owner
-
-    # Each slot's physical page on its owner. An overflowing position (impossible with balanced
-    # allocation; debug mode reports it) is sent to a dump entry past the view instead of corrupting it.
-    dump = torch.full_like(slots, n * s)
-    target = torch.where(rank_in_owner < s, slots, dump)
-    slot_phys = torch.full((n * s + 1,), trash_page, dtype=torch.int64, device=device)
-    slot_phys.scatter_(0, target, logical // n)
-
-    slot_table = build_slot_table(slots, cu_pages, positions_flat, batch, max_pages, pad=pad, use_triton=use_triton)
+    logical, slots, slot_table, slot_phys = assign_slots(
+        page_table, positions_flat, cu_pages, cp_size, sc, k * sc, trash_page, pad=pad, use_triton=use_triton
+    )
     return SlotPlan(
-        cp_size=n,
+        cp_size=cp_size,
         page_size=page_size,
         pages_per_req=tuple(pages),
-        slots_per_rank=s,
+        slots_per_rank=k * sc,
         trash_page=trash_page,
         positions_flat=positions_flat,
         logical_pages=logical,
         slots=slots,
         slot_table=slot_table,
-        slot_phys=slot_phys[: n * s],
+        slot_phys=slot_phys,
+        chunks=k,
+        chunk_slots=sc,
     )

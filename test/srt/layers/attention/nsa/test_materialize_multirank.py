@@ -4,9 +4,12 @@ Each rank runs the tiny DSA stack twice over the same chunked-prefill stream (re
 prefixes; current-only, mixed and history batches): once over a replicated pool, once over its share
 of a pool sharded across the CP group, read through the materialized view and current-reuse. Top-k
 positions, attention outputs and LSE must be ``torch.equal`` layer by layer, and the counters must be
-what the host lengths predict. A second check builds views of random pool contents and compares every
-page position with the replicated pool directly.
+what the host lengths predict. Some runs build their views in pipeline chunks (the gather of one chunk
+overlapping the all-gather of the previous one on GPU; in order on gloo). A second check builds views
+of random pool contents and compares every page position with the replicated pool directly.
 """
+
+import os
 
 import pytest
 import torch
@@ -14,7 +17,13 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV, ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    pages_for_lens,
+    pipeline_chunks,
+    predicted_view_pages,
+    slots_per_rank,
+)
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, mla_row_bytes
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
@@ -48,7 +57,8 @@ def stream(ps: int) -> tuple[list[RequestSpec], int]:
     return requests, 4 * ps
 
 
-def _rank_prefill(rank, world_size, ps, kv_format, current_reuse, prefetch):
+def _rank_prefill(rank, world_size, ps, kv_format, current_reuse, prefetch, chunk_tokens):
+    os.environ[PIPELINE_CHUNK_TOKENS_ENV] = str(chunk_tokens)  # read when the run builds its materializer
     requests, chunk = stream(ps)
     group = CPGroup()
     replicated = run_chunked_prefill(
@@ -82,22 +92,28 @@ def _rank_prefill(rank, world_size, ps, kv_format, current_reuse, prefetch):
 
 
 CASES = [
-    # (N, page size, format, current_reuse, prefetch): every N, page size and format appears at least once
-    (2, 64, "fp8", True, False),
-    (2, 16, "bf16", False, True),  # materialized fallback on the current-only batch as well
-    (4, 64, "bf16", True, True),
-    (4, 16, "fp8", True, False),
-    (8, 16, "fp8", True, True),
+    # (N, page size, format, current_reuse, prefetch, pipeline chunk tokens; 0: one piece): every N,
+    # page size and format appears at least once, and every N with pipeline chunks.
+    (2, 64, "fp8", True, False, 0),
+    (2, 16, "bf16", False, True, 24),  # current-only batch materialized too; blocks padded to 2 chunks
+    (4, 64, "bf16", True, True, 0),
+    (4, 16, "fp8", True, False, 16),
+    (8, 16, "fp8", True, True, 16),
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("world_size", "ps", "kv_format", "current_reuse", "prefetch"), CASES)
-def test_sharded_prefill_equals_replicated(world_size, ps, kv_format, current_reuse, prefetch):
-    per_rank = spawn_ranks(_rank_prefill, world_size, ps, kv_format, current_reuse, prefetch, timeout_s=300)
+@pytest.mark.parametrize(("world_size", "ps", "kv_format", "current_reuse", "prefetch", "chunk_tokens"), CASES)
+def test_sharded_prefill_equals_replicated(world_size, ps, kv_format, current_reuse, prefetch, chunk_tokens):
+    per_rank = spawn_ranks(
+        _rank_prefill, world_size, ps, kv_format, current_reuse, prefetch, chunk_tokens, timeout_s=300
+    )
     requests, chunk = stream(ps)
     batches = schedule_chunked_prefill(requests, chunk)
     assert [b.kind for b in batches] == ["current", "mixed", "history"]
+    pages = [pages_for_lens(b.seq_lens, ps) for b in batches]
+    chunks = [pipeline_chunks(slots_per_rank(p, world_size), ps, chunk_tokens or None) for p in pages]
+    assert (max(chunks) > 1) == bool(chunk_tokens)  # the chunked cases do pipeline
     page_bytes = ps * (mla_row_bytes(kv_format) + INDEX_TOKEN_BYTES)
     layers = CONFIG.num_layers
     for rank, got in enumerate(per_rank):
@@ -105,14 +121,17 @@ def test_sharded_prefill_equals_replicated(world_size, ps, kv_format, current_re
         assert got["page_tables_equal"] and got["finite_lse"] and got["sparse"]
         assert got["history_reads"] > 0
         assert got["kinds"] == ["current", "mixed", "history"]
-        for batch, counters in zip(batches, got["counters"]):
+        for batch, counters, p, k in zip(batches, got["counters"], pages, chunks):
             assert counters.kind == batch.kind and counters.layers == layers
             if batch.kind == "current" and current_reuse:
                 assert counters.current_reuse_hits == layers
                 assert counters.bytes_materialized == counters.pages_gathered == counters.bytes_received == 0
                 continue
-            # Exactly what the host lengths predict: N * S pages per layer, S = sum(ceil(pages_b / N)).
-            s = sum(_ceil(_ceil(n, ps), world_size) for n in batch.seq_lens)
+            # Exactly what the host lengths predict: N * S pages per layer, S = sum(ceil(pages_b / N))
+            # rounded up to a multiple of the chunk count.
+            s = predicted_view_pages(p, world_size, k) // world_size
+            if k == 1:
+                assert s == sum(_ceil(_ceil(n, ps), world_size) for n in batch.seq_lens)
             assert counters.current_reuse_hits == 0
             assert counters.view_pages == world_size * s
             assert counters.pages_gathered == layers * s
@@ -121,7 +140,7 @@ def test_sharded_prefill_equals_replicated(world_size, ps, kv_format, current_re
     assert all(got["counters"] == per_rank[0]["counters"] for got in per_rank)
 
 
-def _rank_views(rank, world_size, ps, kv_format):
+def _rank_views(rank, world_size, ps, kv_format, chunk_tokens):
     """Random pool contents, written through the masked store on every rank and into a replicated pool;
     every page position of a batch's view must hold the replicated pool's page."""
     group = CPGroup()
@@ -145,7 +164,7 @@ def _rank_views(rank, world_size, ps, kv_format):
     for pool in (sharded, replicated):
         pool.set_latent(0, locs, rows)
         pool.set_index(0, locs, k_u8, scale)
-    mat = ViewMaterializer(sharded, group)
+    mat = ViewMaterializer(sharded, group, pipeline_chunk_tokens=chunk_tokens)
     counters = mat.begin_batch(table, lens, [1] * len(lens))
     view = mat.layer_view(0)
     bad = []
@@ -168,19 +187,28 @@ def _rank_views(rank, world_size, ps, kv_format):
         for x, vr in zip(r, vrs)
         if x >= 0
     ) and bool((view_rows[pos < 0] == -1).all())
-    return bad, row_ok, counters.view_pages, counters.bytes_materialized
+    return bad, row_ok, counters.view_pages, counters.bytes_materialized, mat.plan.chunks
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(("world_size", "ps", "kv_format"), [(2, 16, "bf16"), (4, 64, "fp8")])
-def test_view_pages_equal_replicated_pages(world_size, ps, kv_format):
+@pytest.mark.parametrize(
+    ("world_size", "ps", "kv_format", "chunk_tokens", "chunks"),
+    [(2, 16, "bf16", 0, 1), (2, 16, "fp8", 64, 2), (4, 64, "fp8", 0, 1), (4, 64, "bf16", 96, 4)],
+)
+def test_view_pages_equal_replicated_pages(world_size, ps, kv_format, chunk_tokens, chunks):
     lens = [3 * ps + 5, ps, 6 * ps, ps // 2, 2 * ps + 1]
-    s = sum(_ceil(_ceil(n, ps), world_size) for n in lens)
-    for bad, row_ok, view_pages, nbytes in spawn_ranks(_rank_views, world_size, ps, kv_format, timeout_s=300):
+    pages = pages_for_lens(lens, ps)
+    view = predicted_view_pages(pages, world_size, chunks)
+    if chunks == 1:
+        assert view == world_size * sum(_ceil(p, world_size) for p in pages)
+    for bad, row_ok, view_pages, nbytes, got_chunks in spawn_ranks(
+        _rank_views, world_size, ps, kv_format, chunk_tokens, timeout_s=300
+    ):
         assert bad == []
         assert row_ok
-        assert view_pages == world_size * s
-        assert nbytes == world_size * s * ps * (mla_row_bytes(kv_format) + INDEX_TOKEN_BYTES)
+        assert got_chunks == chunks
+        assert view_pages == view
+        assert nbytes == view * ps * (mla_row_bytes(kv_format) + INDEX_TOKEN_BYTES)
 
 
 def test_pack_index_records_is_the_page_size_one_layout():

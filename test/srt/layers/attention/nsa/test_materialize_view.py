@@ -9,7 +9,12 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import (
     compact_row_table,
     pack_index_records,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, pool_view
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
+    PIPELINE_CHUNK_TOKENS,
+    PIPELINE_CHUNK_TOKENS_ENV,
+    ViewMaterializer,
+    pool_view,
+)
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
@@ -130,6 +135,24 @@ def test_prefetch_needs_the_current_chunk():
     mat.begin_batch(torch.zeros((1, 2), dtype=torch.int32), [20], [16])
     with pytest.raises(ValueError, match="current_kv_rows"):
         mat.layer_view(0)
+
+
+def test_pipeline_chunk_size_comes_from_the_argument_or_the_environment(monkeypatch):
+    pool = _filled_pool()
+    monkeypatch.delenv(PIPELINE_CHUNK_TOKENS_ENV, raising=False)
+    assert ViewMaterializer(pool, None).pipeline_chunk_tokens == PIPELINE_CHUNK_TOKENS
+    monkeypatch.setenv(PIPELINE_CHUNK_TOKENS_ENV, "4096")
+    assert ViewMaterializer(pool, None).pipeline_chunk_tokens == 4096
+    assert ViewMaterializer(pool, None, pipeline_chunk_tokens=0).pipeline_chunk_tokens == 0
+    monkeypatch.setenv(PIPELINE_CHUNK_TOKENS_ENV, "lots")
+    with pytest.raises(ValueError, match=PIPELINE_CHUNK_TOKENS_ENV):
+        ViewMaterializer(pool, None)
+    with pytest.raises(ValueError, match="pipeline_chunk_tokens"):
+        ViewMaterializer(pool, None, pipeline_chunk_tokens=-1)
+    # A single-rank view has nothing to overlap: one chunk whatever the size.
+    mat = ViewMaterializer(pool, None, pipeline_chunk_tokens=1, use_triton=False)
+    mat.begin_batch(torch.tensor([[7, 2, 9], [2, 4, 0]], dtype=torch.int32), [3 * PS, 2 * PS], [PS, 5])
+    assert mat.plan.chunks == 1
 
 
 def test_bad_input_is_rejected():

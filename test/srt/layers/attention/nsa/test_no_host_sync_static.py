@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
+import sglang_cp_shared_kv.srt.distributed as distributed
 import sglang_cp_shared_kv.srt.layers.attention.nsa as nsa
 
 NSA_DIR = Path(nsa.__file__).parent
-CHECKED = ["slot_plan.py", "materialize_kernels.py", "materialize.py", "current_reuse.py"]
+# The plan, the kernels, the materializer and the CP group whose collectives it calls per layer.
+CHECKED = [
+    NSA_DIR / name for name in ("slot_plan.py", "materialize_kernels.py", "materialize.py", "current_reuse.py")
+] + [Path(distributed.__file__).parent / "cp_group.py"]
 
 FORBIDDEN_METHODS = {
     "item",
@@ -85,10 +89,10 @@ def host_sync_findings(source: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("module", CHECKED)
+@pytest.mark.parametrize("module", CHECKED, ids=lambda p: p.name)
 def test_module_has_no_host_sync(module):
-    findings = host_sync_findings((NSA_DIR / module).read_text())
-    assert findings == [], f"{module} syncs with the host: {findings}"
+    findings = host_sync_findings(module.read_text())
+    assert findings == [], f"{module.name} syncs with the host: {findings}"
 
 
 @pytest.mark.parametrize(

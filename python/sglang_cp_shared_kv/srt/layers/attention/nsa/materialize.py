@@ -6,11 +6,13 @@ this module gives them one, per forward batch:
 1. ``begin_batch`` plans once (``slot_plan``): every page position of the batch gets a slot of
    an owner-major view of ``N * S`` pages. A batch in which no request has a prefix uses
    current-reuse instead and plans nothing.
-2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, into its
-   send block (Triton ``gather_page_buffers``: latent and indexer pages in one launch; padding
-   slots read the trash page), and the CP group all-gathers the blocks into the dense latent
-   and indexer views. The page table handed to the kernels is the plan's slot table; NSA top-k
-   positions map to view rows through ``LayerView.rows``.
+2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, straight
+   into its part of the dense views (Triton ``gather_page_buffers``: latent and indexer pages in
+   one launch; padding slots read the trash page), and the CP group all-gathers the parts in
+   place, latent and indexer views in one NCCL group. Large views go in chunks
+   (``pipeline_chunk_tokens``): the gather of chunk ``c + 1`` runs while chunk ``c`` is
+   all-gathered on NCCL's stream. The page table handed to the kernels is the plan's slot
+   table; NSA top-k positions map to view rows through ``LayerView.rows``.
 
 Nothing here reads device data back to the host: sizes come from host lengths. The layer's
 current-chunk rows must be in the pool before its ``layer_view`` (the write path stores them),
@@ -24,12 +26,14 @@ the SMs the compute holds. It is off by default.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import (
     batch_kind,
     check_current_chunk,
@@ -42,10 +46,28 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     build_slot_plan,
     host_to_device,
     pages_for_lens,
+    pipeline_chunks,
+    slots_per_rank,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
+
+# Pipeline chunk of a view, in tokens sent per rank: 64K tokens are ~50 MB of fp8 latent + indexer
+# pages (~80 MB bf16). Each chunk hides the next one's gather but adds one NCCL call's fixed cost,
+# so views under two chunks go in one piece (bench_cp2_e2e sweeps the size).
+PIPELINE_CHUNK_TOKENS = 65536
+PIPELINE_CHUNK_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PIPELINE_CHUNK_TOKENS"
+
+
+def default_pipeline_chunk_tokens() -> int:
+    """``$SGLANG_CP_SHARED_KV_PIPELINE_CHUNK_TOKENS`` (0: never chunk), else ``PIPELINE_CHUNK_TOKENS``."""
+    raw = os.environ.get(PIPELINE_CHUNK_TOKENS_ENV, "").strip()
+    if not raw:
+        return PIPELINE_CHUNK_TOKENS
+    if not raw.isdigit():
+        raise ValueError(f"{PIPELINE_CHUNK_TOKENS_ENV} must be an int >= 0, got {raw!r}")
+    return int(raw)
 
 
 @dataclass
@@ -55,9 +77,10 @@ class BatchCounters:
     - ``kind``: ``current`` (no request has a prefix), ``history`` (all have) or ``mixed``.
     - ``layers``: layer views served.
     - ``current_reuse_hits``: layer views served from the current chunk (nothing moved).
-    - ``view_pages``: pages of the dense view, ``N * S`` (0 under current-reuse).
-    - ``pages_gathered``: pages this rank copied from its pool into its send block: ``S`` per
-      materialized layer, padding slots included (a slot's latent and indexer page count once).
+    - ``view_pages``: pages of the dense view, ``N * S`` (0 under current-reuse), ``S`` the plan's
+      ``slots_per_rank`` (``slot_plan.predicted_view_pages`` from host lengths).
+    - ``pages_gathered``: pages this rank copied from its pool into its part of the view: ``S``
+      per materialized layer, padding slots included (a slot's latent and indexer page count once).
     - ``bytes_materialized``: bytes written into this rank's dense views, its own block included:
       ``N * S * ps * (row_bytes + 132)`` per materialized layer (``row_bytes`` alone without an
       indexer). Every rank of the group materializes the same amount.
@@ -113,6 +136,11 @@ class ViewMaterializer:
     chunk to the pool. Every rank holds that chunk, so ``layer_view(l + 1)`` then copies it
     into its view rows: the view is byte-for-byte the one a gather after the write gives.
 
+    A view of at least two ``pipeline_chunk_tokens`` tokens per rank is built in chunks of at
+    least that many tokens (``None``: ``default_pipeline_chunk_tokens()``; 0: never chunked):
+    the gather of chunk ``c + 1`` overlaps the all-gather of chunk ``c``. The chunk count depends
+    on host lengths and the page size only, so materializers of one batch share one layout.
+
     ``pool`` needs ``ownership``, ``rank``, ``page_size``, ``row_bytes``, ``num_layers``,
     ``device``, ``trash_page``, ``page_bytes_per_layer``, ``latent_pages(layer)`` and, with
     ``with_indexer``, ``index[layer]`` (``ShardedMLAPool`` has them all).
@@ -126,6 +154,7 @@ class ViewMaterializer:
         current_reuse: bool = True,
         prefetch: bool = False,
         use_triton: bool | None = None,
+        pipeline_chunk_tokens: int | None = None,
     ):
         n = pool.ownership.cp_size
         if group is None and n != 1:
@@ -134,18 +163,24 @@ class ViewMaterializer:
             raise ValueError(
                 f"group (rank {group.rank} of {group.size}) does not match the pool (rank {pool.rank} of {n})"
             )
+        if pipeline_chunk_tokens is None:
+            pipeline_chunk_tokens = default_pipeline_chunk_tokens()
+        if not isinstance(pipeline_chunk_tokens, int) or pipeline_chunk_tokens < 0:
+            raise ValueError(f"pipeline_chunk_tokens must be an int >= 0 or None, got {pipeline_chunk_tokens!r}")
         self.pool = pool
         self.group = group
         self.current_reuse = current_reuse
         self.prefetch = prefetch
         self.use_triton = use_triton
+        self.pipeline_chunk_tokens = pipeline_chunk_tokens
         self.plan: SlotPlan | None = None
         self.counters: BatchCounters | None = None
         self._compact_table: torch.Tensor | None = None
         self._num_tokens = 0
-        # One or (prefetching) two sets of send blocks and views, used by alternate layers.
-        self._sends: list[dict[str, torch.Tensor]] = []
+        # One or (prefetching) two sets of views, used by alternate layers, and per set the steps
+        # of a layer's gather: (this rank's page ids, its part of each view, the chunk of each view).
         self._views: list[dict[str, torch.Tensor]] = []
+        self._steps: list[list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]] = []
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
@@ -182,14 +217,14 @@ class ViewMaterializer:
             self._compact_table = compact_row_table(seq_lens, page_table.device)
             return self.counters
         pool = self.pool
+        n = pool.ownership.cp_size
         self._compact_table = None
+        pages = pages_for_lens(seq_lens, pool.page_size)
+        chunks = 1
+        if self.group is not None and n > 1 and self.pipeline_chunk_tokens:
+            chunks = pipeline_chunks(slots_per_rank(pages, n), pool.page_size, self.pipeline_chunk_tokens)
         self.plan = build_slot_plan(
-            page_table,
-            pages_for_lens(seq_lens, pool.page_size),
-            pool.ownership.cp_size,
-            pool.page_size,
-            pool.trash_page,
-            use_triton=self.use_triton,
+            page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton, chunks=chunks
         )
         if debug_enabled():
             check_plan(self.plan, self.group)
@@ -199,23 +234,41 @@ class ViewMaterializer:
         return self.counters
 
     def _allocate(self, plan: SlotPlan, copies: int) -> None:
-        pool, s, n = self.pool, plan.slots_per_rank, plan.cp_size
+        """The view buffers, and the slices each gather step writes and all-gathers (built once per batch).
+
+        This rank gathers straight into its part of each view chunk and the all-gather runs in
+        place: no separate send buffer.
+        """
+        pool = self.pool
+        rank = pool.rank
         widths = {"latent": pool.page_size * pool.row_bytes}
         if pool.with_indexer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
-        self._sends, self._views = [], []
+        send, sc = plan.send_pages(rank), plan.chunk_slots
+        self._views, self._steps = [], []
         for _ in range(copies):
-            sends = {k: torch.empty((s, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
-            views = sends
-            if self.group is not None:
-                views = {k: torch.empty((n * s, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
-            self._sends.append(sends)
+            views = {
+                k: torch.empty((plan.view_pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()
+            }
+            steps = []
+            for c in range(plan.chunks):
+                mine, whole = plan.chunk_view_slots(c, rank), plan.chunk_view_slots(c)
+                steps.append(
+                    (
+                        send[c * sc : (c + 1) * sc],
+                        [v[mine[0] : mine[1]] for v in views.values()],
+                        [v[whole[0] : whole[1]] for v in views.values()],
+                    )
+                )
             self._views.append(views)
+            self._steps.append(steps)
 
     def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
         """View row of every current token, request-major (host-known positions, device slot table)."""
-        req = [b for b, (p, n) in enumerate(zip(prefix_lens, seq_lens)) for _ in range(n - p)]
-        pos = [i for p, n in zip(prefix_lens, seq_lens) for i in range(p, n)]
+        extend = np.asarray(seq_lens, dtype=np.int64) - np.asarray(prefix_lens, dtype=np.int64)
+        req = np.repeat(np.arange(len(extend), dtype=np.int64), extend)
+        starts = np.cumsum(extend) - extend
+        pos = np.arange(len(req), dtype=np.int64) - starts[req] + np.asarray(prefix_lens, dtype=np.int64)[req]
         device = self.pool.device
         req_d, pos_d = host_to_device([req, pos], device)
         rows = positions_to_view_rows(pos_d.unsqueeze(1), req_d, self.plan.slot_table, self.pool.page_size)
@@ -267,16 +320,23 @@ class ViewMaterializer:
 
     # -- the gather, now or ahead --
     def _gather(self, layer: int, slot: int) -> None:
-        """Gather ``layer``'s owned pages into send blocks ``slot`` and all-gather them into its views."""
-        pool, plan = self.pool, self.plan
+        """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, chunk by chunk.
+
+        On CUDA each chunk's all-gather (latent and indexer views in one NCCL group) is queued on
+        NCCL's stream behind that chunk's gather, while the next chunk's gather runs on this
+        stream; the stream then waits for them all. On gloo every call completes in order.
+        """
+        pool, plan, group = self.pool, self.plan, self.group
         sources = [pool.latent_pages(layer)]
         if pool.with_indexer:
             sources.append(pool.index[layer])
-        sends, views = self._sends[slot], self._views[slot]
-        gather_page_buffers(sources, plan.send_pages(pool.rank), list(sends.values()), use_triton=self.use_triton)
-        if self.group is not None:
-            for name, send in sends.items():
-                self.group.all_gather_into(views[name], send)
+        in_flight: list[PendingCollective] = []
+        for page_ids, mine, whole in self._steps[slot]:
+            gather_page_buffers(sources, page_ids, mine, use_triton=self.use_triton)
+            if group is not None:
+                in_flight.append(group.all_gather_into_many(whole, mine, async_op=True))
+        for pending in in_flight:
+            pending.wait()
         page_bytes = pool.page_bytes_per_layer
         counters = self.counters
         counters.view_pages = plan.view_pages

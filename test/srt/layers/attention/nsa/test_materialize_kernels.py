@@ -5,6 +5,7 @@ import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    BLOCKED_PLAN_BLOCK,
     FUSED_PLAN_MAX_POSITIONS,
     assign_slots,
     assign_slots_ref,
@@ -229,11 +230,12 @@ def test_fused_plan_equals_reference(cp_size, chunks):
         [1024],  # exactly one 1024-wide block
         [1000, 25],  # one past it: the next block size
         [4096, 4096],  # FUSED_PLAN_MAX_POSITIONS exactly: the largest single program
-        [4096, 4097],  # one past: the torch formulation
+        [4096, 4097],  # one past: the blocked kernel, the last block holding one position
+        [5000, 1, 7000, 3000, 0, 2047],  # blocked, requests straddling blocks
     ],
 )
 def test_fused_plan_at_block_boundaries(pages):
-    assert FUSED_PLAN_MAX_POSITIONS == 8192
+    assert FUSED_PLAN_MAX_POSITIONS == 8192 and FUSED_PLAN_MAX_POSITIONS % BLOCKED_PLAN_BLOCK == 0
     for cp_size, chunks in ((8, 1), (3, 4)):
         _assign_case(pages, cp_size, chunks, seed=sum(pages))
 

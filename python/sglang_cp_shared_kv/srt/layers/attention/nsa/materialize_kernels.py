@@ -5,10 +5,11 @@
   pages, and one launch gathers both.
 - ``plan_positions``: the flat page-table index ``b * max_pages + j`` of every page position of
   a batch, request-major, from the prefix sum of its pages per request (on device).
-- ``assign_slots``: the slot plan in one launch (one program when the batch has at most
-  ``FUSED_PLAN_MAX_POSITIONS`` page positions): each position's logical page, owner, rank among
-  the positions with the same owner (a scan), view slot, the slot table and every send entry's
-  physical page. Larger batches run the torch formulation (``assign_slots_ref``).
+- ``assign_slots``: the slot plan in one launch of one program when the batch has at most
+  ``FUSED_PLAN_MAX_POSITIONS`` page positions: each position's logical page, owner, rank among
+  the positions with the same owner (a block scan), view slot, the slot table and every send
+  entry's physical page. Larger batches run it in blocks, with per-block owner counts and their
+  prefix sum (three launches and a small cumsum); ``assign_slots_ref`` is the torch formulation.
 - ``build_slot_table``: the page table handed to the kernels, in slot ids: position ``j`` of
   request ``b`` gets ``slots[cu_pages[b] + j]``; positions past a request's pages get ``pad``.
 - ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
@@ -233,7 +234,7 @@ def build_slot_table(
 # ---------------------------------------------------------------------------------------------
 
 # Batches up to this many page positions are planned by one program (a block-wide scan); larger
-# ones by the torch formulation, whose scans run over the whole GPU.
+# ones in blocks spread over the GPU.
 FUSED_PLAN_MAX_POSITIONS = 8192
 
 
@@ -319,6 +320,42 @@ def assign_slots_ref(
 
 if triton is not None:
 
+    @triton.jit
+    def _block_owners(
+        page_table, pt_stride0, pt_stride1, positions, num_positions, max_pages, N: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """Page-table index, logical page and owner of the positions of this program's block."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < num_positions
+        flat = tl.load(positions + i, mask=live, other=0).to(tl.int64)
+        req = flat // max_pages
+        lp = tl.load(page_table + req * pt_stride0 + (flat - req * max_pages) * pt_stride1, mask=live, other=0)
+        lp = lp.to(tl.int64)
+        return i, live, flat, lp, lp % N
+
+    @triton.jit(do_not_specialize=["pt_stride0", "pt_stride1", "num_positions", "max_pages"])
+    def _owner_counts_kernel(
+        page_table,
+        pt_stride0,
+        pt_stride1,
+        positions,
+        counts_out,
+        num_positions,
+        max_pages,
+        N: tl.constexpr,
+        NP2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # counts_out[block, o]: positions of this block owned by o.
+        _, live, _, _, owner = _block_owners(
+            page_table, pt_stride0, pt_stride1, positions, num_positions, max_pages, N, BLOCK
+        )
+        owners = tl.arange(0, NP2)
+        counts = tl.zeros([NP2], dtype=tl.int64)
+        for o in tl.static_range(N):
+            counts = tl.where(owners == o, tl.sum(((owner == o) & live).to(tl.int32), axis=0), counts)
+        tl.store(counts_out + tl.program_id(0) * N + owners, counts, mask=owners < N)
+
     @triton.jit(
         do_not_specialize=[
             "pt_stride0",
@@ -338,6 +375,8 @@ if triton is not None:
         pt_stride1,
         positions,
         cu_pages,
+        offsets,
+        totals,
         logical_out,
         slots_out,
         table_out,
@@ -352,15 +391,14 @@ if triton is not None:
         N: tl.constexpr,
         NP2: tl.constexpr,
         BLOCK: tl.constexpr,
+        BLOCKED: tl.constexpr,
     ):
-        # One program holds every page position of the batch, so the per-owner ranks are block scans.
-        i = tl.arange(0, BLOCK)
-        live = i < num_positions
-        flat = tl.load(positions + i, mask=live, other=0).to(tl.int64)
-        req = flat // max_pages
-        lp = tl.load(page_table + req * pt_stride0 + (flat - req * max_pages) * pt_stride1, mask=live, other=0)
-        lp = lp.to(tl.int64)
-        owner = lp % N
+        # Single program (BLOCKED False): it holds every position, so per-owner ranks are block scans
+        # and per-owner totals stay in registers. Blocked: each program scans its block and adds
+        # offsets[block, owner], the positions of that owner in earlier blocks (totals: per owner).
+        i, live, flat, lp, owner = _block_owners(
+            page_table, pt_stride0, pt_stride1, positions, num_positions, max_pages, N, BLOCK
+        )
         rank = tl.zeros([BLOCK], dtype=tl.int32)
         owners = tl.arange(0, NP2)
         counts = tl.zeros([NP2], dtype=tl.int32)
@@ -370,6 +408,8 @@ if triton is not None:
             rank = tl.where(mine, running - 1, rank)
             counts = tl.where(owners == o, tl.sum(mine.to(tl.int32), axis=0), counts)
         rank = rank.to(tl.int64)
+        if BLOCKED:
+            rank += tl.load(offsets + tl.program_id(0) * N + owner, mask=live, other=0)
         chunk = rank // chunk_slots
         slot = chunk * (N * chunk_slots) + owner * chunk_slots + (rank - chunk * chunk_slots)
         send_entries = N * slots_per_rank
@@ -381,23 +421,34 @@ if triton is not None:
 
         # Entries no position writes, written here so that no two stores meet: send entry
         # (o, r) is unused when r >= count(o); table entry (b, j) when j >= pages of b.
-        for start in range(0, send_entries, BLOCK):
-            idx = start + i
+        # The programs share them out in strides.
+        lanes = tl.arange(0, BLOCK)
+        first_idx = tl.program_id(0) * BLOCK
+        stride = tl.num_programs(0) * BLOCK
+        for start in range(first_idx, send_entries, stride):
+            idx = start + lanes
+            inside = idx < send_entries
             o_idx = idx // slots_per_rank
-            r_idx = idx - o_idx * slots_per_rank
-            count = tl.zeros([BLOCK], dtype=tl.int32)
-            for o in tl.static_range(N):
-                count = tl.where(o_idx == o, tl.sum(tl.where(owners == o, counts, 0), axis=0), count)
-            unused = (idx < send_entries) & (r_idx >= count)
+            if BLOCKED:
+                count = tl.load(totals + o_idx, mask=inside, other=0)
+            else:
+                count = tl.zeros([BLOCK], dtype=tl.int32)
+                for o in tl.static_range(N):
+                    count = tl.where(o_idx == o, tl.sum(tl.where(owners == o, counts, 0), axis=0), count)
+            unused = inside & (idx - o_idx * slots_per_rank >= count)
             tl.store(phys_out + idx, tl.zeros([BLOCK], dtype=tl.int64) + trash_page, mask=unused)
-        for start in range(0, table_entries, BLOCK):
-            idx = start + i
+        for start in range(first_idx, table_entries, stride):
+            idx = start + lanes
             inside = idx < table_entries
             b = idx // max_pages
             first = tl.load(cu_pages + b, mask=inside, other=0)
             end = tl.load(cu_pages + b + 1, mask=inside, other=0)
             past = inside & (idx - b * max_pages >= end - first)
             tl.store(table_out + idx, tl.zeros([BLOCK], dtype=tl.int32) + pad, mask=past)
+
+
+# Positions per program of the blocked plan (batches over FUSED_PLAN_MAX_POSITIONS).
+BLOCKED_PLAN_BLOCK = 2048
 
 
 def assign_slots(
@@ -411,8 +462,10 @@ def assign_slots(
     pad: int = 0,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``assign_slots_ref`` in one kernel launch when the batch has at most ``FUSED_PLAN_MAX_POSITIONS``
-    page positions (and Triton runs here); otherwise the torch formulation with the Triton slot table."""
+    """``assign_slots_ref`` in Triton: one launch of one program for a batch of at most
+    ``FUSED_PLAN_MAX_POSITIONS`` page positions; above that, blocks of ``BLOCKED_PLAN_BLOCK``
+    positions (per-block owner counts, their prefix sum over blocks, then the blocked kernel).
+    Without Triton, the torch formulation."""
     _check_index("page_table", page_table, 2)
     _check_index("positions_flat", positions_flat, 1)
     _check_index("cu_pages", cu_pages, 1)
@@ -422,8 +475,7 @@ def assign_slots(
         raise ValueError(f"cu_pages must have batch_size + 1 = {batch + 1} entries, got {cu_pages.shape[0]}")
     if num_positions and not (0 < chunk_slots <= slots_per_rank and slots_per_rank % chunk_slots == 0):
         raise ValueError(f"chunk_slots must divide slots_per_rank and be >= 1, got {chunk_slots} and {slots_per_rank}")
-    fused = triton_enabled(page_table.device, use_triton) and 0 < num_positions <= FUSED_PLAN_MAX_POSITIONS
-    if not fused:
+    if num_positions == 0 or not triton_enabled(page_table.device, use_triton):
         args = (cp_size, chunk_slots, slots_per_rank, trash_page, pad)
         return assign_slots_ref(page_table, positions_flat, cu_pages, *args, use_triton=use_triton)
     device = page_table.device
@@ -433,13 +485,25 @@ def assign_slots(
     logical, slots = flat[:num_positions], flat[num_positions : 2 * num_positions]
     slot_phys = flat[2 * num_positions :]
     table = torch.empty((batch, max_pages), dtype=torch.int32, device=device)
-    block = max(16, triton.next_power_of_2(num_positions))
-    _assign_slots_kernel[(1,)](
-        page_table,
-        page_table.stride(0),
-        page_table.stride(1),
-        positions_flat,
+    table_args = (page_table, page_table.stride(0), page_table.stride(1), positions_flat)
+    np2 = max(2, triton.next_power_of_2(cp_size))
+    if num_positions <= FUSED_PLAN_MAX_POSITIONS:
+        block = max(16, triton.next_power_of_2(num_positions))
+        grid, offsets, totals = 1, flat, flat  # unused by the single program
+    else:
+        block = BLOCKED_PLAN_BLOCK
+        grid = triton.cdiv(num_positions, block)
+        counts = torch.empty((grid, cp_size), dtype=torch.int64, device=device)
+        _owner_counts_kernel[(grid,)](
+            *table_args, counts, num_positions, max_pages, N=cp_size, NP2=np2, BLOCK=block, num_warps=8
+        )
+        inclusive = counts.cumsum(0)
+        offsets, totals = inclusive - counts, inclusive[-1]
+    _assign_slots_kernel[(grid,)](
+        *table_args,
         cu_pages,
+        offsets,
+        totals,
         logical,
         slots,
         table,
@@ -452,8 +516,9 @@ def assign_slots(
         trash_page,
         pad,
         N=cp_size,
-        NP2=max(2, triton.next_power_of_2(cp_size)),
+        NP2=np2,
         BLOCK=block,
+        BLOCKED=grid > 1,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
     return logical, slots, table, slot_phys[:send_entries]

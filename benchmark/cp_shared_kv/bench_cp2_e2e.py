@@ -2,8 +2,12 @@
 
 Per configuration (KV format, batch context), every rank holds its share of a sharded pool; a
 history batch (every request reads a prefix) is planned once, then each layer's view is built
-(owned-page gather + NCCL all-gather of latent and indexer pages). The baseline is one
-``all_gather_into_tensor`` of exactly the bytes each rank sends. Also measured:
+(owned-page gather straight into the view, then one in-place NCCL all-gather group of latent and
+indexer pages; large views in pipeline chunks whose gathers overlap the previous chunk's
+all-gather). The baseline is one ``all_gather_into_tensor`` of exactly the bytes each rank sends.
+Each is timed twice: from an idle GPU (host launch overhead included, as before) and with the host
+queued ahead of the GPU (``*_device_us``: device time, as inside a forward pass). The view is also
+timed for several pipeline chunk sizes (``chunk_sweep``). Also measured:
 
 - one-layer-ahead prefetch: the view of layer l+1 is built on a side stream while FlashMLA's
   sparse prefill of layer l runs; the exposed time per layer is reported next to the attention time;
@@ -25,6 +29,7 @@ from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, pipeline_chunks, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
@@ -34,6 +39,34 @@ N_REQ = 4
 CHUNK = 4096  # query tokens per batch (sparse prefill)
 TOPK = 2048
 HEADS = 128  # DeepSeek-V3.2
+CHUNK_SWEEP = (0, 16384, 32768, 65536, 131072)  # pipeline chunk tokens per rank; 0: one piece
+QUEUE_AHEAD_CYCLES = 6_000_000  # ~3 ms of GPU sleep that the host enqueues the timed calls behind
+QUEUED_REPS = 4  # calls per queued timing (amortizes the ranks' start skew)
+
+
+def queued_time_us(fn, group: CPGroup, iters: int, reps: int = QUEUED_REPS) -> float:
+    """Median device microseconds per call of ``fn`` with the host queued ahead of the GPU.
+
+    The GPU sleeps while the host enqueues ``reps`` calls, so launch overhead is hidden as in a
+    forward pass; ranks start together after a barrier (their remaining skew is part of the time,
+    divided by ``reps``, for the baseline and the view alike).
+    """
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        group.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / reps)
+    times.sort()
+    return times[len(times) // 2]
 
 
 def _setup(world, rank, kv_format, ctx_tokens, layers):
@@ -75,10 +108,13 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
             mat.begin_batch(table, seq_lens, prefix_lens)
             plan = mat.plan
             layer_us = cuda_time_us(lambda: mat.layer_view(0), iters=iters)
+            layer_device_us = queued_time_us(lambda: mat.layer_view(0), group, iters)
             send_bytes = plan.slots_per_rank * pool.page_bytes_per_layer
             send = torch.empty(send_bytes, dtype=torch.uint8, device="cuda")
             recv = torch.empty(world * send_bytes, dtype=torch.uint8, device="cuda")
             raw_us = cuda_time_us(lambda: dist.all_gather_into_tensor(recv, send), iters=iters)
+            raw_device_us = queued_time_us(lambda: dist.all_gather_into_tensor(recv, send), group, iters)
+            sweep = _chunk_sweep(pool, group, table, seq_lens, prefix_lens, world, iters)
             send_pages = plan.send_pages(rank)
             sources = (pool.latent_pages(0), pool.index[0])
             blocks = [
@@ -91,6 +127,7 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
                 "context_tokens": ctx,
                 "requests": N_REQ,
                 "view_pages": plan.view_pages,
+                "pipeline_chunks": plan.chunks,
                 "bytes_per_rank_sent": send_bytes,
                 "view_bytes": view_bytes,
                 "plan_us": round(plan_us, 1),
@@ -100,6 +137,10 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
                 "layer_view_busbw_GBps": round(view_bytes * (world - 1) / world / layer_us / 1e3, 1),
                 "raw_busbw_GBps": round(view_bytes * (world - 1) / world / raw_us / 1e3, 1),
                 "layer_view_vs_raw_all_gather": round(raw_us / layer_us, 3),
+                "layer_view_device_us": round(layer_device_us, 1),
+                "raw_all_gather_device_us": round(raw_device_us, 1),
+                "layer_view_vs_raw_all_gather_device": round(raw_device_us / layer_device_us, 3),
+                "chunk_sweep": sweep,
             }
             if flash_mla is not None and kv_format == "bf16":
                 row.update(_prefetch(flash_mla, pool, group, table, seq_lens, prefix_lens, layers, iters, rank))
@@ -107,6 +148,26 @@ def _rank_main(rank, world, formats, contexts, layers, iters):
             torch.cuda.empty_cache()
         reuse_rows.append(_current_reuse(world, rank, group, kv_format, iters))
     return rows, reuse_rows
+
+
+def _chunk_sweep(pool, group, table, seq_lens, prefix_lens, world, iters) -> dict:
+    """Layer-view time for each pipeline chunk size of ``CHUNK_SWEEP`` (one run per distinct chunk count)."""
+    out, seen = {}, {}
+    s = slots_per_rank(pages_for_lens(seq_lens, PS), world)
+    for chunk_tokens in CHUNK_SWEEP:
+        k = pipeline_chunks(s, PS, chunk_tokens or None)
+        if k not in seen:
+            mat = ViewMaterializer(pool, group, pipeline_chunk_tokens=chunk_tokens)
+            mat.begin_batch(table, seq_lens, prefix_lens)
+            seen[k] = {
+                "chunks": k,
+                "layer_view_us": round(cuda_time_us(lambda: mat.layer_view(0), iters=iters), 1),  # noqa: B023
+                "layer_view_device_us": round(queued_time_us(lambda: mat.layer_view(0), group, iters), 1),  # noqa: B023
+            }
+            del mat
+            torch.cuda.empty_cache()
+        out[str(chunk_tokens)] = seen[k]
+    return out
 
 
 def _prefetch(flash_mla, pool, group, table, seq_lens, prefix_lens, layers, iters, rank):
@@ -204,6 +265,7 @@ def main() -> None:
     for r, (other, _) in enumerate(results[1:], start=1):  # report the slowest rank per row
         for row, o in zip(rows, other):
             row[f"rank{r}_layer_view_us"] = o["layer_view_us"]
+            row[f"rank{r}_layer_view_device_us"] = o["layer_view_device_us"]
     for row in rows:
         print(row)
     for row in reuse:
@@ -214,6 +276,17 @@ def main() -> None:
         f"cp{n}_vs_raw_allgather": min(r["layer_view_vs_raw_all_gather"] for r in big) if big else None,
         f"cp{n}_vs_raw_allgather_by_context": {
             f"{r['kv_format']}@{r['context_tokens']}": r["layer_view_vs_raw_all_gather"] for r in rows
+        },
+        f"cp{n}_vs_raw_allgather_device": min(r["layer_view_vs_raw_all_gather_device"] for r in big) if big else None,
+        f"cp{n}_vs_raw_allgather_device_by_context": {
+            f"{r['kv_format']}@{r['context_tokens']}": r["layer_view_vs_raw_all_gather_device"] for r in rows
+        },
+        "pipeline_chunks_by_context": {f"{r['kv_format']}@{r['context_tokens']}": r["pipeline_chunks"] for r in rows},
+        "best_chunk_tokens_by_context_device": {
+            f"{r['kv_format']}@{r['context_tokens']}": min(
+                r["chunk_sweep"], key=lambda k, r=r: r["chunk_sweep"][k]["layer_view_device_us"]
+            )
+            for r in rows
         },
         "prefetch_exposed_per_layer_us": {
             f"{r['kv_format']}@{r['context_tokens']}": r.get("prefetch_exposed_per_layer_us")

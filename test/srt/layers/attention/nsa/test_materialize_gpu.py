@@ -1,6 +1,8 @@
 """On CUDA: the read path never synchronizes with the host, its compiled kernels equal the CPU
-references, and the NCCL-gathered view gives the replicated results bit for bit."""
+references, and the NCCL-gathered view gives the replicated results bit for bit, in one piece or
+in pipeline chunks (each chunk's gather overlapping the previous chunk's all-gather)."""
 
+import os
 import random
 
 import pytest
@@ -9,9 +11,9 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV, ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages, positions_to_view_rows
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, predicted_view_pages
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
@@ -88,7 +90,8 @@ def test_materializer_does_not_sync():
     assert hist_rows.tolist() == [[s0 * PS, s1 * PS + 1, -1]]
 
 
-def _rank_nccl_prefill(rank, world_size, kv_format, prefetch):
+def _rank_nccl_prefill(rank, world_size, kv_format, prefetch, chunk_tokens):
+    os.environ[PIPELINE_CHUNK_TOKENS_ENV] = str(chunk_tokens)  # 0: views in one piece
     dev = torch.device("cuda", torch.cuda.current_device())
     requests = [RequestSpec(160), RequestSpec(96), RequestSpec(208, 0, 128), RequestSpec(256)]
     kw = {"chunk_size": 256, "page_size": PS, "kv_format": kv_format, "device": dev}
@@ -100,12 +103,76 @@ def _rank_nccl_prefill(rank, world_size, kv_format, prefetch):
 
 @pytest.mark.multirank
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize(("kv_format", "prefetch"), [("fp8", False), ("bf16", False), ("fp8", True)])
-def test_nccl_sharded_prefill_equals_replicated(kv_format, prefetch):
-    """With prefetch the next layer's gather and all-gather run on a side stream."""
+@pytest.mark.parametrize(
+    ("kv_format", "prefetch", "chunk_tokens"),
+    [("fp8", False, 0), ("bf16", False, 0), ("fp8", True, 0), ("fp8", False, PS), ("bf16", True, PS)],
+)
+def test_nccl_sharded_prefill_equals_replicated(kv_format, prefetch, chunk_tokens):
+    """With prefetch the next layer's gather and all-gather run on a side stream; with chunk_tokens
+    one page per rank, every view page is its own pipeline chunk."""
     n = min(torch.cuda.device_count(), 8)
-    per_rank = spawn_ranks(_rank_nccl_prefill, n, kv_format, prefetch, backend="nccl", timeout_s=300)
+    per_rank = spawn_ranks(_rank_nccl_prefill, n, kv_format, prefetch, chunk_tokens, backend="nccl", timeout_s=300)
     for mismatch, counters in per_rank:
         assert mismatch is None, mismatch
         assert [c.kind for c in counters] == ["current", "mixed", "history"]
         assert counters[0].bytes_materialized == 0 and counters[1].bytes_materialized > 0
+
+
+def _rank_nccl_views(rank, world_size, chunk_tokens):
+    """Random pages on every rank's share of a pool and on a replicated pool: the view built over NCCL
+    (under CUDA sync-debug 'error' mode after a warm-up) holds the replicated page at every position."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = CPGroup()
+    own = PageOwnership(world_size, PS)
+    rng = random.Random(5)
+    alloc = BalancedPageAllocator(own, 1800 // world_size + 16)
+    pages = [alloc.alloc(rng.randint(1, 300), rng.randrange(world_size)).tolist() for _ in range(6)]
+    table = page_table_from_pages(pages).to(dev)
+    lens = [len(p) * PS - rng.randrange(PS) for p in pages]
+    phys = alloc.phys_pages_per_rank
+    sharded = ShardedMLAPool(own, rank, phys, 1, "fp8", device=dev)
+    replicated = ShardedMLAPool(PageOwnership(1, PS), 0, phys * world_size, 1, "fp8", device=dev)
+    g = torch.Generator().manual_seed(3)  # the same rows on every rank
+    locs = torch.arange(phys * world_size * PS)
+    rows = torch.randint(0, 256, (len(locs), sharded.row_bytes), dtype=torch.uint8, generator=g).to(dev)
+    k_u8 = torch.randint(0, 256, (len(locs), 128), dtype=torch.uint8, generator=g).to(dev)
+    scale = torch.rand(len(locs), generator=g).to(dev)
+    for pool in (sharded, replicated):
+        pool.set_latent(0, locs.to(dev), rows)
+        pool.set_index(0, locs.to(dev), k_u8, scale)
+    mat = ViewMaterializer(sharded, group, pipeline_chunk_tokens=chunk_tokens)
+    prefix = [PS] * len(lens)
+    mat.begin_batch(table, lens, prefix)
+    mat.layer_view(0)  # warm-up: Triton compiles, NCCL communicators
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counters = mat.begin_batch(table, lens, prefix)
+        view = mat.layer_view(0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    slots = view.page_table.long()
+    mask = (
+        torch.arange(table.shape[1], device=dev).unsqueeze(0)
+        < torch.tensor([len(p) for p in pages], device=dev)[:, None]
+    )
+    lp, sl = table.long()[mask], slots[mask]
+    latent_ok = torch.equal(
+        view.kv_rows.view(-1, PS * sharded.row_bytes)[sl], replicated.latent[0].view(-1, PS * sharded.row_bytes)[lp]
+    )
+    index_ok = torch.equal(view.index_pages[sl], replicated.index[0][lp])
+    expected_pages = predicted_view_pages([len(p) for p in pages], world_size, mat.plan.chunks)
+    return latent_ok, index_ok, mat.plan.chunks, counters.view_pages == expected_pages
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("chunk_tokens", [0, 16 * PS])
+def test_nccl_views_equal_replicated_pages_without_syncing(chunk_tokens):
+    n = min(torch.cuda.device_count(), 8)
+    for latent_ok, index_ok, chunks, counted in spawn_ranks(
+        _rank_nccl_views, n, chunk_tokens, backend="nccl", timeout_s=300
+    ):
+        assert latent_ok and index_ok and counted
+        assert (chunks > 1) == bool(chunk_tokens)

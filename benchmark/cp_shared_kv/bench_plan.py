@@ -5,7 +5,9 @@ prefix page shared by several requests is gathered once per request. The compact
 deduplicates pages with ``torch.unique`` (+ inverse) and sizes owner blocks with ``bincount``:
 fewer bytes, but dynamic shapes and host syncs. Each row times, from the host, plan + gather of
 this rank's send block (fp8 latent + indexer pages, page size 64) on one GPU, and reports the
-pages each approach gathers (the slot plan's buffer-size cost).
+pages each approach gathers (the slot plan's buffer-size cost). The plan alone is timed too, through
+its Triton kernels (one program up to 8192 page positions, blocks above) and through its torch
+formulation, and at 8K tokens inside a CUDA graph.
 
     python -m benchmark.cp_shared_kv.bench_plan
 """
@@ -18,7 +20,10 @@ import time
 import torch
 
 from benchmark.cp_shared_kv.bench_common import cuda_time_us, save_plot, write_result
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    FUSED_PLAN_MAX_POSITIONS,
+    gather_page_buffers,
+)
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
 from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
@@ -83,6 +88,21 @@ def _host_time_us(fn, iters: int) -> float:
     return times[len(times) // 2]
 
 
+def _launch_time_us(fn, iters: int) -> float:
+    """Host microseconds to issue ``fn`` (no synchronization inside the timed region)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _busy_wall_us(fn, iters: int, busy_cycles: int) -> float:
     """Wall time of ``fn`` enqueued behind ``busy_cycles`` of GPU work, as inside a forward pass.
 
@@ -128,9 +148,15 @@ def run(
                 if gather:
                     gather_page_buffers([latent, index], send)
 
+            def plan_only(use_triton=None):
+                return build_slot_plan(table, pages, CP, PS, phys, use_triton=use_triton)
+
             plan = ours()
             _, _, s_unique = unique_plan(table, pages, CP, 0, phys)
             t_ours, t_unique = _host_time_us(ours, iters), _host_time_us(compact, iters)
+            t_plan = _host_time_us(plan_only, iters)
+            t_plan_torch = _host_time_us(lambda: plan_only(use_triton=False), iters)  # noqa: B023
+            t_plan_launch = _launch_time_us(plan_only, iters)
             busy_us = _busy_wall_us(lambda: None, iters, BUSY_CYCLES)
             b_ours = _busy_wall_us(ours, iters, BUSY_CYCLES) - busy_us
             b_unique = _busy_wall_us(compact, iters, BUSY_CYCLES) - busy_us
@@ -140,6 +166,10 @@ def run(
                 "unique_pages": unique_pages,
                 "shared_prefix_frac": shared_frac if n_req > 1 else 0.0,
                 "includes_gather": gather,
+                "plan_kernel": "single-program" if sum(pages) <= FUSED_PLAN_MAX_POSITIONS else "blocked",
+                "slot_plan_only_us": round(t_plan, 1),
+                "slot_plan_only_torch_us": round(t_plan_torch, 1),
+                "slot_plan_launch_us": round(t_plan_launch, 1),
                 "slot_plan_us": round(t_ours, 1),
                 "unique_plan_us": round(t_unique, 1),
                 "speedup": round(t_unique / t_ours, 2),
@@ -173,12 +203,20 @@ def graph_plan_gather_us(tokens: int, n_req: int) -> dict:
         p = build_slot_plan(table, pages, CP, PS, phys, vectors=vectors)
         gather_page_buffers([latent, index], p.send_pages(0), outs)
 
+    def plan_step():
+        build_slot_plan(table, pages, CP, PS, phys, vectors=vectors)
+
+    def eager_plan():  # vectors built too, as an eager forward does
+        build_slot_plan(table, pages, CP, PS, phys)
+
     return {
         "tokens": tokens,
         "requests": n_req,
         "cp_size": CP,
         "graph_plan_gather_us": round(cuda_time_us(step, iters=50, graph=True), 2),
+        "graph_plan_us": round(cuda_time_us(plan_step, iters=50, graph=True), 2),
         "eager_plan_gather_us": round(cuda_time_us(step, iters=50), 2),
+        "eager_plan_launch_us": round(_launch_time_us(eager_plan, 50), 2),
     }
 
 
@@ -205,6 +243,14 @@ def main() -> None:
         "plan_speedup_vs_unique_median": sorted(r["speedup"] for r in rows)[len(rows) // 2],
         "view_size_cost_max": max(r["view_size_cost"] for r in rows),
         "plan_plus_gather_8k_graph_us": max(r["graph_plan_gather_us"] for r in graph_rows),
+        "plan_8k_graph_us": max(r["graph_plan_us"] for r in graph_rows),
+        "plan_8k_eager_launch_us": max(r["eager_plan_launch_us"] for r in graph_rows),
+        "slot_plan_only_us_at_max_pages": max(
+            r["slot_plan_only_us"] for r in rows if r["pages"] == max(x["pages"] for x in rows)
+        ),
+        "unique_plan_us_at_max_pages": max(
+            r["unique_plan_us"] for r in rows if r["pages"] == max(x["pages"] for x in rows)
+        ),
         "goal": ">= 4x faster end to end (plan + gather); at 8K tokens plan + gather <= 12 us",
     }
     write_result("plan", rows, summary, extra={"cp_size": CP, "page_size": PS, "graph_rows": graph_rows})

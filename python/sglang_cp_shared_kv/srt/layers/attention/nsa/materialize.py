@@ -4,8 +4,8 @@ The stock indexer and MLA kernels index a page table into one dense buffer. Over
 this module gives them one, per forward batch:
 
 1. ``begin_batch`` plans once (``slot_plan``): every page position of the batch gets a slot of
-   an owner-major view of ``N * S`` pages. A batch in which no request has a prefix uses
-   current-reuse instead and plans nothing.
+   a view of ``N * S`` pages, owner-major (chunk by chunk when pipelined). A batch in which no
+   request has a prefix uses current-reuse instead and plans nothing.
 2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, straight
    into its part of the dense views (Triton ``gather_page_buffers``: latent and indexer pages in
    one launch; padding slots read the trash page), and the CP group all-gathers the parts in

@@ -53,10 +53,11 @@ from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_T
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
-# Pipeline chunk of a view, in tokens sent per rank: 64K tokens are ~50 MB of fp8 latent + indexer
-# pages (~80 MB bf16). Each chunk hides the next one's gather but adds one NCCL call's fixed cost,
-# so views under two chunks go in one piece (bench_cp2_e2e sweeps the size).
-PIPELINE_CHUNK_TOKENS = 65536
+# Pipeline chunk of a view, in tokens sent per rank (0: one piece). Each chunk hides the next one's
+# gather but adds one NCCL call's fixed cost. On 2 x H200 (bench_cp2_e2e's chunk sweep) every chunk
+# size tried, 16K to 128K tokens, was slower than one piece at 32K-512K-token views: the gather and
+# the NCCL kernels contend for the same SMs and HBM. So pipelining is off by default.
+PIPELINE_CHUNK_TOKENS = 0
 PIPELINE_CHUNK_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PIPELINE_CHUNK_TOKENS"
 
 

@@ -74,7 +74,8 @@ def _workload(n_req: int, total_pages: int, shared_frac: float, phys_pages: int,
     return table.to(device), [per_req] * n_req, n_req * per_req - (n_req - 1) * shared
 
 
-def _host_time_us(fn, iters: int) -> float:
+def _host_time_us(fn, iters: int, until_done: bool = True) -> float:
+    """Median host microseconds of ``fn``: until its GPU work is done, or (``until_done=False``) to issue it."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -82,21 +83,8 @@ def _host_time_us(fn, iters: int) -> float:
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _launch_time_us(fn, iters: int) -> float:
-    """Host microseconds to issue ``fn`` (no synchronization inside the timed region)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
+        if until_done:
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
     times.sort()
@@ -156,7 +144,7 @@ def run(
             t_ours, t_unique = _host_time_us(ours, iters), _host_time_us(compact, iters)
             t_plan = _host_time_us(plan_only, iters)
             t_plan_torch = _host_time_us(lambda: plan_only(use_triton=False), iters)  # noqa: B023
-            t_plan_launch = _launch_time_us(plan_only, iters)
+            t_plan_launch = _host_time_us(plan_only, iters, until_done=False)
             busy_us = _busy_wall_us(lambda: None, iters, BUSY_CYCLES)
             b_ours = _busy_wall_us(ours, iters, BUSY_CYCLES) - busy_us
             b_unique = _busy_wall_us(compact, iters, BUSY_CYCLES) - busy_us
@@ -216,7 +204,7 @@ def graph_plan_gather_us(tokens: int, n_req: int) -> dict:
         "graph_plan_gather_us": round(cuda_time_us(step, iters=50, graph=True), 2),
         "graph_plan_us": round(cuda_time_us(plan_step, iters=50, graph=True), 2),
         "eager_plan_gather_us": round(cuda_time_us(step, iters=50), 2),
-        "eager_plan_launch_us": round(_launch_time_us(eager_plan, 50), 2),
+        "eager_plan_launch_us": round(_host_time_us(eager_plan, 50, until_done=False), 2),
     }
 
 

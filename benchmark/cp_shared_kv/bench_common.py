@@ -60,11 +60,21 @@ def write_result(name: str, rows: list[dict], summary: dict, extra: dict | None 
     return path
 
 
-def cuda_time_us(fn: Callable[[], Any], iters: int = 50, warmup: int = 5, graph: bool = False) -> float:
+def flush_l2(buf: list[torch.Tensor] = []) -> None:  # noqa: B006 - one scratch buffer per process
+    """Overwrite a buffer larger than L2 so the next kernel reads from HBM."""
+    if not buf:
+        buf.append(torch.empty(512 * 1024 * 1024, dtype=torch.uint8, device="cuda"))
+    buf[0].zero_()
+
+
+def cuda_time_us(
+    fn: Callable[[], Any], iters: int = 50, warmup: int = 5, graph: bool = False, cold: bool = False
+) -> float:
     """Median microseconds per call of ``fn`` on the current CUDA stream.
 
     With ``graph=True`` the call is captured once into a CUDA graph and replayed, which removes
-    launch overhead: what a CUDA-graph-captured forward pass would pay.
+    launch overhead: what a CUDA-graph-captured forward pass would pay. With ``cold=True`` L2 is
+    flushed before every call (bandwidth numbers).
     """
     for _ in range(warmup):
         fn()
@@ -84,6 +94,8 @@ def cuda_time_us(fn: Callable[[], Any], iters: int = 50, warmup: int = 5, graph:
         run = fn
     times = []
     for _ in range(iters):
+        if cold:
+            flush_l2()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
@@ -94,28 +106,9 @@ def cuda_time_us(fn: Callable[[], Any], iters: int = 50, warmup: int = 5, graph:
     return times[len(times) // 2]
 
 
-def flush_l2(buf: list[torch.Tensor] = []) -> None:  # noqa: B006 - one scratch buffer per process
-    """Overwrite a buffer larger than L2 so the next kernel reads from HBM."""
-    if not buf:
-        buf.append(torch.empty(512 * 1024 * 1024, dtype=torch.uint8, device="cuda"))
-    buf[0].zero_()
-
-
 def cuda_time_cold_us(fn: Callable[[], Any], iters: int = 30, warmup: int = 3) -> float:
-    """Median microseconds per call of ``fn`` with L2 flushed before every call (bandwidth numbers)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush_l2()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    times.sort()
-    return times[len(times) // 2]
+    """``cuda_time_us`` with L2 flushed before every call."""
+    return cuda_time_us(fn, iters=iters, warmup=warmup, cold=True)
 
 
 def save_plot(name: str, draw: Callable[[Any], None]) -> Path | None:

@@ -146,9 +146,10 @@ class BatchReadState:
             if self.index is not None:
                 self.index_views = ViewMaterializer(self.index, self.group, current_reuse=False)
         self.counters = self.latent_views.begin_batch(page_table, seq_lens, prefix_lens)
-        if self.index_views is not None:
-            self.index_views.begin_batch(page_table, seq_lens, prefix_lens)
         plan = self.latent_views.plan
+        if self.index_views is not None:
+            # Same pages, same trash page: one plan serves both views.
+            self.index_views.begin_batch(page_table, seq_lens, prefix_lens, plan=plan)
         # A page read by two requests has two slots holding the same bytes; either serves.
         self.page_pos.zero_()
         self.page_pos[plan.logical_pages] = plan.slots

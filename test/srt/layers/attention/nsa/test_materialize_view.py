@@ -177,3 +177,20 @@ def test_bad_input_is_rejected():
         mat.layer_view(0, torch.zeros((7, pool.row_bytes), dtype=torch.uint8), torch.zeros((7, 3), dtype=torch.uint8))
     with pytest.raises(ValueError, match="layer"):
         mat.layer_view(5)
+
+
+def test_a_plan_built_by_one_materializer_serves_another_of_the_same_batch():
+    pool = _filled_pool()
+    table = torch.tensor([[7, 2, 9], [2, 4, 0]], dtype=torch.int32)
+    seq, prefix = [3 * PS, 2 * PS - 3], [PS, 5]
+    first, second = ViewMaterializer(pool, None, use_triton=False), ViewMaterializer(pool, None, use_triton=False)
+    first.begin_batch(table, seq, prefix)
+    second.begin_batch(table, seq, prefix, plan=first.plan)
+    assert second.plan is first.plan
+    a, b = first.layer_view(0), second.layer_view(0)
+    assert torch.equal(a.kv_rows, b.kv_rows) and torch.equal(a.index_pages, b.index_pages)
+    with pytest.raises(ValueError, match="plan was built for another batch"):
+        second.begin_batch(table, [3 * PS, 3 * PS], prefix, plan=first.plan)  # other lengths
+    other = ShardedMLAPool(PageOwnership(1, PS), 0, 12, 2, "fp8")  # another trash page
+    with pytest.raises(ValueError, match="plan was built for another batch"):
+        ViewMaterializer(other, None, use_triton=False).begin_batch(table, seq, prefix, plan=first.plan)

@@ -192,13 +192,19 @@ class ViewMaterializer:
         return self._compact_table is not None
 
     def begin_batch(
-        self, page_table: torch.Tensor, seq_lens: Sequence[int], prefix_lens: Sequence[int]
+        self,
+        page_table: torch.Tensor,
+        seq_lens: Sequence[int],
+        prefix_lens: Sequence[int],
+        plan: SlotPlan | None = None,
     ) -> BatchCounters:
         """Start a forward batch: its real page table (logical pages) and host lengths.
 
         ``seq_lens[b]`` = prefix + tokens computed now for request ``b``; ``prefix_lens[b]`` = tokens
         it reads from earlier batches (cached prefix or earlier chunks). Returns the batch's
-        counters, which ``layer_view`` keeps up to date.
+        counters, which ``layer_view`` keeps up to date. ``plan``: the plan another materializer
+        built for this very batch over the same pages (e.g. the latent and indexer buffers of one
+        pool), reused instead of planning again.
         """
         seq_lens = [int(n) for n in seq_lens]
         prefix_lens = [int(n) for n in prefix_lens]
@@ -224,9 +230,19 @@ class ViewMaterializer:
         chunks = 1
         if self.group is not None and n > 1 and self.pipeline_chunk_tokens:
             chunks = pipeline_chunks(slots_per_rank(pages, n), pool.page_size, self.pipeline_chunk_tokens)
-        self.plan = build_slot_plan(
-            page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton, chunks=chunks
-        )
+        if plan is None:
+            plan = build_slot_plan(
+                page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton, chunks=chunks
+            )
+        elif (plan.cp_size, plan.page_size, plan.trash_page, plan.pages_per_req, plan.chunks) != (
+            n,
+            pool.page_size,
+            pool.trash_page,
+            tuple(pages),
+            chunks,
+        ):
+            raise ValueError("plan was built for another batch or pool layout than this begin_batch call")
+        self.plan = plan
         if debug_enabled():
             check_plan(self.plan, self.group)
         self._allocate(self.plan, 2 if self.prefetch else 1)

@@ -122,6 +122,17 @@ def _prefill_rank(rank: int, world: int, cfg: dict, decode_address: str) -> dict
 
     group = CPGroup()
     t0 = time.monotonic()
+
+    def progress(i: int, total: int, result) -> None:
+        if rank == 0:
+            c = result.counters
+            moved = (
+                "current-reuse, 0 B moved"
+                if c.current_reuse_hits
+                else f"{_fmt_bytes(c.bytes_materialized)} materialized"
+            )
+            _log(f"prefill: batch {i + 1}/{total} ({c.kind}, {result.batch.num_tokens} tokens): {moved}")
+
     run = run_chunked_prefill(
         cfg["requests"],
         chunk_size=cfg["chunk"],
@@ -129,6 +140,7 @@ def _prefill_rank(rank: int, world: int, cfg: dict, decode_address: str) -> dict
         kv_format=cfg["kv_format"],
         group=group,
         config=cfg["config"],
+        on_batch=progress,
     )
     prefill_s = time.monotonic() - t0
     if rank == 0:

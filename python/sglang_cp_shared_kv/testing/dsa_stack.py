@@ -21,7 +21,7 @@ reports what its read path moved (``BatchCounters``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -335,6 +335,7 @@ def run_chunked_prefill(
     prefetch: bool = False,
     use_triton: bool | None = None,
     layout_cp_size: int | None = None,
+    on_batch: Callable[[int, int, BatchResult], None] | None = None,
 ) -> PrefillRun:
     """Run the request stream through the tiny DSA stack, batch by batch, layer by layer.
 
@@ -344,6 +345,7 @@ def run_chunked_prefill(
     next layer's gather started ahead of its pool write when ``prefetch``).
     Logical pages come from a balanced allocator over ``layout_cp_size`` owners (default: the
     group's size, or 1), so a replicated run can use the very page ids of a CP run.
+    ``on_batch(index, total, result)`` is called after each batch (progress reports).
     """
     check_requests(requests, page_size)
     mla_row_bytes(kv_format)
@@ -371,7 +373,8 @@ def run_chunked_prefill(
     tokens = request_tokens(requests, config.vocab, config.seed)
     pages: list[list[int]] = [[] for _ in requests]
     results = []
-    for batch in schedule_chunked_prefill(requests, chunk_size):
+    schedule = schedule_chunked_prefill(requests, chunk_size)
+    for batch in schedule:
         for i, seq_len in zip(batch.requests, batch.seq_lens):
             _grow_pages(requests, pages, i, seq_len, page_size, allocator)
         table = page_table_from_pages([pages[i] for i in batch.requests])
@@ -401,6 +404,8 @@ def run_chunked_prefill(
             layers.append(LayerOutput(topk.cpu(), out.cpu(), lse.cpu()))
             x = stack.finish(layer, x, out)
         results.append(BatchResult(batch, layers, counters))
+        if on_batch is not None:
+            on_batch(len(results) - 1, len(schedule), results[-1])
     return PrefillRun(results, pool, pages)
 
 

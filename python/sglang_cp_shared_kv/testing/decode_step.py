@@ -15,7 +15,7 @@ import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import pool_view
 from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
-from sglang_cp_shared_kv.testing.dsa_stack import LayerOutput, TinyDSAStack, attend_layer, page_table_from_pages
+from sglang_cp_shared_kv.testing.dsa_stack import LayerOutput, TinyDSAStack, forward_layers, page_table_from_pages
 
 
 def decode_one_token(
@@ -37,13 +37,8 @@ def decode_one_token(
     q_pos = torch.tensor(list(lens), dtype=torch.int64, device=pool.device)
     locs = table.long()[q_req, q_pos // ps] * ps + q_pos % ps
     x = stack.embed[new_ids.to(pool.device)]
-    outputs = []
-    for layer in range(stack.config.num_layers):
-        proj = stack.project(layer, x, q_pos)
-        pool.set_latent(layer, locs, proj.kv_rows)
-        pool.set_index(layer, locs, proj.index_k, proj.index_scale)
-        view = pool_view(pool, layer, table)
-        out, lse, topk = attend_layer(stack, proj, view, q_req, q_pos, [n + 1 for n in lens])
-        outputs.append(LayerOutput(topk.cpu(), out.cpu(), lse.cpu()))
-        x = stack.finish(layer, x, out)
+    seq_lens = [n + 1 for n in lens]
+    outputs = forward_layers(
+        stack, pool, x, q_req, q_pos, locs, seq_lens, lambda layer, _: pool_view(pool, layer, table)
+    )
     return outputs, pages

@@ -388,25 +388,42 @@ def run_chunked_prefill(
             counters = materializer.begin_batch(table, batch.seq_lens, batch.prefix_lens)
         else:
             counters = BatchCounters(kind=batch.kind)
-        x = stack.embed[ids.to(device)]
-        layers = []
-        for layer in range(config.num_layers):
-            proj = stack.project(layer, x, q_pos)
-            pool.set_latent(layer, locs, proj.kv_rows)
-            pool.set_index(layer, locs, proj.index_k, proj.index_scale)
+
+        def view_of(layer: int, proj: Projections, counters=counters, table=table) -> LayerView:
             if materializer is not None:
                 records = pack_index_records(proj.index_k, proj.index_scale)
-                view = materializer.layer_view(layer, proj.kv_rows, records)
-            else:
-                view = pool_view(pool, layer, table, use_triton=use_triton)
-                counters.layers += 1
-            out, lse, topk = attend_layer(stack, proj, view, q_req, q_pos, batch.seq_lens)
-            layers.append(LayerOutput(topk.cpu(), out.cpu(), lse.cpu()))
-            x = stack.finish(layer, x, out)
+                return materializer.layer_view(layer, proj.kv_rows, records)
+            counters.layers += 1
+            return pool_view(pool, layer, table, use_triton=use_triton)
+
+        layers = forward_layers(stack, pool, stack.embed[ids.to(device)], q_req, q_pos, locs, batch.seq_lens, view_of)
         results.append(BatchResult(batch, layers, counters))
         if on_batch is not None:
             on_batch(len(results) - 1, len(schedule), results[-1])
     return PrefillRun(results, pool, pages)
+
+
+def forward_layers(
+    stack: TinyDSAStack,
+    pool: ShardedMLAPool,
+    x: torch.Tensor,
+    q_req: torch.Tensor,
+    q_pos: torch.Tensor,
+    locs: torch.Tensor,
+    seq_lens: Sequence[int],
+    view_of: Callable[[int, Projections], LayerView],
+) -> list[LayerOutput]:
+    """Every layer for the tokens ``x`` at ``locs``: project, store in ``pool``, read through
+    ``view_of(layer, projections)``, attend, residual. Prefill and decode share it."""
+    outputs = []
+    for layer in range(stack.config.num_layers):
+        proj = stack.project(layer, x, q_pos)
+        pool.set_latent(layer, locs, proj.kv_rows)
+        pool.set_index(layer, locs, proj.index_k, proj.index_scale)
+        out, lse, topk = attend_layer(stack, proj, view_of(layer, proj), q_req, q_pos, list(seq_lens))
+        outputs.append(LayerOutput(topk.cpu(), out.cpu(), lse.cpu()))
+        x = stack.finish(layer, x, out)
+    return outputs
 
 
 def _grow_pages(requests, pages, i, seq_len, page_size, allocator) -> None:

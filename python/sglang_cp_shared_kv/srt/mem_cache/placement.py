@@ -108,6 +108,16 @@ class PageOwnership:
         lp = (phys_rows >> self._shift) * self.cp_size + owner
         return lp * self.page_size + offset
 
+    def store_rows(self, locs: torch.Tensor, rank: int, trash_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where ``rank`` stores each loc of a chunk every rank holds: ``(rows, mine)``.
+
+        An owned loc goes to its physical row; any other to the same offset of ``trash_page``, so
+        the store keeps the chunk's static shape (a masked store, no ``nonzero``, no host sync).
+        """
+        mine = self.loc_owner(locs) == rank
+        trash = trash_page * self.page_size + (locs & (self.page_size - 1))
+        return torch.where(mine, self.phys_row(locs), trash), mine
+
     # -- capacity --
     def logical_capacity_pages(self, phys_pages_per_rank: int) -> int:
         """Logical page space is N times one rank's physical pages."""

@@ -98,10 +98,7 @@ class ShardedMLAPool:
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
         """Physical row for every loc: its row if owned here, else a row of the trash page."""
-        own = self.ownership
-        mine = own.loc_owner(locs) == self.rank
-        trash = self.trash_page * self.page_size + (locs & (self.page_size - 1))
-        rows = torch.where(mine, own.phys_row(locs), trash)
+        rows, mine = self.ownership.store_rows(locs, self.rank, self.trash_page)
         if debug_enabled():
             self._check_owned_rows(locs, rows, mine)
         return rows

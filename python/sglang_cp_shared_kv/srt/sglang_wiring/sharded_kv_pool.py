@@ -114,10 +114,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
         """Physical row of every loc on this rank: its own row if owned, else a row of the trash page."""
-        own = self.ownership
-        mine = own.loc_owner(locs) == self.shard_rank
-        trash = TRASH_PAGE * self.page_size + (locs & (self.page_size - 1))
-        rows = torch.where(mine, own.phys_row(locs), trash)
+        rows, mine = self.ownership.store_rows(locs, self.shard_rank, TRASH_PAGE)
         if debug_enabled():
             self._check_store_rows(locs, rows, mine)
         return rows

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup_env.sh
-exec python -m sglang_cp_shared_kv.demo "$@"
+exec python -m sglang_cp_shared_kv.reference.demo "$@"

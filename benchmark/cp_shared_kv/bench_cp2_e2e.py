@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 
 from benchmark.cp_shared_kv.bench_common import cuda_time_us, save_plot, write_result
+from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.read_path import ReadPath, pack_index_records
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, pipeline_chunks, slots_per_rank
-from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 PS = 64
 N_REQ = 4
@@ -234,7 +234,7 @@ def _current_reuse(world, rank, group, kv_format, iters):
     )
     out = {"kv_format": kv_format, "chunk_tokens": t}
     for name, reuse in (("current_reuse", True), ("materialize", False)):
-        mat = ViewMaterializer(pool, group, current_reuse=reuse)
+        mat = ReadPath(pool, group, current_reuse=reuse)
 
         def step():
             mat.begin_batch(table, seq_lens, [0] * N_REQ)

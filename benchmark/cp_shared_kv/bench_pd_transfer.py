@@ -55,7 +55,7 @@ def _fill(pool, seed: int) -> None:
 # ---------------------------------------------------------------------------- processes
 def _decode_proc(cfg: dict, cmd: mp.Queue, out: mp.Queue) -> None:
     _setup_process()
-    from sglang_cp_shared_kv.srt.disaggregation.mooncake import DecodeReceiver, MooncakeEngine, make_decode_pool
+    from sglang_cp_shared_kv.reference.mooncake import DecodeReceiver, MooncakeEngine, make_decode_pool
 
     pool = make_decode_pool(cfg["page_size"], cfg["n_pages"] + 4, cfg["layers"], cfg["kv_format"])
     receiver = DecodeReceiver(pool, MooncakeEngine(), cp_size=cfg["n"]).start()
@@ -81,10 +81,10 @@ def _decode_proc(cfg: dict, cmd: mp.Queue, out: mp.Queue) -> None:
 
 def _sender_proc(cfg: dict, rank: int, address: str, cmd: mp.Queue, out: mp.Queue) -> None:
     _setup_process()
-    from sglang_cp_shared_kv.srt.disaggregation.mooncake import MooncakeEngine, OwnedPageSender
-    from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
+    from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+    from sglang_cp_shared_kv.reference.mooncake import MooncakeEngine, OwnedPageSender
+    from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
     from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-    from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
     own = PageOwnership(cfg["n"], cfg["page_size"])
     phys = -(-cfg["n_pages"] // cfg["n"]) + 1
@@ -111,7 +111,7 @@ def _raw_proc(cfg: dict, boot: dict, cmd: mp.Queue, out: mp.Queue) -> None:
     _setup_process()
     from mooncake.engine import TransferEngine
 
-    from sglang_cp_shared_kv.srt.disaggregation.mooncake.decode_pool import make_decode_pool
+    from sglang_cp_shared_kv.reference.mooncake.decode_pool import make_decode_pool
     from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
 
     n_pages, ps = cfg["n_pages"], cfg["page_size"]

@@ -4,8 +4,8 @@ in place (each rank's input is its slice of the output) or from separate inputs,
 import pytest
 import torch
 
+from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
-from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 
 
 def _buffers(rank: int, world_size: int):

@@ -1,18 +1,39 @@
-"""Wiring of the CP-shared KV cache into SGLang 0.5.23 (registered by ``plugin.load``).
+"""Wiring of the CP-shared KV cache into SGLang 0.5.23: everything ``plugin.load`` installs.
 
+- ``server_args_hook``: the ``--enable-cp-shared-kv`` flag on SGLang's server args.
+- ``startup_checks``: the flag's rules, run where SGLang resolves its arguments.
 - ``pool_hooks``: SGLang's MLA/DSA pools replaced by ``sharded_kv_pool``'s subclasses and its
   allocator widened by N (SGLang's owner-rotating allocator).
 - ``sharded_kv_pool`` + ``read_state``: the masked write path and the kv-shard read contract
   (current-reuse / materialized view) that SGLang's DSA backend, indexer and FA3 call.
-- ``transfer``: SGLang's Mooncake sender in sharded mode (owned pages at their positions);
-  a debug check of each rank's share.
+- ``transfer``: SGLang's Mooncake sender in sharded mode (owned pages at their positions), and
+  each prefill rank's manifest on its Success status.
+- ``decode_manifest``: on a decode server, the manifests checked before a request is ready.
 
+Each module lists its hooks in a table (``HOOKS``: target, hook, ``"after"`` or ``"around"``;
+``startup_checks.RESOLUTION_HOOKS``: resolution step, check); ``register`` installs them all.
 Every hook passes through unless ``--enable-cp-shared-kv`` is on.
 """
 
+from __future__ import annotations
+
+
+def hook_tables() -> list[tuple[str, object, str]]:
+    """Every (target, hook, kind) the plugin registers with SGLang's ``HookRegistry``, in order."""
+    from sglang_cp_shared_kv.srt.sglang_wiring import decode_manifest, pool_hooks, server_args_hook, transfer
+
+    return [*server_args_hook.HOOKS, *pool_hooks.HOOKS, *transfer.HOOKS, *decode_manifest.HOOKS]
+
 
 def register() -> None:
-    from sglang_cp_shared_kv.srt.sglang_wiring import pool_hooks, transfer
+    """Install every hook: the flag, the startup checks, the pools and allocator, the transfer and decode checks."""
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    pool_hooks.register()
-    transfer.register()
+    from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
+
+    kinds = {"after": HookType.AFTER, "around": HookType.AROUND}
+    for target, hook, kind in hook_tables():
+        HookRegistry.register(target, hook, kinds[kind])
+    for step, check in startup_checks.RESOLUTION_HOOKS:
+        register_resolution_hook(step)(check)

@@ -32,10 +32,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_cp_shared_kv.srt.disaggregation.mooncake import control_messages as cm
+from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
-from sglang_cp_shared_kv.srt.server_args_hook import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, runtime_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.transfer import MANIFEST_FRAME, latent_page_bytes
 
 logger = logging.getLogger(__name__)
@@ -172,10 +172,10 @@ def forget_room(_result, receiver) -> None:
             checks.pop(receiver.bootstrap_room, None)
 
 
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    common = "sglang.srt.disaggregation.common.conn"
-    HookRegistry.register(f"{common}.CommonKVReceiver.send_metadata", arm_manifest_check, HookType.AROUND)
-    HookRegistry.register(f"{common}.CommonKVManager.parse_kv_status_message", check_status_message, HookType.AROUND)
-    HookRegistry.register(f"{common}.CommonKVReceiver.clear", forget_room, HookType.AFTER)
+_COMMON = "sglang.srt.disaggregation.common.conn"
+# (target, hook, kind) for ``sglang_wiring.register``.
+HOOKS = [
+    (f"{_COMMON}.CommonKVReceiver.send_metadata", arm_manifest_check, "around"),
+    (f"{_COMMON}.CommonKVManager.parse_kv_status_message", check_status_message, "around"),
+    (f"{_COMMON}.CommonKVReceiver.clear", forget_room, "after"),
+]

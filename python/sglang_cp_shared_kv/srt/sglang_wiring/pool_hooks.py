@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_cp_shared_kv.srt.server_args_hook import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, runtime_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +88,9 @@ def build_allocator(original, configurator, **kwargs):
     return allocator
 
 
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, HookType.AROUND)
-    HookRegistry.register(f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, HookType.AROUND)
-    HookRegistry.register(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, HookType.AROUND)
+# (target, hook, kind) for ``sglang_wiring.register``.
+HOOKS = [
+    (f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, "around"),
+    (f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, "around"),
+    (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, "around"),
+]

@@ -142,9 +142,9 @@ class BatchReadState:
         if self.latent_views is None:
             if callable(self.group):
                 self.group = self.group()
-            self.latent_views = ViewMaterializer(self.latent, self.group, current_reuse=False)
+            self.latent_views = ViewMaterializer(self.latent, self.group)
             if self.index is not None:
-                self.index_views = ViewMaterializer(self.index, self.group, current_reuse=False)
+                self.index_views = ViewMaterializer(self.index, self.group)
         self.counters = self.latent_views.begin_batch(page_table, seq_lens, prefix_lens)
         plan = self.latent_views.plan
         if self.index_views is not None:

@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from sglang_cp_shared_kv.srt.disaggregation.mooncake import control_messages as cm
+from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
-from sglang_cp_shared_kv.srt.server_args_hook import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, runtime_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -193,11 +193,11 @@ def drop_unsent_share(_result, sender) -> None:
         shares.pop(sender.bootstrap_room, None)
 
 
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    common = "sglang.srt.disaggregation.common.conn"
-    HookRegistry.register(f"{common}.CommonKVSender._prepare_send_indices", check_send_indices, HookType.AFTER)
-    HookRegistry.register(f"{common}.CommonKVSender._prepare_send_indices", record_sent_share, HookType.AFTER)
-    HookRegistry.register(f"{common}.CommonKVManager._encode_kv_status_message", attach_manifest, HookType.AFTER)
-    HookRegistry.register(f"{common}.CommonKVSender.clear", drop_unsent_share, HookType.AFTER)
+_COMMON = "sglang.srt.disaggregation.common.conn"
+# (target, hook, kind) for ``sglang_wiring.register``.
+HOOKS = [
+    (f"{_COMMON}.CommonKVSender._prepare_send_indices", check_send_indices, "after"),
+    (f"{_COMMON}.CommonKVSender._prepare_send_indices", record_sent_share, "after"),
+    (f"{_COMMON}.CommonKVManager._encode_kv_status_message", attach_manifest, "after"),
+    (f"{_COMMON}.CommonKVSender.clear", drop_unsent_share, "after"),
+]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from sglang_cp_shared_kv.srt.disaggregation.mooncake.control_messages import Manifest
+from sglang_cp_shared_kv.reference.mooncake.control_messages import Manifest
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
 
 PAGE_BYTES = 100

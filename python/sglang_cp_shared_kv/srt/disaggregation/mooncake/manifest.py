@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang_cp_shared_kv.srt.disaggregation.mooncake.control_messages import Manifest
+from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import Manifest
 
 
 class ManifestError(ValueError):

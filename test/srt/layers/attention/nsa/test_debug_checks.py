@@ -5,8 +5,10 @@ import os
 
 import pytest
 
+from sglang_cp_shared_kv.reference.dsa_stack import page_table_from_pages
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import (
     CPSharedKVDebugError,
     check_plan,
@@ -16,8 +18,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import (
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
-from sglang_cp_shared_kv.testing.dsa_stack import page_table_from_pages
 
 PS = 16
 # Two requests, pages cycling through owners as the balanced allocator hands them out.

@@ -8,11 +8,11 @@ tables and new top-k positions, the graph must give what the eager path gives.
 import pytest
 import torch
 
+from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
-from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

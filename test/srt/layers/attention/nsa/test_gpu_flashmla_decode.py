@@ -10,11 +10,11 @@ dequantized reference: the kernel reads our 656-B rows and page layout as we wri
 import pytest
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import sparse_mla
-from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import quantize_mla_fp8
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,14 +10,14 @@ Output and LSE must be bit-identical to the same kernel over the replicated pool
 import pytest
 import torch
 
+from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
+from sglang_cp_shared_kv.reference.read_path import ReadPath, pool_view
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
-from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import sparse_mla
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, pool_view
-from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import pack_mla_bf16
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 PS, HEADS, TOPK = 64, 64, 128
 SM_SCALE = 576**-0.5
@@ -96,7 +96,7 @@ def run_rank(rank, world, kernel_name="flash_mla"):
         seq_lens = [lens[b] for b in reqs]
         q_req, q_pos, positions = _batch_positions(seq_lens, prefix, dev, seed=len(name))
         q = (torch.randn(len(q_req), HEADS, 576, generator=g) / 4).to(torch.bfloat16).to(dev)
-        mat = ViewMaterializer(mine, group)
+        mat = ReadPath(mine, group)
         counters = mat.begin_batch(table, seq_lens, prefix)
         current = torch.cat([rows_of[b] for b in reqs]) if name == "current" else None
         view = mat.layer_view(0, current, None)

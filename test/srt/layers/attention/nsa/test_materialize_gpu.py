@@ -8,22 +8,22 @@ import random
 import pytest
 import torch
 
-from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV, ViewMaterializer
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages, positions_to_view_rows
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, predicted_view_pages
-from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
-from sglang_cp_shared_kv.testing.dsa_stack import (
+from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.dsa_stack import (
     RequestSpec,
     StackConfig,
     first_mismatch,
     page_table_from_pages,
     run_chunked_prefill,
 )
+from sglang_cp_shared_kv.reference.read_path import ReadPath, pack_index_records
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages, positions_to_view_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, predicted_view_pages
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -70,8 +70,8 @@ def test_materializer_does_not_sync():
     records = pack_index_records(torch.zeros((4 * PS, 128), dtype=torch.uint8), torch.ones(4 * PS)).to(dev)
     positions = torch.tensor([[0, 65, -1]], dtype=torch.int32, device=dev)
     q_req = torch.zeros(1, dtype=torch.int64, device=dev)
-    mat = ViewMaterializer(pool, None)
-    ahead = ViewMaterializer(pool, None, prefetch=True)
+    mat = ReadPath(pool, None)
+    ahead = ReadPath(pool, None, prefetch=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -140,7 +140,7 @@ def _rank_nccl_views(rank, world_size, chunk_tokens):
     for pool in (sharded, replicated):
         pool.set_latent(0, locs.to(dev), rows)
         pool.set_index(0, locs.to(dev), k_u8, scale)
-    mat = ViewMaterializer(sharded, group, pipeline_chunk_tokens=chunk_tokens)
+    mat = ReadPath(sharded, group, pipeline_chunk_tokens=chunk_tokens)
     prefix = [PS] * len(lens)
     mat.begin_batch(table, lens, prefix)
     mat.layer_view(0)  # warm-up: Triton compiles, NCCL communicators

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.dsa_reference import positions_to_rows
+from sglang_cp_shared_kv.reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     BLOCKED_PLAN_BLOCK,
     FUSED_PLAN_MAX_POSITIONS,

@@ -14,21 +14,8 @@ import os
 import pytest
 import torch
 
-from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.distributed.spawn import spawn_ranks
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import pack_index_records
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV, ViewMaterializer
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
-    pages_for_lens,
-    pipeline_chunks,
-    predicted_view_pages,
-    slots_per_rank,
-)
-from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, mla_row_bytes
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
-from sglang_cp_shared_kv.testing.dsa_stack import (
+from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.dsa_stack import (
     RequestSpec,
     StackConfig,
     first_mismatch,
@@ -36,6 +23,19 @@ from sglang_cp_shared_kv.testing.dsa_stack import (
     run_chunked_prefill,
     schedule_chunked_prefill,
 )
+from sglang_cp_shared_kv.reference.read_path import ReadPath, pack_index_records
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    pages_for_lens,
+    pipeline_chunks,
+    predicted_view_pages,
+    slots_per_rank,
+)
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, mla_row_bytes
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
 def _ceil(a: int, b: int) -> int:
@@ -164,7 +164,7 @@ def _rank_views(rank, world_size, ps, kv_format, chunk_tokens):
     for pool in (sharded, replicated):
         pool.set_latent(0, locs, rows)
         pool.set_index(0, locs, k_u8, scale)
-    mat = ViewMaterializer(sharded, group, pipeline_chunk_tokens=chunk_tokens)
+    mat = ReadPath(sharded, group, pipeline_chunk_tokens=chunk_tokens)
     counters = mat.begin_batch(table, lens, [1] * len(lens))
     view = mat.layer_view(0)
     bad = []

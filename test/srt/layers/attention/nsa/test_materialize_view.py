@@ -1,49 +1,28 @@
-"""ViewMaterializer in one process: what it hands the kernels, when it reuses the current chunk, and
-how it rejects bad input. (The multi-rank behaviour is in test_materialize_multirank.py.)"""
+"""ViewMaterializer in one process: what it hands the kernels, prefetch, pipeline chunks and shared plans.
+(Current-reuse and bad input: test/reference/test_read_path.py; multi-rank: test_materialize_multirank.py.)"""
 
 import pytest
 import torch
+from pool_workload import filled_pool as _filled_pool
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import (
-    batch_kind,
-    compact_row_table,
-    pack_index_records,
-)
+from sglang_cp_shared_kv.reference.read_path import pack_index_records
+from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     PIPELINE_CHUNK_TOKENS,
     PIPELINE_CHUNK_TOKENS_ENV,
     ViewMaterializer,
-    pool_view,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 PS = 16
-
-
-def _filled_pool(kv_format="fp8", with_indexer=True):
-    pool = ShardedMLAPool(PageOwnership(1, PS), 0, 10, 2, kv_format, with_indexer=with_indexer)
-    g = torch.Generator().manual_seed(3)
-    locs = torch.arange(10 * PS)
-    for layer in range(2):
-        pool.set_latent(layer, locs, torch.randint(0, 256, (len(locs), pool.row_bytes), dtype=torch.uint8, generator=g))
-        if with_indexer:
-            k = torch.randint(0, 256, (len(locs), 128), dtype=torch.uint8, generator=g)
-            pool.set_index(layer, locs, k, torch.rand(len(locs), generator=g))
-    return pool
 
 
 def test_batch_kind_from_host_prefix_lengths():
     assert batch_kind([0, 0]) == "current"
     assert batch_kind([3, 16]) == "history"
     assert batch_kind([0, 16]) == "mixed"
-
-
-def test_compact_row_table():
-    assert compact_row_table([3, 1, 2]).tolist() == [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
-    with pytest.raises(ValueError, match="extend_lens"):
-        compact_row_table([2, -1])
 
 
 @pytest.mark.parametrize("with_indexer", [True, False])
@@ -53,7 +32,7 @@ def test_single_rank_view_holds_the_batch_pages_in_slot_order(with_indexer):
     mat = ViewMaterializer(pool, None, use_triton=False)
     counters = mat.begin_batch(table, [3 * PS, 2 * PS - 3], [PS, 5])
     view = mat.layer_view(1)
-    assert not mat.reusing_current and counters.kind == "history"
+    assert mat.plan is not None and counters.kind == "history"
     assert view.page_size == PS and view.kv_rows.shape == (5 * PS, pool.row_bytes)
     for b, n in enumerate([3, 2]):
         for j in range(n):
@@ -68,34 +47,6 @@ def test_single_rank_view_holds_the_batch_pages_in_slot_order(with_indexer):
     page_bytes = PS * (pool.row_bytes + (INDEX_TOKEN_BYTES if with_indexer else 0))
     assert (counters.view_pages, counters.pages_gathered, counters.bytes_received) == (5, 5, 0)
     assert counters.bytes_materialized == 5 * page_bytes
-
-
-def test_current_batch_reads_the_current_chunk():
-    pool = _filled_pool()
-    mat = ViewMaterializer(pool, None, use_triton=False)
-    counters = mat.begin_batch(torch.tensor([[1, 0], [3, 4]], dtype=torch.int32), [5, 20], [0, 0])
-    assert mat.reusing_current and mat.plan is None
-    rows = torch.randint(0, 256, (25, pool.row_bytes), dtype=torch.uint8)
-    records = pack_index_records(torch.randint(0, 256, (25, 128), dtype=torch.uint8), torch.rand(25))
-    for layer in range(2):
-        view = mat.layer_view(layer, rows, records)
-        assert view.kv_rows is rows and view.index_pages is records and view.page_size == 1
-    assert view.rows(torch.tensor([[4, 0, -1], [19, 2, 0]]), torch.tensor([0, 1])).tolist() == [[4, 0, -1], [24, 7, 5]]
-    assert (counters.current_reuse_hits, counters.layers, counters.bytes_materialized, counters.pages_gathered) == (
-        2,
-        2,
-        0,
-        0,
-    )
-
-
-def test_current_batch_can_be_materialized_instead():
-    pool = _filled_pool()
-    mat = ViewMaterializer(pool, None, current_reuse=False, use_triton=False)
-    counters = mat.begin_batch(torch.tensor([[1, 0], [3, 4]], dtype=torch.int32), [5, 20], [0, 0])
-    view = mat.layer_view(0)
-    assert not mat.reusing_current and counters.kind == "current" and counters.view_pages == 3
-    assert torch.equal(view.kv_rows[int(view.page_table[1, 1]) * PS], pool.latent[0][4 * PS])
 
 
 @pytest.mark.parametrize("with_indexer", [True, False])
@@ -153,30 +104,6 @@ def test_pipeline_chunk_size_comes_from_the_argument_or_the_environment(monkeypa
     mat = ViewMaterializer(pool, None, pipeline_chunk_tokens=1, use_triton=False)
     mat.begin_batch(torch.tensor([[7, 2, 9], [2, 4, 0]], dtype=torch.int32), [3 * PS, 2 * PS], [PS, 5])
     assert mat.plan.chunks == 1
-
-
-def test_bad_input_is_rejected():
-    pool = _filled_pool()
-    sharded = ShardedMLAPool(PageOwnership(2, PS), 0, 4, 1, "fp8")
-    with pytest.raises(ValueError, match="group is required"):
-        ViewMaterializer(sharded, None)
-    with pytest.raises(ValueError, match="replicated pool"):
-        pool_view(sharded, 0, torch.zeros((1, 1), dtype=torch.int32))
-    mat = ViewMaterializer(pool, None, use_triton=False)
-    with pytest.raises(ValueError, match="before begin_batch"):
-        mat.layer_view(0)
-    table = torch.zeros((2, 2), dtype=torch.int32)
-    with pytest.raises(ValueError, match="must agree"):
-        mat.begin_batch(table, [3], [0])
-    with pytest.raises(ValueError, match="prefix_lens"):
-        mat.begin_batch(table, [3, 4], [0, 5])
-    mat.begin_batch(table, [3, 4], [0, 0])
-    with pytest.raises(ValueError, match="current_kv_rows"):
-        mat.layer_view(0)
-    with pytest.raises(ValueError, match="current_index_records"):
-        mat.layer_view(0, torch.zeros((7, pool.row_bytes), dtype=torch.uint8), torch.zeros((7, 3), dtype=torch.uint8))
-    with pytest.raises(ValueError, match="layer"):
-        mat.layer_view(5)
 
 
 def test_a_plan_built_by_one_materializer_serves_another_of_the_same_batch():

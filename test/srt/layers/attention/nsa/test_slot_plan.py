@@ -8,6 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
+from sglang_cp_shared_kv.reference.dsa_stack import page_table_from_pages
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages_ref, triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     build_slot_plan,
@@ -18,9 +20,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     predicted_view_pages,
     slots_per_rank,
 )
-from sglang_cp_shared_kv.srt.mem_cache.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.testing.dsa_stack import page_table_from_pages
 
 
 def _batch_pages(cp_size: int, page_counts: list[int], share: list[int | None], seed: int) -> list[list[int]]:

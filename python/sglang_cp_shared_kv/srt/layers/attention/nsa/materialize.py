@@ -4,8 +4,9 @@ The stock indexer and MLA kernels index a page table into one dense buffer. Over
 this module gives them one, per forward batch:
 
 1. ``begin_batch`` plans once (``slot_plan``): every page position of the batch gets a slot of
-   a view of ``N * S`` pages, owner-major (chunk by chunk when pipelined). A batch in which no
-   request has a prefix uses current-reuse instead and plans nothing.
+   a view of ``N * S`` pages, owner-major (chunk by chunk when pipelined). Whether a batch needs
+   a view at all (current-reuse) is the caller's choice: ``sglang_wiring.read_state`` on the
+   SGLang path, ``reference.read_path`` in the standalone stack.
 2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, straight
    into its part of the dense views (Triton ``gather_page_buffers``: latent and indexer pages in
    one launch; padding slots read the trash page), and the CP group all-gathers the parts in
@@ -34,13 +35,10 @@ import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import (
-    batch_kind,
-    check_current_chunk,
-    compact_row_table,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     SlotPlan,
     build_slot_plan,
@@ -51,7 +49,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
-from sglang_cp_shared_kv.srt.mem_cache.sharded_pool import ShardedMLAPool
 
 # Pipeline chunk of a view, in tokens sent per rank (0: one piece). Each chunk hides the next one's
 # gather but adds one NCCL call's fixed cost. On 2 x H200 (bench_cp2_e2e's chunk sweep) every chunk
@@ -118,19 +115,30 @@ class LayerView:
         return positions_to_view_rows(positions, q_req, self.page_table, self.page_size, use_triton=self.use_triton)
 
 
-def pool_view(pool: ShardedMLAPool, layer: int, page_table: torch.Tensor, use_triton: bool | None = None) -> LayerView:
-    """The view of a replicated pool: its buffers as they are, the logical page table as it is."""
-    if pool.ownership.cp_size != 1:
-        raise ValueError(f"pool_view needs a replicated pool (cp_size 1), got {pool.ownership}")
-    index = pool.index[layer] if pool.with_indexer else None
-    return LayerView(pool.latent[layer], index, page_table, pool.page_size, use_triton)
+def check_current_chunk(
+    kv_rows: torch.Tensor | None,
+    index_records: torch.Tensor | None,
+    num_tokens: int,
+    row_bytes: int,
+    with_indexer: bool,
+) -> None:
+    """Shapes of the current chunk handed to a read path (one record per token, request-major)."""
+    if kv_rows is None or kv_rows.dtype != torch.uint8 or kv_rows.shape != (num_tokens, row_bytes):
+        got = None if kv_rows is None else f"{kv_rows.dtype} {tuple(kv_rows.shape)}"
+        raise ValueError(f"current_kv_rows must be uint8 [{num_tokens}, {row_bytes}], got {got}")
+    if not with_indexer:
+        return
+    shape = (num_tokens, INDEX_TOKEN_BYTES)
+    if index_records is None or index_records.dtype != torch.uint8 or index_records.shape != shape:
+        got = None if index_records is None else f"{index_records.dtype} {tuple(index_records.shape)}"
+        raise ValueError(f"current_index_records must be uint8 [{num_tokens}, {INDEX_TOKEN_BYTES}], got {got}")
 
 
 class ViewMaterializer:
     """Builds, per batch and layer, the dense view a sharded pool's kernels read.
 
     ``group`` is the CP group whose ranks own the pool's pages (``None`` only for a single-rank
-    pool). With ``current_reuse`` a batch without prefixes reads its current chunk instead.
+    pool). Every batch is materialized; current-reuse is decided by the caller.
 
     With ``prefetch``, ``layer_view(l)`` also starts gathering layer ``l + 1`` (on a side CUDA
     stream on GPU; at once on CPU), before the caller has written layer ``l + 1``'s current
@@ -142,17 +150,14 @@ class ViewMaterializer:
     the gather of chunk ``c + 1`` overlaps the all-gather of chunk ``c``. The chunk count depends
     on host lengths and the page size only, so materializers of one batch share one layout.
 
-    ``pool`` needs ``ownership``, ``rank``, ``page_size``, ``row_bytes``, ``num_layers``,
-    ``device``, ``trash_page``, ``page_bytes_per_layer``, ``latent_pages(layer)`` and, with
-    ``with_indexer``, ``index[layer]`` (``ShardedMLAPool`` has them all).
+    ``pool`` is a ``page_source.PageSource``.
     """
 
     def __init__(
         self,
-        pool: ShardedMLAPool,
+        pool: PageSource,
         group: CPGroup | None = None,
         *,
-        current_reuse: bool = True,
         prefetch: bool = False,
         use_triton: bool | None = None,
         pipeline_chunk_tokens: int | None = None,
@@ -170,13 +175,11 @@ class ViewMaterializer:
             raise ValueError(f"pipeline_chunk_tokens must be an int >= 0 or None, got {pipeline_chunk_tokens!r}")
         self.pool = pool
         self.group = group
-        self.current_reuse = current_reuse
         self.prefetch = prefetch
         self.use_triton = use_triton
         self.pipeline_chunk_tokens = pipeline_chunk_tokens
         self.plan: SlotPlan | None = None
         self.counters: BatchCounters | None = None
-        self._compact_table: torch.Tensor | None = None
         self._num_tokens = 0
         # One or (prefetching) two sets of views, used by alternate layers, and per set the steps
         # of a layer's gather: (this rank's page ids, its part of each view, the chunk of each view).
@@ -185,11 +188,6 @@ class ViewMaterializer:
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
-
-    @property
-    def reusing_current(self) -> bool:
-        """Whether the batch in progress reads its current chunk instead of a materialized view."""
-        return self._compact_table is not None
 
     def begin_batch(
         self,
@@ -219,13 +217,8 @@ class ViewMaterializer:
         kind = batch_kind(prefix_lens)
         self.counters = BatchCounters(kind=kind)
         self._num_tokens = sum(seq_lens) - sum(prefix_lens)
-        if self.current_reuse and kind == "current":
-            self.plan = None
-            self._compact_table = compact_row_table(seq_lens, page_table.device)
-            return self.counters
         pool = self.pool
         n = pool.ownership.cp_size
-        self._compact_table = None
         pages = pages_for_lens(seq_lens, pool.page_size)
         chunks = 1
         if self.group is not None and n > 1 and self.pipeline_chunk_tokens:
@@ -300,8 +293,8 @@ class ViewMaterializer:
         """The view of ``layer`` for the batch in progress.
 
         ``current_kv_rows`` uint8 ``[T, row_bytes]`` and ``current_index_records`` uint8 ``[T, 132]``
-        (``pack_index_records``) are the chunk the caller just wrote to the pool, request-major.
-        Current-reuse and prefetching need them; otherwise they are ignored.
+        (K then fp32 scale per token) are the chunk the caller just wrote to the pool, request-major.
+        Prefetching needs them; otherwise they are ignored.
         """
         if self.counters is None:
             raise ValueError("layer_view called before begin_batch")
@@ -309,16 +302,10 @@ class ViewMaterializer:
         if not 0 <= layer < pool.num_layers:
             raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
         counters = self.counters
-        if self._compact_table is not None or self.prefetch:
+        if self.prefetch:
             check_current_chunk(
                 current_kv_rows, current_index_records, self._num_tokens, pool.row_bytes, pool.with_indexer
             )
-        if self._compact_table is not None:
-            counters.layers += 1
-            counters.current_reuse_hits += 1
-            index = current_index_records if pool.with_indexer else None
-            return LayerView(current_kv_rows, index, self._compact_table, 1, self.use_triton)
-
         plan = self.plan
         slot = layer % len(self._views)
         pending, self._pending = self._pending, None

@@ -1,0 +1,419 @@
+"""Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
+
+Two resolution hooks wrap existing steps (``register_resolution_hook``):
+
+- ``validate_prefill_cp_platform`` runs before model resolution and before the
+  dummy-model early return: flag-only checks (:func:`flag_rejections`).
+- ``handle_kv_cache_sharding`` runs after page size, attention backends and
+  CP topology are resolved, and again at the very end over the final view:
+  model and resolved-value checks (:func:`resolved_rejections`). Both runs
+  see the same inputs, so the checks are idempotent.
+
+Every rejection is one line naming the offending flag and the fix; all of a
+configuration's rejections are raised together in one ``ValueError``. With
+the flag off both hooks only call the stock step.
+
+What is accepted is exactly what the wiring honours (see ``sglang_wiring``):
+a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks,
+an MLA model on CUDA, either a DSA model (the lightning indexer) on the DSA
+backend's ``flashmla_sparse`` or ``trtllm`` prefill kernels, or a plain MLA
+model on the ``fa3`` prefill backend. On a PD decode server the flag means
+"expect CP shared-KV manifests" (``sglang_wiring.decode_manifest``): it must
+use Mooncake and stay non-CP; its pool, model and kernels are SGLang's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, enabled
+
+logger = logging.getLogger(__name__)
+
+# DSA prefill kernels whose reads go through SGLang's kv-shard pool contract
+# (translated page tables + ``get_key_buffer`` + logical indexer pages) that
+# the sharded pool implements. Others read the pool in ways it does not serve.
+DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
+# Plain-MLA prefill backends that consume the same contract in 0.5.23.
+MLA_PREFILL_BACKENDS = ("fa3",)
+_INDEX_HEAD_DIM = 128  # the indexer page layout: ps * (128 + 4) bytes
+_DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages on CUDA
+
+
+def _line(what: str, fix: str) -> str:
+    return f"{FLAG}: {what}; {fix}."
+
+
+def _is_pow2(n: Any) -> bool:
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
+def decode_rejections(cfg: Any) -> list[str]:
+    """A decode server with the flag: non-CP, Mooncake, checking the prefill ranks' manifests."""
+    out = []
+    if cfg.disaggregation_transfer_backend != "mooncake":
+        out.append(
+            _line(
+                f"--disaggregation-transfer-backend {cfg.disaggregation_transfer_backend}: the manifests ride on the "
+                "Mooncake connector's status messages",
+                "use --disaggregation-transfer-backend mooncake",
+            )
+        )
+    cp_flags = [
+        f
+        for f, on in (
+            ("--enable-prefill-cp", cfg.enable_prefill_cp),
+            ("--enable-cp-decode-attn-tp", cfg.enable_cp_decode_attn_tp),
+        )
+        if on
+    ]
+    if cfg.attn_cp_size is not None and cfg.attn_cp_size > 1:
+        cp_flags.append(f"--attn-cp-size {cfg.attn_cp_size}")
+    if cfg.dcp_size is not None and cfg.dcp_size > 1:
+        cp_flags.append(f"--dcp-size {cfg.dcp_size}")
+    if cp_flags:
+        out.append(
+            _line(
+                f"{', '.join(cp_flags)} on the decode server: it stays non-CP (it receives whole pages and checks "
+                "the manifests); the KV is sharded on the prefill server (--disaggregation-mode prefill)",
+                f"drop {', '.join(f.split()[0] for f in cp_flags)} here",
+            )
+        )
+    if cfg.enable_kv_cache_sharding:
+        out.append(
+            _line(
+                "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
+                "pass only one of the two flags",
+            )
+        )
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
+        out.append(
+            _line(
+                "SGLANG_DISAGG_STAGING_BUFFER: staged transfers are not wired with the manifest check",
+                "unset SGLANG_DISAGG_STAGING_BUFFER",
+            )
+        )
+    return out
+
+
+def flag_rejections(cfg: Any) -> list[str]:
+    """Checks that need only the flags (a record or a resolving view)."""
+    if cfg.disaggregation_mode == "decode":
+        return decode_rejections(cfg)
+    out = []
+    if str(cfg.model_path).lower() in ("none", "dummy"):
+        out.append(
+            _line(
+                f"--model-path {cfg.model_path} carries no model config to check for MLA", "pass a real MLA checkpoint"
+            )
+        )
+    if not cfg.enable_prefill_cp:
+        out.append(
+            _line(
+                "the KV is sharded over the prefill context-parallel ranks, and prefill CP is off",
+                "add --enable-prefill-cp",
+            )
+        )
+    if cfg.attn_cp_size is None or cfg.attn_cp_size <= 1:
+        out.append(
+            _line(f"--attn-cp-size is {cfg.attn_cp_size}: nothing to shard over", "set --attn-cp-size N with N > 1")
+        )
+    if cfg.cp_strategy != "interleave":
+        out.append(
+            _line(
+                f"--cp-strategy {cfg.cp_strategy} is not wired (the write path needs every rank to hold the whole chunk "
+                "after the interleave all-gather; DeepSeek-V3.2 / GLM-5 require interleave)",
+                "use --cp-strategy interleave",
+            )
+        )
+    if cfg.disaggregation_mode != "prefill":
+        out.append(
+            _line(
+                f"--disaggregation-mode {cfg.disaggregation_mode} is not wired (batches would decode from a pool that holds "
+                "1/N of every page, and the widened allocator has no decode allocation)",
+                "run it on the PD prefill server (--disaggregation-mode prefill) and, to check the manifests, "
+                "on its decode server (--disaggregation-mode decode)",
+            )
+        )
+    if cfg.disaggregation_transfer_backend != "mooncake":
+        out.append(
+            _line(
+                f"--disaggregation-transfer-backend {cfg.disaggregation_transfer_backend} has no owned-page sender",
+                "use --disaggregation-transfer-backend mooncake",
+            )
+        )
+    if cfg.enable_kv_cache_sharding:
+        out.append(
+            _line(
+                "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
+                "pass only one of the two flags",
+            )
+        )
+    if cfg.enable_dsa_cache_layer_split:
+        out.append(
+            _line(
+                "--enable-dsa-cache-layer-split splits the same DSA cache by layer instead of by page",
+                "drop --enable-dsa-cache-layer-split",
+            )
+        )
+    if cfg.dcp_size is not None and cfg.dcp_size > 1:
+        out.append(
+            _line(
+                f"--dcp-size {cfg.dcp_size} (decode context parallelism) also widens the allocator index space",
+                "drop --dcp-size",
+            )
+        )
+    if cfg.enable_cp_decode_attn_tp:
+        out.append(
+            _line(
+                "--enable-cp-decode-attn-tp is a decode-time CP mode; the sharded pool serves prefill only",
+                "drop --enable-cp-decode-attn-tp",
+            )
+        )
+    if cfg.page_size is not None and not _is_pow2(cfg.page_size):
+        out.append(
+            _line(
+                f"--page-size {cfg.page_size} is not a power of two (page ownership is shift/mask arithmetic)",
+                "use a power of two, e.g. --page-size 64",
+            )
+        )
+    if cfg.pp_size is not None and cfg.pp_size > 1:
+        out.append(
+            _line(
+                f"--pp-size {cfg.pp_size}: pipeline-parallel layer slices of the sharded pool are not wired",
+                "use --pp-size 1",
+            )
+        )
+    out += _plumbing_rejections(cfg)
+    return out
+
+
+def _plumbing_rejections(cfg: Any) -> list[str]:
+    """Features that bypass the widened allocator / rotation-aware radix tree the wiring reuses from SGLang."""
+    unsupported = (
+        ("speculative_algorithm", "--speculative-algorithm", "the draft model's KV pool is not sharded"),
+        ("dllm_algorithm", "--dllm-algorithm", "diffusion admission bypasses the widened allocator"),
+        ("radix_cache_backend", "--radix-cache-backend", "only the built-in radix tree tracks page-owner rotation"),
+        (
+            "enable_hierarchical_cache",
+            "--enable-hierarchical-cache",
+            "HiCache host copies of a sharded pool are not wired",
+        ),
+        ("enable_lmcache", "--enable-lmcache", "LMCache reads whole pages from one rank"),
+        ("enable_hisparse", "--enable-hisparse", "HiSparse assumes each rank holds complete pages"),
+        ("enable_flexkv", "--enable-flexkv", "FlexKV load-back allocates through the flat allocator"),
+        ("enable_unified_memory", "--enable-unified-memory", "the unified pool has its own allocator and layout"),
+        (
+            "enable_unified_cache_external_linker",
+            "--enable-unified-cache-external-linker",
+            "load-back allocates through the flat allocator",
+        ),
+        ("enable_streaming_session", "--enable-streaming-session", "session nodes carry no page-owner rotation"),
+        ("enable_session_radix_cache", "--enable-session-radix-cache", "session nodes carry no page-owner rotation"),
+        (
+            "enable_two_batch_overlap",
+            "--enable-two-batch-overlap",
+            "the per-batch read plan is one per pool, and TBO builds two",
+        ),
+        ("enable_pdmux", "--enable-pdmux", "split prefill batches are not planned"),
+    )
+    out = []
+    for attr, flag, why in unsupported:
+        value = getattr(cfg, attr, None)
+        if value not in (None, False):
+            out.append(_line(f"{flag} is not supported ({why})", f"drop {flag}"))
+    chunk, ps = cfg.chunked_prefill_size, cfg.page_size
+    if chunk is not None and chunk > 0 and _is_pow2(ps) and chunk % ps:
+        out.append(
+            _line(
+                f"--chunked-prefill-size {chunk} is not a multiple of the page size {ps} (chunks must end on a page: the owner-rotating allocator extends whole pages)",
+                f"use a multiple of {ps}",
+            )
+        )
+    from sglang.srt.environ import envs
+
+    if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
+        out.append(
+            _line(
+                "SGLANG_DISAGG_STAGING_BUFFER sends contiguous slices, not owned pages",
+                "unset SGLANG_DISAGG_STAGING_BUFFER",
+            )
+        )
+    return out
+
+
+def resolved_rejections(server_args: Any) -> list[str]:
+    """Checks on the model and on resolved values (page size, backends, dtype, device)."""
+    from sglang.srt.arg_groups.overrides import attention_backends_of, model_config_of, resolved_view, resolving_view
+    from sglang.srt.configs.model_config import (
+        AttentionArch,
+        get_dsa_index_kpool,
+        get_dsa_index_kpool_compress,
+        is_deepseek_dsa,
+    )
+
+    cfg = resolving_view(server_args)
+    out = flag_rejections(cfg)
+    if cfg.disaggregation_mode == "decode":  # the decode pool, model and kernels stay stock
+        return out
+    if str(cfg.model_path).lower() in ("none", "dummy"):
+        return out
+    model_config = model_config_of(server_args)
+    hf_config = model_config.hf_config
+    arch = (hf_config.architectures or ["?"])[0]
+    if model_config.attention_arch != AttentionArch.MLA:
+        out.append(
+            _line(
+                f"{arch} is not an MLA model (attention {model_config.attention_arch.name}); the sharded pool stores MLA latent rows",
+                "serve an MLA model (DeepSeek-V3/V3.2, GLM-5) or drop the flag",
+            )
+        )
+        return out
+    if cfg.device != "cuda":
+        out.append(
+            _line(
+                f"--device {cfg.device}: the read path all-gathers over NCCL and the MLA/DSA kernels are CUDA-only",
+                "run on CUDA GPUs",
+            )
+        )
+    prefill_backend, _ = attention_backends_of(resolved_view(server_args))
+    if is_deepseek_dsa(hf_config):
+        if prefill_backend != "dsa":
+            out.append(
+                _line(
+                    f"DSA model {arch} on prefill attention backend {prefill_backend!r}", "use --attention-backend dsa"
+                )
+            )
+        elif cfg.dsa_prefill_backend not in DSA_PREFILL_BACKENDS:
+            out.append(
+                _line(
+                    f"--dsa-prefill-backend {cfg.dsa_prefill_backend} reads the pool outside the sharded read contract",
+                    f"use --dsa-prefill-backend {' or '.join(DSA_PREFILL_BACKENDS)}",
+                )
+            )
+        if getattr(hf_config, "index_head_dim", _INDEX_HEAD_DIM) != _INDEX_HEAD_DIM:
+            out.append(
+                _line(
+                    f"indexer head dim {hf_config.index_head_dim} != {_INDEX_HEAD_DIM} (the sharded indexer page layout)",
+                    "serve a model with 128-dim indexer keys",
+                )
+            )
+        if cfg.page_size != _DSA_PAGE_SIZE:
+            out.append(
+                _line(
+                    f"--page-size {cfg.page_size}: SGLang's DSA pool stores {_DSA_PAGE_SIZE}-token indexer pages",
+                    f"set --page-size {_DSA_PAGE_SIZE}",
+                )
+            )
+        if get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config):
+            out.append(
+                _line(
+                    "the model pools indexer keys (index_kpool > 1 or compressed), not wired",
+                    "serve a model with index_kpool = 1",
+                )
+            )
+    elif prefill_backend not in MLA_PREFILL_BACKENDS:
+        out.append(
+            _line(
+                f"prefill attention backend {prefill_backend!r} for MLA model {arch} reads the pool outside the sharded read contract",
+                f"use --prefill-attention-backend {' or '.join(MLA_PREFILL_BACKENDS)}",
+            )
+        )
+    if not _is_pow2(cfg.page_size) or cfg.page_size == 1:
+        out.append(
+            _line(
+                f"resolved page size {cfg.page_size} must be a power of two greater than 1 (a page is the ownership and transfer unit)",
+                "set --page-size 64",
+            )
+        )
+    if model_config.is_encoder_decoder:
+        out.append(
+            _line(
+                "encoder-decoder models keep a second page table that is not planned", "serve a decoder-only MLA model"
+            )
+        )
+    if getattr(model_config, "attention_chunk_size", None) is not None:
+        out.append(
+            _line(
+                "chunked/local-attention models build metadata the read plan does not cover",
+                "serve a full-attention MLA model",
+            )
+        )
+    return out
+
+
+def _raise(rejections: list[str]) -> None:
+    if rejections:
+        raise ValueError("\n".join(dict.fromkeys(rejections)))
+
+
+def _disable_prefill_cuda_graph(server_args: Any) -> None:
+    """The per-batch read plan is built on the host each forward: prefill runs eagerly (declared, not written)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    graph_config = resolving_view(server_args).cuda_graph_config
+    if graph_config.prefill.backend == Backend.DISABLED:
+        return
+    logger.warning(
+        "%s: prefill CUDA graph (%s) disabled: the sharded read plan runs eagerly.", FLAG, graph_config.prefill.backend
+    )
+    declare_resolution(
+        server_args, "cp_shared_kv", cuda_graph_config=with_phase(graph_config, Phase.PREFILL, backend=Backend.DISABLED)
+    )
+
+
+def _set_tree_core_default() -> None:
+    """The owner-rotating allocator needs the radix tree core that tracks rotation bases (the Python one)."""
+    from sglang.srt.environ import envs
+
+    if not envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.is_set():
+        envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.set("python")
+
+
+def _tree_core_rejections(cfg: Any) -> list[str]:
+    from sglang.srt.environ import envs
+
+    backend = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get()
+    if not cfg.disable_radix_cache and backend != "python":
+        return [
+            _line(
+                f"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND={backend!r} does not track page-owner rotation",
+                "unset it or set it to python",
+            )
+        ]
+    return []
+
+
+def early_check(server_args: Any, previous) -> None:
+    """Wraps ``validate_prefill_cp_platform``."""
+    previous(server_args)
+    if enabled(server_args):
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        _raise(flag_rejections(resolving_view(server_args)))
+
+
+def resolved_check(server_args: Any, previous) -> None:
+    """Wraps ``handle_kv_cache_sharding`` (which runs twice; this is idempotent)."""
+    previous(server_args)
+    if not enabled(server_args):
+        return
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    if resolving_view(server_args).disaggregation_mode == "decode":
+        _raise(resolved_rejections(server_args))
+        return
+    _set_tree_core_default()
+    _raise(resolved_rejections(server_args) + _tree_core_rejections(resolving_view(server_args)))
+    _disable_prefill_cuda_graph(server_args)
+
+
+# (SGLang resolution step, check) for ``sglang_wiring.register``.
+RESOLUTION_HOOKS = [
+    ("validate_prefill_cp_platform", early_check),
+    ("handle_kv_cache_sharding", resolved_check),
+]

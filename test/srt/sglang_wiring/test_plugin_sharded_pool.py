@@ -1,0 +1,273 @@
+"""SGLang's own MLA / DSA pool classes, sharded over CP ranks, on CPU (no hooks involved).
+
+- Write path: N rank pools and one replicated stock pool receive the same chunks through
+  SGLang's write entry points (its quantizers and Triton scatter, interpreted on CPU). Every
+  rank's storage, trash page aside, is bit-exact with ``ShardedMLAPool`` fed the stock bytes,
+  so exactly the owned rows were written.
+- Read path on N spawned gloo ranks: the kv-shard contract SGLang's DSA backend and indexer call
+  (``begin_shard_extend``, ``translate_loc_to_scratch``, ``get_key_buffer``,
+  ``get_index_k_scale_buffer`` with logical pages; ``get_mla_kv_buffer`` for plain MLA's
+  chunked-prefix read) returns exactly the replicated pool's bytes,
+  for a current-only batch (current-reuse: nothing moved) and a mixed prefix batch
+  (materialized: pages gathered from their owners), with pages drawn by SGLang's own
+  owner-rotating allocator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1",
+        reason="SGLang's pool writers are Triton kernels: CPU needs TRITON_INTERPRET=1",
+    ),
+]
+
+PS = 64  # SGLang's DSA pool requires 64-token pages
+
+
+class _Layer:
+    def __init__(self, layer_id: int):
+        self.layer_id = layer_id
+
+
+def _dsa_kwargs(layers: int, fp8: bool = True) -> dict:
+    """fp8: the packed 656-byte rows (SGLang's quantizer); else bf16 576-value rows."""
+    return dict(
+        page_size=PS,
+        kv_lora_rank=512,
+        dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+        qk_rope_head_dim=64,
+        layer_num=layers,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=656 if fp8 else 576,
+    )
+
+
+def _mla_kwargs(layers: int) -> dict:
+    return dict(
+        page_size=PS,
+        dtype=torch.bfloat16,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+
+
+def _no_dcp():
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
+
+
+def _chunk(t: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    nope = torch.randn(t, 1, 512, generator=g).to(torch.bfloat16)
+    rope = torch.randn(t, 1, 64, generator=g).to(torch.bfloat16)
+    k = (torch.randn(t, 128, generator=g) * 4).to(torch.float8_e4m3fn)
+    scale = torch.rand(t, 1, generator=g) + 0.5
+    return nope, rope, k, scale
+
+
+def _index_bytes(pool, layer: int, locs: torch.Tensor):
+    """(k uint8 [T, 128], scale float32 [T]) of ``locs`` in a stock pool's page-major indexer buffer."""
+    buf = pool.index_k_with_scale_buffer[layer]
+    page, off = locs // PS, locs % PS
+    k = buf[:, : PS * 128].reshape(-1, PS, 128)[page, off]
+    scale = buf[:, PS * 128 :].reshape(-1, PS, 4)[page, off].contiguous().view(torch.float32).reshape(-1)
+    return k, scale
+
+
+@pytest.mark.parametrize("kind", ["dsa_fp8", "mla_bf16"])
+def test_sglang_pools_store_exactly_the_owned_rows(kind):
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
+
+    from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+    from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import (
+        CPSharedDSATokenToKVPool,
+        CPSharedMLATokenToKVPool,
+    )
+
+    n, size, layers = 3, 6 * PS, 1
+    dsa = kind == "dsa_fp8"
+    stock_cls, ours_cls = (
+        (DSATokenToKVPool, CPSharedDSATokenToKVPool) if dsa else (MLATokenToKVPool, CPSharedMLATokenToKVPool)
+    )
+    kwargs = _dsa_kwargs(layers) if dsa else _mla_kwargs(layers)
+    with _no_dcp():
+        pools = [ours_cls(size, cp_rank=r, cp_size=n, **kwargs) for r in range(n)]
+        phys = pools[0].phys_pages
+        replicated = stock_cls(n * phys * PS - PS, **kwargs)  # the same logical space, unsharded
+        if not dsa:
+            replicated.dcp_replicated = True
+        assert all(isinstance(p, stock_cls) for p in pools)
+        # Two requests' worth of logical pages past the reserved [0, n), ragged last pages.
+        locs = torch.cat([torch.arange(4 * PS, 5 * PS + 21), torch.arange(12 * PS, 12 * PS + 40)])
+        nope, rope, k, scale = _chunk(len(locs), seed=1)
+        for pool in pools + [replicated]:
+            pool.set_mla_kv_buffer(_Layer(0), locs, nope, rope)
+            if dsa:
+                pool.set_index_k_scale_buffer(0, locs, k, scale)
+
+    ownership = PageOwnership(n, PS)
+    row_bytes = 656 if dsa else 1152
+    stock_rows = replicated.kv_buffer[0][locs].view(torch.uint8).reshape(len(locs), row_bytes)
+    for rank, pool in enumerate(pools):
+        assert isinstance(pool, stock_cls) and pool.kv_buffer[0].shape[0] == size + PS  # stock shape per rank
+        reference = ShardedMLAPool(ownership, rank, phys, layers, "fp8" if dsa else "bf16", dsa, "cpu")
+        reference.set_latent(0, locs, stock_rows)
+        ours = pool.kv_buffer[0].view(torch.uint8).reshape(-1, row_bytes)
+        # Page 0 is our trash page; the reference's trash page is past phys_pages.
+        assert torch.equal(ours[PS:], reference.latent[0][PS : phys * PS]), f"rank {rank} latent"
+        owned = ownership.loc_owner(locs) == rank
+        assert 0 < int(owned.sum()) < len(locs)
+        assert torch.equal(ours[ownership.phys_row(locs[owned])], stock_rows[owned])
+        if dsa:
+            reference.set_index(0, locs, *_index_bytes(replicated, 0, locs))
+            assert torch.equal(pool.index_k_with_scale_buffer[0][1:], reference.index[0][1:phys]), f"rank {rank} index"
+
+
+def test_trash_page_and_bad_configuration():
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedMLATokenToKVPool
+
+    with _no_dcp():
+        pool = CPSharedMLATokenToKVPool(4 * PS, cp_rank=1, cp_size=2, **_mla_kwargs(1))
+        locs = torch.tensor([2 * PS + 5, 3 * PS + 5, 5 * PS + 63])  # owners 0, 1, 1
+        assert pool.store_rows(locs).tolist() == [5, 1 * PS + 5, 2 * PS + 63]
+        for bad in (dict(cp_rank=2, cp_size=2), dict(cp_rank=0, cp_size=1)):
+            with pytest.raises(ValueError, match="cp_"):
+                CPSharedMLATokenToKVPool(4 * PS, **bad, **_mla_kwargs(1))
+    with pytest.raises(RuntimeError, match="outside a sharded extend"):
+        pool.translate_loc_to_scratch(locs)
+
+
+# ---------------------------------------------------------------------------------------------
+# read path on spawned gloo ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _alloc(allocator, prefix_len: int, seq_len: int, last_loc: int, base):
+    t = torch.tensor
+    bases = [base]
+    out = allocator.alloc_extend(
+        t([prefix_len]),
+        t([prefix_len]),
+        t([seq_len]),
+        t([seq_len]),
+        t([last_loc]),
+        seq_len - prefix_len,
+        rotation_bases=bases,
+    )
+    assert out is not None
+    return out, bases[0]
+
+
+def _rank_read_path(rank: int, world: int, debug: bool) -> dict:
+    if debug:  # the syncing plan / translation / stored-row checks run on every call
+        os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
+
+    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool, CPSharedMLATokenToKVPool
+
+    # bf16 latent rows: the fp8 quantizer is covered above and is slow under the Triton interpreter.
+    size, layers = 8 * PS, 2
+    kwargs = _dsa_kwargs(layers, fp8=False)
+    group = CPGroup()
+    with _no_dcp():
+        pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
+        replicated = DSATokenToKVPool(world * pool.phys_pages * PS - PS, **kwargs)
+        # Plain MLA (no indexer) follows the same batches: the FA3 side of the contract.
+        mla = CPSharedMLATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **_mla_kwargs(layers))
+        mla_replicated = MLATokenToKVPool(world * pool.phys_pages * PS - PS, **_mla_kwargs(layers))
+        for p in (replicated, mla_replicated):
+            p.dcp_replicated = True
+    allocator = PageInterleavePoolAllocator(
+        size, physical_page_size=PS, shard_size=world, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=True
+    )
+    req_to_token = torch.zeros((4, 8 * PS), dtype=torch.int32)
+    out: dict = {"checks": 0}
+
+    def run_batch(reqs, prefix_lens, seq_lens, seed):
+        """One extend batch the way SGLang's DSA backend drives the pool, both pools side by side."""
+        req_idx = torch.tensor(reqs)
+        with _no_dcp():
+            pool.begin_shard_extend(req_to_token, req_idx, prefix_lens, seq_lens)
+            mla.begin_shard_extend(req_to_token, req_idx, prefix_lens, seq_lens)
+            new = torch.cat([req_to_token[r, p:s].long() for r, p, s in zip(reqs, prefix_lens, seq_lens)])
+            every = torch.cat([req_to_token[r, :s].long() for r, s in zip(reqs, seq_lens)])
+            for layer in range(layers):
+                nope, rope, k, scale = _chunk(len(new), seed=seed + layer)
+                for p in (pool, replicated):  # the indexer writes and reads first, then the latent
+                    p.set_index_k_scale_buffer(layer, new, k, scale)
+                pages = req_to_token[req_idx, : max(seq_lens) : PS].long() // PS
+                lens = torch.tensor(seq_lens)
+                got = pool.get_index_k_scale_buffer(layer, lens, pages, sum(seq_lens), max(seq_lens))
+                want = replicated.get_index_k_scale_buffer(layer, lens, pages, sum(seq_lens), max(seq_lens))
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), f"rank {rank} layer {layer} indexer keys"
+                for p in (pool, replicated, mla, mla_replicated):
+                    p.set_mla_kv_buffer(_Layer(layer), new, nope, rope)
+                mla_rows = mla.translate_loc_to_scratch(every)
+                assert torch.equal(mla.get_key_buffer(layer)[mla_rows], mla_replicated.get_key_buffer(layer)[every])
+                got_mla = mla.get_mla_kv_buffer(_Layer(layer), every)  # the chunked-prefix MHA read
+                want_mla = mla_replicated.get_mla_kv_buffer(_Layer(layer), every)
+                assert all(torch.equal(a, b) for a, b in zip(got_mla, want_mla)), f"rank {rank} MLA rows"
+                rows = pool.translate_loc_to_scratch(every)
+                got_rows = pool.get_key_buffer(layer)[rows].view(torch.uint8)  # fp8 view: compare bytes (NaN codes)
+                want_rows = replicated.get_key_buffer(layer)[every].view(torch.uint8)
+                assert torch.equal(got_rows, want_rows), f"rank {rank} layer {layer} latent rows"
+                table = req_to_token[req_idx, : max(seq_lens)]
+                assert pool.translate_loc_to_scratch(table).dtype == table.dtype
+                out["checks"] += 2
+            mode, counters = pool.read.mode, pool.read.counters
+            assert mla.read.mode == mode
+            pool.end_shard_extend()
+            mla.end_shard_extend()
+        return mode, counters
+
+    # Batch 1: two fresh requests, no prefix -> current-reuse.
+    loc_a, base_a = _alloc(allocator, 0, 3 * PS + 10, 0, None)
+    loc_b, _ = _alloc(allocator, 0, 2 * PS, 0, None)
+    req_to_token[0, : len(loc_a)] = loc_a.int()
+    req_to_token[1, : len(loc_b)] = loc_b.int()
+    mode, counters = run_batch([0, 1], [0, 0], [len(loc_a), len(loc_b)], seed=10)
+    out["batch1"] = (mode, counters.kind, counters.bytes_materialized)
+
+    # Batch 2: request 2 reuses request 0's first 3 pages as a cached prefix; request 3 is fresh (mixed).
+    prefix = 3 * PS
+    req_to_token[2, :prefix] = req_to_token[0, :prefix]
+    loc_c, _ = _alloc(allocator, prefix, prefix + PS + 7, int(req_to_token[0, prefix - 1]), base_a)
+    req_to_token[2, prefix : prefix + len(loc_c)] = loc_c.int()
+    loc_d, _ = _alloc(allocator, 0, PS + 1, 0, None)
+    req_to_token[3, : len(loc_d)] = loc_d.int()
+    mode, counters = run_batch([2, 3], [prefix, 0], [prefix + len(loc_c), len(loc_d)], seed=20)
+    out["batch2"] = (mode, counters.kind, counters.view_pages, counters.bytes_received > 0)
+    owners = {int(p) % world for p in torch.cat([loc_a, loc_b, loc_c, loc_d]) // PS}
+    out["owners"] = sorted(owners)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world,debug", [(2, False), (3, True)], ids=["N2", "N3-debug"])
+def test_read_contract_matches_replicated_pool(world, debug):
+    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+
+    results = spawn_ranks(_rank_read_path, world, debug, timeout_s=240)
+    for res in results:
+        assert res["checks"] == 8, res
+        assert res["batch1"] == ("current", "current", 0), res  # current-reuse: nothing materialized
+        mode, kind, view_pages, received = res["batch2"]
+        assert (mode, kind, received) == ("materialized", "mixed", True), res
+        assert view_pages >= 3 + 2 + 1, res  # prefix + new pages of both requests, padded per owner
+        assert res["owners"] == list(range(world)), res  # every rank owned some of the pages read

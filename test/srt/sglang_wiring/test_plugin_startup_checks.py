@@ -1,0 +1,236 @@
+"""Startup checks of ``--enable-cp-shared-kv`` run by SGLang 0.5.23's own argument resolution.
+
+All cases run in ONE worker subprocess (plugin hooks cannot be undone, and
+each sglang import costs seconds): the worker loads the plugin through
+SGLang's ``load_plugins()``, then for every case either runs the real
+``ServerArgs.resolve_once()`` pipeline ("pipeline") or, where that pipeline
+cannot run on a CPU machine (DSA resolution reads the CUDA device
+capability), calls the late check on a record carrying the resolved values
+explicitly ("resolved").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from plugin_models import write_model_dirs
+
+pytestmark = pytest.mark.sglang
+
+GOOD = [
+    "--enable-cp-shared-kv",
+    "--enable-prefill-cp",
+    "--cp-strategy",
+    "interleave",
+    "--tp-size",
+    "8",
+    "--attn-cp-size",
+    "8",
+    "--disaggregation-mode",
+    "prefill",
+    "--disaggregation-transfer-backend",
+    "mooncake",
+    "--skip-tokenizer-init",
+]
+# What resolution would decide on an H200 for a DSA model, stated explicitly.
+DSA_RESOLVED = ["--device", "cuda", "--page-size", "64", "--kv-cache-dtype", "fp8_e4m3", "--attention-backend", "dsa"]
+
+
+def _without(argv: list[str], flag: str, takes_value: bool = True) -> list[str]:
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 1 + int(takes_value) :]
+
+
+def _with(argv: list[str], flag: str, value: str) -> list[str]:
+    i = argv.index(flag)
+    return argv[: i + 1] + [value] + argv[i + 2 :]
+
+
+# (case id, model, mode, argv, expected: None = accepted, else the flag the one line must name)
+CASES = [
+    # -- rejections by the early hook, through the real pipeline --
+    ("prefill_cp_off", "dsa", "pipeline", _without(GOOD, "--enable-prefill-cp", False), "add --enable-prefill-cp"),
+    ("attn_cp_size_1", "dsa", "pipeline", _with(GOOD, "--attn-cp-size", "1"), "--attn-cp-size N with N > 1"),
+    ("zigzag", "dsa", "pipeline", _with(GOOD, "--cp-strategy", "zigzag"), "use --cp-strategy interleave"),
+    ("no_pd", "dsa", "pipeline", _without(GOOD, "--disaggregation-mode"), "--disaggregation-mode prefill"),
+    ("pd_decode", "dsa", "pipeline", _with(GOOD, "--disaggregation-mode", "decode"), "--disaggregation-mode prefill"),
+    (
+        "nixl",
+        "dsa",
+        "pipeline",
+        _with(GOOD, "--disaggregation-transfer-backend", "nixl"),
+        "--disaggregation-transfer-backend mooncake",
+    ),
+    ("kv_cache_sharding", "dsa", "pipeline", GOOD + ["--enable-kv-cache-sharding"], "--enable-kv-cache-sharding"),
+    ("dsa_layer_split", "dsa", "pipeline", GOOD + ["--enable-dsa-cache-layer-split"], "--enable-dsa-cache-layer-split"),
+    ("decode_cp", "dsa", "pipeline", GOOD + ["--dcp-size", "2"], "--dcp-size"),
+    ("cp_decode_attn_tp", "dsa", "pipeline", GOOD + ["--enable-cp-decode-attn-tp"], "--enable-cp-decode-attn-tp"),
+    ("page_size_48", "dsa", "pipeline", GOOD + ["--page-size", "48"], "--page-size 48 is not a power of two"),
+    ("pp_2", "dsa", "pipeline", GOOD + ["--pp-size", "2"], "--pp-size"),
+    ("speculative", "dsa", "pipeline", GOOD + ["--speculative-algorithm", "EAGLE"], "--speculative-algorithm"),
+    ("hicache", "dsa", "pipeline", GOOD + ["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    ("two_batch_overlap", "dsa", "pipeline", GOOD + ["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    ("hisparse", "dsa", "pipeline", GOOD + ["--enable-hisparse"], "--enable-hisparse"),
+    (
+        "chunk_not_page_multiple",
+        "dsa",
+        "pipeline",
+        GOOD + ["--page-size", "64", "--chunked-prefill-size", "1000"],
+        "--chunked-prefill-size 1000",
+    ),
+    ("dummy_model", "dummy", "pipeline", GOOD, "--model-path dummy"),
+    # -- rejections by the late hook, through the real pipeline (these models resolve on CPU) --
+    ("not_mla", "gqa", "pipeline", GOOD + ["--device", "cpu"], "is not an MLA model"),
+    ("cpu_device", "mla", "pipeline", GOOD + ["--device", "cpu"], "--device cpu"),
+    # -- rejections by the late check on explicitly resolved values --
+    (
+        "dsa_kernel_tilelang",
+        "dsa",
+        "resolved",
+        GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "tilelang"],
+        "--dsa-prefill-backend tilelang",
+    ),
+    (
+        "dsa_not_on_dsa_backend",
+        "dsa",
+        "resolved",
+        _with(GOOD + DSA_RESOLVED, "--attention-backend", "flashmla"),
+        "use --attention-backend dsa",
+    ),
+    (
+        "dsa_index_kpool",
+        "dsa_kpool",
+        "resolved",
+        GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "flashmla_sparse"],
+        "index_kpool",
+    ),
+    (
+        "mla_triton",
+        "mla",
+        "resolved",
+        GOOD + ["--device", "cuda", "--page-size", "64", "--attention-backend", "triton"],
+        "--prefill-attention-backend fa3",
+    ),
+    (
+        "mla_page_1",
+        "mla",
+        "resolved",
+        GOOD + ["--device", "cuda", "--page-size", "1", "--attention-backend", "fa3"],
+        "must be a power of two greater than 1",
+    ),
+    # -- accepted configurations --
+    (
+        "ok_dsa_flashmla_sparse",
+        "dsa",
+        "resolved",
+        GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "flashmla_sparse"],
+        None,
+    ),
+    ("ok_dsa_trtllm", "dsa", "resolved", GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "trtllm"], None),
+    (
+        "ok_dsa_bf16",
+        "dsa",
+        "resolved",
+        _with(GOOD + DSA_RESOLVED, "--kv-cache-dtype", "bf16") + ["--dsa-prefill-backend", "flashmla_sparse"],
+        None,
+    ),
+    (
+        "dsa_page_32",
+        "dsa",
+        "resolved",
+        _with(GOOD + DSA_RESOLVED, "--page-size", "32") + ["--dsa-prefill-backend", "flashmla_sparse"],
+        "set --page-size 64",
+    ),
+    (
+        "ok_mla_fa3",
+        "mla",
+        "resolved",
+        GOOD + ["--device", "cuda", "--page-size", "64", "--attention-backend", "fa3"],
+        None,
+    ),
+    # -- flag off: the same rejected shapes resolve as stock --
+    (
+        "off_zigzag_gqa",
+        "gqa",
+        "pipeline",
+        _without(_with(GOOD, "--cp-strategy", "zigzag"), "--enable-cp-shared-kv", False) + ["--device", "cpu"],
+        None,
+    ),
+    ("off_mla_cpu", "mla", "pipeline", _without(GOOD, "--enable-cp-shared-kv", False) + ["--device", "cpu"], None),
+]
+
+
+def _worker(model_dir: str) -> None:
+    """Runs every case in this process; prints one JSON line."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import resolved_rejections
+
+    results = {}
+    for case_id, model, mode, argv, _ in CASES:
+        path = model if model == "dummy" else os.path.join(model_dir, model)
+        server_args = prepare_server_args(["--model-path", path] + argv)
+        try:
+            if mode == "pipeline":
+                server_args.resolve_once()
+            else:
+                lines = resolved_rejections(server_args)
+                if lines:
+                    raise ValueError("\n".join(lines))
+            results[case_id] = {"accepted": True, "flag_on": bool(getattr(server_args, "enable_cp_shared_kv", False))}
+        except Exception as e:  # the case table says which ones must fail
+            results[case_id] = {"accepted": False, "error": f"{type(e).__name__}: {e}"}
+    print("RESULT:" + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("models")
+    write_model_dirs(root)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "SGLANG_PLUGINS": "cp_shared_kv"},
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
+    assert proc.returncode == 0 and line, (
+        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(line[-1][len("RESULT:") :])
+
+
+@pytest.mark.parametrize("case_id,model,mode,argv,expected", CASES, ids=[c[0] for c in CASES])
+def test_startup_check(results, case_id, model, mode, argv, expected):
+    got = results[case_id]
+    if expected is None:
+        assert got["accepted"], got.get("error")
+        return
+    assert not got["accepted"], f"{case_id} was accepted"
+    error = got["error"]
+    assert error.startswith("ValueError: --enable-cp-shared-kv: "), error
+    lines = error[len("ValueError: ") :].split("\n")
+    assert all(line.startswith("--enable-cp-shared-kv: ") and line.endswith(".") for line in lines), lines
+    assert any(expected in line for line in lines), f"no line names {expected!r}: {lines}"
+
+
+def test_each_rejection_is_alone_in_its_case(results):
+    """A case with one bad flag gets exactly one line (no collateral rejections hide which flag is wrong)."""
+    multi = {"cpu_device", "dummy_model"}  # these legitimately bring more than one line
+    for case_id, _, _, _, expected in CASES:
+        if expected is None or case_id in multi:
+            continue
+        lines = results[case_id]["error"].split("\n")
+        assert len(lines) == 1, (case_id, lines)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

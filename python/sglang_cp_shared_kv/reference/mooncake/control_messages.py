@@ -39,6 +39,7 @@ from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import bool_
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import int_field as _int
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import int_list_field as _int_list
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import str_field as _str
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import KV_FORMATS
 
 __all__ = [
     "MAX_ID_CHARS",
@@ -49,8 +50,6 @@ __all__ = [
     "decode",
     "encode",
 ]
-
-_KV_FORMATS = ("fp8", "bf16")
 
 
 @dataclass(frozen=True)
@@ -84,8 +83,8 @@ def _layout(name: str, v: Any) -> PoolLayout:
     page_size = _int(1)(f"{name}.page_size", v["page_size"])
     if page_size & (page_size - 1):
         raise ControlMessageError(f"{name}.page_size must be a power of two, got {page_size}")
-    if v["kv_format"] not in _KV_FORMATS:
-        raise ControlMessageError(f"{name}.kv_format must be one of {_KV_FORMATS}, got {v['kv_format']!r:.40}")
+    if v["kv_format"] not in KV_FORMATS:
+        raise ControlMessageError(f"{name}.kv_format must be one of {KV_FORMATS}, got {v['kv_format']!r:.40}")
     return PoolLayout(
         page_size,
         v["kv_format"],

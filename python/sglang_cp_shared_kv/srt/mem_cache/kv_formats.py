@@ -8,34 +8,52 @@
   K bytes token-major, then ``ps`` scales (``ps * 132`` B).
 
 Every function returns and accepts raw ``uint8`` rows, so pools, gathers and
-transfers move bytes without caring what the bytes mean.
+transfers move bytes without caring what the bytes mean. The sizes live in the torch-free
+``kv_layout_constants`` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # 576
-FP8_TILE = 128
-FP8_TILES = KV_LORA_RANK // FP8_TILE  # 4
-FP8_MAX = 448.0
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import (
+    FP8_MAX,
+    FP8_TILE,
+    FP8_TILES,
+    INDEX_HEAD_DIM,
+    INDEX_TOKEN_BYTES,
+    KV_FORMATS,
+    KV_LORA_RANK,
+    LATENT_DIM,
+    MLA_BF16_ROW_BYTES,
+    MLA_FP8_ROW_BYTES,
+    ROPE_DIM,
+    mla_row_bytes,
+)
 
-MLA_FP8_ROW_BYTES = KV_LORA_RANK + 4 * FP8_TILES + 2 * ROPE_DIM  # 656
-MLA_BF16_ROW_BYTES = 2 * LATENT_DIM  # 1152
-INDEX_HEAD_DIM = 128
-INDEX_TOKEN_BYTES = INDEX_HEAD_DIM + 4  # 132
-
-KV_FORMATS = ("fp8", "bf16")
-
-
-def mla_row_bytes(kv_format: str) -> int:
-    if kv_format == "fp8":
-        return MLA_FP8_ROW_BYTES
-    if kv_format == "bf16":
-        return MLA_BF16_ROW_BYTES
-    raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+__all__ = [
+    "FP8_MAX",
+    "FP8_TILE",
+    "FP8_TILES",
+    "INDEX_HEAD_DIM",
+    "INDEX_TOKEN_BYTES",
+    "KV_FORMATS",
+    "KV_LORA_RANK",
+    "LATENT_DIM",
+    "MLA_BF16_ROW_BYTES",
+    "MLA_FP8_ROW_BYTES",
+    "ROPE_DIM",
+    "decode_mla_rows",
+    "dequantize_index_k",
+    "dequantize_mla_fp8",
+    "encode_mla_rows",
+    "index_page_views",
+    "mla_row_bytes",
+    "pack_mla_bf16",
+    "quantize_index_k",
+    "quantize_mla_fp8",
+    "unpack_mla_bf16",
+]
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -106,3 +124,16 @@ def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_index_k(k_bytes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return k_bytes.contiguous().view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)
+
+
+def index_page_views(index_pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer pages ``uint8 [P, ps * 132]`` -> (K ``uint8 [P, ps, 128]``, scales ``float32 [P, ps]``), ps = page_size.
+
+    Both are views: a page stores its ``page_size * 128`` fp8 K bytes token-major, then its
+    ``page_size`` fp32 scales.
+    """
+    k_bytes = page_size * INDEX_HEAD_DIM
+    return (
+        index_pages[:, :k_bytes].unflatten(1, (page_size, INDEX_HEAD_DIM)),
+        index_pages[:, k_bytes:].view(torch.float32),
+    )

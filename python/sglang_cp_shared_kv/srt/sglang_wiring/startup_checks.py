@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM as _INDEX_HEAD_DIM
 from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, enabled
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
 # Plain-MLA prefill backends that consume the same contract in 0.5.23.
 MLA_PREFILL_BACKENDS = ("fa3",)
-_INDEX_HEAD_DIM = 128  # the indexer page layout: ps * (128 + 4) bytes
 _DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages on CUDA
 
 

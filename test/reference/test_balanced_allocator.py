@@ -38,23 +38,23 @@ def test_requests_stay_balanced_and_capacity_is_n_times(n, ops):
 
 
 def test_admission_fails_without_partial_allocation():
-    alloc = BalancedPageAllocator(PageOwnership(4, 16), phys_pages_per_rank=2)
-    assert alloc.alloc(3, first_owner=1).tolist() == [1, 2, 3]
+    alloc = BalancedPageAllocator(PageOwnership(4, 16), phys_pages_per_rank=3)  # page 0 of each rank: trash
+    assert alloc.alloc(3, first_owner=1).tolist() == [5, 6, 7]
     # owners 1,2,3 have one page left each, owner 0 has two: 5 pages from owner 1 need two of owner 1.
     before = [alloc.free_pages(r) for r in range(4)]
     assert alloc.alloc(5, first_owner=1) is None
     assert [alloc.free_pages(r) for r in range(4)] == before
-    assert alloc.alloc(5, first_owner=0).tolist() == [0, 5, 6, 7, 4]
+    assert alloc.alloc(5, first_owner=0).tolist() == [4, 9, 10, 11, 8]
 
 
 def test_free_returns_pages_to_their_owner():
-    alloc = BalancedPageAllocator(PageOwnership(2, 16), phys_pages_per_rank=3)
+    alloc = BalancedPageAllocator(PageOwnership(2, 16), phys_pages_per_rank=4)  # page 0 of each rank: trash
     pages = alloc.alloc(4).tolist()
     assert [alloc.used_pages(r) for r in range(2)] == [2, 2]
     alloc.free(torch.tensor(pages[:1]))
     assert [alloc.used_pages(r) for r in range(2)] == [1, 2]
-    assert alloc.alloc(1, first_owner=0).tolist() == [4]  # owner 0's next free physical page (2)
-    assert alloc.alloc(1, first_owner=0).tolist() == [0]  # then the freed one
+    assert alloc.alloc(1, first_owner=0).tolist() == [6]  # owner 0's next free physical page (3)
+    assert alloc.alloc(1, first_owner=0).tolist() == [2]  # then the freed one
 
 
 @pytest.mark.parametrize(

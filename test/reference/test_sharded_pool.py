@@ -14,25 +14,26 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 def test_foreign_rows_land_in_the_trash_page_only():
     own = PageOwnership(4, 16)
-    pool = ShardedMLAPool(own, rank=2, phys_pages=3, num_layers=1, kv_format="fp8")
-    locs = torch.arange(0, 12 * 16)  # logical pages 0..11: this rank owns 2, 6, 10
+    pool = ShardedMLAPool(own, rank=2, phys_pages=4, num_layers=1, kv_format="fp8")  # page 0: the trash page
+    locs = torch.arange(4 * 16, 16 * 16)  # logical pages 4..15 ([0, 4) are reserved): this rank owns 6, 10, 14
     rows = quantize_mla_fp8(torch.randn(len(locs), 512), torch.randn(len(locs), 64))
     k_u8, scale = quantize_index_k(torch.randn(len(locs), 128))
     pool.set_latent(0, locs, rows)
     pool.set_index(0, locs, k_u8, scale)
-    for phys, lp in enumerate([2, 6, 10]):
-        assert torch.equal(pool.latent[0][phys * 16 : (phys + 1) * 16], rows[lp * 16 : (lp + 1) * 16])
-        assert torch.equal(pool.index_k_view(0)[phys], k_u8[lp * 16 : (lp + 1) * 16])
-        assert torch.equal(pool.index_scale_view(0)[phys], scale[lp * 16 : (lp + 1) * 16])
-    assert pool.trash_page == 3
+    for phys, lp in enumerate([6, 10, 14], start=1):
+        i = lp - 4  # the chunk starts at logical page 4
+        assert torch.equal(pool.latent[0][phys * 16 : (phys + 1) * 16], rows[i * 16 : (i + 1) * 16])
+        assert torch.equal(pool.index_k_view(0)[phys], k_u8[i * 16 : (i + 1) * 16])
+        assert torch.equal(pool.index_scale_view(0)[phys], scale[i * 16 : (i + 1) * 16])
+    assert pool.trash_page == 0
 
 
 def test_byte_accounting():
-    pool = ShardedMLAPool(PageOwnership(8, 64), 0, phys_pages=10, num_layers=3, kv_format="fp8")
+    pool = ShardedMLAPool(PageOwnership(8, 64), 0, phys_pages=11, num_layers=3, kv_format="fp8")  # trash page included
     assert pool.page_bytes_per_layer == 64 * (656 + 132)
     assert pool.page_bytes == 3 * 64 * 788
     assert pool.allocated_bytes == 11 * pool.page_bytes
-    bf16 = ShardedMLAPool(PageOwnership(8, 64), 0, phys_pages=10, num_layers=1, kv_format="bf16", with_indexer=False)
+    bf16 = ShardedMLAPool(PageOwnership(8, 64), 0, phys_pages=11, num_layers=1, kv_format="bf16", with_indexer=False)
     assert bf16.page_bytes == 64 * 1152
     assert bf16.latent[0].numel() == 11 * 64 * 1152
 

@@ -84,15 +84,16 @@ def test_union_of_ranks_equals_replicated_pool(world_size):
             latent, index, used_pages, page_bytes = per_rank[rank][(ps, kv_format)]
             for layer in range(LAYERS):
                 # Expected buffer: the replicated page for every page this rank owns and the stream used, zeros elsewhere.
-                want_lat = torch.zeros_like(latent[layer][: PHYS_PAGES * ps])
-                want_idx = torch.zeros_like(index[layer][:PHYS_PAGES])
-                for phys in range(PHYS_PAGES):
+                # Page 0 is the trash page (foreign rows land there); the allocator never hands it out.
+                want_lat = torch.zeros_like(latent[layer][ps : PHYS_PAGES * ps])
+                want_idx = torch.zeros_like(index[layer][1:PHYS_PAGES])
+                for phys in range(1, PHYS_PAGES):
                     lp = int(own.logical_page(rank, torch.tensor(phys)))
                     if lp in used:
-                        want_lat[phys * ps : (phys + 1) * ps] = repl.latent[layer][lp * ps : (lp + 1) * ps]
-                        want_idx[phys] = repl.index[layer][lp]
-                assert torch.equal(latent[layer][: PHYS_PAGES * ps], want_lat), (ps, kv_format, rank, layer)
-                assert torch.equal(index[layer][:PHYS_PAGES], want_idx), (ps, kv_format, rank, layer)
+                        want_lat[(phys - 1) * ps : phys * ps] = repl.latent[layer][lp * ps : (lp + 1) * ps]
+                        want_idx[phys - 1] = repl.index[layer][lp]
+                assert torch.equal(latent[layer][ps : PHYS_PAGES * ps], want_lat), (ps, kv_format, rank, layer)
+                assert torch.equal(index[layer][1:PHYS_PAGES], want_idx), (ps, kv_format, rank, layer)
             # Each rank holds 1/N of the replicated bytes, within one page per request.
             repl_bytes = len(used) * page_bytes
             assert abs(used_pages * page_bytes - repl_bytes / world_size) <= n_req * page_bytes

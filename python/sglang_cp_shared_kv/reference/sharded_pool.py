@@ -1,15 +1,18 @@
 """One CP rank's share of the MLA latent + NSA indexer KV pool.
 
 Per layer, this rank stores only the logical pages it owns, at their physical
-rows (see ``placement.PageOwnership``), plus one trash page at the end:
+rows (see ``placement.PageOwnership``); physical page 0 is the trash page, as in
+SGLang's pools (``phys_pages`` counts it):
 
-- ``latent[layer]``: ``uint8 [(phys_pages + 1) * ps, row_bytes]`` (656 B fp8 or 1152 B bf16 rows);
-- ``index[layer]``: ``uint8 [phys_pages + 1, ps * 132]`` page-major (``ps * 128``
-  fp8 K bytes token-major, then ``ps`` fp32 scales).
+- ``latent[layer]``: ``uint8 [phys_pages * ps, row_bytes]`` (656 B fp8 or 1152 B bf16 rows);
+- ``index[layer]``: ``uint8 [phys_pages, ps * 132]`` page-major (``ps * 128``
+  fp8 K bytes token-major, then ``ps`` fp32 scales: ``kv_formats.index_page_views``).
 
 Writes take the whole current chunk, as every rank holds it after the CP
 all-gather, and store only the owned rows: rows of other owners are redirected
-into the trash page, so the store has a static shape and never syncs.
+into the trash page, so the store has a static shape and never syncs. The
+allocator (``balanced_allocator``) never hands out logical pages ``[0, cp_size)``,
+so no owned row lands on the trash page.
 
 A replicated (unsharded) pool is the ``cp_size == 1`` case of the same class.
 """
@@ -18,12 +21,22 @@ from __future__ import annotations
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, mla_row_bytes
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import (
+    INDEX_HEAD_DIM,
+    INDEX_TOKEN_BYTES,
+    index_page_views,
+    mla_row_bytes,
+)
+from sglang_cp_shared_kv.srt.mem_cache.placement import CPSharedSpec, PageOwnership
+from sglang_cp_shared_kv.srt.utils import check_int
 
 
 class ShardedMLAPool:
-    """MLA latent rows (and, with ``with_indexer``, NSA indexer K + scale) for one rank."""
+    """MLA latent rows (and, with ``with_indexer``, NSA indexer K + scale) for one rank.
+
+    ``rank`` is this rank's CP rank and ``phys_pages`` its page count, trash page 0 included;
+    both go into ``spec`` (a ``CPSharedSpec``), built once here.
+    """
 
     def __init__(
         self,
@@ -35,34 +48,45 @@ class ShardedMLAPool:
         with_indexer: bool = True,
         device: torch.device | str = "cpu",
     ):
-        if not isinstance(rank, int) or not 0 <= rank < ownership.cp_size:
-            raise ValueError(f"rank must be in [0, {ownership.cp_size}), got {rank!r}")
-        if not isinstance(phys_pages, int) or phys_pages < 1:
-            raise ValueError(f"phys_pages must be an int >= 1, got {phys_pages!r}")
-        if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        check_int("num_layers", num_layers, 1)
+        self.spec = spec = CPSharedSpec(
+            cp_size=ownership.cp_size,
+            cp_rank=rank,
+            page_size=ownership.page_size,
+            phys_pages=phys_pages,
+            row_bytes=mla_row_bytes(kv_format),
+            with_indexer=with_indexer,
+        )
         self.ownership = ownership
-        self.rank = rank
-        self.page_size = ps = ownership.page_size
-        self.phys_pages = phys_pages
+        self.page_size = ps = spec.page_size
+        self.phys_pages = spec.phys_pages
         self.num_layers = num_layers
         self.kv_format = kv_format
-        self.row_bytes = mla_row_bytes(kv_format)
-        self.with_indexer = with_indexer
+        self.row_bytes = spec.row_bytes
+        self.with_indexer = spec.with_indexer
         self.device = torch.device(device)
-        self.trash_page = phys_pages
-        rows = (phys_pages + 1) * ps
+        self.trash_page = spec.trash_page
         self.latent = [
-            torch.zeros(rows, self.row_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_layers)
+            torch.zeros(phys_pages * ps, self.row_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(num_layers)
         ]
         self.index = (
             [
-                torch.zeros(phys_pages + 1, ps * INDEX_TOKEN_BYTES, dtype=torch.uint8, device=self.device)
+                torch.zeros(phys_pages, ps * INDEX_TOKEN_BYTES, dtype=torch.uint8, device=self.device)
                 for _ in range(num_layers)
             ]
             if with_indexer
             else []
         )
+
+    @property
+    def cp_rank(self) -> int:
+        return self.spec.cp_rank
+
+    @property
+    def rank(self) -> int:
+        """``cp_rank``, under the name ``PageSource`` readers use."""
+        return self.spec.cp_rank
 
     # -- byte accounting --
     @property
@@ -80,38 +104,29 @@ class ShardedMLAPool:
     @property
     def allocated_bytes(self) -> int:
         """Device bytes this rank's buffers hold, trash pages included."""
-        return (self.phys_pages + 1) * self.page_bytes
+        return self.phys_pages * self.page_bytes
 
     # -- views the read path and the transfer use --
     def latent_pages(self, layer: int) -> torch.Tensor:
-        """``latent[layer]`` as ``[phys_pages + 1, ps * row_bytes]`` (a view)."""
-        return self.latent[layer].view(self.phys_pages + 1, self.page_size * self.row_bytes)
+        """``latent[layer]`` as ``[phys_pages, ps * row_bytes]`` (a view)."""
+        return self.latent[layer].view(self.phys_pages, self.page_size * self.row_bytes)
 
     def index_k_view(self, layer: int) -> torch.Tensor:
-        """``[phys_pages + 1, ps, 128]`` uint8 view of the fp8 K part."""
-        return self.index[layer][:, : self.page_size * INDEX_HEAD_DIM].unflatten(1, (self.page_size, INDEX_HEAD_DIM))
+        """``[phys_pages, ps, 128]`` uint8 view of the fp8 K part."""
+        return index_page_views(self.index[layer], self.page_size)[0]
 
     def index_scale_view(self, layer: int) -> torch.Tensor:
-        """``[phys_pages + 1, ps]`` float32 view of the scale part."""
-        return self.index[layer][:, self.page_size * INDEX_HEAD_DIM :].view(torch.float32)
+        """``[phys_pages, ps]`` float32 view of the scale part."""
+        return index_page_views(self.index[layer], self.page_size)[1]
 
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
-        """Physical row for every loc: its row if owned here, else a row of the trash page."""
-        rows, mine = self.ownership.store_rows(locs, self.rank, self.trash_page)
-        if debug_enabled():
-            self._check_owned_rows(locs, rows, mine)
-        return rows
+        """Physical row for every loc: its row if owned here, else a row of the trash page.
 
-    def _check_owned_rows(self, locs: torch.Tensor, rows: torch.Tensor, mine: torch.Tensor) -> None:
-        limit = self.phys_pages * self.page_size
-        owned_rows = torch.where(mine, rows, torch.zeros_like(rows))
-        if bool((owned_rows >= limit).any()):
-            bad = int(locs[mine & (rows >= limit)][0])
-            raise ValueError(f"loc {bad} maps past this rank's {self.phys_pages} physical pages")
-        back = self.ownership.logical_loc(self.rank, owned_rows)
-        if not bool(torch.equal(torch.where(mine, back, locs), locs)):
-            raise AssertionError("stored row does not map back to its logical loc on its owner")
+        Debug mode checks the rows (``PageOwnership.check_store_rows``).
+        """
+        spec = self.spec
+        return self.ownership.store_rows(locs, spec.cp_rank, spec.trash_page, spec.phys_pages)[0]
 
     def set_latent(self, layer: int, locs: torch.Tensor, rows_u8: torch.Tensor) -> None:
         """Store the owned rows of ``rows_u8 [T, row_bytes]`` (uint8) for ``locs [T]``."""

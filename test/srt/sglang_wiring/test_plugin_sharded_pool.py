@@ -127,7 +127,7 @@ def test_sglang_pools_store_exactly_the_owned_rows(kind):
         reference = ShardedMLAPool(ownership, rank, phys, layers, "fp8" if dsa else "bf16", dsa, "cpu")
         reference.set_latent(0, locs, stock_rows)
         ours = pool.kv_buffer[0].view(torch.uint8).reshape(-1, row_bytes)
-        # Page 0 is our trash page; the reference's trash page is past phys_pages.
+        # Page 0 is the trash page of both: it holds whichever foreign row landed last.
         assert torch.equal(ours[PS:], reference.latent[0][PS : phys * PS]), f"rank {rank} latent"
         owned = ownership.loc_owner(locs) == rank
         assert 0 < int(owned.sum()) < len(locs)

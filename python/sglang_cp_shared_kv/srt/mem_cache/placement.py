@@ -4,23 +4,31 @@ Every layer above the pool (allocator, prefix cache, ``req_to_token``, page
 tables) speaks in *logical* token locs. A logical page ``lp = loc // ps`` lives
 on exactly one CP rank and nowhere else::
 
-    owner(lp)     = lp % N
-    phys_page(lp) = lp // N
+    owner(lp)     = lp % cp_size
+    phys_page(lp) = lp // cp_size
     phys_row(loc) = phys_page(loc // ps) * ps + loc % ps
 
 and the map is a bijection between logical locs and (owner, physical row)::
 
-    loc = ((phys_row // ps) * N + owner) * ps + phys_row % ps
+    loc = ((phys_row // ps) * cp_size + owner) * ps + phys_row % ps
 
 It is stateless: any rank computes any page's owner and physical row with
 arithmetic alone, so there is nothing to store or keep coherent.
+
+``CPSharedSpec`` is what one rank's sharded pool is (CP size and rank, page size, physical
+pages, trash page, row format), checked once when the pool is built and handed down, as
+SGLang's ``PageShardSpec`` is. Physical page 0 of every rank is the trash page: the
+allocators never hand out logical pages ``[0, cp_size)``, so no owned row lands there.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+
+from sglang_cp_shared_kv.srt.utils import check_int
 
 _DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 
@@ -28,6 +36,9 @@ _DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 def debug_enabled() -> bool:
     """Syncing diagnostics are opt-in; they are off for every measurement."""
     return os.environ.get(_DEBUG_ENV, "0") not in ("", "0", "false", "False")
+
+
+TRASH_PAGE = 0  # physical page of every rank that foreign rows of a masked store land in
 
 
 def _check_int_tensor(name: str, t: torch.Tensor) -> None:
@@ -45,12 +56,10 @@ class PageOwnership:
     """
 
     def __init__(self, cp_size: int, page_size: int, logical_pages: int | None = None):
-        if not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-        if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"page_size must be a power of two, got {page_size!r}")
-        if logical_pages is not None and (not isinstance(logical_pages, int) or logical_pages < 0):
-            raise ValueError(f"logical_pages must be an int >= 0, got {logical_pages!r}")
+        check_int("cp_size", cp_size, 1)
+        check_page_size(page_size)
+        if logical_pages is not None:
+            check_int("logical_pages", logical_pages, 0)
         self.cp_size = cp_size
         self.page_size = page_size
         self.logical_pages = logical_pages
@@ -108,22 +117,90 @@ class PageOwnership:
         lp = (phys_rows >> self._shift) * self.cp_size + owner
         return lp * self.page_size + offset
 
-    def store_rows(self, locs: torch.Tensor, rank: int, trash_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def store_rows(
+        self, locs: torch.Tensor, rank: int, trash_page: int, phys_pages: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where ``rank`` stores each loc of a chunk every rank holds: ``(rows, mine)``.
 
         An owned loc goes to its physical row; any other to the same offset of ``trash_page``, so
         the store keeps the chunk's static shape (a masked store, no ``nonzero``, no host sync).
+        With ``phys_pages`` (the rank's page count) and debug mode on, the rows are checked
+        (:meth:`check_store_rows`, syncing).
         """
         mine = self.loc_owner(locs) == rank
         trash = trash_page * self.page_size + (locs & (self.page_size - 1))
-        return torch.where(mine, self.phys_row(locs), trash), mine
+        rows = torch.where(mine, self.phys_row(locs), trash)
+        if phys_pages is not None and debug_enabled():
+            self.check_store_rows(locs, rows, mine, rank, trash_page, phys_pages)
+        return rows, mine
+
+    def check_store_rows(
+        self, locs: torch.Tensor, rows: torch.Tensor, mine: torch.Tensor, rank: int, trash_page: int, phys_pages: int
+    ) -> None:
+        """Debug check of a masked store (syncs): owned rows stay within ``phys_pages``, off the trash page, and
+        map back to their locs on ``rank``."""
+        ps, limit = self.page_size, phys_pages * self.page_size
+        owned_rows = torch.where(mine, rows, torch.zeros_like(rows))
+        if bool((owned_rows >= limit).any()):
+            bad = int(locs[mine & (rows >= limit)][0])
+            raise ValueError(f"loc {bad} maps past this rank's {phys_pages} physical pages")
+        reserved = self.cp_size * ps  # logical pages [0, cp_size) are never handed out
+        if bool((mine & (locs >= reserved) & (owned_rows // ps == trash_page)).any()):
+            raise AssertionError("an owned loc outside the reserved range maps onto the trash page")
+        back = self.logical_loc(rank, owned_rows)
+        if not bool(torch.equal(torch.where(mine, back, locs), locs)):
+            raise AssertionError("a stored row does not map back to its logical loc on this rank")
 
     # -- capacity --
     def logical_capacity_pages(self, phys_pages_per_rank: int) -> int:
-        """Logical page space is N times one rank's physical pages."""
+        """Logical page space is ``cp_size`` times one rank's physical pages."""
         return phys_pages_per_rank * self.cp_size
 
     def owned_page_count(self, n_pages: int, first_owner: int, rank: int) -> int:
         """How many of ``n_pages`` consecutive-owner pages starting at ``first_owner`` land on ``rank``."""
         k = (rank - first_owner) % self.cp_size
         return 0 if k >= n_pages else (n_pages - 1 - k) // self.cp_size + 1
+
+
+def check_page_size(page_size: object) -> None:
+    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size!r}")
+
+
+@dataclass(frozen=True)
+class CPSharedSpec:
+    """One rank's share of a CP-shared pool, fixed when the pool is built and handed down.
+
+    - ``cp_size`` / ``cp_rank``: the CP group's size and this rank (``cp_size == 1``: a replicated pool).
+    - ``page_size``: tokens per page (a power of two).
+    - ``phys_pages``: pages this rank's buffers hold, the trash page included.
+    - ``row_bytes``: bytes of one token's latent row (656 fp8, 1152 bf16, or SGLang's store row).
+    - ``with_indexer``: the pool also holds NSA indexer pages (``page_size * 132`` B).
+    - ``trash_page``: page 0, where a masked store puts the rows other ranks own.
+    """
+
+    cp_size: int
+    cp_rank: int
+    page_size: int
+    phys_pages: int
+    row_bytes: int
+    with_indexer: bool
+
+    trash_page = TRASH_PAGE
+
+    def __post_init__(self) -> None:
+        check_int("cp_size", self.cp_size, 1)
+        if not isinstance(self.cp_rank, int) or not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"cp_rank must be in [0, {self.cp_size}), got {self.cp_rank!r}")
+        check_page_size(self.page_size)
+        check_int("phys_pages", self.phys_pages, 1)
+        check_int("row_bytes", self.row_bytes, 1)
+
+    @property
+    def logical_pages(self) -> int:
+        """The logical page space: ``cp_size`` times this rank's pages (``[0, cp_size)`` reserved)."""
+        return self.cp_size * self.phys_pages
+
+    def ownership(self, bounded: bool = True) -> PageOwnership:
+        """The page map; ``bounded`` lets debug mode reject locs past the logical page space."""
+        return PageOwnership(self.cp_size, self.page_size, self.logical_pages if bounded else None)

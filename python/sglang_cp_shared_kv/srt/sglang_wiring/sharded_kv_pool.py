@@ -5,9 +5,10 @@
 read sees:
 
 - **Storage**: the stock per-rank buffers (``size + page_size`` rows, ``size / ps + 1`` indexer
-  pages). Logical page ``lp`` lives on CP rank ``lp % N`` as physical page ``lp // N``
-  (``PageOwnership``). The widened allocator (``size * N`` logical slots) never hands out
-  logical pages ``[0, N)``, so physical page 0 of every rank is free: it is the trash page.
+  pages). Logical page ``lp`` lives on CP rank ``lp % cp_size`` as physical page ``lp // cp_size``
+  (``PageOwnership``). The widened allocator (``size * cp_size`` logical slots) never hands out
+  logical pages ``[0, cp_size)``, so physical page 0 of every rank is free: it is the trash page.
+  What the pool is (``CPSharedSpec``) is built and checked once, in ``_init_cp_shared``.
 - **Write path**: every CP rank receives the whole current chunk (prefill CP all-gathers it
   before the pool write). Rows are quantized by SGLang's own writers, but to
   ``store_rows(locs)``: the physical row for owned locs, a row of the trash page otherwise. A
@@ -33,13 +34,11 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool,
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.placement import CPSharedSpec
 from sglang_cp_shared_kv.srt.sglang_wiring.read_state import BatchReadState, PageBuffers
 
 logger = logging.getLogger(__name__)
-
-TRASH_PAGE = 0
 
 
 def _runtime_cp() -> tuple[int, int]:
@@ -69,65 +68,66 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     def _init_cp_shared(
         self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | Callable[[], CPGroup] | None
     ) -> None:
-        """Ranks from the arguments, else from SGLang's parallel context (and its CP group, at first use)."""
+        """Ranks from the arguments, else from SGLang's parallel context (and its CP group, at first use).
+
+        Builds the pool's ``CPSharedSpec`` once; everything below reads it.
+        """
         if cp_rank is None or cp_size is None:
             cp_rank, cp_size = _runtime_cp()
             cp_group = cp_group or _runtime_cp_group
         if not isinstance(cp_size, int) or cp_size < 2:
             raise ValueError(f"cp_size must be an int > 1 for a sharded pool, got {cp_size!r}")
-        if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-            raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+        ps = self.page_size
+        spec = CPSharedSpec(
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            page_size=ps,
+            phys_pages=self.size // ps + 1,  # page 0, the trash page, included
+            row_bytes=self.kv_buffer[0][0].nbytes,
+            with_indexer=isinstance(self, DSATokenToKVPool),
+        )
         if isinstance(cp_group, CPGroup) and (cp_group.rank != cp_rank or cp_group.size != cp_size):
             raise ValueError(f"cp_group ({cp_group}) does not match cp_rank {cp_rank} / cp_size {cp_size}")
-        ps = self.page_size
         if self.size % ps:
             raise ValueError(f"pool size {self.size} must be a multiple of page_size {ps}")
+        self.spec = spec
         self.dcp_replicated = True  # rows are physical: never apply SGLang's DCP owner rule (DCP is rejected)
-        self.shard_rank = cp_rank
-        self.shard_size = cp_size
-        self.phys_pages = self.size // ps + 1  # page 0 included
-        self.ownership = PageOwnership(cp_size, ps, logical_pages=cp_size * self.phys_pages)
-        self.trash_page = TRASH_PAGE
-        self.row_bytes = self.kv_buffer[0][0].nbytes
+        # SGLang's PageInterleaveKVPoolMixin names for the CP rank and size; its code reads them.
+        self.shard_rank, self.shard_size = spec.cp_rank, spec.cp_size
+        self.phys_pages = spec.phys_pages
+        self.ownership = spec.ownership()
+        self.trash_page = spec.trash_page
+        self.row_bytes = spec.row_bytes
         latent = PageBuffers(
             self.ownership,
-            cp_rank,
-            self.row_bytes,
-            [buf.view(torch.uint8).view(self.phys_pages, ps * self.row_bytes) for buf in self.kv_buffer],
+            spec.cp_rank,
+            spec.row_bytes,
+            [buf.view(torch.uint8).view(spec.phys_pages, ps * spec.row_bytes) for buf in self.kv_buffer],
         )
         index = None
-        if isinstance(self, DSATokenToKVPool):
-            index = PageBuffers(self.ownership, cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
-        self.read = BatchReadState(self.ownership, cp_rank, cp_size * self.phys_pages, latent, index, cp_group)
+        if spec.with_indexer:
+            index = PageBuffers(self.ownership, spec.cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
+        self.read = BatchReadState(self.ownership, spec.cp_rank, spec.logical_pages, latent, index, cp_group)
         self._shard_extend_active = False
         logger.info(
             "CP-shared KV pool: rank %d of %d, %d physical pages per rank (page 0 reserved), page size %d, "
             "%d B latent rows%s",
-            cp_rank,
-            cp_size,
-            self.phys_pages,
+            spec.cp_rank,
+            spec.cp_size,
+            spec.phys_pages,
             ps,
-            self.row_bytes,
-            ", with indexer pages" if index is not None else "",
+            spec.row_bytes,
+            ", with indexer pages" if spec.with_indexer else "",
         )
 
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
-        """Physical row of every loc on this rank: its own row if owned, else a row of the trash page."""
-        rows, mine = self.ownership.store_rows(locs, self.shard_rank, TRASH_PAGE)
-        if debug_enabled():
-            self._check_store_rows(locs, rows, mine)
-        return rows
+        """Physical row of every loc on this rank: its own row if owned, else a row of the trash page.
 
-    def _check_store_rows(self, locs: torch.Tensor, rows: torch.Tensor, mine: torch.Tensor) -> None:
-        ps, limit = self.page_size, self.phys_pages * self.page_size
-        if bool((mine & (locs >= self.shard_size * ps) & (rows < ps)).any()):
-            raise AssertionError("an owned loc outside the reserved range maps onto the trash page")
-        if bool((rows >= limit).any()):
-            raise ValueError(f"a loc maps past this rank's {self.phys_pages} physical pages")
-        back = self.ownership.logical_loc(self.shard_rank, rows)
-        if not bool(torch.equal(torch.where(mine, back, locs), locs)):
-            raise AssertionError("a stored row does not map back to its logical loc on this rank")
+        Debug mode checks the rows (``PageOwnership.check_store_rows``).
+        """
+        spec = self.spec
+        return self.ownership.store_rows(locs, spec.cp_rank, spec.trash_page, spec.phys_pages)[0]
 
     def _local_layer(self, layer, layer_id_override) -> int:
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id

@@ -42,24 +42,23 @@ def _check_built(pool) -> None:
         )
 
 
-def build_dsa_kv_pool(original, configurator, **kwargs):
+def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_class: str):
+    """Run SGLang's pool builder, with ``sharded_kv_pool.<pool_class>`` as its ``class_arg`` when the flag is on."""
     if not _active(configurator):
         return original(configurator, **kwargs)
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+    from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
-    pool = original(configurator, **{**kwargs, "dsa_pool_class": CPSharedDSATokenToKVPool})
+    pool = original(configurator, **{**kwargs, class_arg: getattr(sharded_kv_pool, pool_class)})
     _check_built(pool)
     return pool
+
+
+def build_dsa_kv_pool(original, configurator, **kwargs):
+    return _swap_pool_class(original, configurator, kwargs, "dsa_pool_class", "CPSharedDSATokenToKVPool")
 
 
 def build_mla_kv_pool(original, configurator, **kwargs):
-    if not _active(configurator):
-        return original(configurator, **kwargs)
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedMLATokenToKVPool
-
-    pool = original(configurator, **{**kwargs, "mla_pool_class": CPSharedMLATokenToKVPool})
-    _check_built(pool)
-    return pool
+    return _swap_pool_class(original, configurator, kwargs, "mla_pool_class", "CPSharedMLATokenToKVPool")
 
 
 def build_allocator(original, configurator, **kwargs):
@@ -88,9 +87,19 @@ def build_allocator(original, configurator, **kwargs):
     return allocator
 
 
+def name_batch_requests(original, pool, req_to_token, forward_batch):
+    """Give a CP-shared pool the batch's request ids before SGLang's backend begins the batch (for errors)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    if isinstance(pool, CPSharedKVPoolMixin):
+        pool.read.request_ids = getattr(forward_batch, "rids", None)
+    return original(pool, req_to_token, forward_batch)
+
+
 # (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, "around"),
     (f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, "around"),
     (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, "around"),
+    ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", name_batch_requests, "around"),
 ]

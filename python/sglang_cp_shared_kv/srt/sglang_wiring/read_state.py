@@ -16,7 +16,11 @@ batch, what that buffer is:
   logical page to one of its slots. Latent rows and indexer pages are materialized separately,
   because a DSA layer reads its indexer keys before it writes its latent rows.
 
-Sizes come from host lengths; nothing reads device data back (debug mode aside).
+Sizes come from host lengths; nothing reads device data back (debug mode aside). A materialized
+batch whose pages do not rotate owners reads the trash page past an owner's block, and its plan
+raises a device flag; ``begin`` and ``end`` (the next batch, or SGLang's end of the extend
+batches) raise ``SlotOverflowError`` naming the batch's requests once that flag is on the host,
+without waiting for it (``slot_plan.OverflowCheck``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import BatchCounters, ViewMaterializer
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, plan_vectors
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
 
 
@@ -85,6 +89,13 @@ class BatchReadState:
         self.stage_latent: torch.Tensor | None = None
         self.stage_index: torch.Tensor | None = None
         self._layer_cache: dict[tuple[str, int], torch.Tensor] = {}
+        # Names of the next batch's requests (SGLang's rids, set by ``pool_hooks``), for errors.
+        self.request_ids: Sequence[str] | None = None
+
+    def check_overflow(self, wait: bool = False) -> None:
+        """Raise ``SlotOverflowError`` for an earlier batch whose overflow flag is on the host."""
+        if self.latent_views is not None:
+            self.latent_views.check_overflow(wait=wait)
 
     # -- batch lifecycle --
     def begin(
@@ -104,6 +115,7 @@ class BatchReadState:
             )
         if any(p % ps for p in prefix_lens):
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
+        self.check_overflow()
         max_len = max(seq_lens, default=0)
         # The batch's logical pages by position: every page's first token loc // ps.
         page_table = req_to_token[req_pool_indices.long(), :max_len:ps].long() // ps
@@ -119,8 +131,7 @@ class BatchReadState:
     def _begin_current(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
         pages = pages_for_lens(seq_lens, self.page_size)
         total = sum(pages)
-        flat = [b * page_table.shape[1] + j for b, p in enumerate(pages) for j in range(p)]
-        positions = torch.tensor(flat, dtype=torch.int64).to(self.device, non_blocking=True)
+        positions, _ = plan_vectors(pages, page_table.shape[1], self.device)  # built on the device
         logical = page_table.reshape(-1).index_select(0, positions)
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
@@ -145,7 +156,7 @@ class BatchReadState:
             self.latent_views = ViewMaterializer(self.latent, self.group)
             if self.index is not None:
                 self.index_views = ViewMaterializer(self.index, self.group)
-        self.counters = self.latent_views.begin_batch(page_table, seq_lens, prefix_lens)
+        self.counters = self.latent_views.begin_batch(page_table, seq_lens, prefix_lens, request_ids=self.request_ids)
         plan = self.latent_views.plan
         if self.index_views is not None:
             # Same pages, same trash page: one plan serves both views.
@@ -160,6 +171,7 @@ class BatchReadState:
         self.mode = None
         self.stage_latent = self.stage_index = None
         self._layer_cache.clear()
+        self.check_overflow()
 
     # -- translation --
     def translate(self, locs: torch.Tensor) -> torch.Tensor:

@@ -210,17 +210,54 @@ def _assign_case(pages, cp_size, chunks, seed, dtype=torch.int64, pad=0, strided
     args = (table, positions, cu, cp_size, sc, k * sc, 777, pad)
     expected = assign_slots_ref(*args, use_triton=False)
     got = assign_slots(*args, use_triton=True)
-    for name, a, b in zip(("logical", "slots", "slot_table", "slot_phys"), got, expected):
+    names = ("logical", "slots", "slot_table", "slot_phys", "status")
+    assert len(got) == len(expected) == len(names)
+    for name, a, b in zip(names, got, expected):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, pages, cp_size, chunks)
+    # Never past the view, whether or not a block overflowed; the flag says whether one did.
+    slots, status = expected[1], expected[4]
+    assert bool(((slots >= 0) & (slots < cp_size * k * sc)).all())
+    counts = torch.bincount(expected[0] % cp_size, minlength=cp_size)
+    assert status.tolist() == [int(counts.max() > k * sc), *counts.tolist()]
+    return int(status[0])
 
 
 @needs_triton
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 8])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_fused_plan_equals_reference(cp_size, chunks):
+    flags = []
     for seed, pages in enumerate([[5, 3, 7, 1, 4, 9], [1], [12, 0, 12], [2, 40, 3, 1, 0, 17, 8, 8]]):
-        _assign_case(pages, cp_size, chunks, seed, dtype=torch.int32 if seed % 2 else torch.int64, pad=seed - 1)
-    _assign_case([6, 9, 2], cp_size, chunks, 99, strided=True)
+        flags.append(
+            _assign_case(pages, cp_size, chunks, seed, dtype=torch.int32 if seed % 2 else torch.int64, pad=seed - 1)
+        )
+    flags.append(_assign_case([6, 9, 2], cp_size, chunks, 99, strided=True))
+    # Random pages do not rotate owners: with one chunk some batches overflow a block.
+    assert any(flags) or cp_size == 1 or chunks > 1
+
+
+@pytest.mark.parametrize("use_triton", [False, True] if triton_enabled(DEVICE) else [False])
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_plan_overflow_reads_a_trash_slot_and_raises_the_flag(cp_size, use_triton):
+    # Request 0's 6 pages all on owner 1 (no rotation), request 1 balanced: S = ceil(6/N) + ceil(2/N).
+    n = cp_size
+    table = torch.tensor([[1 + n * i for i in range(6)], [2, 3, 0, 0, 0, 0]], device=DEVICE)
+    positions, cu = plan_vectors([6, 2], 6, DEVICE, use_triton=False)
+    s = slots_per_rank([6, 2], n)
+    logical, slots, slot_table, slot_phys, status = assign_slots(
+        table, positions, cu, n, s, s, 777, use_triton=use_triton
+    )
+    counts = [sum(1 for lp in logical.tolist() if lp % n == o) for o in range(n)]
+    assert status.tolist() == [1, *counts] and counts[1] > s
+    # Positions past owner 1's block read a slot inside the view whose send entry is the trash page.
+    owner1 = [i for i, lp in enumerate(logical.tolist()) if lp % n == 1]
+    past = owner1[s:]
+    assert past and all(0 <= x < n * s for x in slots.tolist())
+    for i in past:
+        assert slot_phys[slots[i]].item() == 777  # one chunk: slot == send entry
+        assert slot_table.view(-1)[positions[i]].item() == slots[i].item()
+    # Within the block, owner 1's positions keep their own pages.
+    assert [slot_phys[slots[i]].item() for i in owner1[:s]] == [logical[i].item() // n for i in owner1[:s]]
 
 
 @needs_triton
@@ -237,7 +274,7 @@ def test_fused_plan_equals_reference(cp_size, chunks):
 def test_fused_plan_at_block_boundaries(pages):
     assert FUSED_PLAN_MAX_POSITIONS == 8192 and FUSED_PLAN_MAX_POSITIONS % BLOCKED_PLAN_BLOCK == 0
     for cp_size, chunks in ((8, 1), (3, 4)):
-        _assign_case(pages, cp_size, chunks, seed=sum(pages))
+        assert _assign_case(pages, cp_size, chunks, seed=sum(pages)) == 1  # random pages overflow a block
 
 
 def test_assign_slots_rejects_a_chunking_that_does_not_tile_the_block():

@@ -15,7 +15,10 @@ this module gives them one, per forward batch:
    all-gathered on NCCL's stream. The page table handed to the kernels is the plan's slot
    table; NSA top-k positions map to view rows through ``LayerView.rows``.
 
-Nothing here reads device data back to the host: sizes come from host lengths. The layer's
+Nothing here reads device data back to the host: sizes come from host lengths. A plan whose
+pages overflow an owner's block reads the trash page there; ``begin_batch`` raises
+``SlotOverflowError`` for an earlier batch whose overflow flag has reached the host
+(``overflow``, an ``OverflowCheck``; ``check_overflow(wait=True)`` where the caller syncs). The layer's
 current-chunk rows must be in the pool before its ``layer_view`` (the write path stores them),
 and a view stays valid until the next ``layer_view`` call (the buffers are reused).
 
@@ -40,6 +43,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    OverflowCheck,
     SlotPlan,
     build_slot_plan,
     host_to_device,
@@ -188,6 +192,14 @@ class ViewMaterializer:
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
+        self.overflow = OverflowCheck()
+
+    def check_overflow(self, wait: bool = False) -> None:
+        """Raise ``SlotOverflowError`` for a planned batch whose pages overflowed an owner's block.
+
+        Reads only flags already on the host unless ``wait`` (a caller that synchronizes anyway).
+        """
+        self.overflow.poll(wait=wait)
 
     def begin_batch(
         self,
@@ -195,6 +207,7 @@ class ViewMaterializer:
         seq_lens: Sequence[int],
         prefix_lens: Sequence[int],
         plan: SlotPlan | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> BatchCounters:
         """Start a forward batch: its real page table (logical pages) and host lengths.
 
@@ -202,7 +215,9 @@ class ViewMaterializer:
         it reads from earlier batches (cached prefix or earlier chunks). Returns the batch's
         counters, which ``layer_view`` keeps up to date. ``plan``: the plan another materializer
         built for this very batch over the same pages (e.g. the latent and indexer buffers of one
-        pool), reused instead of planning again.
+        pool), reused instead of planning again. ``request_ids``: names of the batch's requests, for
+        the overflow error. First raises ``SlotOverflowError`` for an earlier batch whose overflow
+        flag is on the host (``check_overflow``).
         """
         seq_lens = [int(n) for n in seq_lens]
         prefix_lens = [int(n) for n in prefix_lens]
@@ -214,6 +229,7 @@ class ViewMaterializer:
         if any(not 0 <= p <= n for p, n in zip(prefix_lens, seq_lens)):
             raise ValueError(f"prefix_lens must lie in [0, seq_len], got {prefix_lens} for seq_lens {seq_lens}")
         self._drain()  # a gather still in flight writes buffers this batch replaces
+        self.check_overflow()
         kind = batch_kind(prefix_lens)
         self.counters = BatchCounters(kind=kind)
         self._num_tokens = sum(seq_lens) - sum(prefix_lens)
@@ -227,6 +243,7 @@ class ViewMaterializer:
             plan = build_slot_plan(
                 page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton, chunks=chunks
             )
+            self.overflow.record(plan, request_ids)
         elif (plan.cp_size, plan.page_size, plan.trash_page, plan.pages_per_req, plan.chunks) != (
             n,
             pool.page_size,

@@ -285,8 +285,9 @@ def assign_slots_ref(
     trash_page: int,
     pad: int = 0,
     use_triton: bool | None = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The slot plan in torch ops: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S])``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slot plan in torch ops: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S],
+    status [N + 1])``.
 
     Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by
     ``o = lp % N``; ``r`` is its rank among the positions owned by ``o`` (request-major). With
@@ -294,9 +295,16 @@ def assign_slots_ref(
 
     - its view slot is ``(r // Sc) * N * Sc + o * Sc + r % Sc`` (chunk-major; one chunk when ``Sc = S``);
     - its send entry ``o * S + r`` holds its physical page ``lp // N``; unused entries hold
-      ``trash_page``, and a position with ``r >= S`` (an overflow, which balanced allocation
-      rules out; debug mode reports it) is dropped rather than written into another block;
+      ``trash_page``;
     - ``slot_table[b, j]`` is the slot of page ``j`` of request ``b``, ``pad`` past its pages.
+
+    **Overflow**: a position with ``r >= S`` (its owner holds more of the batch's positions than
+    a block has room for: the pages do not rotate owners) gets no send entry, and its slot is
+    ``trash_slot``: the first unused entry of the owner with the fewest positions. One exists
+    (``M <= N * S``, so when one block overflows another has room), and it holds ``trash_page``:
+    the view is never read past its end. ``status`` (int64, on the device, no host sync) reports
+    it: ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o``
+    holds (``slot_plan.raise_on_overflow`` reads it where the batch synchronizes anyway).
 
     ``use_triton`` is passed to ``build_slot_table`` (the reference proper keeps it False).
     """
@@ -307,15 +315,23 @@ def assign_slots_ref(
     # Rank among same-owner positions: a cumsum over a one-hot [N, M], scanned along the inner
     # dimension (along the outer one CUDA scans each of the N columns serially).
     one_hot = (torch.arange(n, device=device).unsqueeze(1) == owner.unsqueeze(0)).to(torch.int32)
-    rank = one_hot.cumsum(1, dtype=torch.int32).gather(0, owner.unsqueeze(0)).squeeze(0).long() - 1
+    running = one_hot.cumsum(1, dtype=torch.int32)
+    rank = running.gather(0, owner.unsqueeze(0)).squeeze(0).long() - 1
+    counts = one_hot.sum(1, dtype=torch.int64)
     chunk = rank // sc
     slots = chunk * (n * sc) + owner * sc + (rank - chunk * sc)
+    # The first free entry of the least-loaded owner (clamped into the view when no block overflows).
+    fewest = counts.argmin()
+    free = counts[fewest].clamp(max=max(s - 1, 0))
+    trash_slot = (free // sc) * (n * sc) + fewest * sc + free % sc
+    slots = torch.where(rank < s, slots, trash_slot)
     target = torch.where(rank < s, owner * s + rank, torch.full_like(rank, n * s))  # n * s: a dump entry
     slot_phys = torch.full((n * s + 1,), trash_page, dtype=torch.int64, device=device)
     slot_phys.scatter_(0, target, logical // n)
+    status = torch.cat([(counts.amax() > s).to(torch.int64).reshape(1), counts])
     batch, max_pages = page_table.shape
     table = build_slot_table(slots, cu_pages, positions_flat, batch, max_pages, pad=pad, use_triton=use_triton)
-    return logical, slots, table, slot_phys[: n * s]
+    return logical, slots, table, slot_phys[: n * s], status
 
 
 if triton is not None:
@@ -381,6 +397,7 @@ if triton is not None:
         slots_out,
         table_out,
         phys_out,
+        status_out,
         num_positions,
         table_entries,
         max_pages,
@@ -412,6 +429,20 @@ if triton is not None:
             rank += tl.load(offsets + tl.program_id(0) * N + owner, mask=live, other=0)
         chunk = rank // chunk_slots
         slot = chunk * (N * chunk_slots) + owner * chunk_slots + (rank - chunk * chunk_slots)
+        # Overflow (rank >= S): the first free entry of the least-loaded owner, which holds the trash
+        # page (see assign_slots_ref); program 0 reports the per-owner totals and the flag.
+        if BLOCKED:
+            totals_o = tl.load(totals + owners, mask=owners < N, other=num_positions + 1).to(tl.int64)
+        else:
+            totals_o = tl.where(owners < N, counts.to(tl.int64), num_positions + 1)
+        fewest = tl.argmin(totals_o, axis=0).to(tl.int64)
+        free = tl.minimum(tl.min(totals_o, axis=0), slots_per_rank - 1)
+        trash_slot = (free // chunk_slots) * (N * chunk_slots) + fewest * chunk_slots + free % chunk_slots
+        slot = tl.where(rank < slots_per_rank, slot, trash_slot)
+        if tl.program_id(0) == 0:
+            tl.store(status_out + 1 + owners, totals_o, mask=owners < N)
+            overflow = tl.max(tl.where(owners < N, totals_o, 0), axis=0) > slots_per_rank
+            tl.store(status_out, overflow.to(tl.int64))
         send_entries = N * slots_per_rank
         target = tl.where(rank < slots_per_rank, owner * slots_per_rank + rank, send_entries)
         tl.store(logical_out + i, lp, mask=live)
@@ -461,7 +492,7 @@ def assign_slots(
     trash_page: int,
     pad: int = 0,
     use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``assign_slots_ref`` in Triton: one launch of one program for a batch of at most
     ``FUSED_PLAN_MAX_POSITIONS`` page positions; above that, blocks of ``BLOCKED_PLAN_BLOCK``
     positions (per-block owner counts, their prefix sum over blocks, then the blocked kernel).
@@ -480,10 +511,11 @@ def assign_slots(
         return assign_slots_ref(page_table, positions_flat, cu_pages, *args, use_triton=use_triton)
     device = page_table.device
     send_entries = cp_size * slots_per_rank
-    # logical, slots and slot_phys (plus its dump entry) share one allocation.
-    flat = torch.empty(2 * num_positions + send_entries + 1, dtype=torch.int64, device=device)
+    # logical, slots, slot_phys (plus its dump entry) and the overflow status share one allocation.
+    flat = torch.empty(2 * num_positions + send_entries + 1 + cp_size + 1, dtype=torch.int64, device=device)
     logical, slots = flat[:num_positions], flat[num_positions : 2 * num_positions]
-    slot_phys = flat[2 * num_positions :]
+    slot_phys = flat[2 * num_positions : 2 * num_positions + send_entries + 1]
+    status = flat[2 * num_positions + send_entries + 1 :]
     table = torch.empty((batch, max_pages), dtype=torch.int32, device=device)
     table_args = (page_table, page_table.stride(0), page_table.stride(1), positions_flat)
     np2 = max(2, triton.next_power_of_2(cp_size))
@@ -508,6 +540,7 @@ def assign_slots(
         slots,
         table,
         slot_phys,
+        status,
         num_positions,
         batch * max_pages,
         max_pages,
@@ -521,7 +554,7 @@ def assign_slots(
         BLOCKED=grid > 1,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
-    return logical, slots, table, slot_phys[:send_entries]
+    return logical, slots, table, slot_phys[:send_entries], status
 
 
 # ---------------------------------------------------------------------------------------------

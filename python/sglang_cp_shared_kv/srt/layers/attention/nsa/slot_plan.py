@@ -12,8 +12,12 @@ of every block, owner-major, so each chunk is one all-gather into a contiguous r
     slot(b, j) = (r // Sc) * N * Sc + o * Sc + r % Sc        # k = 1: o * S + r
 
 Balanced allocation spreads each request's pages over owners within one page, so no owner holds
-more than ``ceil(pages_b / N)`` of request ``b``'s pages and a block never overflows (debug mode
-checks it). A prefix page shared by two requests gets two slots: more bytes, static shapes.
+more than ``ceil(pages_b / N)`` of request ``b``'s pages and a block never overflows. That is the
+allocator's policy, not a law: a position past its owner's block (pages that do not rotate
+owners) gets a slot holding the trash page, never one past the view, and the plan's ``status``
+(a device tensor, no host sync) flags it. ``OverflowCheck`` reads the flag where the batch
+synchronizes anyway and fails the batch (``SlotOverflowError``). A prefix page shared by two
+requests gets two slots: more bytes, static shapes.
 
 Everything sized by the plan (``M``, ``S``, ``k``, the view) comes from host-known lengths; the
 host work is O(batch size) and the device work (page-position list, per-owner scan, scatters)
@@ -89,6 +93,8 @@ class SlotPlan:
       owner ``o``'s block is the physical page (on ``o``) of its ``r``-th position, or
       ``trash_page`` for padding. Rank ``o`` gathers ``send_pages(o)``; chunk ``c`` of it fills
       view slots ``c * N * Sc + o * Sc + [0, Sc)``.
+    - ``status`` int64 ``[N + 1]``: ``status[0]`` is 1 when an owner holds more positions than its
+      block (those positions read a trash slot), ``status[1 + o]`` the positions owner ``o`` holds.
     """
 
     cp_size: int
@@ -103,6 +109,7 @@ class SlotPlan:
     slot_phys: torch.Tensor
     chunks: int = 1
     chunk_slots: int | None = None  # None: one chunk of slots_per_rank
+    status: torch.Tensor | None = None  # None: a plan built without the overflow report
 
     def __post_init__(self) -> None:
         if self.chunk_slots is None:
@@ -221,7 +228,7 @@ def build_slot_plan(
     if positions_flat.shape != (sum(pages),) or cu_pages.shape != (batch + 1,):
         raise ValueError(f"vectors must be plan_vectors of these lengths ([{sum(pages)}], [{batch + 1}])")
 
-    logical, slots, slot_table, slot_phys = assign_slots(
+    logical, slots, slot_table, slot_phys, status = assign_slots(
         page_table, positions_flat, cu_pages, cp_size, sc, k * sc, trash_page, pad=pad, use_triton=use_triton
     )
     return SlotPlan(
@@ -237,4 +244,71 @@ def build_slot_plan(
         slot_phys=slot_phys,
         chunks=k,
         chunk_slots=sc,
+        status=status,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Overflow: read the plan's device flag where the batch synchronizes anyway
+# ---------------------------------------------------------------------------------------------
+
+
+class SlotOverflowError(RuntimeError):
+    """A batch's page positions overflowed an owner's block: they read the trash page, the batch is wrong."""
+
+
+def overflow_message(status: Sequence[int], slots_per_rank: int, requests: Sequence[str]) -> str:
+    """One line naming the batch's requests and the owners' page counts (``status`` read on the host)."""
+    counts = [int(c) for c in status[1:]]
+    return (
+        f"--enable-cp-shared-kv: slot overflow: the batch of requests [{', '.join(requests)}] reads "
+        f"{counts} page positions from owners 0..{len(counts) - 1}, more than the {slots_per_rank} pages "
+        "of an owner's block (the pages of a request do not rotate owners); those positions read the trash "
+        "page, so the batch fails"
+    )
+
+
+class OverflowCheck:
+    """The overflow flags of planned batches, read only once they are on the host without waiting.
+
+    ``record(plan, requests)`` after a batch is planned: on CUDA a non-blocking copy of the plan's
+    ``status`` into pinned host memory and an event; on CPU the status itself. ``poll()`` raises
+    ``SlotOverflowError`` for the first recorded batch whose flag is set, among those whose copy
+    has landed (``Event.query``: never a wait); ``poll(wait=True)`` waits for them all, for a
+    caller that synchronizes there anyway (the end of a run, a test).
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, int, tuple[str, ...]]] = []
+
+    def record(self, plan: SlotPlan, requests: Sequence[str] | None = None) -> None:
+        if plan.status is None:
+            return
+        names = tuple(str(r) for r in requests) if requests is not None else None
+        if names is None or len(names) != len(plan.pages_per_req):
+            names = tuple(f"#{b}" for b in range(len(plan.pages_per_req)))
+        status, event = plan.status, None
+        if status.device.type == "cuda":
+            host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
+            host.copy_(status, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(status.device))
+            status = host
+        self._pending.append((status, event, plan.slots_per_rank, names))
+
+    def poll(self, wait: bool = False) -> None:
+        while self._pending:
+            status, event, slots, names = self._pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return  # not landed yet: read at a later poll, never waited for
+                event.synchronize()  # sync-ok: poll(wait=True) only, where the caller synchronizes anyway
+            self._pending.pop(0)
+            host = status.tolist()  # sync-ok: a host tensor (pinned copy landed, or a CPU plan)
+            if host[0]:
+                self._pending.clear()
+                raise SlotOverflowError(overflow_message(host, slots, names))
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

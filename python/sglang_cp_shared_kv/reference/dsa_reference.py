@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, decode_mla_rows
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, LATENT_DIM, decode_mla_rows
 
 
 def read_index_k(index_pages: torch.Tensor, page_size: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,15 +40,37 @@ def positions_to_rows(
     return torch.where(valid, rows, torch.full_like(rows, -1))
 
 
+# Working memory of one block of queries in ``indexer_topk`` and ``sparse_mla``. Both compute each query on
+# its own (per-query batched matmuls, per-row sort and logsumexp), so any split over queries gives the
+# same bits; the split keeps their temporaries bounded by this many bytes instead of growing with
+# chunk x context.
+QUERY_BLOCK_BYTES = 8 << 20
+
+
+def query_block_size(bytes_per_query: int, block_bytes: int = QUERY_BLOCK_BYTES) -> int:
+    """How many queries one block holds when each needs ``bytes_per_query`` of temporaries (at least 1)."""
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be >= 1, got {block_bytes!r}")
+    return max(1, block_bytes // max(1, bytes_per_query))
+
+
 def indexer_scores(
     q_u8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor, k_u8: torch.Tensor, k_scale: torch.Tensor
 ) -> torch.Tensor:
     """``q_u8 [T, H, 128]``, ``k_u8 [T, L, 128]`` (per query its keys) -> fp32 scores ``[T, L]``."""
     q = q_u8.view(torch.float8_e4m3fn).float()
     k = k_u8.view(torch.float8_e4m3fn).float()
+    return _scores_f32(q, _query_weights(weights, q_scale), k, k_scale.float())
+
+
+def _query_weights(weights: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+    return weights.float() * q_scale.float() * INDEX_HEAD_DIM**-0.5
+
+
+def _scores_f32(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """The indexer's score math on decoded operands: ``q [T, H, 128]``, ``w [T, H]``, ``k [T, L, 128]``, ``k_scale [T, L]``."""
     logits = torch.einsum("thd,tld->thl", q, k).relu()
-    w = weights.float() * q_scale.float() * INDEX_HEAD_DIM**-0.5
-    return torch.einsum("thl,th->tl", logits, w) * k_scale.float()
+    return torch.einsum("thl,th->tl", logits, w) * k_scale
 
 
 def indexer_topk(
@@ -62,39 +84,115 @@ def indexer_topk(
     kv_lens: list[int],
     page_size: int,
     topk: int,
+    block_bytes: int = QUERY_BLOCK_BYTES,
 ) -> torch.Tensor:
     """Top-k visible key positions per query token: int32 ``[T, topk]``, -1 padded.
 
     Causal: query at position ``p`` sees keys ``0 .. p``. Order is total: score
     descending, then position ascending, so the result does not depend on the
     kernel's tie handling.
+
+    Every key a query can see is read and decoded once (fp8 to fp32 is exact); queries then run in
+    blocks of at most ``block_bytes`` of temporaries, each scoring all ``max(kv_lens)`` positions
+    (invisible ones read the query's own key and score ``-inf``), so the bits do not depend on the
+    split.
     """
     t = q_u8.shape[0]
+    device = q_u8.device
     max_len = max(kv_lens) if kv_lens else 0
-    pos = torch.arange(max_len, device=q_u8.device).expand(t, max_len)
-    # Invisible positions read the query's own row instead: every read stays inside its request's pages.
-    visible = pos <= q_pos.long().unsqueeze(-1)
-    rows = positions_to_rows(torch.minimum(pos, q_pos.long().unsqueeze(-1)), q_req, page_table, page_size)
+    out = torch.full((t, topk), -1, dtype=torch.int32, device=device)
+    if t == 0 or max_len == 0:
+        return out
+    q_req, q_pos = q_req.long(), q_pos.long()
+    # Keys 0 .. (last query position) of each request, request after request: every row a query reads.
+    last = torch.full((page_table.shape[0],), -1, dtype=torch.long, device=device)
+    last = last.scatter_reduce(0, q_req, q_pos, "amax")
+    n_keys = last + 1
+    starts = torch.cumsum(n_keys, 0) - n_keys
+    total = int(n_keys.sum())
+    key_req = torch.repeat_interleave(torch.arange(len(n_keys), device=device), n_keys, output_size=total)
+    key_pos = torch.arange(total, device=device) - starts[key_req]
+    rows = positions_to_rows(key_pos.unsqueeze(-1), key_req, page_table, page_size).squeeze(-1)
     k_u8, k_scale = read_index_k(index_pages, page_size, rows)
-    scores = indexer_scores(q_u8, q_scale, weights, k_u8, k_scale)
-    scores = torch.where(visible, scores, torch.full_like(scores, -math.inf))
-    # Stable sort by descending score keeps ascending position among ties.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk].to(torch.int32)
-    n_visible = (q_pos.long() + 1).clamp(max=topk)
-    keep = torch.arange(order.shape[1], device=order.device) < n_visible.unsqueeze(-1)
-    out = torch.full((t, topk), -1, dtype=torch.int32, device=q_u8.device)
-    out[:, : order.shape[1]] = torch.where(keep, order, torch.full_like(order, -1))
+    k = k_u8.view(torch.float8_e4m3fn).float()
+    q = q_u8.view(torch.float8_e4m3fn).float()
+    w = _query_weights(weights, q_scale)
+
+    pos = torch.arange(max_len, device=device)
+    width = min(topk, max_len)
+    n_visible = (q_pos + 1).clamp(max=topk)
+    keep_cols = torch.arange(width, device=device)
+    # fp32 keys, scores and sort keys, int64 indices, the H per-head logits, per position.
+    per_query = max_len * (INDEX_HEAD_DIM * 4 + q_u8.shape[1] * 4 + 40)
+    step = min(t, query_block_size(per_query, block_bytes))
+    # One buffer for the gathered keys of a block, reused: fresh multi-MiB tensors cost page faults.
+    k_buf = torch.empty(step * max_len, INDEX_HEAD_DIM, dtype=torch.float32, device=device)
+    for s in range(0, t, step):
+        e = min(t, s + step)
+        qp = q_pos[s:e].unsqueeze(-1)
+        # Invisible positions read the query's own key: every read stays inside its request's pages.
+        idx = (starts[q_req[s:e]].unsqueeze(-1) + torch.minimum(pos, qp)).reshape(-1)
+        k_blk = torch.index_select(k, 0, idx, out=k_buf[: idx.numel()]).view(e - s, max_len, INDEX_HEAD_DIM)
+        scores = _scores_f32(q[s:e], w[s:e], k_blk, k_scale[idx].view(e - s, max_len))
+        scores = torch.where(pos <= qp, scores, torch.full_like(scores, -math.inf))
+        keep = keep_cols < n_visible[s:e].unsqueeze(-1)
+        out[s:e, :width] = torch.where(keep, _top_positions(scores, width), torch.full((1,), -1, dtype=torch.int32))
     return out
 
 
+def _top_positions(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """int32 ``[b, width]``: the first ``width`` positions of each row in descending score, ascending position.
+
+    Equal to ``torch.sort(scores, descending=True, stable=True).indices[:, :width]`` without sorting whole
+    rows: ``torch.topk`` finds each row's ``width``-th largest score, and only positions scoring at least
+    that much (all of the answer, plus any ties) are sorted.
+    """
+    b = scores.shape[0]
+    threshold = torch.topk(scores, width, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    cand = scores >= threshold
+    r, c = cand.nonzero(as_tuple=True)  # row-major: ascending position within a row
+    order = torch.sort(scores[r, c], descending=True, stable=True).indices  # ties keep ascending position
+    order = order[torch.sort(r[order], stable=True).indices]  # rows together, each in the order above
+    r, c = r[order], c[order]
+    counts = cand.sum(dim=-1)
+    rank = torch.arange(r.numel(), device=scores.device) - (torch.cumsum(counts, 0) - counts)[r]
+    sel = rank < width
+    top = torch.empty((b, width), dtype=torch.int32, device=scores.device)
+    top[r[sel], rank[sel]] = c[sel].to(torch.int32)
+    return top
+
+
 def sparse_mla(
-    q: torch.Tensor, kv_rows_u8: torch.Tensor, kv_format: str, rows: torch.Tensor, sm_scale: float, d_v: int = 512
+    q: torch.Tensor,
+    kv_rows_u8: torch.Tensor,
+    kv_format: str,
+    rows: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    block_bytes: int = QUERY_BLOCK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over raw KV rows: ``q [T, H, 576]``, ``rows [T, K]`` (-1 invalid).
 
     Returns ``out [T, H, d_v]`` and natural-log ``lse [T, H]`` in fp32; a query
-    with no valid key gets ``out = 0`` and ``lse = -inf``.
+    with no valid key gets ``out = 0`` and ``lse = -inf``. Queries run in blocks of at most
+    ``block_bytes`` of temporaries; each query's math is its own, so the split does not change bits.
     """
+    t, k = rows.shape
+    # decoded fp32 rows (and their row-format staging), per-head logits and probabilities
+    per_query = k * (3 * LATENT_DIM * 4 + kv_rows_u8.shape[1] + 3 * q.shape[1] * 4 + 16)
+    step = query_block_size(per_query, block_bytes)
+    if t <= step:
+        return _sparse_mla_block(q, kv_rows_u8, kv_format, rows, sm_scale, d_v)
+    parts = [
+        _sparse_mla_block(q[s : s + step], kv_rows_u8, kv_format, rows[s : s + step], sm_scale, d_v)
+        for s in range(0, t, step)
+    ]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
+def _sparse_mla_block(
+    q: torch.Tensor, kv_rows_u8: torch.Tensor, kv_format: str, rows: torch.Tensor, sm_scale: float, d_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     valid = rows >= 0
     safe = torch.where(valid, rows, torch.zeros_like(rows)).long()
     kv = decode_mla_rows(kv_rows_u8[safe.reshape(-1)], kv_format).reshape(*safe.shape, -1)  # [T, K, 576]

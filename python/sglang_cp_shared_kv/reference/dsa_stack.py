@@ -332,6 +332,7 @@ def run_chunked_prefill(
     use_triton: bool | None = None,
     layout_cp_size: int | None = None,
     on_batch: Callable[[int, int, BatchResult], None] | None = None,
+    keep_outputs: bool = True,
 ) -> PrefillRun:
     """Run the request stream through the tiny DSA stack, batch by batch, layer by layer.
 
@@ -341,7 +342,9 @@ def run_chunked_prefill(
     next layer's gather started ahead of its pool write when ``prefetch``).
     Logical pages come from a balanced allocator over ``layout_cp_size`` owners (default: the
     group's size, or 1), so a replicated run can use the very page ids of a CP run.
-    ``on_batch(index, total, result)`` is called after each batch (progress reports).
+    ``on_batch(index, total, result)`` is called after each batch (progress reports). With
+    ``keep_outputs=False`` each batch's layer outputs are dropped once ``on_batch`` has seen them
+    (``BatchResult.layers`` is then empty), so a long stream holds one batch of outputs at a time.
     """
     check_requests(requests, page_size)
     mla_row_bytes(kv_format)
@@ -394,6 +397,8 @@ def run_chunked_prefill(
         results.append(BatchResult(batch, layers, counters))
         if on_batch is not None:
             on_batch(len(results) - 1, len(schedule), results[-1])
+        if not keep_outputs:
+            results[-1].layers = []
     return PrefillRun(results, pool, pages)
 
 

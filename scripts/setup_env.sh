@@ -8,11 +8,26 @@ VENV="${CP_SHARED_KV_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.cp_shared_kv_stamp"
 WANT="$(cat "$ROOT"/requirements/*.txt "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" "$ROOT/scripts/torchvision_cpu_shim.py" | sha1sum | cut -d' ' -f1)"
 
-# Mooncake's engine links libibverbs even without RDMA hardware.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+# Mooncake's engine links libibverbs even without RDMA hardware. The check reads ldconfig's whole
+# listing before matching: `ldconfig -p | grep -q` lets grep exit at the first match, and under
+# pipefail ldconfig's SIGPIPE then reads as "missing".
+LDCONFIG_LIST="$(ldconfig -p 2>/dev/null || true)"
+if [[ "$LDCONFIG_LIST" != *libibverbs.so.1* ]]; then
   echo "[setup] installing libibverbs1 (needed by the Mooncake transfer engine)"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  $SUDO apt-get install -y -q libibverbs1 >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q libibverbs1 >/dev/null; }
+  SUDO=()
+  # Never prompt: sudo -n fails at once where a password would be needed.
+  [ "$(id -u)" -ne 0 ] && SUDO=(sudo -n)
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] FAILED: libibverbs.so.1 is missing and there is no apt-get here: install your distribution's libibverbs (rdma-core) package, then rerun" >&2
+    return 1 2>/dev/null || exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  if ! { "${SUDO[@]}" apt-get install -y -q libibverbs1 </dev/null >/dev/null 2>&1 \
+      || { "${SUDO[@]}" apt-get update -q </dev/null >/dev/null 2>&1 \
+        && "${SUDO[@]}" apt-get install -y -q libibverbs1 </dev/null >/dev/null 2>&1; }; }; then
+    echo "[setup] FAILED: could not install libibverbs1 without a password prompt: run 'sudo apt-get install -y libibverbs1' yourself, then rerun" >&2
+    return 1 2>/dev/null || exit 1
+  fi
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -20,13 +35,20 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-  echo "[setup] installing requirements (a few minutes on a fresh machine)"
+  echo "[setup] installing requirements (a few minutes on a fresh machine; later runs skip this)"
+  SETUP_T0=$SECONDS
+  setup_step() { echo "[setup] $1 (at $((SECONDS - SETUP_T0)) s)"; }
+  setup_step "1/4 torch (CPU), triton, pytest, matplotlib, Mooncake"
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/test.txt" 2>&1 | grep -v "^WARNING: Location" || true
+  setup_step "2/4 what sglang needs to import on CPU"
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/sglang.txt" 2>&1 | grep -v "^WARNING: Location" || true
+  setup_step "3/4 sglang 0.5.23 (without its CUDA pins)"
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps sglang==0.5.23 2>&1 | grep -v "^WARNING: Location" || true
   # torchvision 0.28.0 links CUDA torch; this import hook lets it (and so sglang) import on CPU torch.
   "$VENV/bin/python" "$ROOT/scripts/torchvision_cpu_shim.py" --install
+  setup_step "4/4 this package (editable)"
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT" 2>&1 | grep -v "^WARNING: Location" || true
+  setup_step "done"
   "$VENV/bin/python" -c "import torch, triton, mooncake.engine, sglang_cp_shared_kv" \
     || { echo "[setup] FAILED: the virtualenv is incomplete" >&2; exit 1; }
   echo "$WANT" > "$STAMP"

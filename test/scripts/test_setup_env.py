@@ -1,0 +1,96 @@
+"""scripts/setup_env.sh's libibverbs check: no SIGPIPE race, and never a password prompt.
+
+Each test sources the real script with stand-ins for ``ldconfig``, ``apt-get``, ``sudo`` (and ``id``)
+first on PATH; the virtualenv step only checks, as the environment is already built.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "setup_env.sh"
+LIB_LINE = "\tlibibverbs.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libibverbs.so.1"
+
+pytestmark = pytest.mark.skipif(
+    not (Path(sys.prefix) / ".cp_shared_kv_stamp").exists(), reason="needs the environment setup_env.sh built"
+)
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/usr/bin/env bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def _source(bin_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", CP_SHARED_KV_VENV=sys.prefix)
+    return subprocess.run(
+        ["bash", "-c", f"source {SCRIPT} && echo SOURCED"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _record_installers(bin_dir: Path, log: Path) -> None:
+    _stub(bin_dir, "apt-get", f'echo "apt-get $*" >> {log}; exit 1')
+    _stub(
+        bin_dir,
+        "sudo",
+        f'if [ "$1" = "-n" ]; then echo "sudo $*" >> {log}; echo "sudo: a password is required" >&2; exit 1; fi\n'
+        f'echo "PROMPT sudo $*" >> {log}; read -r -p "[sudo] password: " pw; exit 1',
+    )
+
+
+def test_library_found_although_ldconfig_dies_of_sigpipe(tmp_path):
+    """ldconfig lists the library first, then 10 MB more: a reader that stops at the match kills it with
+    SIGPIPE (as `grep -q` did under pipefail). The check must still find the library and install nothing."""
+    _stub(
+        tmp_path,
+        "ldconfig",
+        f"echo '{LIB_LINE}'\n"
+        "yes '\tlibother.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libother.so.1' | head -n 200000",
+    )
+    log = tmp_path / "installs.log"
+    _record_installers(tmp_path, log)
+    # The stand-in does die of SIGPIPE under an early-exiting reader:
+    probe = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {tmp_path}/ldconfig -p | grep -q libibverbs.so.1; echo $?"],
+        capture_output=True,
+        text=True,
+    )
+    assert probe.stdout.strip() == "141"
+    proc = _source(tmp_path)
+    assert proc.returncode == 0 and "SOURCED" in proc.stdout, proc.stderr
+    assert "installing libibverbs1" not in proc.stdout
+    assert not log.exists()
+
+
+def test_missing_library_as_user_fails_in_one_line_without_prompting(tmp_path):
+    _stub(tmp_path, "ldconfig", "echo '\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6'")
+    _stub(tmp_path, "id", 'if [ "$1" = "-u" ]; then echo 1000; else exec /usr/bin/id "$@"; fi')
+    log = tmp_path / "installs.log"
+    _record_installers(tmp_path, log)
+    proc = _source(tmp_path)
+    assert proc.returncode != 0 and "SOURCED" not in proc.stdout
+    calls = log.read_text().splitlines()
+    assert calls and all(c.startswith("sudo -n apt-get") for c in calls), calls
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("[setup] FAILED:") and "sudo apt-get install -y libibverbs1" in last, proc.stderr
+
+
+def test_missing_library_as_root_runs_apt_get_non_interactively(tmp_path):
+    _stub(tmp_path, "ldconfig", "echo '\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6'")
+    _stub(tmp_path, "id", 'if [ "$1" = "-u" ]; then echo 0; else exec /usr/bin/id "$@"; fi')
+    log = tmp_path / "installs.log"
+    _stub(tmp_path, "apt-get", f'echo "apt-get $* DEBIAN_FRONTEND=$DEBIAN_FRONTEND" >> {log}; exit 0')
+    _stub(tmp_path, "sudo", f'echo "PROMPT sudo $*" >> {log}; exit 1')
+    proc = _source(tmp_path)
+    assert proc.returncode == 0 and "SOURCED" in proc.stdout, proc.stderr
+    assert log.read_text().splitlines() == ["apt-get install -y -q libibverbs1 DEBIAN_FRONTEND=noninteractive"]

@@ -1,6 +1,6 @@
-"""Spawn N ranks on this host with a loopback rendezvous, and collect what each returns.
+"""Spawn ``cp_size`` ranks on this host with a loopback rendezvous, and collect what each returns.
 
-Used by the multi-rank tests and the demo. Every rank runs ``fn(rank, world_size,
+Used by the multi-rank tests and the demo. Every rank runs ``fn(cp_rank, cp_size,
 *args)`` in its own spawned process with ``torch.distributed`` initialized (gloo
 on CPU, NCCL when ``backend="nccl"``). A rank that raises, dies or outlives the
 deadline fails the whole run with a message naming the rank.
@@ -30,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, results, threads):
+def _rank_main(fn, cp_rank, cp_size, port, backend, timeout_s, args, results, threads):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     try:
@@ -39,46 +39,46 @@ def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, results, th
 
         torch.set_num_threads(threads)
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(cp_rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
+            rank=cp_rank,
+            world_size=cp_size,
             timeout=timedelta(seconds=timeout_s),
         )
         try:
-            out = fn(rank, world_size, *args)
+            out = fn(cp_rank, cp_size, *args)
         finally:
             dist.destroy_process_group()
         # Plain pickle copies tensor bytes; the queue's own pickler would pass shared-memory handles
         # that die with this process.
-        results.put((rank, True, pickle.dumps(out)))
+        results.put((cp_rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including assertion failures
-        results.put((rank, False, traceback.format_exc()))
+        results.put((cp_rank, False, traceback.format_exc()))
 
 
 def spawn_ranks(
     fn: Callable[..., Any],
-    world_size: int,
+    cp_size: int,
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = 180.0,
     threads_per_rank: int = 1,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    """Run ``fn(cp_rank, cp_size, *args)`` on ``cp_size`` spawned ranks; return results by rank."""
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, world_size, port, backend, timeout_s, args, results, threads_per_rank),
+            args=(fn, r, cp_size, port, backend, timeout_s, args, results, threads_per_rank),
             daemon=True,
         )
-        for r in range(world_size)
+        for r in range(cp_size)
     ]
     for p in procs:
         p.start()
@@ -86,7 +86,7 @@ def spawn_ranks(
     got: dict[int, tuple[bool, Any]] = {}
     failures: list[str] = []
     try:
-        while len(got) < world_size:
+        while len(got) < cp_size:
             try:
                 rank, ok, out = results.get(timeout=0.5)
                 got[rank] = (ok, out)
@@ -112,7 +112,7 @@ def spawn_ranks(
                     failures += [f"rank {r} died with exit code {procs[r].exitcode}" for r in dead]
                     break
             if time.monotonic() > deadline:
-                missing = [r for r in range(world_size) if r not in got]
+                missing = [r for r in range(cp_size) if r not in got]
                 failures.append(f"ranks {missing} did not finish within {timeout_s:.0f} s")
                 break
     finally:
@@ -125,4 +125,4 @@ def spawn_ranks(
         results.close()
     if failures:
         raise RankFailure("\n".join(failures))
-    return [pickle.loads(got[r][1]) for r in range(world_size)]
+    return [pickle.loads(got[r][1]) for r in range(cp_size)]

@@ -81,7 +81,7 @@ def test_owner_striped_pages_make_one_run_per_rank(n, n_pages, first_owner):
 
 def test_decode_allocator_lowest_first_and_checked_free():
     alloc = DecodePageAllocator(10)
-    a = alloc.alloc(4, n_senders=2)
+    a = alloc.alloc(4, cp_size=2)
     assert a.tolist() == [0, 2, 1, 3] and alloc.free_pages == 6
     assert alloc.alloc(7) is None and alloc.free_pages == 6
     with pytest.raises(ValueError, match="not allocated"):

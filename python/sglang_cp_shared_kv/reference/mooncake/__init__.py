@@ -3,7 +3,7 @@
 Each prefill CP rank runs an ``OwnedPageSender`` that writes only the pages it owns,
 tagged with their positions in the request; a non-CP decode server runs one
 ``DecodeReceiver`` that hands out destination pages and marks a request ready only
-when the N ranks' manifests rebuild it exactly.
+when the cp_size ranks' manifests rebuild it exactly.
 """
 
 from sglang_cp_shared_kv.reference.mooncake.control_messages import ControlMessageError, PoolLayout

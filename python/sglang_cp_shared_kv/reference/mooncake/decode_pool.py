@@ -5,12 +5,15 @@ token-major, indexer page-major), which is exactly a ``ShardedMLAPool`` built wi
 ``PageOwnership(1, ps)``. Any page may hold any position of a request; the page
 table, not the physical order, is what decode attention reads.
 
-That freedom is used to make transfers cheap. Prefill rank ``r`` sends every N-th
-position of a request (``p % N`` constant when pages were allocated owner-balanced),
+That freedom is used to make transfers cheap. Prefill rank ``r`` sends every ``cp_size``-th
+position of a request (``p % cp_size`` constant when pages were allocated owner-balanced),
 so the destination pages are handed out *owner-striped*: the positions of one residue
 class get consecutive pages. With a contiguous source run on the sender too, one
 rank's share of a layer becomes a single transfer entry instead of one per page.
 It is only an ordering: any page list is correct, striped or not.
+
+Page 0 is the pool's trash page, as in every pool here; a ``cp_size == 1`` pool owns every
+loc, so no foreign row is ever stored there, and the decode allocator lends it like any page.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.utils import check_int
 
 
 def make_decode_pool(
@@ -30,17 +34,19 @@ def make_decode_pool(
     with_indexer: bool = True,
     device: torch.device | str = "cpu",
 ) -> ShardedMLAPool:
-    """A full (unsharded) pool in SGLang's decode byte layout, plus its trash page."""
+    """A full (unsharded) pool of ``num_pages`` pages in SGLang's decode byte layout."""
     return ShardedMLAPool(PageOwnership(1, page_size), 0, num_pages, num_layers, kv_format, with_indexer, device)
 
 
-def owner_striped(pages: torch.Tensor, n_senders: int) -> torch.Tensor:
-    """Reorder ``pages`` so the positions ``p`` with one ``p % n_senders`` get ascending consecutive pages."""
-    if not isinstance(n_senders, int) or n_senders < 1:
-        raise ValueError(f"n_senders must be an int >= 1, got {n_senders!r}")
-    n = pages.shape[0]
-    positions = torch.arange(n, dtype=torch.int64)
-    order = torch.argsort((positions % n_senders) * n + positions)
+def owner_striped(pages: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Reorder ``pages`` so the positions ``p`` with one ``p % cp_size`` get ascending consecutive pages.
+
+    ``cp_size``: the number of prefill CP ranks sending the request.
+    """
+    check_int("cp_size", cp_size, 1)
+    n_pages = pages.shape[0]
+    positions = torch.arange(n_pages, dtype=torch.int64)
+    order = torch.argsort((positions % cp_size) * n_pages + positions)
     out = torch.empty_like(pages)
     out[order] = pages.sort().values
     return out
@@ -50,8 +56,7 @@ class DecodePageAllocator:
     """Lowest-page-first allocator over the decode pool's pages (keeps free runs long)."""
 
     def __init__(self, num_pages: int):
-        if not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be an int >= 1, got {num_pages!r}")
+        check_int("num_pages", num_pages, 1)
         self.num_pages = num_pages
         self._free = np.ones(num_pages, dtype=bool)
 
@@ -59,16 +64,15 @@ class DecodePageAllocator:
     def free_pages(self) -> int:
         return int(self._free.sum())
 
-    def alloc(self, n_pages: int, n_senders: int = 1) -> torch.Tensor | None:
-        """``n_pages`` pages, owner-striped for ``n_senders``; ``None`` (and nothing taken) if short."""
-        if not isinstance(n_pages, int) or n_pages < 0:
-            raise ValueError(f"n_pages must be an int >= 0, got {n_pages!r}")
+    def alloc(self, n_pages: int, cp_size: int = 1) -> torch.Tensor | None:
+        """``n_pages`` pages, owner-striped for ``cp_size`` senders; ``None`` (and nothing taken) if short."""
+        check_int("n_pages", n_pages, 0)
         free = np.nonzero(self._free)[0]
         if free.shape[0] < n_pages:
             return None
         take = free[:n_pages]
         self._free[take] = False
-        return owner_striped(torch.from_numpy(take.astype(np.int64)), n_senders)
+        return owner_striped(torch.from_numpy(take.astype(np.int64)), cp_size)
 
     def free(self, pages: torch.Tensor | list[int]) -> None:
         """Return pages; rejects out-of-range, repeated or not-allocated pages before freeing any."""

@@ -3,8 +3,8 @@
 Lifecycle::
 
     pool = make_decode_pool(page_size, num_pages, num_layers, kv_format)
-    receiver = DecodeReceiver(pool, engine, cp_size=N).start()   # listens on receiver.address
-    receiver.wait_for_senders(timeout_s)                           # the N prefill ranks said hello
+    receiver = DecodeReceiver(pool, engine, cp_size).start()   # listens on receiver.address
+    receiver.wait_for_senders(timeout_s)                           # the cp_size prefill ranks said hello
     dst = receiver.add_request("req-1", n_pages)                   # pages, or None if the pool is full
     receiver.wait("req-1", timeout_s)  -> TransferState.SUCCESS | FAILED
     ... decode reads pool pages dst[0 .. n_pages-1] ...
@@ -17,7 +17,7 @@ pages); take other pages through ``alloc_pages`` / ``free_pages``, which share i
 ``add_request`` sends the destination page list to every connected sender (and to
 any that connects later), so a sender knows ``dst`` before its prefill ends.
 
-A request becomes SUCCESS only when all N manifests pass ``ManifestCollector``.
+A request becomes SUCCESS only when all cp_size manifests pass ``ManifestCollector``.
 It FAILS, with a one-line reason, on a bad manifest, a ``failed`` report, the loss
 of any sender (closed connection, or silence for ``timeout_s``), a sender that
 stays silent ``timeout_s`` after another reported, or its own deadline. A failed
@@ -44,6 +44,7 @@ from sglang_cp_shared_kv.reference.mooncake.engine import MooncakeEngine, transf
 from sglang_cp_shared_kv.reference.mooncake.transfer_state import TransferState
 from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
+from sglang_cp_shared_kv.srt.utils import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +87,7 @@ class DecodeReceiver(ControlLoop):
     ):
         if pool.ownership.cp_size != 1:
             raise ValueError(f"pool must be a full decode pool (cp_size 1), got cp_size {pool.ownership.cp_size}")
-        if not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+        check_int("cp_size", cp_size, 1)
         self.timeout_s = transfer_timeout_s() if timeout_s is None else float(timeout_s)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -149,8 +149,7 @@ class DecodeReceiver(ControlLoop):
         is not complete that many seconds from now.
         """
         cm._REQUEST_ID("request_id", request_id)
-        if not isinstance(n_pages, int) or n_pages < 1:
-            raise ValueError(f"n_pages must be an int >= 1, got {n_pages!r}")
+        check_int("n_pages", n_pages, 1)
         with self._lock:
             if self._closed:
                 raise RuntimeError("receiver is closed")

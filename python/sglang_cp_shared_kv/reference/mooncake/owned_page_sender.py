@@ -15,7 +15,7 @@ contiguous in its pool and in the destination into single entries, and writes ev
 layer's latent rows and indexer page with ``batch_transfer_sync_write`` (at most
 ``engine.max_entries_per_call`` entries a call) from the registered pool buffers.
 It then reports a manifest (page table, positions, bytes) and waits for the decode
-side's verdict: SUCCESS means the decode side checked all N manifests.
+side's verdict: SUCCESS means the decode side checked all cp_size manifests.
 
 Failures end in FAILED with a one-line reason, within ``timeout_s`` (default
 ``MC_TRANSFER_TIMEOUT``, at least 5 s): a failed write (dead peer: at once; frozen

@@ -1,8 +1,8 @@
 """Which pages a CP rank sends for a request, and the fewest transfer entries that carry them.
 
 A request's page table lists its logical pages by position (``0 .. n_pages-1``).
-Rank ``r`` owns the positions whose logical page ``lp`` has ``lp % N == r``; on
-``r`` that page is physical page ``lp // N``, and on the decode side it goes to
+Rank ``r`` owns the positions whose logical page ``lp`` has ``lp % cp_size == r``; on
+``r`` that page is physical page ``lp // cp_size``, and on the decode side it goes to
 destination page ``dst[position]``.
 
 Both pools keep a page of one layer's buffer as one contiguous block (latent rows

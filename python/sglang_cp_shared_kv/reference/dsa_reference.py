@@ -92,10 +92,11 @@ def indexer_topk(
     descending, then position ascending, so the result does not depend on the
     kernel's tie handling.
 
-    Every key a query can see is read and decoded once (fp8 to fp32 is exact); queries then run in
-    blocks of at most ``block_bytes`` of temporaries, each scoring all ``max(kv_lens)`` positions
-    (invisible ones read the query's own key and score ``-inf``), so the bits do not depend on the
-    split.
+    Every key a query can see is read and decoded once (fp8 to fp32 is exact). Queries then run in
+    blocks of one request's queries with at most ``block_bytes`` of temporaries, each scoring all
+    ``max(kv_lens)`` positions against its request's keys (positions it cannot see score ``-inf``):
+    per query the same matmul as scoring the whole batch at once, so the bits do not depend on the
+    split, and no per-query copy of the keys is made.
     """
     t = q_u8.shape[0]
     device = q_u8.device
@@ -122,21 +123,29 @@ def indexer_topk(
     width = min(topk, max_len)
     n_visible = (q_pos + 1).clamp(max=topk)
     keep_cols = torch.arange(width, device=device)
-    # fp32 keys, scores and sort keys, int64 indices, the H per-head logits, per position.
-    per_query = max_len * (INDEX_HEAD_DIM * 4 + q_u8.shape[1] * 4 + 40)
-    step = min(t, query_block_size(per_query, block_bytes))
-    # One buffer for the gathered keys of a block, reused: fresh multi-MiB tensors cost page faults.
-    k_buf = torch.empty(step * max_len, INDEX_HEAD_DIM, dtype=torch.float32, device=device)
-    for s in range(0, t, step):
-        e = min(t, s + step)
-        qp = q_pos[s:e].unsqueeze(-1)
-        # Invisible positions read the query's own key: every read stays inside its request's pages.
-        idx = (starts[q_req[s:e]].unsqueeze(-1) + torch.minimum(pos, qp)).reshape(-1)
-        k_blk = torch.index_select(k, 0, idx, out=k_buf[: idx.numel()]).view(e - s, max_len, INDEX_HEAD_DIM)
-        scores = _scores_f32(q[s:e], w[s:e], k_blk, k_scale[idx].view(e - s, max_len))
-        scores = torch.where(pos <= qp, scores, torch.full_like(scores, -math.inf))
-        keep = keep_cols < n_visible[s:e].unsqueeze(-1)
-        out[s:e, :width] = torch.where(keep, _top_positions(scores, width), torch.full((1,), -1, dtype=torch.int32))
+    # the H per-head logits, scores, sort keys and indices, per position
+    per_query = max_len * (q_u8.shape[1] * 4 + 40)
+    step = query_block_size(per_query, block_bytes)
+    # Runs of consecutive queries of one request (request-major batches: one run per request).
+    cuts = (torch.nonzero(q_req[1:] != q_req[:-1]).flatten() + 1).tolist()
+    bounds = [0, *cuts, t]
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        b = int(q_req[r0])
+        first, n = int(starts[b]), int(n_keys[b])
+        # The request's keys at positions 0 .. max_len - 1; past its last query they are never visible.
+        req_k = torch.zeros(max_len, INDEX_HEAD_DIM, dtype=torch.float32, device=device)
+        req_k[:n] = k[first : first + n]
+        req_scale = torch.zeros(max_len, dtype=torch.float32, device=device)
+        req_scale[:n] = k_scale[first : first + n]
+        for s in range(r0, r1, step):
+            e = min(r1, s + step)
+            qp = q_pos[s:e].unsqueeze(-1)
+            scores = _scores_f32(
+                q[s:e], w[s:e], req_k.expand(e - s, max_len, INDEX_HEAD_DIM), req_scale.expand(e - s, max_len)
+            )
+            scores = torch.where(pos <= qp, scores, torch.full_like(scores, -math.inf))
+            keep = keep_cols < n_visible[s:e].unsqueeze(-1)
+            out[s:e, :width] = torch.where(keep, _top_positions(scores, width), torch.full((1,), -1, dtype=torch.int32))
     return out
 
 

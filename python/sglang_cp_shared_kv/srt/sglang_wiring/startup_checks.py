@@ -49,6 +49,15 @@ def _is_pow2(n: Any) -> bool:
     return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
+def _staging_buffer_rejections(why: str) -> list[str]:
+    """The one ``SGLANG_DISAGG_STAGING_BUFFER`` check, for either server: ``why`` it is refused there."""
+    from sglang.srt.environ import envs
+
+    if not envs.SGLANG_DISAGG_STAGING_BUFFER.get():
+        return []
+    return [_line(f"SGLANG_DISAGG_STAGING_BUFFER{why}", "unset SGLANG_DISAGG_STAGING_BUFFER")]
+
+
 def decode_rejections(cfg: Any) -> list[str]:
     """A decode server with the flag: non-CP, Mooncake, checking the prefill ranks' manifests."""
     out = []
@@ -87,15 +96,7 @@ def decode_rejections(cfg: Any) -> list[str]:
                 "pass only one of the two flags",
             )
         )
-    from sglang.srt.environ import envs
-
-    if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
-        out.append(
-            _line(
-                "SGLANG_DISAGG_STAGING_BUFFER: staged transfers are not wired with the manifest check",
-                "unset SGLANG_DISAGG_STAGING_BUFFER",
-            )
-        )
+    out += _staging_buffer_rejections(": staged transfers are not wired with the manifest check")
     return out
 
 
@@ -233,15 +234,7 @@ def _plumbing_rejections(cfg: Any) -> list[str]:
                 f"use a multiple of {ps}",
             )
         )
-    from sglang.srt.environ import envs
-
-    if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
-        out.append(
-            _line(
-                "SGLANG_DISAGG_STAGING_BUFFER sends contiguous slices, not owned pages",
-                "unset SGLANG_DISAGG_STAGING_BUFFER",
-            )
-        )
+    out += _staging_buffer_rejections(" sends contiguous slices, not owned pages")
     return out
 
 

@@ -636,8 +636,8 @@ def test_decode_startup_checks(results, case, extra, expected):
         assert got["accepted"], got.get("error")
         return
     assert not got["accepted"], f"{case} was accepted"
-    lines = got["error"][len("ValueError: ") :].split("\n")
-    assert got["error"].startswith("ValueError: ") and len(lines) == 1, lines
+    lines = got["error"][len("CPSharedKVStartupError: ") :].split("\n")
+    assert got["error"].startswith("CPSharedKVStartupError: ") and len(lines) == 1, lines
     assert lines[0].startswith(f"{FLAG}: ") and expected in lines[0], lines
 
 

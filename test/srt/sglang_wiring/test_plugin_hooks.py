@@ -37,6 +37,8 @@ TARGETS = [
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mla_kv_pool",
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool_allocator",
     "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices",
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
+    "sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward",
 ]
 
 
@@ -87,6 +89,8 @@ def _sender_side(rank: int, pool, engine):
 
 
 def _worker(model_dir: str) -> None:
+    import types
+
     import numpy as np
     import torch
     from sglang.srt.plugins import load_plugins
@@ -101,7 +105,9 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
 
-    out: dict = {"patched": sorted(set(TARGETS) & HookRegistry._patched)}
+    from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
+
+    out: dict = {"patched": sorted(set(TARGETS) & HookRegistry._patched), "missing": missing_hooks()}
     server_args = prepare_server_args(prefill_cp_argv(model_dir, PS))
     server_args.resolve_once()
     dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
@@ -140,6 +146,20 @@ def _worker(model_dir: str) -> None:
             "shard_spec": repr(getattr(alloc, "shard_spec", "absent")),
             "sharded_transfer": bool(get_parallel().enable_kv_cache_sharding),
         }
+        # The AFTER hook on SGLang's _init_pools (installed: see "missing"), on the pools built here
+        # and on a stock pool in their place.
+        from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import check_built_pools
+
+        stock_pool = stock_dsa_pools([8 * PS], PS)[0]
+        verdicts = {}
+        for name, (p_, a_) in {"built": (pool, alloc), "stock_pool": (stock_pool, alloc)}.items():
+            returned = types.SimpleNamespace(token_to_kv_pool=p_, token_to_kv_pool_allocator=a_)
+            try:
+                kept = check_built_pools(returned, _configurator(dsa_config), sizes=sizes) is returned
+                verdicts[name] = "accepted" if kept else "changed"
+            except Exception as e:
+                verdicts[name] = f"{type(e).__name__}: {e}"
+        out[f"flag_{flag}"]["init_pools"] = verdicts
 
     # -- the Mooncake sender path on both prefill ranks, into a stock decode pool --
     class Layer:
@@ -259,6 +279,15 @@ def results(tmp_path_factory) -> dict:
 
 def test_every_hook_is_installed(results):
     assert results["patched"] == sorted(TARGETS)
+    assert results["missing"] == []
+
+
+def test_init_pools_refuses_a_pool_that_is_not_ours(results):
+    assert results["flag_False"]["init_pools"] == {"built": "accepted", "stock_pool": "accepted"}  # flag off
+    on = results["flag_True"]["init_pools"]
+    assert on["built"] == "accepted"
+    assert on["stock_pool"].startswith("CPSharedKVStartupError: --enable-cp-shared-kv: SGLang built a DSATokenToKVPool")
+    assert "\n" not in on["stock_pool"]
 
 
 def test_flag_off_builds_stock_pool_and_allocator(results):

@@ -171,7 +171,7 @@ def _worker(model_dir: str) -> None:
     load_plugins()
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import resolved_rejections
+    from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, resolved_rejections
 
     results = {}
     for case_id, model, mode, argv, _ in CASES:
@@ -183,7 +183,7 @@ def _worker(model_dir: str) -> None:
             else:
                 lines = resolved_rejections(server_args)
                 if lines:
-                    raise ValueError("\n".join(lines))
+                    raise CPSharedKVStartupError("\n".join(lines))
             results[case_id] = {"accepted": True, "flag_on": bool(getattr(server_args, "enable_cp_shared_kv", False))}
         except Exception as e:  # the case table says which ones must fail
             results[case_id] = {"accepted": False, "error": f"{type(e).__name__}: {e}"}
@@ -216,8 +216,8 @@ def test_startup_check(results, case_id, model, mode, argv, expected):
         return
     assert not got["accepted"], f"{case_id} was accepted"
     error = got["error"]
-    assert error.startswith("ValueError: --enable-cp-shared-kv: "), error
-    lines = error[len("ValueError: ") :].split("\n")
+    assert error.startswith("CPSharedKVStartupError: --enable-cp-shared-kv: "), error
+    lines = error[len("CPSharedKVStartupError: ") :].split("\n")
     assert all(line.startswith("--enable-cp-shared-kv: ") and line.endswith(".") for line in lines), lines
     assert any(expected in line for line in lines), f"no line names {expected!r}: {lines}"
 

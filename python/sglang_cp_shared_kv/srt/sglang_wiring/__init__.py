@@ -25,6 +25,51 @@ def hook_tables() -> list[tuple[str, object, str]]:
     return [*server_args_hook.HOOKS, *pool_hooks.HOOKS, *transfer.HOOKS, *decode_manifest.HOOKS]
 
 
+def _wraps(target: str, hook: object) -> bool:
+    """Whether the callable now at ``target`` is a HookRegistry wrapper chain that calls ``hook``."""
+    import pkgutil
+
+    obj_path, attr = target.rsplit(".", 1)
+    try:
+        obj = pkgutil.resolve_name(obj_path)
+    except Exception:  # the module or class is gone: nothing was installed
+        return False
+    fn = obj.__dict__.get(attr) if isinstance(obj, type) else getattr(obj, attr, None)
+    fn = getattr(fn, "__func__", fn)  # a classmethod / staticmethod wrapper
+    for _ in range(64):  # the chain of wrappers, innermost last
+        if fn is None:
+            return False
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # an empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def missing_hooks() -> list[str]:
+    """The targets (and resolution steps) of ``register`` that are not installed in this process.
+
+    SGLang's ``HookRegistry.apply_hooks`` logs a target it cannot resolve or wrap and goes on;
+    a target counts as installed when the registry marked it patched and the callable there
+    now wraps this plugin's hook.
+    """
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
+
+    missing = [t for t, hook, _ in hook_tables() if t not in HookRegistry._patched or not _wraps(t, hook)]
+    missing += [
+        f"resolution step {step}"
+        for step, check in startup_checks.RESOLUTION_HOOKS
+        if check not in _HOOKS.get(step, [])
+    ]
+    return list(dict.fromkeys(missing))
+
+
 def register() -> None:
     """Install every hook: the flag, the startup checks, the pools and allocator, the transfer and decode checks."""
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook

@@ -12,6 +12,11 @@ draft, pool):
   drawn for owner ``lp % N``: the same arithmetic as ``PageOwnership``), with no scratch spec,
   so the scheduler widens its capacity and rotation bases without SGLang's scratch admission.
   Then the process is marked as transferring sharded KV (see ``transfer``).
+
+An AFTER hook on ``_init_pools`` then refuses to go on, one line per problem, unless every
+plugin hook is installed in this process and the pool and allocator SGLang built are ours.
+An AROUND hook on ``prepare_kv_shard_forward`` hands the batch's request ids to the pool (for
+the slot-overflow error).
 """
 
 from __future__ import annotations
@@ -87,6 +92,32 @@ def build_allocator(original, configurator, **kwargs):
     return allocator
 
 
+def check_built_pools(result, configurator, **_kwargs):
+    """AFTER hook on ``_init_pools``: the flag's pool and allocator, and every hook, or a refusal."""
+    if not _active(configurator):
+        return result
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+    from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, hook_rejections
+
+    lines = hook_rejections()
+    pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
+    if not isinstance(pool, CPSharedKVPoolMixin):
+        lines.append(
+            f"{FLAG}: SGLang built a {type(pool).__name__}, not the CP-shared pool (a pool-selecting option "
+            "the startup checks do not know about is on); drop that option or the flag."
+        )
+    elif not isinstance(allocator, PageInterleavePoolAllocator) or allocator.get_kvcache() is not pool:
+        lines.append(
+            f"{FLAG}: SGLang built a {type(allocator).__name__} over the CP-shared pool, not the owner-rotating "
+            "PageInterleavePoolAllocator; drop the option that selects it or the flag."
+        )
+    if lines:
+        raise CPSharedKVStartupError("\n".join(lines))
+    return result
+
+
 def name_batch_requests(original, pool, req_to_token, forward_batch):
     """Give a CP-shared pool the batch's request ids before SGLang's backend begins the batch (for errors)."""
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
@@ -101,5 +132,6 @@ HOOKS = [
     (f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, "around"),
     (f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, "around"),
     (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, "around"),
+    (f"{_CONFIGURATOR}._init_pools", check_built_pools, "after"),
     ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", name_batch_requests, "around"),
 ]

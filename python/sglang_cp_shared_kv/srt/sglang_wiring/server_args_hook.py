@@ -52,11 +52,29 @@ def runtime_enabled() -> bool:
     return enabled(server_args)
 
 
+class _FlagAction(argparse._StoreTrueAction):
+    """``store_true`` that, when the flag is given, checks that every plugin hook is installed.
+
+    Parsing the command line is the first thing a launcher does after SGLang applied the hooks,
+    so a missing hook stops it here. On a command line the rejection prints as its line alone
+    (``startup_checks.install_clean_exit``), as every later rejection of the flag does.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
+
+        startup_checks.install_clean_exit()
+        lines = startup_checks.hook_rejections()
+        if lines:
+            raise startup_checks.CPSharedKVStartupError("\n".join(lines))
+
+
 def add_flag(_result: None, parser: argparse.ArgumentParser) -> None:
     """AFTER hook on ``ServerArgs.add_cli_args(parser)``."""
     if FLAG in parser._option_string_actions:  # the same parser passed twice
         return
-    parser.add_argument(FLAG, dest=ATTR, action="store_true", default=False, help=_HELP)
+    parser.add_argument(FLAG, dest=ATTR, action=_FlagAction, default=False, help=_HELP)
 
 
 def copy_flag(server_args: Any, _cls: type, args: argparse.Namespace) -> None:

@@ -10,8 +10,16 @@ Two resolution hooks wrap existing steps (``register_resolution_hook``):
   see the same inputs, so the checks are idempotent.
 
 Every rejection is one line naming the offending flag and the fix; all of a
-configuration's rejections are raised together in one ``ValueError``. With
-the flag off both hooks only call the stock step.
+configuration's rejections are raised together in one ``CPSharedKVStartupError``
+(a ``ValueError``). On a command line (the flag's argparse action installs it)
+such an error prints as its lines alone, without a traceback. With the flag off
+both hooks only call the stock step.
+
+Before anything else, with the flag on: every hook the plugin registered must be
+installed in this process (SGLang's ``HookRegistry`` logs a target it cannot
+install and goes on: the server would start with replicated KV), and the model
+config must be readable without the network (a local directory, or a model in
+the Hugging Face cache), since the rest of resolution may download it.
 
 What is accepted is exactly what the wiring honours (see ``sglang_wiring``):
 a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks,
@@ -25,6 +33,8 @@ use Mooncake and stay non-CP; its pool, model and kernels are SGLang's.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM as _INDEX_HEAD_DIM
@@ -41,8 +51,81 @@ MLA_PREFILL_BACKENDS = ("fa3",)
 _DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages on CUDA
 
 
+class CPSharedKVStartupError(ValueError):
+    """The configuration or the installed hooks do not support ``--enable-cp-shared-kv``: one line per problem."""
+
+
 def _line(what: str, fix: str) -> str:
     return f"{FLAG}: {what}; {fix}."
+
+
+def _given(flag: str, value: Any) -> str:
+    """How a flag reads in a rejection: ``--flag value``, or ``no --flag`` when it was not set."""
+    return f"no {flag}" if value in (None, "null", "") else f"{flag} {value}"
+
+
+def _not_wired(flag: str, value: Any) -> str:
+    return f"{flag} is not set" if value in (None, "null", "") else f"{flag} {value} is not wired"
+
+
+def hook_rejections() -> list[str]:
+    """One line naming every plugin hook SGLang did not install in this process (none: ``[]``)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
+
+    missing = missing_hooks()
+    if not missing:
+        return []
+    return [
+        _line(
+            f"SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs such a "
+            "failure and goes on, which would leave the KV replicated)",
+            "run sglang==0.5.23, whose functions these hooks wrap, or drop the flag",
+        )
+    ]
+
+
+def model_config_rejections(model_path: Any, revision: str | None = None) -> list[str]:
+    """The model config must be readable here, without the network: a local checkpoint or a cached model."""
+    path = str(model_path)
+    if path.lower() in ("none", "dummy"):
+        return [_line(f"--model-path {path} carries no model config to check for MLA", "pass a real MLA checkpoint")]
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return []
+        return [_line(f"--model-path {path} has no config.json", "pass a Hugging Face checkpoint directory")]
+    if os.path.exists(path):
+        return []  # a single-file checkpoint: SGLang reads its config locally
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json", revision=revision)
+    except Exception:  # not a valid repo id either
+        cached = None
+    if isinstance(cached, str):
+        return []
+    return [
+        _line(
+            f"--model-path {path} is neither a local directory nor a model in the Hugging Face cache, and the "
+            "model config is checked before anything goes to the network",
+            f"download it first (huggingface-cli download {path}) or pass its local directory",
+        )
+    ]
+
+
+def install_clean_exit() -> None:
+    """Print an uncaught ``CPSharedKVStartupError`` as its lines alone (no traceback); others as before."""
+    previous = sys.excepthook
+    if getattr(previous, "_cp_shared_kv", False):
+        return
+
+    def excepthook(exc_type, exc, tb):
+        if issubclass(exc_type, CPSharedKVStartupError):
+            print(str(exc), file=sys.stderr)
+            return
+        previous(exc_type, exc, tb)
+
+    excepthook._cp_shared_kv = True
+    sys.excepthook = excepthook
 
 
 def _is_pow2(n: Any) -> bool:
@@ -104,13 +187,7 @@ def flag_rejections(cfg: Any) -> list[str]:
     """Checks that need only the flags (a record or a resolving view)."""
     if cfg.disaggregation_mode == "decode":
         return decode_rejections(cfg)
-    out = []
-    if str(cfg.model_path).lower() in ("none", "dummy"):
-        out.append(
-            _line(
-                f"--model-path {cfg.model_path} carries no model config to check for MLA", "pass a real MLA checkpoint"
-            )
-        )
+    out = model_config_rejections(cfg.model_path, getattr(cfg, "revision", None))
     if not cfg.enable_prefill_cp:
         out.append(
             _line(
@@ -120,12 +197,15 @@ def flag_rejections(cfg: Any) -> list[str]:
         )
     if cfg.attn_cp_size is None or cfg.attn_cp_size <= 1:
         out.append(
-            _line(f"--attn-cp-size is {cfg.attn_cp_size}: nothing to shard over", "set --attn-cp-size N with N > 1")
+            _line(
+                f"{_given('--attn-cp-size', cfg.attn_cp_size)}: nothing to shard over",
+                "set --attn-cp-size N with N > 1",
+            )
         )
     if cfg.cp_strategy != "interleave":
         out.append(
             _line(
-                f"--cp-strategy {cfg.cp_strategy} is not wired (the write path needs every rank to hold the whole chunk "
+                f"{_not_wired('--cp-strategy', cfg.cp_strategy)} (the write path needs every rank to hold the whole chunk "
                 "after the interleave all-gather; DeepSeek-V3.2 / GLM-5 require interleave)",
                 "use --cp-strategy interleave",
             )
@@ -133,7 +213,7 @@ def flag_rejections(cfg: Any) -> list[str]:
     if cfg.disaggregation_mode != "prefill":
         out.append(
             _line(
-                f"--disaggregation-mode {cfg.disaggregation_mode} is not wired (batches would decode from a pool that holds "
+                f"{_not_wired('--disaggregation-mode', cfg.disaggregation_mode)} (batches would decode from a pool that holds "
                 "1/N of every page, and the widened allocator has no decode allocation)",
                 "run it on the PD prefill server (--disaggregation-mode prefill) and, to check the manifests, "
                 "on its decode server (--disaggregation-mode decode)",
@@ -142,7 +222,7 @@ def flag_rejections(cfg: Any) -> list[str]:
     if cfg.disaggregation_transfer_backend != "mooncake":
         out.append(
             _line(
-                f"--disaggregation-transfer-backend {cfg.disaggregation_transfer_backend} has no owned-page sender",
+                f"{_not_wired('--disaggregation-transfer-backend', cfg.disaggregation_transfer_backend)}: it has no owned-page sender",
                 "use --disaggregation-transfer-backend mooncake",
             )
         )
@@ -340,7 +420,7 @@ def resolved_rejections(server_args: Any) -> list[str]:
 
 def _raise(rejections: list[str]) -> None:
     if rejections:
-        raise ValueError("\n".join(dict.fromkeys(rejections)))
+        raise CPSharedKVStartupError("\n".join(dict.fromkeys(rejections)))
 
 
 def _disable_prefill_cuda_graph(server_args: Any) -> None:
@@ -387,7 +467,7 @@ def early_check(server_args: Any, previous) -> None:
     if enabled(server_args):
         from sglang.srt.arg_groups.overrides import resolving_view
 
-        _raise(flag_rejections(resolving_view(server_args)))
+        _raise(hook_rejections() + flag_rejections(resolving_view(server_args)))
 
 
 def resolved_check(server_args: Any, previous) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo: sets up its own virtualenv, then runs the CP shared-KV pipeline on CPU ranks.
+# Runs in the caller's directory, so a relative --out lands where the caller expects it.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-source scripts/setup_env.sh
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/setup_env.sh"
+export CP_SHARED_KV_DEMO_PROG="scripts/demo.sh"
 exec python -m sglang_cp_shared_kv.reference.demo "$@"

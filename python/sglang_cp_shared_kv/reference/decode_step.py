@@ -25,8 +25,12 @@ def decode_one_token(
     lens: Sequence[int],
     new_ids: torch.Tensor,
     new_page: Callable[[], int],
+    use_triton: bool | None = None,
 ) -> tuple[list[LayerOutput], list[list[int]]]:
-    """Run one token per request; returns per-layer outputs and the (possibly grown) page lists."""
+    """Run one token per request; returns per-layer outputs and the (possibly grown) page lists.
+
+    ``use_triton`` picks the view's row-remap kernel (Triton, or its torch formulation; ``None``: Triton
+    where it can run)."""
     ps = pool.page_size
     pages = [list(p) for p in pages]
     for b, n in enumerate(lens):
@@ -39,6 +43,13 @@ def decode_one_token(
     x = stack.embed[new_ids.to(pool.device)]
     seq_lens = [n + 1 for n in lens]
     outputs = forward_layers(
-        stack, pool, x, q_req, q_pos, locs, seq_lens, lambda layer, _: pool_view(pool, layer, table)
+        stack,
+        pool,
+        x,
+        q_req,
+        q_pos,
+        locs,
+        seq_lens,
+        lambda layer, _: pool_view(pool, layer, table, use_triton=use_triton),
     )
     return outputs, pages

@@ -1,0 +1,163 @@
+"""The wired read state (``read_state.BatchReadState``, what SGLang's CP-shared pools answer the
+kv-shard contract with) on 2 ranks, over plain page-major buffers written through
+``PageOwnership.store_rows`` (no SGLang kernels, so no ``sgl_kernel`` either).
+
+Three batches as SGLang's backend drives them (``begin``, the chunk's staged rows, ``translate``,
+the per-layer buffers, ``end``): current-reuse, a mixed prefix batch (materialized), and a batch
+whose pages do not rotate owners. Every read equals the replicated bytes; the non-rotating batch
+reads only inside its view and fails with ``SlotOverflowError`` at the next synchronizing point.
+
+On CPU the ranks talk over gloo. On 2 GPUs (NCCL) the batches run under
+``torch.cuda.set_sync_debug_mode("error")``: any host sync in the wired per-batch path raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+PS, LAYERS, ROW, INDEX_ROW, PHYS = 16, 2, 64, 132, 9
+
+
+def _rank(rank: int, world: int, device: str) -> dict:
+    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
+    from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import BatchReadState, PageBuffers
+
+    ownership = PageOwnership(world, PS, logical_pages=world * PHYS)
+    g = torch.Generator().manual_seed(11)
+    logical_rows = world * PHYS * PS
+    ref = [torch.randint(0, 256, (logical_rows, ROW), generator=g, dtype=torch.uint8).to(device) for _ in range(LAYERS)]
+    ref_index = [
+        torch.randint(0, 256, (world * PHYS, PS * INDEX_ROW), generator=g, dtype=torch.uint8).to(device)
+        for _ in range(LAYERS)
+    ]
+    # Each rank stores the logical locs it owns (pages [N, N * PHYS): the allocator reserves [0, N)).
+    locs = torch.arange(world * PS, logical_rows, device=device)
+    rows, mine = ownership.store_rows(locs, rank, 0)
+    pages = torch.arange(world, world * PHYS, device=device)
+    latent_bufs, index_bufs = [], []
+    for layer in range(LAYERS):
+        flat = torch.zeros((PHYS * PS, ROW), dtype=torch.uint8, device=device)
+        flat[rows[mine]] = ref[layer][locs[mine]]
+        latent_bufs.append(flat.view(PHYS, PS * ROW))
+        index = torch.zeros((PHYS, PS * INDEX_ROW), dtype=torch.uint8, device=device)
+        owned = pages % world == rank
+        index[pages[owned] // world] = ref_index[layer][pages[owned]]
+        index_bufs.append(index)
+    state = BatchReadState(
+        ownership,
+        rank,
+        world * PHYS,
+        PageBuffers(ownership, rank, ROW, latent_bufs),
+        PageBuffers(ownership, rank, INDEX_ROW, index_bufs),
+        CPGroup(),
+    )
+
+    def run(batch_pages: list[list[int]], prefix_lens: list[int], seq_lens: list[int]) -> dict:
+        """One batch; returns what the kernels would read, compared later (comparisons sync)."""
+        width = max(len(p) for p in batch_pages)
+        req_to_token = torch.zeros((len(batch_pages), width * PS), dtype=torch.int32, device=device)
+        every = []
+        for r, p in enumerate(batch_pages):
+            loc = (torch.tensor(p).repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(p)))[: seq_lens[r]]
+            req_to_token[r, : seq_lens[r]] = loc.int().to(device)
+            every.append(loc.to(device))
+        state.request_ids = [f"req-{r}" for r in range(len(batch_pages))]
+        state.begin(req_to_token, torch.arange(len(batch_pages), device=device), prefix_lens, seq_lens)
+        new = torch.cat([e[q:] for e, q in zip(every, prefix_lens)])
+        out = {"mode": state.mode, "every": every, "latent": [], "index": []}
+        all_locs = torch.cat(every)
+        table = all_locs[::PS] // PS
+        for layer in range(LAYERS):  # layer by layer: a layer's buffers are reused by the next
+            if state.mode == "current":  # the pool's write path stages the chunk it stores
+                state.stage_latent[state.translate(new)] = ref[layer][new]
+            out["latent"].append((state.latent_rows(layer).clone(), state.translate(all_locs)))
+            if state.mode != "current":
+                out["index"].append((state.index_pages(layer).clone(), state.translate_pages(table), table))
+        return out
+
+    def check(out: dict) -> dict:
+        every = torch.cat(out["every"])
+        res = {"mode": out["mode"]}
+        res["latent_exact"] = [
+            bool(torch.equal(buf[r], ref[layer][every])) for layer, (buf, r) in enumerate(out["latent"])
+        ]
+        res["inside"] = all(int(r.max()) < buf.shape[0] and int(r.min()) >= 0 for buf, r in out["latent"])
+        res["index_exact"] = [
+            bool(torch.equal(buf[p], ref_index[layer][t])) for layer, (buf, p, t) in enumerate(out["index"])
+        ]
+        # Page by page (for the overflow batch): which of the batch's pages read their own bytes.
+        buf, r = out["latent"][0]
+        res["pages_exact"] = [
+            bool(torch.equal(buf[r[j : j + PS]], ref[0][every[j : j + PS]])) for j in range(0, len(every), PS)
+        ]
+        return res
+
+    def end_batch() -> str | None:
+        try:
+            state.end()
+        except SlotOverflowError as err:
+            return str(err)
+        return None
+
+    batches = [
+        ([[2, 3, 4], [5, 6]], [0, 0], [40, 20]),  # current-reuse
+        ([[2, 3, 4, 7], [8, 9]], [3 * PS, 0], [3 * PS + 5, 2 * PS]),  # mixed: materialized
+        ([[2, 4, 6, 8], [10, 11]], [2 * PS, 0], [4 * PS, 2 * PS]),  # owner 0 holds 5 positions, S = 3
+    ]
+    results, errors = [], []
+    if device == "cuda":
+        for args in batches[:2]:  # warm-up: Triton compiles, NCCL communicators, caching allocators
+            run(*args)
+            end_batch()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for args in batches:
+            results.append(run(*args))
+            errors.append(end_batch())
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    if device == "cuda":
+        torch.cuda.synchronize()
+        try:
+            state.check_overflow(wait=True)
+        except SlotOverflowError as err:
+            errors[-1] = errors[-1] or str(err)
+    return {"batches": [check(o) for o in results], "errors": errors}
+
+
+def _check_results(results: list[dict]) -> None:
+    for res in results:
+        current, mixed, skewed = res["batches"]
+        assert current["mode"] == "current" and all(current["latent_exact"]) and current["inside"], current
+        assert mixed["mode"] == "materialized" and all(mixed["latent_exact"]) and all(mixed["index_exact"]), mixed
+        assert mixed["inside"], mixed
+        # Non-rotating: inside the view; pages 2, 4, 6 (prefix + the first new page) fill owner 0's
+        # block of 3, page 8 and page 10 (owner 0 again) read a trash slot; page 11 (owner 1) is exact.
+        assert skewed["inside"], skewed
+        assert skewed["pages_exact"] == [True, True, True, False, False, True], skewed
+        assert res["errors"][:2] == [None, None], res["errors"]
+        assert res["errors"][2] == (
+            "--enable-cp-shared-kv: slot overflow: the batch of requests [req-0, req-1] reads [5, 1] page "
+            "positions from owners 0..1, more than the 3 pages of an owner's block (the pages of a request do "
+            "not rotate owners); those positions read the trash page, so the batch fails"
+        ), res["errors"]
+
+
+@pytest.mark.multirank
+def test_read_state_on_gloo_ranks_is_exact_and_fails_an_overflowing_batch():
+    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+
+    _check_results(spawn_ranks(_rank, 2, "cpu", timeout_s=300))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_read_state_on_gpus_never_syncs_the_host():
+    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+
+    _check_results(spawn_ranks(_rank, 2, "cuda", backend="nccl", timeout_s=300))

@@ -51,7 +51,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     pipeline_chunks,
     slots_per_rank,
 )
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, index_page_views
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 
 # Pipeline chunk of a view, in tokens sent per rank (0: one piece). Each chunk hides the next one's
@@ -400,10 +400,7 @@ class ViewMaterializer:
         ps = pool.page_size
         views["latent"].view(-1, pool.row_bytes).index_copy_(0, rows, kv_rows)
         if pool.with_indexer:
-            index = views["index"]
+            k_view, scale_view = index_page_views(views["index"], ps)
             page, offset = rows // ps, rows % ps
-            index[:, : ps * INDEX_HEAD_DIM].unflatten(1, (ps, INDEX_HEAD_DIM))[page, offset] = index_records[
-                :, :INDEX_HEAD_DIM
-            ]
-            scales = index_records[:, INDEX_HEAD_DIM:].contiguous().view(torch.float32).view(-1)
-            index[:, ps * INDEX_HEAD_DIM :].view(torch.float32)[page, offset] = scales
+            k_view[page, offset] = index_records[:, :INDEX_HEAD_DIM]
+            scale_view[page, offset] = index_records[:, INDEX_HEAD_DIM:].contiguous().view(torch.float32).view(-1)

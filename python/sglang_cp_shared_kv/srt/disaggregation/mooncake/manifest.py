@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import Manifest
+from sglang_cp_shared_kv.srt.utils import check_int
 
 
 class ManifestError(ValueError):
@@ -32,10 +33,8 @@ class ManifestCollector:
     """Collects the manifests of one request from ``cp_size`` senders."""
 
     def __init__(self, request_id: str, n_pages: int, cp_size: int, page_bytes: int):
-        if not isinstance(n_pages, int) or n_pages < 0:
-            raise ValueError(f"n_pages must be an int >= 0, got {n_pages!r}")
-        if not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
+        check_int("n_pages", n_pages, 0)
+        check_int("cp_size", cp_size, 1)
         self.request_id = request_id
         self.n_pages = n_pages
         self.cp_size = cp_size

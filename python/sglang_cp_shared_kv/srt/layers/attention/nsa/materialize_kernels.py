@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from sglang_cp_shared_kv.srt.utils import check_int
+
 try:
     import triton
     import triton.language as tl
@@ -605,8 +607,7 @@ def positions_to_view_rows(
     _check_index("page_table", page_table, 2)
     if q_req.shape[0] != positions.shape[0]:
         raise ValueError(f"q_req must have one entry per query ({positions.shape[0]}), got {q_req.shape[0]}")
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    check_int("page_size", page_size, 1)
     if not triton_enabled(positions.device, use_triton) or positions.numel() == 0:
         return positions_to_view_rows_ref(positions, q_req, page_table, page_size)
     positions = positions.contiguous()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import assign_slots, plan_positions
+from sglang_cp_shared_kv.srt.utils import check_int
 
 
 def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
@@ -212,14 +213,10 @@ def build_slot_plan(
         raise ValueError(f"pages_per_req must have one entry per request ({batch}), got {len(pages)}")
     if pages and (min(pages) < 0 or max(pages) > max_pages):
         raise ValueError(f"pages_per_req must lie in [0, {max_pages}] (the page table's width), got {pages}")
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    if not isinstance(trash_page, int) or trash_page < 0:
-        raise ValueError(f"trash_page must be an int >= 0, got {trash_page!r}")
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    check_int("cp_size", cp_size, 1)
+    check_int("page_size", page_size, 1)
+    check_int("trash_page", trash_page, 0)
+    check_int("chunks", chunks, 1)
 
     k, sc = chunk_layout(slots_per_rank(pages, cp_size), chunks)
     if vectors is None:

@@ -70,3 +70,32 @@ def test_bad_format_names_the_argument():
         mla_row_bytes("fp16")
     with pytest.raises(ValueError, match="latent/rope"):
         quantize_mla_fp8(torch.zeros(1, 500), torch.zeros(1, 64))
+
+
+def test_index_page_views_are_views_of_the_page_layout():
+    from sglang_cp_shared_kv.srt.mem_cache.kv_formats import index_page_views
+
+    ps = 4
+    pages = torch.zeros(3, ps * 132, dtype=torch.uint8)
+    k, scale = index_page_views(pages, ps)
+    assert k.shape == (3, ps, 128) and k.dtype == torch.uint8
+    assert scale.shape == (3, ps) and scale.dtype == torch.float32
+    k[1, 2] = 7
+    scale[1, 2] = 2.0
+    assert pages[1, 2 * 128 : 3 * 128].eq(7).all() and pages[1, : 2 * 128].eq(0).all()
+    assert pages[1, ps * 128 + 8 : ps * 128 + 12].view(torch.float32).item() == 2.0
+
+
+def test_format_constants_import_without_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from sglang_cp_shared_kv.srt.mem_cache import kv_layout_constants as c\n"
+        "from sglang_cp_shared_kv.srt.utils import check_int\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert (c.MLA_FP8_ROW_BYTES, c.MLA_BF16_ROW_BYTES, c.INDEX_TOKEN_BYTES) == (656, 1152, 132)\n"
+        "assert c.mla_row_bytes('bf16') == 1152 and c.KV_FORMATS == ('fp8', 'bf16')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

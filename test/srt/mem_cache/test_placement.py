@@ -88,3 +88,49 @@ def test_bad_locs_rejected_in_debug_mode(monkeypatch):
         own.owner(torch.tensor([4]))
     with pytest.raises(ValueError, match="owner must be in"):
         own.logical_loc(2, torch.tensor([0]))
+
+
+def test_spec_is_checked_once_and_frozen():
+    from dataclasses import FrozenInstanceError
+
+    from sglang_cp_shared_kv.srt.mem_cache.placement import TRASH_PAGE, CPSharedSpec
+
+    spec = CPSharedSpec(cp_size=4, cp_rank=3, page_size=16, phys_pages=5, row_bytes=656, with_indexer=True)
+    assert spec.trash_page == TRASH_PAGE == 0
+    assert spec.logical_pages == 20
+    own = spec.ownership()
+    assert (own.cp_size, own.page_size, own.logical_pages) == (4, 16, 20)
+    assert spec.ownership(bounded=False).logical_pages is None
+    with pytest.raises(FrozenInstanceError):
+        spec.cp_rank = 0
+    base = dict(cp_size=4, cp_rank=0, page_size=16, phys_pages=5, row_bytes=656, with_indexer=False)
+    for bad, match in [
+        (dict(cp_size=0), "cp_size must be an int >= 1, got 0"),
+        (dict(cp_rank=4), r"cp_rank must be in \[0, 4\), got 4"),
+        (dict(page_size=24), "page_size must be a power of two, got 24"),
+        (dict(phys_pages=0), "phys_pages must be an int >= 1, got 0"),
+        (dict(row_bytes=2.0), "row_bytes must be an int >= 1, got 2.0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            CPSharedSpec(**(base | bad))
+
+
+def test_check_int_message():
+    from sglang_cp_shared_kv.srt.utils import check_int
+
+    check_int("n", 3, 3)
+    for value in (2, "3", 3.0, None):
+        with pytest.raises(ValueError, match=f"n must be an int >= 3, got {value!r}"):
+            check_int("n", value, 3)
+
+
+def test_masked_store_debug_check_rejects_an_owned_row_on_the_trash_page(monkeypatch):
+    monkeypatch.setenv("SGLANG_DEBUG_CP_SHARED_KV", "1")
+    own = PageOwnership(2, 16)
+    locs = torch.tensor([2 * 16 + 1, 3 * 16 + 1, 16 + 1])  # owners 0, 1, 1 (page 1: reserved, on the trash page)
+    rows, mine = own.store_rows(locs, 1, trash_page=0, phys_pages=2)
+    assert rows.tolist() == [1, 16 + 1, 1] and mine.tolist() == [False, True, True]
+    with pytest.raises(AssertionError, match="maps onto the trash page"):
+        own.check_store_rows(torch.tensor([3 * 16 + 1]), torch.tensor([1]), torch.tensor([True]), 1, 0, 2)
+    with pytest.raises(ValueError, match="loc 80 maps past this rank's 2 physical pages"):
+        own.store_rows(torch.tensor([80]), 1, trash_page=0, phys_pages=2)

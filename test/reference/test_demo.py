@@ -1,43 +1,121 @@
-"""The README's demo command, small: CP ranks + Mooncake decode on 127.0.0.1, every check PASS."""
+"""The README's demo command, small: CP ranks + Mooncake decode on 127.0.0.1, every check PASS.
+
+Also what a user meets first: ``--help``, one-line errors before any work, relative ``--out`` from
+another directory, no Mooncake log noise, a clean Ctrl-C, peak memory per rank against the chunk,
+and the table and plot at CP 1, 3 and 16.
+"""
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from sglang_cp_shared_kv.reference.demo import capacity_multiplier, format_report, plot_demo
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_SH = ROOT / "scripts" / "demo.sh"
 ENV = dict(os.environ, TRITON_INTERPRET="1", MC_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+NOISE = ("InitGoogleLogging", "Using default malloc/free", "Local segment descriptor", "Traceback")
+RSS_ROW = re.compile(r"^\s+(\d+)\s.*\s([\d.]+) (B|KiB|MiB|GiB)$")
+UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _demo_sh(args, cwd, timeout=300):
+    """``bash scripts/demo.sh ARGS`` run from ``cwd`` (not the repository root)."""
+    return subprocess.run(
+        ["bash", str(DEMO_SH), *args], capture_output=True, text=True, timeout=timeout, env=ENV, cwd=cwd
+    )
+
+
+def _peak_rss_per_rank(out: str) -> list[int]:
+    rss = []
+    for line in out.splitlines():
+        m = RSS_ROW.match(line)
+        if m and line.split()[0].isdigit() and " s " in line:
+            rss.append(int(float(m.group(2)) * UNITS[m.group(3)]))
+    return rss
 
 
 @pytest.mark.multirank
 @pytest.mark.mooncake
-def test_demo_small_settings_pass(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang_cp_shared_kv.reference.demo",
-        "--cp-size",
-        "2",
-        "--requests",
-        "3",
-        "--request-len",
-        "160",
-        "--chunk",
-        "128",
-        "--layers",
-        "1",
-        "--kv-format",
-        "bf16",
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV)
+@pytest.mark.parametrize(
+    "cp, requests",
+    [(3, 3), (1, 1)],
+    ids=["cp3-shared-prefixes", "cp1-baseline-one-request"],
+)
+def test_demo_small_settings_pass(tmp_path, cp, requests):
+    args = ["--cp-size", str(cp), "--requests", str(requests), "--request-len", "160", "--chunk", "128"]
+    args += ["--layers", "1", "--kv-format", "bf16", "--out", "plots"]
+    proc = _demo_sh(args, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    passes = [line for line in out.splitlines() if line.startswith("PASS")]
+    lines = out.splitlines()
+    passes = [i for i, line in enumerate(lines) if line.startswith("PASS")]
     assert len(passes) == 3 and "FAIL" not in out, out
-    assert "share of replicated" in out and "current-reuse hits" in out
-    assert (tmp_path / "cp_shared_kv_demo.png").stat().st_size > 0
+    # The relative --out lands under the caller's directory, printed absolute, after the verdicts.
+    plot = tmp_path / "plots" / "cp_shared_kv_demo.png"
+    assert plot.stat().st_size > 0
+    plot_line = next(i for i, line in enumerate(lines) if line.startswith("plot: "))
+    assert lines[plot_line] == f"plot: {plot}" and plot_line > passes[-1]
+    assert f"output: {plot}" in out
+    assert not any(n in out + proc.stderr for n in NOISE), out + proc.stderr
+    assert max(len(line) for line in lines) <= 120
+    assert "share of a full copy" in out and "current-reuse" in out
+    assert len(_peak_rss_per_rank(out)) == cp
+    header = lines[0]
+    if requests > 1:
+        assert "share their first 80 tokens" in header and "shared prefix page goes once per request" in out
+    else:
+        assert "share" not in header and "shared prefix" not in out
+    if cp == 1:
+        assert "CP size 1: the baseline" in out
+
+
+def test_demo_help_names_the_script_and_shows_every_default(tmp_path):
+    proc = _demo_sh(["--help"], cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert text.startswith("usage: scripts/demo.sh")
+    # Each option's entry: from its line in "options:" to the next option's.
+    entries = {}
+    for chunk in re.split(r"\n  (?=--)", proc.stdout.split("options:", 1)[1])[1:]:
+        entries[chunk.split()[0]] = " ".join(chunk.split())
+    for option, default in [
+        ("--cp-size", "4"),
+        ("--page-size", "16"),
+        ("--kv-format", "fp8"),
+        ("--requests", "4"),
+        ("--request-len", "384"),
+        ("--chunk", "256"),
+        ("--layers", "2"),
+        ("--out", "demo_out"),
+        ("--triton", "False"),
+    ]:
+        entry = entries[option]
+        assert entry.endswith(f"(default: {default})"), (option, entry)
+        assert len(entry.split("(default:")[0].split()) > 4, f"{option} has no help: {entry}"
+    assert "1 runs the baseline" in text and "--triton" in text
+
+
+def _one_line_error(args, env=None, cwd=None):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_cp_shared_kv.reference.demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env or ENV,
+        cwd=cwd,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""  # nothing started: no log line, no baseline
+    assert time.monotonic() - t0 < 30
+    return proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -49,12 +127,103 @@ def test_demo_small_settings_pass(tmp_path):
     ],
 )
 def test_demo_rejects_bad_options_in_one_line(args, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_cp_shared_kv.reference.demo", *args],
-        capture_output=True,
+    assert message in _one_line_error(args)
+
+
+def test_demo_rejects_what_cannot_fit_or_be_written_before_any_work(tmp_path):
+    line = _one_line_error(["--request-len", "1000000000"])
+    assert "of memory" in line and "is available" in line and re.search(r"--request-len \d+ fits", line), line
+    line = _one_line_error(["--page-size", "1048576"])
+    assert "--page-size 1048576 is larger than --request-len 384" in line and "--page-size 256 or less" in line
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = _one_line_error(["--out", str(blocker / "plots")])
+    assert line.endswith(f"--out {blocker / 'plots'} is not writable: Not a directory"), line
+    line = _one_line_error(["--out", str(blocker)])
+    assert "is not writable: it is a file, not a directory" in line
+    line = _one_line_error(["--triton"], env=dict(ENV, TRITON_INTERPRET="0"))
+    assert "--triton" in line and "TRITON_INTERPRET=1" in line
+
+
+@pytest.mark.multirank
+@pytest.mark.mooncake
+def test_demo_ctrl_c_stops_every_process_without_a_traceback(tmp_path):
+    """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while the ranks run."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_cp_shared_kv.reference.demo", "--cp-size", "2", "--requests", "1"]
+        + ["--request-len", "4096", "--layers", "1", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
         env=ENV,
+        start_new_session=True,
     )
-    assert proc.returncode == 2
-    assert message in proc.stderr.strip().splitlines()[-1]
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "prefill: batch" in line:
+            break
+    assert any("prefill: batch" in line for line in seen), "".join(seen) + proc.stderr.read()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert err.strip().splitlines()[-1].startswith("interrupted:"), err
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, out + err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # raises once no process of the group is left
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("processes of the demo are still alive after Ctrl-C")
+
+
+@pytest.mark.multirank
+@pytest.mark.mooncake
+def test_demo_peak_memory_per_rank_grows_with_the_chunk_not_chunk_times_context(tmp_path):
+    """3072 tokens, chunk 128 vs 1024: 896 more tokens per batch. The whole-batch indexer held fp32 keys
+    per query (chunk x context x 512 B, 1.3 GiB more here); the blocked one adds only per-token work."""
+    rss = {}
+    for chunk in (128, 1024):
+        args = ["--cp-size", "2", "--requests", "1", "--request-len", "3072", "--layers", "1"]
+        proc = _demo_sh(args + ["--chunk", str(chunk), "--out", str(tmp_path)], cwd=tmp_path, timeout=400)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        rss[chunk] = _peak_rss_per_rank(proc.stdout)
+        assert len(rss[chunk]) == 2, proc.stdout
+    growth = max(rss[1024]) - max(rss[128])
+    assert growth < (1024 - 128) * (200 << 10), rss  # < 200 KiB per extra chunk token (175 MiB)
+    assert max(rss[1024]) < 1 << 30, rss
+
+
+def _rows(owned, sent=1 << 20):
+    return [{"owned_pages": n, "sent_bytes": sent if n else 0, "send_s": 0.5, "peak_rss": 450 << 20} for n in owned]
+
+
+@pytest.mark.parametrize("cp", [1, 3, 16])
+def test_report_table_fits_120_columns_and_counts_only_ranks_that_hold_pages(cp):
+    owned = [10] * cp if cp < 16 else [10, 10, 10, 10] + [0] * 12
+    lines = format_report(_rows(owned), sum(owned), 1 << 16, shared_prefixes=False, layers=2)
+    assert max(len(line) for line in lines) <= 120
+    assert lines[0].split()[:2] == ["rank", "KV"] and "sent to decode" in lines[0]
+    assert sum(1 for line in lines if line.split() and line.split()[0].isdigit()) == cp
+    at = next(i for i, line in enumerate(lines) if line.startswith("capacity per rank"))
+    capacity = lines[at] + lines[at + 1]
+    if cp == 16:
+        assert "4.0x" in capacity and "4 of 16 ranks hold pages" in capacity
+        assert capacity_multiplier([10, 0, 0], 10) == 1.0
+    elif cp == 3:
+        assert "3.0x" in capacity and "all 3 ranks" in capacity
+    else:
+        assert "1.0x" in capacity and "CP size 1: the baseline" in capacity
+    assert not any("shared prefix" in line for line in lines)
+
+
+@pytest.mark.parametrize("cp", [1, 3, 16])
+def test_plot_is_written_at_every_cp_size(tmp_path, cp):
+    pytest.importorskip("matplotlib")
+    batches = [("current", {"bytes_materialized": 0, "current_reuse_hits": 2})]
+    batches += [("history", {"bytes_materialized": (i + 1) << 20, "current_reuse_hits": 0}) for i in range(2)]
+    path = plot_demo(tmp_path / "p.png", [3 << 20] * cp, (3 << 20) * cp, batches, [3 << 20] * cp, [0.4] * cp)
+    assert path.stat().st_size > 10_000

@@ -123,13 +123,20 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _largest_fitting_len(args: argparse.Namespace, budget: int) -> int:
-    """The longest ``--request-len`` whose estimate fits ``budget`` (0 if none does)."""
-    lo, hi = 0, args.request_len
+def _largest_fitting(args: argparse.Namespace, name: str, budget: int) -> int:
+    """The largest value of option ``name`` (``request_len`` or ``cp_size``) whose estimate fits ``budget``."""
+    lo, hi = 0, getattr(args, name)
     while lo < hi:
         mid = (lo + hi + 1) // 2
+        trial = {**vars(args), name: mid}
         est = estimate_peak_bytes(
-            args.cp_size, args.requests, mid, args.chunk, args.page_size, args.layers, args.kv_format
+            trial["cp_size"] or 1,
+            trial["requests"],
+            trial["request_len"] or 1,
+            trial["chunk"],
+            trial["page_size"],
+            trial["layers"],
+            trial["kv_format"],
         )
         lo, hi = (mid, hi) if est <= budget else (lo, mid - 1)
     return lo
@@ -137,6 +144,8 @@ def _largest_fitting_len(args: argparse.Namespace, budget: int) -> int:
 
 def _check_writable(out: Path) -> str | None:
     """Why ``out`` cannot take the plot, or ``None`` once a file was written and removed there."""
+    if out.exists() and not out.is_dir():
+        return "it is a file, not a directory"
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".demo-write-check-"):
@@ -166,12 +175,12 @@ def preflight(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[li
     )
     have = available_memory_bytes()
     if have is not None and need > 0.9 * have:
-        fit = _largest_fitting_len(args, int(0.9 * have))
-        hint = (
-            f"--request-len {fit} fits"
-            if fit >= args.page_size
-            else f"fewer --requests or a smaller --cp-size ({args.cp_size + 2} processes of ~{_fmt_bytes(PROCESS_BYTES)})"
-        )
+        fit = _largest_fitting(args, "request_len", int(0.9 * have))
+        if fit >= args.page_size:
+            hint = f"--request-len {fit} fits"
+        else:
+            cp_fit = _largest_fitting(args, "cp_size", int(0.9 * have))
+            hint = f"--cp-size {cp_fit} fits" if cp_fit >= 1 else "fewer or shorter requests"
         ap.error(
             f"this run needs about {_fmt_bytes(need)} of memory ({args.cp_size} ranks + baseline + decode) and "
             f"{_fmt_bytes(have)} is available: {hint}"
@@ -551,12 +560,11 @@ def format_report(
         note = f"{holding} of {n} ranks hold pages; this stream has too few pages for the other {n - holding}"
     else:
         note = f"all {n} ranks hold pages"
-    lines.append(f"capacity per rank: {mult:.1f}x a full copy fits in the KV memory of the fullest rank ({note})")
+    lines.append(f"capacity per rank: {mult:.1f}x a full copy fits in the KV memory of the fullest rank")
+    lines.append(f"  ({note})")
     if shared_prefixes:
-        lines.append(
-            "sent to decode: a shared prefix page goes once per request that reads it (the decode side keeps no "
-            "prefix cache here), so the total can exceed the KV held"
-        )
+        lines.append("sent to decode: a shared prefix page goes once per request that reads it (the decode side")
+        lines.append("  keeps no prefix cache here), so the total can exceed the KV held")
     lines.append(f"(KV bytes: MLA rows plus indexer keys, {layers} layer{'s' if layers > 1 else ''})")
     return lines
 
@@ -656,8 +664,9 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path) -> i
     shared = [(i, s.prefix_from, s.prefix_len) for i, s in enumerate(specs) if s.prefix_from is not None]
     new_ids = torch.randint(0, config.vocab, (len(specs),), generator=torch.Generator().manual_seed(7))
     sharing = f"; odd ones share their first {shared[0][2]} tokens with the one before" if shared else ""
+    sizes = ", ".join(map(str, lens)) if len(lens) <= 6 else f"{lens[0]} to {lens[-1]}"
+    _log(f"{len(specs)} request{'s' if len(specs) > 1 else ''} ({sizes} tokens{sharing})")
     _log(
-        f"{len(specs)} request{'s' if len(specs) > 1 else ''} ({', '.join(map(str, lens))} tokens{sharing}), "
         f"CP={args.cp_size}, page size {args.page_size}, {args.kv_format} KV, {args.layers} layers, "
         f"chunk {args.chunk}, kernels: {'Triton (interpreter)' if use_triton else 'torch formulations'}"
     )
@@ -753,9 +762,9 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path) -> i
     print(
         f"prefill batches: {len(kinds)} ("
         + ", ".join(f"{kinds.count(k)} {k}" for k in ("current", "history", "mixed"))
-        + f"); rank 0 materialized {_fmt_bytes(total_mat)} over them x {args.layers} layers; "
-        f"current-reuse: {hits} layer reads with 0 bytes moved"
+        + f"); rank 0 materialized {_fmt_bytes(total_mat)} in them ({args.layers} layers)"
     )
+    print(f"current-reuse: {hits} layer reads with 0 bytes moved")
     if dec["failed"]:
         print(f"transfer failures: {dec['failed']}")
     print()

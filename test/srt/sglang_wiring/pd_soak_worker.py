@@ -1,0 +1,900 @@
+"""The PD soak's two processes: the prefill CP ranks (which also play the router) and the decode.
+
+``python pd_soak_worker.py prefill CONFIG_JSON`` runs N prefill CP ranks in one process: per rank,
+SGLang 0.5.23's ``MooncakeKVManager`` in prefill mode over the plugin's CP-shared DSA pool and the
+allocator SGLang's configurator builds with the plugin (one per rank, drawing the same pages), a
+real Mooncake engine (TCP on 127.0.0.1), SGLang's bootstrap thread and transfer worker, and
+SGLang's ``MooncakeKVSender`` per request and rank. It spawns the decode as a child process,
+routes requests to both sides, injects the faults (random aborts, one SIGKILL + restart and one
+SIGSTOP/SIGCONT of the decode) and prints ``RESULT:{json}``.
+
+``python pd_soak_worker.py decode CONFIG_JSON`` is the decode: SGLang's ``MooncakeKVManager`` in
+decode mode with the plugin's manifest check, a stock DSA pool and ``PagedTokenToKVPoolAllocator``
+built by SGLang's configurator, SGLang's ``MooncakeKVReceiver`` per request, and SGLang's decode
+release policy for failed requests (abort notification to every prefill rank, pages held until
+every rank's ABORT_ACK or SGLang's release timeout). It talks to the prefill process over its
+stdin/stdout (JSON lines; its stdout carries only lines starting with ``@@``).
+
+The managers are built as in ``test_plugin_decode_manifest`` (``object.__new__`` and the
+attributes their methods read), with SGLang's default deferred decode KV release switched on on
+both sides. Every ZMQ socket binds or connects to 127.0.0.1; the Mooncake engines are started
+with host 127.0.0.1 (metadata mode P2PHANDSHAKE, TCP). Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+FLAG = "--enable-cp-shared-kv"
+ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP is made)
+N_AUX = 64
+
+
+def _env_setup() -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for a hang
+    os.environ["MC_FORCE_TCP"] = "1"
+    os.environ["MOONCAKE_PROTOCOL"] = "tcp"
+
+
+def _kv_args(pool: Any, aux: Any, engine_rank: int, ps: int) -> Any:
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+
+    a = KVArgs()
+    a.engine_rank, a.pp_rank, a.system_dp_rank, a.page_size = engine_rank, 0, 0, ps
+    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
+    a.kv_layer_ids, a.kv_cache_dtype_str, a.kv_layout = [], "bfloat16", None
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [aux[0].nbytes]
+    ptrs, lens, item_lens = pool.get_state_buf_infos()
+    a.state_types = [StateType.DSA]
+    a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [list(ptrs)], [list(lens)], [list(item_lens)]
+    a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [[]], [[]], [[]]
+    a.state_conv_shard_groups, a.is_hybrid_mla_backend, a.mla_compression_ratios = [[]], False, None
+    a.num_draft_entries, a.prefill_start_layer, a.prefill_end_layer = 0, 0, None
+    return a
+
+
+class EngineLedger:
+    """Counts a real ``MooncakeTransferEngine``'s (de)registrations and batch sizes (pass-through)."""
+
+    def __init__(self, engine: Any, regions: list[tuple[int, int]]):
+        self.engine, self.regions = engine, list(regions)
+        self.calls = {"register": 0, "deregister": 0, "batch_register": 0, "batch_deregister": 0}
+        self.batches, self.entries, self.max_entries, self.failed_batches = 0, 0, 0, 0
+        for name in self.calls:
+            setattr(engine, name, self._counted(name, getattr(engine, name)))
+        inner = engine.batch_transfer_sync
+
+        def batch_transfer_sync(session_id, src, dst, lengths):
+            ret = inner(session_id, src, dst, lengths)
+            self.batches += 1
+            self.entries += len(src)
+            self.max_entries = max(self.max_entries, len(src))
+            self.failed_batches += int(ret != 0)
+            return ret
+
+        engine.batch_transfer_sync = batch_transfer_sync
+
+    def _counted(self, name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    def still_registered(self) -> int:
+        """How many of the regions registered at start the engine still holds.
+
+        Registering a held region again fails (Mooncake rejects overlapping regions) and changes
+        nothing; a region that succeeds was gone (it is then held again and counted missing).
+        """
+        held = 0
+        for ptr, length in self.regions:
+            held += int(self.engine.engine.register_memory(ptr, length) != 0)
+        return held
+
+    def report(self) -> dict:
+        return {
+            "regions_at_start": len(self.regions),
+            "regions_held_at_end": self.still_registered(),
+            "registration_calls_during_run": dict(self.calls),
+            "batches": self.batches,
+            "entries": self.entries,
+            "max_entries_per_batch": self.max_entries,
+            "failed_batches": self.failed_batches,
+        }
+
+
+def _register(engine: Any, bufs: list) -> list[tuple[int, int]]:
+    regions = [(b.data_ptr(), b.nbytes) for b in bufs]
+    for ptr, length in regions:
+        engine.register(ptr, length)
+    return regions
+
+
+def page_digests(pool: Any, pages: Any, ps: int) -> list[str]:
+    """A 16-byte BLAKE2b digest per page: every layer's latent rows and DSA indexer page."""
+    import hashlib
+
+    import torch
+
+    kv = [b.view(torch.uint8) for b in pool.kv_buffer]
+    idx = [b.view(torch.uint8) for b in pool.index_k_with_scale_buffer]
+    out = []
+    for p in pages:
+        p = int(p)
+        h = hashlib.blake2b(digest_size=16)
+        for layer in range(len(kv)):
+            h.update(kv[layer][p * ps : (p + 1) * ps].numpy().tobytes())
+            h.update(idx[layer][p].numpy().tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def _configurator_build(model_config: Any, tokens: int) -> tuple[Any, Any]:
+    from test_plugin_decode_manifest import _configurator_build as build
+
+    return build(model_config, tokens)
+
+
+def _manager(mode: Any, engine: Any, kv_args: Any, rank: int, shard_size: int) -> Any:
+    from test_plugin_decode_manifest import _manager as build
+
+    m = build(mode, engine, kv_args, rank, shard_size)
+    m.enable_deferred_decode_kv_release = True  # SGLang's default for Mooncake
+    return m
+
+
+def _set_k_and_s_torch(pool: Any, buf: Any, loc: Any, index_k: Any, index_k_scale: Any) -> None:
+    """SGLang's ``_set_k_and_s_triton`` (no preshuffle) in torch: the same bytes at the same offsets."""
+    import torch
+
+    ps, dim = pool.index_page_size, index_k.shape[-1]
+    per_page = buf[0].numel()
+    flat = buf.view(-1)
+    loc = loc.to(torch.int64)
+    page, off = loc // ps, loc % ps
+    k_at = (page * per_page + off * dim)[:, None] + torch.arange(dim)
+    flat[k_at.reshape(-1)] = index_k.contiguous().view(torch.uint8).reshape(-1)
+    s_at = (page * per_page + ps * dim + off * 4)[:, None] + torch.arange(4)
+    flat[s_at.reshape(-1)] = index_k_scale.to(torch.float32).contiguous().view(torch.uint8).reshape(-1)
+
+
+def use_torch_indexer_store(ps: int) -> None:
+    """Swap SGLang's indexer-key store kernel for its torch formulation, after checking they write the same bytes.
+
+    Under the Triton interpreter the kernel runs one Python program per token (seconds per thousand
+    tokens on this CPU), which would make the prefill forward, not the transfer, the soak's cost.
+    """
+    import torch
+    from sglang.kernels.ops.kvcache import dsa_index_k_cache as k
+
+    class Pool:
+        index_page_size = ps
+
+    g = torch.Generator().manual_seed(0)
+    loc = torch.tensor([0, 5, ps - 1, ps + 3, 3 * ps - 2], dtype=torch.int64)
+    index_k = (torch.randn(len(loc), 128, generator=g) * 4).to(torch.float8_e4m3fn)
+    scale = torch.rand(len(loc), 1, generator=g) + 0.5
+    bufs = [torch.randint(0, 256, (3, ps * (128 + 4)), dtype=torch.uint8, generator=g) for _ in range(2)]
+    bufs[1].copy_(bufs[0])
+    k.SetKAndS.triton(Pool(), bufs[0], loc, index_k, scale)
+    _set_k_and_s_torch(Pool(), bufs[1], loc, index_k, scale)
+    if not torch.equal(bufs[0], bufs[1]):
+        raise AssertionError("the torch formulation of SGLang's indexer-key store differs from the kernel")
+
+    def triton(cls: Any, pool: Any, buf: Any, loc: Any, index_k: Any, index_k_scale: Any) -> None:
+        _set_k_and_s_torch(pool, buf, loc, index_k, index_k_scale)
+
+    k.SetKAndS.triton = classmethod(triton)
+
+
+# ======================================================================= decode process
+def _emit(msg: dict) -> None:
+    sys.stdout.write("@@" + json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+def decode_main(cfg: dict) -> None:
+    _env_setup()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import numpy as np
+    import torch
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServerInfo
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
+    from sglang.srt.runtime_context import get_parallel, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    ps, n, model_dir = cfg["ps"], cfg["n"], cfg["model_dir"]
+    base = ["--model-path", os.path.join(model_dir, "mla"), "--device", "cpu", "--skip-tokenizer-init"]
+    base += ["--page-size", str(ps), "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
+    decode_args = prepare_server_args(base + [FLAG])
+    decode_args.resolve_once()
+    publish(decode_args, role="scheduler")
+    dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
+        pool, alloc = _configurator_build(dsa_config, cfg["decode_pages"] * ps)
+    aux = torch.zeros(N_AUX, 64, dtype=torch.uint8)
+    engine = MooncakeTransferEngine("127.0.0.1")
+    ledger = EngineLedger(engine, _register(engine, [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]))
+    mgr = _manager(DisaggregationMode.DECODE, engine, _kv_args(pool, aux, 0, ps), 0, 1)
+    mgr.waiting_timeout = cfg["waiting_timeout_s"]
+    mgr.start_decode_thread()
+    info = PrefillServerInfo(
+        attn_tp_size=1,
+        attn_cp_size=n,
+        dp_size=1,
+        pp_size=1,
+        page_size=ps,
+        kv_cache_dtype="bfloat16",
+        follow_bootstrap_room=False,
+        enable_kv_cache_sharding=True,
+    )
+    mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every CP rank
+    mgr.prefill_info_table[ADDR] = info
+    for cp in info.target_cp_ranks:
+        mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
+            {"rank_ip": "127.0.0.1", "rank_port": cfg["prefill_ports"][cp], "is_dummy": False}
+        ]
+    free_at_start = int(alloc.available_size())
+    aux_free = list(range(N_AUX))
+    release_timeout = float(cfg["release_timeout_s"])
+
+    inbox: queue.Queue = queue.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            inbox.put(json.loads(line))
+        inbox.put({"op": "eof"})
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    _emit(
+        {
+            "op": "ready",
+            "session": engine.get_session_id(),
+            "free_pages": free_at_start // ps,
+            "required_responses": info.required_prefill_response_num,
+        }
+    )
+
+    @dataclass
+    class Active:
+        room: int
+        receiver: Any
+        locs: Any
+        dst: Any
+        aux_idx: int
+        t0: float
+
+    active: dict[int, Active] = {}
+    held: list[tuple[Active, float, int, str, float]] = []  # (req, deadline, required acks, reason, t_fail)
+    registered = False
+    checks_attr = "_cp_shared_kv_checks"
+
+    def room_tables_clean(room: int) -> bool:
+        return not (
+            room in mgr.request_status
+            or room in mgr.required_prefill_response_num_table
+            or room in mgr.prefill_response_tracker
+            or room in mgr.addr_to_rooms_tracker.get(ADDR, ())
+            or room in mgr.failure_records
+            or room in mgr._deferred_abort_ack_tracker
+            or room in mgr.__dict__.get(checks_attr, {})
+        )
+
+    def release(req: Active) -> None:
+        alloc.free(req.locs)
+        aux_free.append(req.aux_idx)
+
+    finishing, deadline_finish = False, None
+    while True:
+        while True:
+            try:
+                msg = inbox.get_nowait()
+            except queue.Empty:
+                break
+            op = msg["op"]
+            if op == "new":
+                room, n_pages = msg["room"], msg["n_pages"]
+                locs = alloc.alloc(n_pages * ps)
+                if locs is None or not aux_free:
+                    _emit({"op": "done", "room": room, "status": "rejected", "reason": "decode out of pages"})
+                    continue
+                dst = (locs[::ps] // ps).numpy().astype(np.int32)
+                receiver = MooncakeKVReceiver(mgr, ADDR, room)
+                receiver.init(0)
+                if not registered:  # the decode's KV registration, once, as SGLang sends it
+                    assert receiver._register_kv_args()
+                    registered = True
+                aux_idx = aux_free.pop()
+                receiver.send_metadata(dst, aux_idx, [dst.copy()], 0)
+                active[room] = Active(room, receiver, locs, dst, aux_idx, time.monotonic())
+            elif op == "abort":
+                req = active.get(msg["room"])
+                if req is not None:
+                    req.receiver.abort()  # SGLang's AbortReq path: Failed, ABORT to every prefill rank
+            elif op in ("finish", "eof"):
+                finishing, deadline_finish = True, time.monotonic() + cfg["finish_timeout_s"]
+        for room in list(active):
+            req = active[room]
+            poll = req.receiver.poll()
+            if poll == KVPoll.Success:
+                digests = page_digests(pool, req.dst, ps)
+                req.receiver.clear()
+                release(req)
+                del active[room]
+                _emit(
+                    {
+                        "op": "done",
+                        "room": room,
+                        "status": "success",
+                        "digests": digests,
+                        "clean": room_tables_clean(room),
+                        "aux": int(aux[req.aux_idx, 0]),
+                    }
+                )
+            elif poll == KVPoll.Failed:
+                reason = ""
+                try:
+                    req.receiver.failure_exception()  # what SGLang's decode queue calls on a failed poll
+                except KVTransferError as e:
+                    reason = e.failure_reason
+                if not req.receiver.abort_notified:  # SGLang: a failure decode did not start still drains
+                    req.receiver.ensure_abort_notified(force_arm=True)
+                required = len(req.receiver.bootstrap_infos) if req.receiver.abort_notified else 0
+                held.append((req, time.monotonic() + release_timeout, required, reason, time.monotonic()))
+                del active[room]
+        still = []
+        for req, deadline, required, reason, t_fail in held:
+            drained = mgr.is_abort_release_safe(req.room, required)
+            if drained or time.monotonic() >= deadline:
+                mgr.clear_deferred_abort_state(req.room)
+                release(req)
+                _emit(
+                    {
+                        "op": "done",
+                        "room": req.room,
+                        "status": "failed",
+                        "reason": reason,
+                        "drained": bool(drained),
+                        "held_s": round(time.monotonic() - t_fail, 3),
+                        "clean": room_tables_clean(req.room),
+                    }
+                )
+            else:
+                still.append((req, deadline, required, reason, t_fail))
+        held = still
+        if finishing and ((not active and not held) or time.monotonic() > deadline_finish):
+            break
+        time.sleep(0.002)
+
+    report = {
+        "op": "ledger",
+        "left_active": sorted(active),
+        "left_held": sorted(r.room for r, *_ in held),
+        "free_pages_start": free_at_start // ps,
+        "free_pages_end": int(alloc.available_size()) // ps,
+        "aux_free_end": len(aux_free),
+        "tables": {
+            "request_status": len(mgr.request_status),
+            "required_prefill_response_num_table": len(mgr.required_prefill_response_num_table),
+            "prefill_response_tracker": len(mgr.prefill_response_tracker),
+            "addr_to_rooms_tracker": sum(len(v) for v in mgr.addr_to_rooms_tracker.values()),
+            "failure_records": len(mgr.failure_records),
+            "deferred_abort_ack_tracker": len(mgr._deferred_abort_ack_tracker),
+            "manifest_checks": len(mgr.__dict__.get(checks_attr, {})),
+        },
+        "engine": ledger.report(),
+    }
+    _emit(report)
+    os._exit(0)  # SGLang's connector threads block on their sockets forever
+
+
+# ======================================================================= prefill process
+@dataclass
+class Request:
+    room: int
+    tokens: int
+    n_pages: int
+    cuts: list[int]
+    abort: tuple[str, str] | None  # (side: "decode" | "both", phase: "boot" | "mid" | "late")
+    huge: bool
+    incarnation: int = -1
+    state: str = "new"
+    chunk: int = 0
+    locs: Any = None
+    pages: Any = None
+    expected: list[str] = field(default_factory=list)
+    senders: list = field(default_factory=list)
+    aux_idx: int = -1
+    prefill_status: str = ""
+    prefill_reason: str = ""
+    prefill_clean: bool = True
+    decode: dict | None = None
+    aborted: bool = False
+    t0: float = 0.0
+    t_end: float = 0.0
+
+
+class DecodeProc:
+    """The decode child process and the reader thread of its ``@@`` lines."""
+
+    def __init__(self, cfg: dict, incarnation: int, log_path: str, env: dict):
+        self.incarnation = incarnation
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "decode", json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            text=True,
+        )
+        self.inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self.inbox.put(json.loads(line[2:]))
+        self.inbox.put({"op": "exit"})
+
+    def send(self, msg: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def wait_for(self, op: str, timeout_s: float) -> dict:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                msg = self.inbox.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if msg["op"] == op:
+                return msg
+            if msg["op"] == "exit":
+                break
+            self.inbox.put(msg)  # not ours yet: keep it (only used before any request runs)
+        raise TimeoutError(f"decode {self.incarnation}: no {op!r} within {timeout_s}s (log: see decode log)")
+
+
+def _plan(rng: random.Random, cfg: dict, n: int, ps: int) -> list[Request]:
+    """The requests: random lengths (log-uniform), a few huge ones, random chunking and aborts."""
+    total, reqs = cfg["requests"], []
+    huge_at = set(rng.sample(range(1, total), max(1, round(total * cfg["huge_fraction"]))))
+    for i in range(total):
+        room = cfg["room_base"] + i
+        huge = i in huge_at
+        if i == 0:
+            tokens = 1
+        elif huge:  # more than 1024 pages (positions) in one transfer
+            n_pages = 1026 + rng.randint(0, 30)
+            tokens = n_pages * ps - rng.randint(0, ps - 1)
+        else:
+            tokens = max(1, int(math.exp(rng.uniform(0.0, math.log(cfg["max_small_pages"] * ps)))))
+        n_pages = -(-tokens // ps)
+        k = 1 if (huge or n_pages < 2) else rng.choice([1, 2, 3])
+        cuts = sorted(rng.sample(range(1, n_pages), min(k - 1, n_pages - 1)))
+        abort = None
+        if rng.random() < cfg["abort_fraction"]:
+            abort = (rng.choice(["decode", "both"]), rng.choice(["boot", "mid", "late"]))
+        reqs.append(Request(room, tokens, n_pages, cuts, abort, huge))
+    return reqs
+
+
+def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to bottom
+    _env_setup()
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import concurrent.futures
+
+    import numpy as np
+    import torch
+    from plugin_models import stock_dsa_pools
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+    from sglang.srt.disaggregation.mooncake.conn import FastQueue, MooncakeKVSender
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
+    from sglang.srt.runtime_context import get_parallel, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cp_shared_kv.srt.sglang_wiring import transfer
+
+    t_start = time.monotonic()
+    n, ps, model_dir = cfg["n"], cfg["ps"], cfg["model_dir"]
+    use_torch_indexer_store(ps)
+    rng = random.Random(cfg["seed"])
+    argv = ["--model-path", os.path.join(model_dir, "mla"), "--device", "cpu", "--skip-tokenizer-init"]
+    argv += ["--enable-prefill-cp", "--cp-strategy", "interleave", "--tp-size", str(n), "--attn-cp-size", str(n)]
+    argv += [
+        "--page-size",
+        str(ps),
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-transfer-backend",
+        "mooncake",
+    ]
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    server_args.__dict__["enable_cp_shared_kv"] = True  # the record as the launcher passes it (CPU cannot resolve it)
+    publish(server_args, role="scheduler")
+    dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
+    pools, allocs = [], []
+    for rank in range(n):
+        with get_parallel().override(
+            attn_cp_rank=rank, attn_cp_size=n, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False
+        ):
+            pool, alloc = _configurator_build(dsa_config, cfg["prefill_pages"] // n * ps)
+        pools.append(pool)
+        allocs.append(alloc)
+    (replicated,) = stock_dsa_pools([n * pools[0].phys_pages * ps - ps], ps)
+    free_start = [int(a.available_size()) for a in allocs]
+
+    class Layer:
+        def __init__(self, i: int):
+            self.layer_id = i
+
+    def prefill_forward(req: Request) -> None:
+        """What the forward leaves in the pools: the same random KV on every rank's pool and the replicated one."""
+        t = torch.tensor
+        locs = None
+        for a in allocs:  # each rank's scheduler runs its own allocator; they must agree
+            got = a.alloc_extend(
+                t([0]), t([0]), t([req.tokens]), t([req.tokens]), t([0]), req.tokens, rotation_bases=[None]
+            )
+            if got is None:
+                raise MemoryError("prefill allocator refused a request the router admitted")
+            got = got.long()
+            assert locs is None or torch.equal(locs, got), "prefill CP ranks' allocators disagree"
+            locs = got
+        req.locs = locs
+        req.pages = (locs[::ps] // ps).numpy().astype(np.int32)
+        g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + req.room)
+        with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
+            for layer in range(2):
+                nope = torch.randn(len(locs), 1, 512, generator=g).to(torch.bfloat16)
+                rope = torch.randn(len(locs), 1, 64, generator=g).to(torch.bfloat16)
+                k = (torch.randn(len(locs), 128, generator=g) * 4).to(torch.float8_e4m3fn)
+                scale = torch.rand(len(locs), 1, generator=g) + 0.5
+                for p in [*pools, replicated]:
+                    p.set_mla_kv_buffer(Layer(layer), locs, nope, rope)
+                    p.set_index_k_scale_buffer(layer, locs, k, scale)
+        req.expected = page_digests(replicated, req.pages, ps)
+
+    # -- engines, managers and SGLang's threads, one set per prefill CP rank --
+    executor = concurrent.futures.ThreadPoolExecutor(2)
+    mgrs, ledgers, auxes = [], [], []
+    for rank, pool in enumerate(pools):
+        engine = MooncakeTransferEngine("127.0.0.1")
+        aux = torch.full((N_AUX, 64), 100 + rank, dtype=torch.uint8)
+        ledgers.append(EngineLedger(engine, _register(engine, [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux])))
+        m = _manager(DisaggregationMode.PREFILL, engine, _kv_args(pool, aux, rank, ps), rank, n)
+        m.bootstrap_timeout = cfg["bootstrap_timeout_s"]
+        m.transfer_queues = [FastQueue()]
+        m.start_prefill_thread()
+        threading.Thread(target=m.transfer_worker, args=(m.transfer_queues[0], executor), daemon=True).start()
+        mgrs.append(m)
+        auxes.append(aux)
+    aux_free = list(range(N_AUX))
+
+    # -- the decode child --
+    env = {**os.environ}
+    decode_cfg = {
+        "ps": ps,
+        "n": n,
+        "model_dir": model_dir,
+        "decode_pages": cfg["decode_pages"],
+        "prefill_ports": [m.rank_port for m in mgrs],
+        "release_timeout_s": cfg["release_timeout_s"],
+        "waiting_timeout_s": cfg["waiting_timeout_s"],
+        "finish_timeout_s": cfg["finish_timeout_s"],
+    }
+    log_path = cfg["decode_log"]
+    incarnations: list[dict] = []
+
+    def start_decode() -> DecodeProc:
+        t0 = time.monotonic()
+        d = DecodeProc(decode_cfg, len(incarnations), log_path, env)
+        ready = d.wait_for("ready", cfg["decode_start_timeout_s"])
+        incarnations.append(
+            {"pid": d.proc.pid, "session": ready["session"], "start_s": round(time.monotonic() - t0, 2), **ready}
+        )
+        return d
+
+    decode = start_decode()
+    reqs = _plan(rng, cfg, n, ps)
+    by_room = {r.room: r for r in reqs}
+    pending = list(reqs)
+    inflight: list[Request] = []
+    finished: list[Request] = []
+    kill_at = int(len(reqs) * cfg["kill_at"])
+    stop_at = int(len(reqs) * cfg["stop_at"])
+    faults: dict[str, Any] = {"killed": None, "stopped": None}
+    started = 0
+    stopped_until = None
+    t_deadline = t_start + cfg["run_timeout_s"]
+    stuck: list[dict] = []
+
+    def min_poll(req: Request) -> int:
+        return min(int(s.poll()) for s in req.senders)
+
+    def room_clean(room: int) -> bool:
+        for m in mgrs:
+            if (
+                room in m.request_status
+                or room in m.transfer_infos
+                or room in m.failure_records
+                or room in m.req_to_decode_prefix_len
+                or room in m.__dict__.get(transfer._SHARES_ATTR, {})
+            ):
+                return False
+        return True
+
+    def abort_prefill(req: Request) -> None:
+        for s in req.senders:
+            s.abort()  # what SGLang's prefill scheduler calls on an AbortReq
+        req.aborted = True
+
+    def do_abort(req: Request) -> None:
+        side, _ = req.abort
+        if side == "both":
+            abort_prefill(req)
+        if req.incarnation == decode.incarnation:
+            decode.send({"op": "abort", "room": req.room})
+        req.aborted = True
+
+    def conclude_prefill(req: Request) -> None:
+        ok = min_poll(req) == KVPoll.Success
+        reasons = []
+        for s in req.senders:
+            if s.poll() == KVPoll.Failed:
+                try:
+                    s.failure_exception()  # SGLang's prefill: clear + the recorded reason
+                except KVTransferError as e:
+                    reasons.append(e.failure_reason)
+            else:
+                s.clear()
+        for a in allocs:
+            a.free(req.locs)
+        aux_free.append(req.aux_idx)
+        req.prefill_status = "success" if ok else "failed"
+        req.prefill_reason = "; ".join(sorted(set(reasons)))[:300]
+        req.prefill_clean = room_clean(req.room)
+        req.state = "await_decode"
+
+    def start(req: Request) -> bool:
+        free_pages = int(allocs[0].available_size()) // ps
+        if req.n_pages + 1 > free_pages or not aux_free:
+            return False
+        req.t0 = time.monotonic()
+        req.incarnation = decode.incarnation
+        prefill_forward(req)
+        req.aux_idx = aux_free.pop()
+        req.senders = [MooncakeKVSender(m, ADDR, req.room) for m in mgrs]
+        for s in req.senders:
+            s.init(req.n_pages, aux_index=req.aux_idx)
+        decode.send({"op": "new", "room": req.room, "n_pages": req.n_pages})
+        req.state = "boot"
+        return True
+
+    def send_chunk(req: Request) -> None:
+        bounds = [0, *req.cuts, req.n_pages]
+        lo, hi = bounds[req.chunk], bounds[req.chunk + 1]
+        last = req.chunk + 1 == len(bounds) - 1
+        order = list(range(n))
+        rng.shuffle(order)
+        for rank in order:
+            if last:
+                req.senders[rank].send(req.pages[lo:hi], [req.pages.copy()])
+            else:
+                req.senders[rank].send(req.pages[lo:hi])
+        req.chunk += 1
+
+    def step(req: Request) -> None:
+        phase = req.abort[1] if (req.abort and not req.aborted) else None
+        if req.state == "boot":
+            if phase == "boot":
+                do_abort(req)
+            p = min_poll(req)
+            if p == KVPoll.Failed:
+                conclude_prefill(req)
+            elif p >= KVPoll.WaitingForInput:
+                req.state = "send"
+        elif req.state == "send":
+            if min_poll(req) == KVPoll.Failed:
+                conclude_prefill(req)
+                return
+            send_chunk(req)
+            if phase == "mid":
+                do_abort(req)
+            if req.chunk == len(req.cuts) + 1:
+                req.state = "wait"
+        elif req.state == "wait":
+            if phase == "late":
+                do_abort(req)
+            p = min_poll(req)
+            if p in (KVPoll.Success, KVPoll.Failed):
+                conclude_prefill(req)
+
+    def take_decode_messages() -> None:
+        while True:
+            try:
+                msg = decode.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg["op"] == "done":
+                req = by_room[msg["room"]]
+                if req.incarnation == decode.incarnation:
+                    req.decode = msg
+                    if msg["status"] == "rejected" and req.state != "await_decode":
+                        abort_prefill(req)  # the router: no decode pages, so the prefill drops it too
+
+    def finalize(req: Request) -> None:
+        req.t_end = time.monotonic()
+        inflight.remove(req)
+        finished.append(req)
+
+    last_progress = 0.0
+    while pending or inflight:
+        now = time.monotonic()
+        if now - last_progress > 1.0:
+            last_progress = now
+            states = sorted(f"{r.room}:{r.state}" for r in inflight)
+            print(
+                f"[soak n={n}] {now - t_start:.0f}s started={started} finished={len(finished)} {states}",
+                file=sys.stderr,
+            )
+        if now > t_deadline:
+            stuck = [{"room": r.room, "state": r.state, "polls": [int(s.poll()) for s in r.senders]} for r in inflight]
+            break
+        # -- faults --
+        if faults["killed"] is None and started >= kill_at and inflight:
+            take_decode_messages()
+            victims = [r for r in inflight if r.incarnation == decode.incarnation and r.decode is None]
+            t0 = time.monotonic()
+            decode.proc.kill()
+            decode.proc.wait(timeout=30)
+            for r in victims:  # the router sees the decode gone and aborts those requests at the prefill
+                r.decode = {"op": "done", "room": r.room, "status": "lost", "reason": "decode process killed"}
+                if r.state != "await_decode":
+                    abort_prefill(r)
+            decode = start_decode()
+            faults["killed"] = {
+                "at_request": started,
+                "in_flight": len(victims),
+                "in_flight_states": sorted({r.state for r in victims}),
+                "restart_s": round(time.monotonic() - t0, 2),
+            }
+        if faults["stopped"] is None and started >= stop_at and inflight and stopped_until is None:
+            os.kill(decode.proc.pid, signal.SIGSTOP)
+            stopped_until = time.monotonic() + cfg["stop_s"]
+            faults["stopped"] = {
+                "at_request": started,
+                "in_flight": len(inflight),
+                "in_flight_states": sorted({r.state for r in inflight}),
+                "seconds": cfg["stop_s"],
+            }
+        if stopped_until is not None and time.monotonic() >= stopped_until:
+            os.kill(decode.proc.pid, signal.SIGCONT)
+            stopped_until = -1.0
+        # -- admit new requests (the router) --
+        while pending and len(inflight) < cfg["concurrency"]:
+            if not start(pending[0]):
+                break
+            inflight.append(pending.pop(0))
+            started += 1
+        take_decode_messages()
+        for req in list(inflight):
+            if req.state == "await_decode":
+                if req.decode is not None:
+                    finalize(req)
+            else:
+                step(req)
+        if not inflight and pending and not start(pending[0]):
+            raise MemoryError(f"request of {pending[0].n_pages} pages never fits the prefill pool")
+        time.sleep(0.002)
+
+    wall_s = time.monotonic() - t_start
+    # -- drain and ledgers --
+    decode.send({"op": "finish"})
+    ledger = decode.wait_for("ledger", cfg["finish_timeout_s"] + 30)
+    try:
+        decode.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        decode.proc.kill()
+    time.sleep(0.5)  # late ABORT_ACKs and statuses settle on the prefill threads
+    prefill_tables = []
+    for m in mgrs:
+        prefill_tables.append(
+            {
+                "request_status": len(m.request_status),
+                "transfer_infos": len(m.transfer_infos),
+                "failure_records": len(m.failure_records),
+                "req_to_decode_prefix_len": len(m.req_to_decode_prefix_len),
+                "staging_outstanding": sum(1 for v in m._staging_outstanding.values() if v),
+                "deferred_ack_targets": len(m._deferred_ack_targets),
+                "manifest_shares": len(m.__dict__.get(transfer._SHARES_ATTR, {})),
+                "queued_chunks": m.transfer_queues[0].qsize() if hasattr(m.transfer_queues[0], "qsize") else 0,
+                "decode_registrations": sorted(m.decode_kv_args_table),
+                "failed_sessions": sorted(m.failed_sessions),
+                "poisoned_ack_rooms": len(m._deferred_ack_poisoned_rooms),
+            }
+        )
+    rows = []
+    for r in finished:
+        d = r.decode or {}
+        status = d.get("status", "missing")
+        rows.append(
+            {
+                "room": r.room,
+                "tokens": r.tokens,
+                "pages": r.n_pages,
+                "chunks": len(r.cuts) + 1,
+                "huge": r.huge,
+                "abort": list(r.abort) if r.abort else None,
+                "incarnation": r.incarnation,
+                "prefill": r.prefill_status,
+                "prefill_reason": r.prefill_reason,
+                "prefill_clean": r.prefill_clean,
+                "decode": status,
+                "decode_reason": (d.get("reason") or "")[:300],
+                "decode_clean": d.get("clean", status == "lost"),
+                "drained": d.get("drained"),
+                "exact": (d.get("digests") == r.expected) if status == "success" else None,
+                "seconds": round(r.t_end - r.t0, 3),
+            }
+        )
+    result = {
+        "n": n,
+        "page_size": ps,
+        "seed": cfg["seed"],
+        "requests_planned": len(reqs),
+        "requests_finished": len(finished),
+        "stuck": stuck,
+        "wall_s": round(wall_s, 2),
+        "faults": faults,
+        "incarnations": incarnations,
+        "prefill_free_pages": {
+            "start": [f // ps for f in free_start],
+            "end": [int(a.available_size()) // ps for a in allocs],
+        },
+        "prefill_aux_free_end": len(aux_free),
+        "prefill_tables": prefill_tables,
+        "prefill_engines": [lg.report() for lg in ledgers],
+        "decode_ledger": ledger,
+        "rows": rows,
+    }
+    print("RESULT:" + json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    role, config = sys.argv[1], json.loads(sys.argv[2])
+    {"prefill": prefill_main, "decode": decode_main}[role](config)

@@ -145,7 +145,7 @@ def indexer_topk(
             )
             scores = torch.where(pos <= qp, scores, torch.full_like(scores, -math.inf))
             keep = keep_cols < n_visible[s:e].unsqueeze(-1)
-            out[s:e, :width] = torch.where(keep, _top_positions(scores, width), torch.full((1,), -1, dtype=torch.int32))
+            out[s:e, :width] = _top_positions(scores, width).masked_fill(~keep, -1)
     return out
 
 

@@ -358,6 +358,7 @@ def _prefill_rank(rank: int, world: int, cfg: dict, decode_address: str, heartbe
     from sglang_cp_shared_kv.reference.mooncake.owned_page_sender import OwnedPageSender
 
     group = CPGroup()
+    heartbeat.value = time.time()  # up and joined: progress
     t0 = time.monotonic()
     log = _Progress("prefill")
     digests, batches = [], []
@@ -426,6 +427,7 @@ class _Children(threading.Thread):
         self.ranks: list[dict] | None = None
         self.dec: dict | None = None
         self.error: str | None = None
+        self.stop = threading.Event()  # set on Ctrl-C: start nothing more
 
     def run(self) -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -438,6 +440,8 @@ class _Children(threading.Thread):
             if kind != "address":
                 raise RuntimeError(f"decode process failed to start: {address}")
             _log(f"decode: non-CP decode process listening at {address} (Mooncake over TCP on 127.0.0.1)")
+            if self.stop.is_set():
+                raise RuntimeError("interrupted")
             _log(f"prefill: spawning {cfg['cp_size']} CP rank{'s' if cfg['cp_size'] > 1 else ''} (gloo)")
             self.ranks = spawn_ranks(
                 _prefill_rank, cfg["cp_size"], cfg, address, self.heartbeat, timeout_s=RANKS_LIMIT_S
@@ -646,9 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     # (baseline, ranks, decode) runs one thread so that equal bytes give equal bits.
     torch.set_num_threads(1)
     log_filter = _NativeLogFilter()
+    children: list[_Children] = []
     try:
-        return _run(args, specs, out_dir)
+        return _run(args, specs, out_dir, children)
     except KeyboardInterrupt:
+        for c in children:
+            c.stop.set()
         _stop_children()
         print("interrupted: the prefill ranks and the decode process are stopped", file=sys.stderr, flush=True)
         return 130
@@ -656,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         log_filter.stop()
 
 
-def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path) -> int:
+def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, started: list[_Children]) -> int:
     t_start = time.monotonic()
     config = StackConfig(num_layers=args.layers)
     use_triton = bool(args.triton)
@@ -685,6 +692,7 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path) -> i
     }
     heartbeat = mp.get_context("spawn").Value("d", time.time())
     children = _Children(cfg, heartbeat)
+    started.append(children)
     children.start()
 
     # The replicated baseline runs here while the ranks run in their processes.

@@ -41,7 +41,7 @@ def positions_to_rows(
 
 
 # Working memory of one block of queries in ``indexer_topk`` and ``sparse_mla``. Both compute each query on
-# its own (per-query batched matmuls, per-row sort and logsumexp), so any split over queries gives the
+# its own (per-query batched matmuls, per-row top-k and logsumexp), so any split over queries gives the
 # same bits; the split keeps their temporaries bounded by this many bytes instead of growing with
 # chunk x context.
 QUERY_BLOCK_BYTES = 8 << 20

@@ -10,12 +10,19 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from sglang_cp_shared_kv.reference.demo import capacity_multiplier, format_report, plot_demo
+from sglang_cp_shared_kv.reference.demo import (
+    capacity_multiplier,
+    format_report,
+    plot_demo,
+    wait_while_progressing,
+)
+from sglang_cp_shared_kv.reference.mooncake.transfer_state import TransferState
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SH = ROOT / "scripts" / "demo.sh"
@@ -227,3 +234,41 @@ def test_plot_is_written_at_every_cp_size(tmp_path, cp):
     batches += [("history", {"bytes_materialized": (i + 1) << 20, "current_reuse_hits": 0}) for i in range(2)]
     path = plot_demo(tmp_path / "p.png", [3 << 20] * cp, (3 << 20) * cp, batches, [3 << 20] * cp, [0.4] * cp)
     assert path.stat().st_size > 10_000
+
+
+class _Transfer:
+    """A transfer that completes ``after_s`` from now; ``wait`` blocks like the receiver's."""
+
+    def __init__(self, after_s):
+        self.done = threading.Event()
+        timer = threading.Timer(after_s, self.done.set)
+        timer.daemon = True
+        timer.start()
+
+    def wait(self, timeout_s):
+        return TransferState.SUCCESS if self.done.wait(timeout_s) else TransferState.WAITING
+
+
+def test_decode_waits_past_the_stall_limit_while_the_ranks_report_progress():
+    beat = [time.time()]
+    stop = threading.Event()
+
+    def ranks():  # a batch every 0.2 s
+        while not stop.wait(0.2):
+            beat[0] = time.time()
+
+    threading.Thread(target=ranks, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        state = wait_while_progressing(_Transfer(2.5).wait, lambda: beat[0], 1.0, "req-0", tick_s=0.1)
+    finally:
+        stop.set()
+    assert state == TransferState.SUCCESS and time.monotonic() - t0 >= 2.4  # 2.5 x the stall limit
+
+
+def test_decode_gives_up_in_one_line_once_the_ranks_go_quiet():
+    beat = time.time()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^no progress from the prefill ranks for 1 s while waiting for req-3$"):
+        wait_while_progressing(_Transfer(30).wait, lambda: beat, 0.8, "req-3", tick_s=0.1)
+    assert time.monotonic() - t0 < 2

@@ -31,8 +31,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -293,6 +295,21 @@ def _first_digest_mismatch(base: list, batch_kinds: list[str], got: list) -> str
 # --------------------------------------------------------------------------------------------- decode
 
 
+def wait_while_progressing(
+    wait: Callable[[float], Any], last_progress: Callable[[], float], stall_s: float, what: str, tick_s: float = 1.0
+) -> Any:
+    """``wait(tick_s)`` until it returns a finished state, for as long as the senders make progress.
+
+    ``last_progress()`` is the wall-clock time (``time.time()``) of their latest report; more than
+    ``stall_s`` without one raises ``RuntimeError`` naming ``what``. No limit on the total wait.
+    """
+    while not (state := wait(tick_s)).finished:
+        idle = time.time() - last_progress()
+        if idle > stall_s:
+            raise RuntimeError(f"no progress from the prefill ranks for {idle:.0f} s while waiting for {what}")
+    return state
+
+
 def _decode_main(cfg: dict, heartbeat, outbox: mp.Queue) -> None:
     """The non-CP decode server: receive every request over Mooncake, check, rebuild, decode one step.
 
@@ -318,11 +335,9 @@ def _decode_main(cfg: dict, heartbeat, outbox: mp.Queue) -> None:
         outbox.put(("address", rx.address))
         states = {}
         for i in range(len(lens)):
-            while not (state := rx.wait(f"req-{i}", 1.0)).finished:
-                idle = time.time() - heartbeat.value
-                if idle > STALL_S:
-                    raise RuntimeError(f"no progress from the prefill ranks for {idle:.0f} s while waiting for req-{i}")
-            states[i] = state
+            states[i] = wait_while_progressing(
+                lambda timeout_s, i=i: rx.wait(f"req-{i}", timeout_s), lambda: heartbeat.value, STALL_S, f"req-{i}"
+            )
         failed = {i: rx.failure_reason(f"req-{i}") for i, s in states.items() if s != TransferState.SUCCESS}
         tables = [rx.dst_pages(f"req-{i}").tolist() for i in range(len(lens))]
         rebuilt = [

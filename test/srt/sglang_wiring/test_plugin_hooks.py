@@ -39,6 +39,8 @@ TARGETS = [
     "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices",
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
     "sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward",
+    "sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes",
+    "sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch",
 ]
 
 
@@ -58,6 +60,8 @@ def _configurator(model_config):
     c.hybrid_gdn_config = None
     c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
     c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
+    c.page_size = PS
+    c.use_mla_backend = True
     return c
 
 
@@ -160,6 +164,36 @@ def _worker(model_dir: str) -> None:
             except Exception as e:
                 verdicts[name] = f"{type(e).__name__}: {e}"
         out[f"flag_{flag}"]["init_pools"] = verdicts
+        # The KV budget's fixed charge (SGLang's sizing calls this before it sizes the pool).
+        from sglang.srt.model_executor import pool_configurator
+
+        with get_parallel().override(attn_cp_rank=1, attn_cp_size=n):
+            out[f"flag_{flag}"]["charged"] = pool_configurator.compute_page_shard_scratch_bytes(
+                _configurator(dsa_config)
+            )
+        out[f"flag_{flag}"]["context_len"] = dsa_config.context_len
+        spec = getattr(alloc, "shard_spec", None)
+        if flag:
+            # SGLang's own prefill admission against the allocator's spec: requests of a full-context
+            # prefix are admitted while the batch's prefix views fit the arena, then deferred.
+            import logging
+
+            from sglang.srt.managers.schedule_policy import PrefillAdder
+
+            records = []
+            handler = logging.Handler()
+            handler.emit = lambda r, records=records: records.append(r.getMessage())
+            logging.getLogger("sglang_cp_shared_kv.srt.sglang_wiring.view_arena").addHandler(handler)
+            logging.getLogger("sglang_cp_shared_kv.srt.sglang_wiring.view_arena").setLevel(logging.INFO)
+            adder = object.__new__(PrefillAdder)
+            adder.token_to_kv_pool_allocator = alloc
+            adder.kv_shard_scratch_spec = spec
+            adder.kv_shard_granule, adder.kv_shard_size = PS, n
+            adder.kv_shard_block_bound_pages = adder.kv_shard_chunk_pages = 0
+            ctx = dsa_config.context_len // PS * PS
+            out["admission"] = [adder._kv_shard_reserve_scratch(prefix_len=ctx, extend_len=PS) for _ in range(3)]
+            out["admission_log"] = records
+            out["arena_spec"] = [spec.max_prefix_tokens, spec.chunk_tokens, spec.page_size, spec.scratch_rows]
 
     # -- the Mooncake sender path on both prefill ranks, into a stock decode pool --
     class Layer:
@@ -303,7 +337,8 @@ def test_flag_on_builds_cp_shared_pool_and_widened_allocator(results):
     assert on["shard_rank"] == 1
     assert on["allocator"] == "PageInterleavePoolAllocator"
     assert on["allocator_size"] == 2 * 8 * PS and on["widening"] == 2  # the scheduler's widening seam
-    assert on["shard_spec"] == "None"  # no SGLang scratch admission
+    # SGLang's scratch admission runs against our view arena's regions (see the arena test below)
+    assert on["shard_spec"].startswith("PageShardSpec(shard_rank=1, shard_size=2, page_size=64,")
     assert on["sharded_transfer"] is True
 
 
@@ -319,6 +354,27 @@ def test_mooncake_sender_moves_owned_pages_to_their_positions(results):
 
 def test_debug_share_check_catches_a_wrong_selection(results):
     assert results["share_check"] == "caught"
+
+
+def test_view_arena_is_charged_to_the_kv_budget_and_bounds_admission(results):
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import ARENA_CONTEXTS
+
+    on, off = results["flag_True"], results["flag_False"]
+    assert off["charged"] == 0 and off["shard_spec"] == "'absent'"  # flag off: SGLang's own (no scratch)
+    max_prefix, chunk, ps, rows = results["arena_spec"]
+    granule = 2 * PS
+    assert max_prefix == ARENA_CONTEXTS * -(-on["context_len"] // granule) * granule and ps == PS
+    assert rows == max_prefix + chunk + PS
+    # One arena of latent rows (bf16 576 values: the configurator's KV dtype) + 132-B indexer records
+    # per token, charged instead of SGLang's 2 x (8 contexts + chunk + page) scratch.
+    token_bytes = 576 * 2 + 132
+    assert on["charged"] == rows * token_bytes
+    upstream = 2 * (8 * -(-on["context_len"] // granule) * granule + chunk + PS) * token_bytes
+    assert on["charged"] * 4 <= upstream
+    # Full-context prefixes: the arena takes ARENA_CONTEXTS of them per batch, the next one waits, and says so.
+    assert results["admission"] == [True] * ARENA_CONTEXTS + [False] * (3 - ARENA_CONTEXTS)
+    assert len(results["admission_log"]) == 3 - ARENA_CONTEXTS
+    assert "waits for a later batch" in results["admission_log"][0]
 
 
 if __name__ == "__main__":

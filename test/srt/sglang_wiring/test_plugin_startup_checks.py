@@ -82,6 +82,13 @@ CASES = [
         GOOD + ["--page-size", "64", "--chunked-prefill-size", "1000"],
         "--chunked-prefill-size 1000",
     ),
+    (
+        "chunked_prefill_off",
+        "dsa",
+        "pipeline",
+        GOOD + ["--page-size", "64", "--chunked-prefill-size", "-1"],
+        "--chunked-prefill-size -1 turns chunked prefill off",
+    ),
     ("dummy_model", "dummy", "pipeline", GOOD, "--model-path dummy"),
     # -- rejections by the late hook, through the real pipeline (these models resolve on CPU) --
     ("not_mla", "gqa", "pipeline", GOOD + ["--device", "cpu"], "is not an MLA model"),

@@ -4,6 +4,8 @@
 - ``startup_checks``: the flag's rules, run where SGLang resolves its arguments.
 - ``pool_hooks``: SGLang's MLA/DSA pools replaced by ``sharded_kv_pool``'s subclasses and its
   allocator widened by N (SGLang's owner-rotating allocator).
+- ``view_arena``: the read buffer's size, charged to the KV budget, and SGLang's batch admission
+  held to it.
 - ``sharded_kv_pool`` + ``read_state``: the masked write path and the kv-shard read contract
   (current-reuse / materialized view) that SGLang's DSA backend, indexer and FA3 call.
 - ``transfer``: SGLang's Mooncake sender in sharded mode (owned pages at their positions), and
@@ -20,9 +22,15 @@ from __future__ import annotations
 
 def hook_tables() -> list[tuple[str, object, str]]:
     """Every (target, hook, kind) the plugin registers with SGLang's ``HookRegistry``, in order."""
-    from sglang_cp_shared_kv.srt.sglang_wiring import decode_manifest, pool_hooks, server_args_hook, transfer
+    from sglang_cp_shared_kv.srt.sglang_wiring import (
+        decode_manifest,
+        pool_hooks,
+        server_args_hook,
+        transfer,
+        view_arena,
+    )
 
-    return [*server_args_hook.HOOKS, *pool_hooks.HOOKS, *transfer.HOOKS, *decode_manifest.HOOKS]
+    return [*server_args_hook.HOOKS, *pool_hooks.HOOKS, *view_arena.HOOKS, *transfer.HOOKS, *decode_manifest.HOOKS]
 
 
 def _wraps(target: str, hook: object) -> bool:

@@ -9,8 +9,9 @@ draft, pool):
   every size, dtype and layer decision stays SGLang's).
 - ``_build_token_to_kv_pool_allocator``: over a CP-shared pool, SGLang's own owner-rotating
   ``PageInterleavePoolAllocator`` (logical index space ``size * N``, logical pages ``lp``
-  drawn for owner ``lp % N``: the same arithmetic as ``PageOwnership``), with no scratch spec,
-  so the scheduler widens its capacity and rotation bases without SGLang's scratch admission.
+  drawn for owner ``lp % N``: the same arithmetic as ``PageOwnership``), handed our view
+  arena's ``PageShardSpec`` (``view_arena``), so the scheduler widens its capacity and rotation
+  bases and SGLang's own scratch admission keeps every prefill batch's views inside the arena.
   Then the process is marked as transferring sharded KV (see ``transfer``).
 
 An AFTER hook on ``_init_pools`` then refuses to go on, one line per problem, unless every
@@ -76,7 +77,9 @@ def build_allocator(original, configurator, **kwargs):
     from sglang.srt.runtime_context import get_disagg
 
     from sglang_cp_shared_kv.srt.sglang_wiring.transfer import enable_sharded_transfer
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import spec_for
 
+    spec = spec_for(configurator)
     allocator = PageInterleavePoolAllocator(
         kwargs["sizes"].max_total_num_tokens,
         physical_page_size=pool.page_size,
@@ -85,9 +88,17 @@ def build_allocator(original, configurator, **kwargs):
         device=configurator.device,
         kvcache=pool,
         need_sort=get_disagg().disaggregation_mode in ("decode", "prefill"),
-        shard_spec=None,  # no SGLang scratch: the read path is ours
+        shard_spec=spec,  # SGLang's batch admission against our view arena's regions
     )
-    logger.info("%s: allocator widened to %d logical slots over %d CP ranks", FLAG, allocator.size, pool.shard_size)
+    allocator.cp_shared_arena = True
+    logger.info(
+        "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
+        FLAG,
+        allocator.size,
+        pool.shard_size,
+        spec.max_prefix_tokens,
+        spec.chunk_tokens,
+    )
     enable_sharded_transfer()
     return allocator
 

@@ -307,6 +307,13 @@ def _plumbing_rejections(cfg: Any) -> list[str]:
         if value not in (None, False):
             out.append(_line(f"{flag} is not supported ({why})", f"drop {flag}"))
     chunk, ps = cfg.chunked_prefill_size, cfg.page_size
+    if chunk is not None and chunk <= 0:
+        out.append(
+            _line(
+                f"--chunked-prefill-size {chunk} turns chunked prefill off (the view arena and its batch admission are sized from the chunk)",
+                "set --chunked-prefill-size to a positive multiple of the page size",
+            )
+        )
     if chunk is not None and chunk > 0 and _is_pow2(ps) and chunk % ps:
         out.append(
             _line(

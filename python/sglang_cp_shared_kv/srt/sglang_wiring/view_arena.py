@@ -1,0 +1,149 @@
+"""The view arena: the read buffer of a CP-shared pool, sized once from the server's limits.
+
+A prefill batch's read buffer holds ``[prefix view | current chunk | trash page]``: the prefix
+pages all-gathered owner-major (``N * sum_i ceil(prefix_pages_i / N)`` pages) and the chunk's
+pages staged locally. SGLang's own scheduler already bounds exactly those two regions per batch
+for its page-interleave pool (``PrefillAdder._kv_shard_reserve_scratch``, from the allocator's
+``PageShardSpec``): a request that would overflow either waits for a later batch. We hand the
+allocator a spec of our own sizes, so the same admission keeps every batch inside our arena,
+and charge the arena's bytes to the KV budget in place of SGLang's scratch
+(``pool_configurator.compute_page_shard_scratch_bytes``), so the token capacity the scheduler
+sees shrinks by exactly the arena.
+
+Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``,
+default ``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times the bytes of one
+token's latent row and indexer record, once. SGLang's page-interleave scratch keeps eight
+contexts, twice (double-buffered for its layer-ahead gather)::
+
+    ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG
+from sglang_cp_shared_kv.srt.utils import check_int
+
+logger = logging.getLogger(__name__)
+
+ARENA_CONTEXTS = 2
+ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
+
+
+def arena_contexts() -> int:
+    """``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS`` (an int >= 1), else ``ARENA_CONTEXTS``."""
+    raw = os.environ.get(ARENA_CONTEXTS_ENV, "").strip()
+    if not raw:
+        return ARENA_CONTEXTS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{ARENA_CONTEXTS_ENV} must be an int >= 1, got {raw!r}")
+    return int(raw)
+
+
+def _ceil_align(x: int, granule: int) -> int:
+    return -(-x // granule) * granule
+
+
+def make_arena_spec(
+    cp_rank: int, cp_size: int, page_size: int, context_len: int, chunk_tokens: int, contexts: int
+) -> Any:
+    """SGLang's ``PageShardSpec`` with our region sizes: ``contexts`` contexts of prefix, the chunk budget."""
+    from sglang.srt.mem_cache.page_interleave import PageShardSpec
+
+    check_int("cp_size", cp_size, 2)
+    check_int("page_size", page_size, 1)
+    check_int("context_len", context_len, 1)
+    check_int("chunk_tokens", chunk_tokens, 1)
+    check_int("contexts", contexts, 1)
+    return PageShardSpec(
+        shard_rank=cp_rank,
+        shard_size=cp_size,
+        page_size=page_size,
+        max_prefix_tokens=contexts * _ceil_align(context_len, cp_size * page_size),
+        chunk_tokens=_ceil_align(chunk_tokens, page_size),
+    )
+
+
+def arena_bytes(spec: Any, token_bytes: int) -> int:
+    """Bytes of one arena: ``spec.scratch_rows`` tokens (prefix, chunk, trash page) of ``token_bytes`` each."""
+    return spec.scratch_rows * token_bytes
+
+
+def upstream_scratch_bytes(spec: Any, token_bytes: int, context_len: int) -> int:
+    """What SGLang's page-interleave scratch takes for the same server: eight contexts + the chunk + a page, twice."""
+    from sglang.srt.mem_cache import page_interleave
+
+    contexts = page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS
+    prefix = contexts * _ceil_align(context_len, spec.shard_size * spec.page_size)
+    return 2 * (prefix + spec.chunk_tokens + spec.page_size) * token_bytes
+
+
+def spec_for(configurator: Any) -> Any:
+    """The arena spec of this process's CP rank, from SGLang's parallel context and schedule limits."""
+    from sglang.srt.runtime_context import get_parallel, get_schedule
+
+    parallel = get_parallel()
+    chunk = get_schedule().chunked_prefill_size
+    if chunk is None or chunk <= 0:
+        raise ValueError(f"{FLAG} needs chunked prefill (--chunked-prefill-size > 0) to size its view arena")
+    return make_arena_spec(
+        parallel.attn_cp_rank,
+        parallel.attn_cp_size,
+        configurator.page_size,
+        configurator.model_config.context_len,
+        chunk,
+        arena_contexts(),
+    )
+
+
+def charge_arena(original, kvc, **kwargs):
+    """AROUND hook on ``pool_configurator.compute_page_shard_scratch_bytes``: our arena's bytes when the flag is on."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import _active
+
+    if not _active(kvc):
+        return original(kvc, **kwargs)
+    from sglang.srt.mem_cache import page_interleave
+
+    spec = spec_for(kvc)
+    token_bytes = page_interleave._page_shard_row_bytes(kvc)
+    ours = arena_bytes(spec, token_bytes)
+    theirs = upstream_scratch_bytes(spec, token_bytes, kvc.model_config.context_len)
+    layers = max(int(getattr(kvc.model_config, "num_hidden_layers", 1) or 1), 1)
+    logger.info(
+        "%s: view arena %.1f MiB per rank (%d prefix + %d chunk tokens), charged to the KV budget: about %d "
+        "fewer cached tokens; SGLang's --enable-kv-cache-sharding scratch would take %.1f MiB",
+        FLAG,
+        ours / 2**20,
+        spec.max_prefix_tokens,
+        spec.chunk_tokens,
+        ours // (token_bytes * layers),
+        theirs / 2**20,
+    )
+    return ours
+
+
+def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
+    """AFTER hook on ``PrefillAdder._kv_shard_reserve_scratch``: say why a request waits for a later batch."""
+    spec = getattr(adder, "kv_shard_scratch_spec", None)
+    if not reserved and spec is not None and getattr(adder.token_to_kv_pool_allocator, "cp_shared_arena", False):
+        logger.info(
+            "%s: a request (prefix %d, new %d tokens) waits for a later batch: this batch's views would exceed "
+            "the view arena (%d prefix + %d chunk tokens; %s raises the prefix part)",
+            FLAG,
+            prefix_len,
+            extend_len,
+            spec.max_prefix_tokens,
+            spec.chunk_tokens,
+            ARENA_CONTEXTS_ENV,
+        )
+    return reserved
+
+
+# (target, hook, kind) for ``sglang_wiring.register``.
+HOOKS = [
+    ("sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes", charge_arena, "around"),
+    ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", log_deferred, "after"),
+]

@@ -146,10 +146,31 @@ def page_digests(pool: Any, pages: Any, ps: int) -> list[str]:
     return out
 
 
-def _configurator_build(model_config: Any, tokens: int) -> tuple[Any, Any]:
-    from test_plugin_decode_manifest import _configurator_build as build
+def _configurator_build(model_config: Any, tokens: int, ps: int) -> tuple[Any, Any]:
+    """SGLang's configurator pool and allocator builders (hooked by the plugin), on the attributes they read.
 
-    return build(model_config, tokens)
+    As ``test_plugin_decode_manifest._configurator_build``, with the configurator's page size set.
+    """
+    import types
+
+    import torch
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    c = object.__new__(KVCacheConfigurator)
+    c.model_config, c.kv_cache_dtype, c.device, c.page_size = model_config, torch.bfloat16, "cpu", ps
+    c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
+    c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
+    c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
+    pool = c._build_dsa_kv_pool(max_total_num_tokens=tokens, max_running_requests=8, dsa_pool_class=DSATokenToKVPool)
+    alloc = c._build_token_to_kv_pool_allocator(
+        sizes=types.SimpleNamespace(max_total_num_tokens=tokens),
+        token_to_kv_pool=pool,
+        is_dsv4_model=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+    )
+    return pool, alloc
 
 
 def _manager(mode: Any, engine: Any, kv_args: Any, rank: int, shard_size: int) -> Any:
@@ -234,7 +255,7 @@ def decode_main(cfg: dict) -> None:
     publish(decode_args, role="scheduler")
     dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
-        pool, alloc = _configurator_build(dsa_config, cfg["decode_pages"] * ps)
+        pool, alloc = _configurator_build(dsa_config, cfg["decode_pages"] * ps, ps)
     aux = torch.zeros(N_AUX, 64, dtype=torch.uint8)
     engine = MooncakeTransferEngine("127.0.0.1")
     ledger = EngineLedger(engine, _register(engine, [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]))
@@ -424,6 +445,8 @@ class Request:
     state: str = "new"
     chunk: int = 0
     locs: Any = None
+    before_metadata: list[int] = field(default_factory=list)
+    metadata_seen: set[int] = field(default_factory=set)
     pages: Any = None
     expected: list[str] = field(default_factory=list)
     senders: list = field(default_factory=list)
@@ -433,6 +456,8 @@ class Request:
     prefill_clean: bool = True
     decode: dict | None = None
     aborted: bool = False
+    alloc_pages: int = 0  # pages the allocators' free count dropped by for this request
+    freed_pages: int = 0  # pages their free count rose by when it was freed
     t0: float = 0.0
     t_end: float = 0.0
 
@@ -499,7 +524,7 @@ def _plan(rng: random.Random, cfg: dict, n: int, ps: int) -> list[Request]:
         k = 1 if (huge or n_pages < 2) else rng.choice([1, 2, 3])
         cuts = sorted(rng.sample(range(1, n_pages), min(k - 1, n_pages - 1)))
         abort = None
-        if rng.random() < cfg["abort_fraction"]:
+        if not huge and rng.random() < cfg["abort_fraction"]:
             abort = (rng.choice(["decode", "both"]), rng.choice(["boot", "mid", "late"]))
         reqs.append(Request(room, tokens, n_pages, cuts, abort, huge))
     return reqs
@@ -550,11 +575,23 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         with get_parallel().override(
             attn_cp_rank=rank, attn_cp_size=n, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False
         ):
-            pool, alloc = _configurator_build(dsa_config, cfg["prefill_pages"] // n * ps)
+            pool, alloc = _configurator_build(dsa_config, cfg["prefill_pages"] // n * ps, ps)
         pools.append(pool)
         allocs.append(alloc)
     (replicated,) = stock_dsa_pools([n * pools[0].phys_pages * ps - ps], ps)
     free_start = [int(a.available_size()) for a in allocs]
+    last_holder: dict[int, int] = {}  # logical page -> the last request it was allocated to
+
+    def missing_pages(a: Any) -> list[list[int]]:
+        free: set[int] = set()
+        listed = 0
+        for lst in [*a.class_free_pages, *a.class_release_pages]:
+            free.update(lst.tolist())
+            listed += len(lst)
+        if listed != len(free):
+            print(f"[soak] duplicate free pages: {listed - len(free)}", file=sys.stderr)
+        every = {p * a.shard_size + r for r in range(a.shard_size) for p in range(1, a.num_pages // a.shard_size + 1)}
+        return [[p, last_holder.get(p, -1)] for p in sorted(every - free)]
 
     class Layer:
         def __init__(self, i: int):
@@ -564,6 +601,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         """What the forward leaves in the pools: the same random KV on every rank's pool and the replicated one."""
         t = torch.tensor
         locs = None
+        free_before = int(allocs[0].available_size())
         for a in allocs:  # each rank's scheduler runs its own allocator; they must agree
             got = a.alloc_extend(
                 t([0]), t([0]), t([req.tokens]), t([req.tokens]), t([0]), req.tokens, rotation_bases=[None]
@@ -575,6 +613,9 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
             locs = got
         req.locs = locs
         req.pages = (locs[::ps] // ps).numpy().astype(np.int32)
+        req.alloc_pages = (free_before - int(allocs[0].available_size())) // ps
+        for page in sorted(set((locs // ps).tolist())):
+            last_holder[page] = req.room
         g = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + req.room)
         with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
             for layer in range(2):
@@ -671,6 +712,9 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
 
     def conclude_prefill(req: Request) -> None:
         ok = min_poll(req) == KVPoll.Success
+        note_metadata(req)
+        # Ranks the decode's destination pages were not seen to reach before this conclusion.
+        req.before_metadata = [r for r in range(n) if r not in req.metadata_seen]
         reasons = []
         for s in req.senders:
             if s.poll() == KVPoll.Failed:
@@ -680,17 +724,21 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                     reasons.append(e.failure_reason)
             else:
                 s.clear()
+        free_before = int(allocs[0].available_size())
         for a in allocs:
             a.free(req.locs)
+        req.freed_pages = (int(allocs[0].available_size()) - free_before) // ps
         aux_free.append(req.aux_idx)
         req.prefill_status = "success" if ok else "failed"
         req.prefill_reason = "; ".join(sorted(set(reasons)))[:300]
         req.prefill_clean = room_clean(req.room)
         req.state = "await_decode"
 
+    def fits(req: Request) -> bool:
+        return req.n_pages + 1 <= int(allocs[0].available_size()) // ps and bool(aux_free)
+
     def start(req: Request) -> bool:
-        free_pages = int(allocs[0].available_size()) // ps
-        if req.n_pages + 1 > free_pages or not aux_free:
+        if not fits(req):
             return False
         req.t0 = time.monotonic()
         req.incarnation = decode.incarnation
@@ -716,9 +764,15 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 req.senders[rank].send(req.pages[lo:hi])
         req.chunk += 1
 
+    def note_metadata(req: Request) -> None:
+        for r, (m, snd) in enumerate(zip(mgrs, req.senders)):
+            if req.room in m.transfer_infos or snd.poll() >= KVPoll.WaitingForInput:
+                req.metadata_seen.add(r)
+
     def step(req: Request) -> None:
         phase = req.abort[1] if (req.abort and not req.aborted) else None
         if req.state == "boot":
+            note_metadata(req)
             if phase == "boot":
                 do_abort(req)
             p = min_poll(req)
@@ -774,7 +828,8 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
             stuck = [{"room": r.room, "state": r.state, "polls": [int(s.poll()) for s in r.senders]} for r in inflight]
             break
         # -- faults --
-        if faults["killed"] is None and started >= kill_at and inflight:
+        huge_in_flight = any(r.huge and r.state != "await_decode" for r in inflight)
+        if faults["killed"] is None and started >= kill_at and inflight and not huge_in_flight:
             take_decode_messages()
             victims = [r for r in inflight if r.incarnation == decode.incarnation and r.decode is None]
             t0 = time.monotonic()
@@ -791,7 +846,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "in_flight_states": sorted({r.state for r in victims}),
                 "restart_s": round(time.monotonic() - t0, 2),
             }
-        if faults["stopped"] is None and started >= stop_at and inflight and stopped_until is None:
+        if faults["stopped"] is None and started >= stop_at and inflight and not huge_in_flight:
             os.kill(decode.proc.pid, signal.SIGSTOP)
             stopped_until = time.monotonic() + cfg["stop_s"]
             faults["stopped"] = {
@@ -802,7 +857,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
             }
         if stopped_until is not None and time.monotonic() >= stopped_until:
             os.kill(decode.proc.pid, signal.SIGCONT)
-            stopped_until = -1.0
+            stopped_until = None
         # -- admit new requests (the router) --
         while pending and len(inflight) < cfg["concurrency"]:
             if not start(pending[0]):
@@ -816,7 +871,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                     finalize(req)
             else:
                 step(req)
-        if not inflight and pending and not start(pending[0]):
+        if not inflight and pending and not fits(pending[0]):
             raise MemoryError(f"request of {pending[0].n_pages} pages never fits the prefill pool")
         time.sleep(0.002)
 
@@ -841,6 +896,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "deferred_ack_targets": len(m._deferred_ack_targets),
                 "manifest_shares": len(m.__dict__.get(transfer._SHARES_ATTR, {})),
                 "queued_chunks": m.transfer_queues[0].qsize() if hasattr(m.transfer_queues[0], "qsize") else 0,
+                "rooms_left": sorted(set(m.request_status) | set(m.transfer_infos)),
                 "decode_registrations": sorted(m.decode_kv_args_table),
                 "failed_sessions": sorted(m.failed_sessions),
                 "poisoned_ack_rooms": len(m._deferred_ack_poisoned_rooms),
@@ -855,6 +911,8 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "room": r.room,
                 "tokens": r.tokens,
                 "pages": r.n_pages,
+                "prefill_pages_taken": r.alloc_pages,
+                "prefill_pages_returned": r.freed_pages,
                 "chunks": len(r.cuts) + 1,
                 "huge": r.huge,
                 "abort": list(r.abort) if r.abort else None,
@@ -862,6 +920,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "prefill": r.prefill_status,
                 "prefill_reason": r.prefill_reason,
                 "prefill_clean": r.prefill_clean,
+                "concluded_before_metadata_on_ranks": r.before_metadata,
                 "decode": status,
                 "decode_reason": (d.get("reason") or "")[:300],
                 "decode_clean": d.get("clean", status == "lost"),
@@ -885,6 +944,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
             "end": [int(a.available_size()) // ps for a in allocs],
         },
         "prefill_aux_free_end": len(aux_free),
+        "prefill_pages_not_free": [missing_pages(a) for a in allocs],
         "prefill_tables": prefill_tables,
         "prefill_engines": [lg.report() for lg in ledgers],
         "decode_ledger": ledger,

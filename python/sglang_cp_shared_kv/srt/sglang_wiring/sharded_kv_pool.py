@@ -16,7 +16,9 @@ read sees:
 - **Read path**: the pools implement the kv-shard pool contract SGLang's attention backends
   already call (``begin_shard_extend`` / ``translate_loc_to_scratch`` / ``get_key_buffer`` and
   the indexer's page reads), served by ``read_state.BatchReadState``: current-reuse when no
-  request has a prefix, else the materialized view.
+  request has a prefix, else the materialized view of the prefixes. Either way the write path
+  stages the current chunk (every rank holds all of it) into the buffer the batch reads, so the
+  chunk is never gathered nor all-gathered.
 
 Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): every stored row is checked to map back to its
 logical loc on this rank, and the read plan and translation are checked (syncing).
@@ -107,6 +109,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         index = None
         if spec.with_indexer:
             index = PageBuffers(self.ownership, spec.cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
+        # One plan and one collective per layer serve both (read_state.BatchReadState.source).
         self.read = BatchReadState(self.ownership, spec.cp_rank, spec.logical_pages, latent, index, cp_group)
         self._shard_extend_active = False
         logger.info(
@@ -134,8 +137,9 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         return layer_id - self.start_layer
 
     def _stage_rows(self, locs: torch.Tensor) -> torch.Tensor | None:
-        """Rows of the current-reuse staging buffer for ``locs``, or None outside current-reuse."""
-        return self.read.translate(locs).long() if self._shard_extend_active and self.read.mode == "current" else None
+        """Rows of the batch's staging pages for ``locs`` (the current-reuse buffer, or the pages past a
+        materialized view), or None outside a sharded extend batch."""
+        return self.read.translate(locs).long() if self._shard_extend_active and self.read.mode is not None else None
 
     def _as_rows(self, buf: torch.Tensor) -> torch.Tensor:
         """A uint8 ``[rows, row_bytes]`` buffer as the pool's ``[rows, 1, kv_cache_dim]`` store dtype."""
@@ -149,7 +153,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         if stage_rows is None:
             self._write_mla_kv_buffer(self.kv_buffer[local], rows, cache_k_nope, cache_k_rope)
             return
-        # Current-reuse: quantize once into the staging rows the batch reads, then keep the owned ones.
+        # Quantize once into the staging rows the batch reads, then keep the owned ones.
         stage = self._as_rows(self.read.stage_latent)
         self._write_mla_kv_buffer(stage, stage_rows, cache_k_nope, cache_k_rope)
         self.kv_buffer[local].index_copy_(0, rows, stage.index_select(0, stage_rows))
@@ -274,8 +278,8 @@ class CPSharedIndexKeyCache(IndexKeyCache):
     def write_targets(self, layer_id: int, loc: torch.Tensor):
         """(buffer, token slots, None) pairs an indexer writer stores the whole chunk to.
 
-        Every token goes to the pool at its masked row (owned row or trash page) and, under
-        current-reuse, to the staging page the batch reads. No row selection, no sync.
+        Every token goes to the pool at its masked row (owned row or trash page) and, inside an
+        extend batch, to the staging page the batch reads. No row selection, no sync.
         """
         if loc.numel() == 0:
             return []

@@ -88,6 +88,11 @@ class BatchCounters:
       indexer). Every rank of the group materializes the same amount.
     - ``bytes_received``: the part of ``bytes_materialized`` that came from other ranks,
       ``(N - 1) / N`` of it.
+    - ``current_chunk_bytes_gathered``: the part of ``bytes_materialized`` that holds pages of the
+      current chunk (pages past each request's page-aligned prefix): every rank already holds
+      them, so a path that stages the chunk locally (the wired path) keeps this at 0; a view
+      planned over whole ``seq_len`` s (the standalone stack) gathers them again.
+    - ``pages_staged``: current-chunk pages staged locally next to the view (not gathered).
     """
 
     kind: str
@@ -97,6 +102,8 @@ class BatchCounters:
     pages_gathered: int = 0
     bytes_materialized: int = 0
     bytes_received: int = 0
+    current_chunk_bytes_gathered: int = 0
+    pages_staged: int = 0
 
 
 @dataclass
@@ -104,8 +111,10 @@ class LayerView:
     """What the indexer and MLA kernels read for one layer.
 
     ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages`` uint8 ``[P, page_size * 132]`` (``None``
-    without an indexer); ``page_table`` int32 ``[B, max_pages]`` into both (a token at position
-    ``p`` of request ``b`` is row ``page_table[b, p // page_size] * page_size + p % page_size``).
+    without an indexer, or for a layer whose indexer buffer is empty); ``page_table`` int32
+    ``[B, max_pages]`` into both (a token at position ``p`` of request ``b`` is row
+    ``page_table[b, p // page_size] * page_size + p % page_size``). Both buffers may hold
+    ``extra_pages`` past the view (``begin_batch``): pages the caller fills itself.
     """
 
     kv_rows: torch.Tensor
@@ -185,6 +194,7 @@ class ViewMaterializer:
         self.plan: SlotPlan | None = None
         self.counters: BatchCounters | None = None
         self._num_tokens = 0
+        self._current_pages = 0  # current-chunk pages the batch's view gathers (0 when staged)
         # One or (prefetching) two sets of views, used by alternate layers, and per set the steps
         # of a layer's gather: (this rank's page ids, its part of each view, the chunk of each view).
         self._views: list[dict[str, torch.Tensor]] = []
@@ -208,6 +218,7 @@ class ViewMaterializer:
         prefix_lens: Sequence[int],
         plan: SlotPlan | None = None,
         request_ids: Sequence[str] | None = None,
+        extra_pages: int = 0,
     ) -> BatchCounters:
         """Start a forward batch: its real page table (logical pages) and host lengths.
 
@@ -218,6 +229,10 @@ class ViewMaterializer:
         pool), reused instead of planning again. ``request_ids``: names of the batch's requests, for
         the overflow error. First raises ``SlotOverflowError`` for an earlier batch whose overflow
         flag is on the host (``check_overflow``).
+
+        ``extra_pages``: pages every view buffer holds past the ``N * S`` gathered ones, never
+        gathered nor all-gathered (a caller that stages the current chunk there plans the view
+        over the prefixes only: ``seq_lens = prefix_lens``).
         """
         seq_lens = [int(n) for n in seq_lens]
         prefix_lens = [int(n) for n in prefix_lens]
@@ -228,6 +243,8 @@ class ViewMaterializer:
             )
         if any(not 0 <= p <= n for p, n in zip(prefix_lens, seq_lens)):
             raise ValueError(f"prefix_lens must lie in [0, seq_len], got {prefix_lens} for seq_lens {seq_lens}")
+        if not isinstance(extra_pages, int) or extra_pages < 0:
+            raise ValueError(f"extra_pages must be an int >= 0, got {extra_pages!r}")
         self._drain()  # a gather still in flight writes buffers this batch replaces
         self.check_overflow()
         kind = batch_kind(prefix_lens)
@@ -236,6 +253,9 @@ class ViewMaterializer:
         pool = self.pool
         n = pool.ownership.cp_size
         pages = pages_for_lens(seq_lens, pool.page_size)
+        # Pages past each request's (page-rounded) prefix: the current chunk, gathered again here.
+        prefix_pages = pages_for_lens(prefix_lens, pool.page_size)
+        self._current_pages = sum(p - q for p, q in zip(pages, prefix_pages))
         chunks = 1
         if self.group is not None and n > 1 and self.pipeline_chunk_tokens:
             chunks = pipeline_chunks(slots_per_rank(pages, n), pool.page_size, self.pipeline_chunk_tokens)
@@ -255,16 +275,16 @@ class ViewMaterializer:
         self.plan = plan
         if debug_enabled():
             check_plan(self.plan, self.group)
-        self._allocate(self.plan, 2 if self.prefetch else 1)
+        self._allocate(self.plan, 2 if self.prefetch else 1, extra_pages)
         if self.prefetch:
             self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
         return self.counters
 
-    def _allocate(self, plan: SlotPlan, copies: int) -> None:
+    def _allocate(self, plan: SlotPlan, copies: int, extra_pages: int = 0) -> None:
         """The view buffers, and the slices each gather step writes and all-gathers (built once per batch).
 
         This rank gathers straight into its part of each view chunk and the all-gather runs in
-        place: no separate send buffer.
+        place: no separate send buffer. ``extra_pages`` follow the view in every buffer, untouched.
         """
         pool = self.pool
         rank = pool.rank
@@ -275,7 +295,8 @@ class ViewMaterializer:
         self._views, self._steps = [], []
         for _ in range(copies):
             views = {
-                k: torch.empty((plan.view_pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()
+                k: torch.empty((plan.view_pages + extra_pages, w), dtype=torch.uint8, device=pool.device)
+                for k, w in widths.items()
             }
             steps = []
             for c in range(plan.chunks):
@@ -336,8 +357,21 @@ class ViewMaterializer:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1
         views = self._views[slot]
-        kv_rows = views["latent"].view(plan.view_pages * pool.page_size, pool.row_bytes)
-        return LayerView(kv_rows, views.get("index"), plan.slot_table, pool.page_size, self.use_triton)
+        kv_rows = views["latent"].view(-1, pool.row_bytes)
+        index = views.get("index") if self._layer_has_index(layer) else None
+        return LayerView(kv_rows, index, plan.slot_table, pool.page_size, self.use_triton)
+
+    def view_buffers(self, layer: int = 0) -> dict[str, torch.Tensor]:
+        """The batch's view buffers that ``layer_view(layer)`` fills (``"latent"``, ``"index"``):
+        uint8 ``[N * S + extra_pages, page bytes]``, for a caller that stages pages past the view."""
+        if not self._views:
+            raise ValueError("view_buffers called before begin_batch")
+        return self._views[layer % len(self._views)]
+
+    def _layer_has_index(self, layer: int) -> bool:
+        """Whether ``layer`` has indexer pages to gather (SGLang leaves the buffers of layers that
+        skip top-k empty). Host-known shapes."""
+        return self.pool.with_indexer and self.pool.index[layer].shape[0] > 0
 
     # -- the gather, now or ahead --
     def _gather(self, layer: int, slot: int) -> None:
@@ -349,21 +383,23 @@ class ViewMaterializer:
         """
         pool, plan, group = self.pool, self.plan, self.group
         sources = [pool.latent_pages(layer)]
-        if pool.with_indexer:
+        if self._layer_has_index(layer):
             sources.append(pool.index[layer])
+        used = len(sources)
         in_flight: list[PendingCollective] = []
         for page_ids, mine, whole in self._steps[slot]:
-            gather_page_buffers(sources, page_ids, mine, use_triton=self.use_triton)
+            gather_page_buffers(sources, page_ids, mine[:used], use_triton=self.use_triton)
             if group is not None:
-                in_flight.append(group.all_gather_into_many(whole, mine, async_op=True))
+                in_flight.append(group.all_gather_into_many(whole[:used], mine[:used], async_op=True))
         for pending in in_flight:
             pending.wait()
-        page_bytes = pool.page_bytes_per_layer
+        page_bytes = sum(src.shape[1] for src in sources)
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
         counters.bytes_materialized += plan.view_pages * page_bytes
         counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
+        counters.current_chunk_bytes_gathered += self._current_pages * page_bytes
 
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device

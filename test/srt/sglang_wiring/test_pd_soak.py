@@ -20,7 +20,8 @@ Mooncake batch then holds more than 1024 (source, destination, length) entries),
 chunks. Faults: ~15 % of requests aborted (a client abort reaching the decode only or both sides,
 before the destinations arrive, between chunks, or after the last chunk); the decode SIGKILLed with
 requests in flight and started again (a new Mooncake session that registers anew), then SIGSTOPped
-for 2 s with requests in flight and continued.
+for 2 s with requests in flight and continued. Huge requests are never aborted, and the kill and the
+stop wait until no huge request is being sent, so every huge transfer completes and is checked.
 
 Why a subprocess for the decode: SGLang's connector threads and the Mooncake engine cannot be
 killed or frozen inside a process, so the decode runs as its own process and gets the real
@@ -37,6 +38,12 @@ both sides is empty; every failed request was cleaned on both sides when it conc
 successful request's pages on the decode equal the replicated pool's pages (the unsharded pool
 the prefill ranks wrote alongside theirs) byte for byte, compared through a 16-byte BLAKE2b
 digest of each page (all layers' latent rows and DSA indexer page).
+
+What SGLang 0.5.23 itself leaves behind, and the checks allow only where it is shown: a decode's
+destination pages that reach a prefill rank after the rank's sender was aborted and cleared make
+SGLang's bootstrap thread record the room again (``request_status``, ``transfer_infos``,
+``req_to_decode_prefix_len``; nothing clears it), and every decode session that ever registered
+stays in the prefill's ``decode_kv_args_table``.
 
 The indexer-key store kernel runs under the Triton interpreter at one Python program per token;
 the prefill process swaps it for its torch formulation after checking both write the same bytes
@@ -210,8 +217,7 @@ def test_the_faults_hit_requests_in_flight(soak):
     rows = soak["rows"]
     assert sum(1 for x in rows if x["decode"] == "lost") == killed["in_flight"]
     assert any(x["abort"] for x in rows)
-    # A lost request either had its prefill side aborted by the router, or had sent everything already.
-    assert all(x["prefill"] == "failed" or x["abort"] is None for x in rows if x["decode"] == "lost")
+    assert all(x["incarnation"] == 0 for x in rows if x["decode"] == "lost")  # only the killed decode's
 
 
 def test_lengths_span_one_token_to_over_1024_pages(soak):

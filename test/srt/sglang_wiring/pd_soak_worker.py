@@ -829,9 +829,12 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
             break
         # -- faults --
         huge_in_flight = any(r.huge and r.state != "await_decode" for r in inflight)
-        if faults["killed"] is None and started >= kill_at and inflight and not huge_in_flight:
+        if faults["killed"] is None and started >= kill_at and not huge_in_flight:
             take_decode_messages()
             victims = [r for r in inflight if r.incarnation == decode.incarnation and r.decode is None]
+        else:
+            victims = []
+        if victims:  # kill only with requests the decode has not concluded
             t0 = time.monotonic()
             decode.proc.kill()
             decode.proc.wait(timeout=30)

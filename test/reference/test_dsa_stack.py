@@ -57,7 +57,7 @@ def test_replicated_results_do_not_depend_on_the_page_layout(kv_format):
     reqs = [RequestSpec(40), RequestSpec(24), RequestSpec(52, prefix_from=0, prefix_len=32), RequestSpec(64)]
     kw = {"chunk_size": 64, "page_size": 16, "kv_format": kv_format, "config": SMALL}
     a = run_chunked_prefill(reqs, **kw)
-    b = run_chunked_prefill(reqs, layout_cp_size=4, **kw)
+    b = run_chunked_prefill(reqs, cp_size=4, **kw)
     assert a.request_pages != b.request_pages
     assert first_mismatch(a, b) is None
     assert b.request_pages[2][:2] == b.request_pages[0][:2]  # the shared prefix reuses the source's pages

@@ -726,7 +726,7 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
         page_size=args.page_size,
         kv_format=args.kv_format,
         config=config,
-        layout_cp_size=args.cp_size,
+        cp_size=args.cp_size,
         use_triton=use_triton,
         on_batch=on_base_batch,
         keep_outputs=False,

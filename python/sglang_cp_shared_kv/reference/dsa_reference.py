@@ -18,14 +18,13 @@ import math
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, LATENT_DIM, decode_mla_rows
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, LATENT_DIM, decode_mla_rows, index_page_views
 
 
 def read_index_k(index_pages: torch.Tensor, page_size: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fetch fp8 K bytes and fp32 scales of token ``rows`` (``page * ps + offset``) from page-major indexer pages."""
     page, offset = rows // page_size, rows % page_size
-    k_part = index_pages[:, : page_size * INDEX_HEAD_DIM].unflatten(1, (page_size, INDEX_HEAD_DIM))
-    scale_part = index_pages[:, page_size * INDEX_HEAD_DIM :].view(torch.float32)
+    k_part, scale_part = index_page_views(index_pages, page_size)
     return k_part[page, offset], scale_part[page, offset]
 
 

@@ -43,6 +43,7 @@ from sglang_cp_shared_kv.srt.mem_cache.kv_formats import (
     quantize_index_k,
 )
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.utils import check_int
 
 # ---------------------------------------------------------------------------------------------
 # requests and the chunked-prefill schedule
@@ -84,8 +85,7 @@ class ScheduledBatch:
 def check_requests(requests: Sequence[RequestSpec], page_size: int) -> None:
     """One clear error for a request stream the driver cannot run."""
     for i, r in enumerate(requests):
-        if not isinstance(r.length, int) or r.length < 1:
-            raise ValueError(f"requests[{i}].length must be an int >= 1, got {r.length!r}")
+        check_int(f"requests[{i}].length", r.length, 1)
         if r.prefix_from is None:
             if r.prefix_len:
                 raise ValueError(f"requests[{i}].prefix_len is {r.prefix_len} without a prefix_from")
@@ -106,8 +106,7 @@ def schedule_chunked_prefill(requests: Sequence[RequestSpec], chunk_size: int) -
     A request starts once the request whose prefix it shares has finished; a request that does
     not fit is split, and its rest leads the next batch.
     """
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, 1)
     done = [None] * len(requests)  # tokens in the cache, None before a request starts
     finished_before: set[int] = set()
     batches = []
@@ -153,9 +152,7 @@ class StackConfig:
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "heads", "index_heads", "topk", "vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"StackConfig.{name} must be an int >= 1, got {value!r}")
+            check_int(f"StackConfig.{name}", getattr(self, name), 1)
 
 
 def _rope_angles(pos: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +327,7 @@ def run_chunked_prefill(
     current_reuse: bool = True,
     prefetch: bool = False,
     use_triton: bool | None = None,
-    layout_cp_size: int | None = None,
+    cp_size: int | None = None,
     on_batch: Callable[[int, int, BatchResult], None] | None = None,
     keep_outputs: bool = True,
 ) -> PrefillRun:
@@ -340,7 +337,7 @@ def run_chunked_prefill(
     table. With a CP group: this rank's share of a pool sharded over the group, read through
     ``read_path.ReadPath`` (current-reuse for batches without prefixes when ``current_reuse``; the
     next layer's gather started ahead of its pool write when ``prefetch``).
-    Logical pages come from a balanced allocator over ``layout_cp_size`` owners (default: the
+    Logical pages come from a balanced allocator over ``cp_size`` owners (default: the
     group's size, or 1), so a replicated run can use the very page ids of a CP run.
     ``on_batch(index, total, result)`` is called after each batch (progress reports). With
     ``keep_outputs=False`` each batch's layer outputs are dropped once ``on_batch`` has seen them
@@ -350,14 +347,14 @@ def run_chunked_prefill(
     mla_row_bytes(kv_format)
     device = torch.device(device)
     n = group.size if group is not None else 1
-    layout_n = layout_cp_size if layout_cp_size is not None else n
-    if group is not None and layout_n != n:
-        raise ValueError(f"layout_cp_size must equal the group's size ({n}) for a sharded run, got {layout_n}")
-    phys_per_rank = _pool_pages_per_rank(requests, page_size, layout_n)
-    allocator = BalancedPageAllocator(PageOwnership(layout_n, page_size), phys_per_rank)
+    cp_size = cp_size if cp_size is not None else n
+    if group is not None and cp_size != n:
+        raise ValueError(f"cp_size must equal the group's size ({n}) for a sharded run, got {cp_size}")
+    phys_per_rank = _pool_pages_per_rank(requests, page_size, cp_size)
+    allocator = BalancedPageAllocator(PageOwnership(cp_size, page_size), phys_per_rank)
     if group is None:
         pool = ShardedMLAPool(
-            PageOwnership(1, page_size), 0, phys_per_rank * layout_n, config.num_layers, kv_format, device=device
+            PageOwnership(1, page_size), 0, phys_per_rank * cp_size, config.num_layers, kv_format, device=device
         )
         materializer = None
     else:

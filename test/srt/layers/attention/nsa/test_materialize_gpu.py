@@ -96,7 +96,7 @@ def _rank_nccl_prefill(rank, world_size, kv_format, prefetch, chunk_tokens):
     requests = [RequestSpec(160), RequestSpec(96), RequestSpec(208, 0, 128), RequestSpec(256)]
     kw = {"chunk_size": 256, "page_size": PS, "kv_format": kv_format, "device": dev}
     kw["config"] = StackConfig(num_layers=3, heads=16, topk=64)
-    replicated = run_chunked_prefill(requests, layout_cp_size=world_size, **kw)
+    replicated = run_chunked_prefill(requests, cp_size=world_size, **kw)
     sharded = run_chunked_prefill(requests, group=CPGroup(), prefetch=prefetch, **kw)
     return first_mismatch(replicated, sharded), [b.counters for b in sharded.batches]
 

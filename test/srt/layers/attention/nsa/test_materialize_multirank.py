@@ -62,7 +62,7 @@ def _rank_prefill(rank, world_size, ps, kv_format, current_reuse, prefetch, chun
     requests, chunk = stream(ps)
     group = CPGroup()
     replicated = run_chunked_prefill(
-        requests, chunk_size=chunk, page_size=ps, kv_format=kv_format, config=CONFIG, layout_cp_size=world_size
+        requests, chunk_size=chunk, page_size=ps, kv_format=kv_format, config=CONFIG, cp_size=world_size
     )
     sharded = run_chunked_prefill(
         requests,

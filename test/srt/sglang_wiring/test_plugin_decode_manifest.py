@@ -161,6 +161,7 @@ def _configurator_build(model_config, tokens: int):
     c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
     c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
     c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
+    c.page_size, c.use_mla_backend = PS, True
     pool = c._build_dsa_kv_pool(max_total_num_tokens=tokens, max_running_requests=8, dsa_pool_class=DSATokenToKVPool)
     alloc = c._build_token_to_kv_pool_allocator(
         sizes=types.SimpleNamespace(max_total_num_tokens=tokens),

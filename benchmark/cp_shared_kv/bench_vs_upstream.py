@@ -428,10 +428,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             if name == "ours" and device.type != "cuda":  # the view and staging buffers this batch holds
                 r = pool.read
                 views = []
-                for m in (r.latent_views, r.index_views):
-                    if m is not None and r.mode == "materialized":
-                        views += [t for vs in m._views for t in vs.values()]
-                views += [t for t in (r.stage_latent, r.stage_index) if t is not None]
+                if r.views is not None and r.mode == "materialized":  # the staged pages live past the view
+                    views += [t for vs in r.views._views for t in vs.values()]
+                else:
+                    views += [t for t in (r.stage_latent, r.stage_index) if t is not None]
                 row["ours_peak_view_bytes"] = int(sum(t.numel() * t.element_size() for t in views))
             if sharded:
                 pool.end_shard_extend()
@@ -460,6 +460,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         if "ours" in pools:
             c = pools["ours"].read.counters
             row["ours_bytes_received"] = int(c.bytes_received) if c is not None else 0
+            # Bytes of the current chunk that went through the gather (staged locally instead: 0).
+            row["ours_current_chunk_bytes_gathered"] = int(c.current_chunk_bytes_gathered) if c is not None else 0
         if "upstream" in pools:
             block = pools["upstream"]._block_pages
             row["upstream_bytes_received"] = (world - 1) * block * page_bytes * layers
@@ -537,6 +539,7 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
 
     has_up = any("upstream_layer_time_us" in r for r in rows)
     s: dict = {"correct_all": correct_all}
+    s["current_chunk_bytes_gathered"] = sum(r.get("ours_current_chunk_bytes_gathered", 0) for r in rows)
     if has_up:
         s["ours_vs_upstream_layer_time"] = _median(
             [ratio(r["upstream_layer_time_us"], r["ours_layer_time_us"]) for r in rows]
@@ -609,6 +612,7 @@ def main(argv: list[str] | None = None) -> None:
         k: _median([s.get(k) for s in summaries.values()]) if k not in ("correct_all", "upstream_wins_on") else None
         for k in summaries[a.scale[0]]
     }
+    summary["current_chunk_bytes_gathered"] = sum(s["current_chunk_bytes_gathered"] for s in summaries.values())
     summary["correct_all"] = ok
     summary["upstream_wins_on"] = sorted({w for s in summaries.values() for w in s.get("upstream_wins_on", [])})
     write_result(a.out, all_rows, summary, {"by_scale": summaries, "run_environment": envs})

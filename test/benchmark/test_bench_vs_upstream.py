@@ -31,5 +31,14 @@ def test_tiny_workload_is_bit_exact_and_accounts_bytes():
         # current-reuse gathers nothing; every batch with a prefix receives pages from the other rank
         assert [r["ours_bytes_received"] == 0 for r in rows] == [k == "current" for k in kinds]
         assert all(r["ours_peak_view_bytes"] > 0 for r in rows)
+        # Exactly the prefix pages (latent + indexer, one owner's block per layer from the other
+        # rank), the current chunk staged locally: what SGLang's page-interleave pool receives
+        # for these batches, less its cross-request dedup of shared prefix pages.
+        page_bytes, layers = 64 * (656 + 132), SCALES["tiny"].layers
+        for r, b in zip(rows, batches):
+            block = sum(-(-(p // 64) // 2) for _, p, _ in b)
+            assert r["ours_bytes_received"] == block * page_bytes * layers, (r, b)
+            assert r["ours_current_chunk_bytes_gathered"] == 0, r
     summary = summarize(per_rank[0]["rows"], per_rank[0]["env"], True)
     assert summary["correct_all"] and "bytes_ratio" not in summary  # no upstream column on CPU
+    assert summary["current_chunk_bytes_gathered"] == 0

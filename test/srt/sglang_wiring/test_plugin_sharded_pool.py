@@ -172,8 +172,14 @@ def _alloc(allocator, prefix_len: int, seq_len: int, last_loc: int, base):
     return out, bases[0]
 
 
-def _rank_read_path(rank: int, world: int, debug: bool) -> dict:
-    if debug:  # the syncing plan / translation / stored-row checks run on every call
+def _rank_read_path(rank: int, world: int, cfg: dict) -> dict:
+    """The three batch kinds through both sharded pools and their stock twins, on one CP rank.
+
+    ``cfg``: ``debug`` (the syncing plan / translation / stored-row checks on every call), ``fp8``
+    (the DSA pool's packed 656-byte rows, else bf16 576-value rows) and ``mla_ps`` (the plain MLA
+    pool's page size; SGLang's DSA pool needs 64).
+    """
+    if cfg["debug"]:
         os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
@@ -181,23 +187,24 @@ def _rank_read_path(rank: int, world: int, debug: bool) -> dict:
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool, CPSharedMLATokenToKVPool
 
-    # bf16 latent rows: the fp8 quantizer is covered above and is slow under the Triton interpreter.
-    size, layers = 8 * PS, 2
-    kwargs = _dsa_kwargs(layers, fp8=False)
+    size, layers, mla_ps = 12 * PS, 2, cfg["mla_ps"]
+    kwargs = _dsa_kwargs(layers, fp8=cfg["fp8"])
+    mla_kwargs = dict(_mla_kwargs(layers), page_size=mla_ps)
     group = CPGroup()
     with _no_dcp():
         pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
         replicated = DSATokenToKVPool(world * pool.phys_pages * PS - PS, **kwargs)
-        # Plain MLA (no indexer) follows the same batches: the FA3 side of the contract.
-        mla = CPSharedMLATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **_mla_kwargs(layers))
-        mla_replicated = MLATokenToKVPool(world * pool.phys_pages * PS - PS, **_mla_kwargs(layers))
+        # Plain MLA (no indexer) follows the same batches: the FA3 side of the contract. Its pages
+        # may be smaller than the allocator's 64: a 64-token page's sub-pages still rotate owners.
+        mla = CPSharedMLATokenToKVPool(size + PS, cp_rank=rank, cp_size=world, cp_group=group, **mla_kwargs)
+        mla_replicated = MLATokenToKVPool(world * (size + 2 * PS), **mla_kwargs)
         for p in (replicated, mla_replicated):
             p.dcp_replicated = True
     allocator = PageInterleavePoolAllocator(
         size, physical_page_size=PS, shard_size=world, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=True
     )
-    req_to_token = torch.zeros((4, 8 * PS), dtype=torch.int32)
-    out: dict = {"checks": 0}
+    req_to_token = torch.zeros((8, 8 * PS), dtype=torch.int32)
+    out: dict = {"checks": 0, "row_bytes": pool.row_bytes, "mla_row_bytes": mla.row_bytes}
 
     def run_batch(reqs, prefix_lens, seq_lens, seed):
         """One extend batch the way SGLang's DSA backend drives the pool, both pools side by side."""
@@ -230,44 +237,91 @@ def _rank_read_path(rank: int, world: int, debug: bool) -> dict:
                 table = req_to_token[req_idx, : max(seq_lens)]
                 assert pool.translate_loc_to_scratch(table).dtype == table.dtype
                 out["checks"] += 2
-            mode, counters = pool.read.mode, pool.read.counters
+            mode, counters, mla_counters = pool.read.mode, pool.read.counters, mla.read.counters
             assert mla.read.mode == mode
             pool.end_shard_extend()
             mla.end_shard_extend()
-        return mode, counters
+        return mode, counters, mla_counters
 
-    # Batch 1: two fresh requests, no prefix -> current-reuse.
+    def record(name, mode, counters, mla_counters):
+        keep = ("kind", "view_pages", "pages_staged", "bytes_received", "current_chunk_bytes_gathered")
+        out[name] = (mode, {k: getattr(counters, k) for k in keep}, {k: getattr(mla_counters, k) for k in keep})
+
+    def fill(row, locs, start=0):
+        req_to_token[row, start : start + len(locs)] = locs.int()
+
+    # Batch 1 (current): two fresh requests, no prefix -> current-reuse.
     loc_a, base_a = _alloc(allocator, 0, 3 * PS + 10, 0, None)
-    loc_b, _ = _alloc(allocator, 0, 2 * PS, 0, None)
-    req_to_token[0, : len(loc_a)] = loc_a.int()
-    req_to_token[1, : len(loc_b)] = loc_b.int()
-    mode, counters = run_batch([0, 1], [0, 0], [len(loc_a), len(loc_b)], seed=10)
-    out["batch1"] = (mode, counters.kind, counters.bytes_materialized)
+    loc_b, base_b = _alloc(allocator, 0, 2 * PS, 0, None)
+    fill(0, loc_a)
+    fill(1, loc_b)
+    record("current", *run_batch([0, 1], [0, 0], [len(loc_a), len(loc_b)], seed=10))
 
-    # Batch 2: request 2 reuses request 0's first 3 pages as a cached prefix; request 3 is fresh (mixed).
+    # Batch 2 (mixed): request 2 reuses request 0's first 3 pages as a cached prefix; request 3 is fresh.
     prefix = 3 * PS
     req_to_token[2, :prefix] = req_to_token[0, :prefix]
     loc_c, _ = _alloc(allocator, prefix, prefix + PS + 7, int(req_to_token[0, prefix - 1]), base_a)
-    req_to_token[2, prefix : prefix + len(loc_c)] = loc_c.int()
+    fill(2, loc_c, prefix)
     loc_d, _ = _alloc(allocator, 0, PS + 1, 0, None)
-    req_to_token[3, : len(loc_d)] = loc_d.int()
-    mode, counters = run_batch([2, 3], [prefix, 0], [prefix + len(loc_c), len(loc_d)], seed=20)
-    out["batch2"] = (mode, counters.kind, counters.view_pages, counters.bytes_received > 0)
+    fill(3, loc_d)
+    record("mixed", *run_batch([2, 3], [prefix, 0], [prefix + len(loc_c), len(loc_d)], seed=20))
+
+    # Batch 3 (history): requests 4 and 5 both read request 0's 3 pages (one radix node), request 6
+    # request 1's 2 pages; each computes a chunk of new pages.
+    lens = []
+    for row, (src, pre, base, new_len) in enumerate(
+        [(0, 3 * PS, base_a, PS + 3), (0, 3 * PS, base_a, 20), (1, 2 * PS, base_b, 2 * PS)], start=4
+    ):
+        req_to_token[row, :pre] = req_to_token[src, :pre]
+        loc, _ = _alloc(allocator, pre, pre + new_len, int(req_to_token[src, pre - 1]), base)
+        fill(row, loc, pre)
+        lens.append((pre, pre + new_len))
+    record("history", *run_batch([4, 5, 6], [p for p, _ in lens], [n for _, n in lens], seed=30))
+    out["history_lens"] = lens
     owners = {int(p) % world for p in torch.cat([loc_a, loc_b, loc_c, loc_d]) // PS}
     out["owners"] = sorted(owners)
     return out
 
 
+def _expected_received(world: int, prefix_pages: list[int], page_bytes: int, layers: int = 2) -> int:
+    """Bytes a rank receives for a view of exactly these prefixes: ``(N - 1) * S`` pages per layer."""
+    s = sum(-(-p // world) for p in prefix_pages)
+    return layers * (world - 1) * s * page_bytes
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("world,debug", [(2, False), (3, True)], ids=["N2", "N3-debug"])
-def test_read_contract_matches_replicated_pool(world, debug):
+@pytest.mark.parametrize(
+    "world,fp8,mla_ps,debug",
+    [(2, False, 64, False), (2, True, 16, False), (3, False, 16, True), (3, True, 64, False), (4, False, 16, False)],
+    ids=["N2-bf16", "N2-fp8-mla16", "N3-bf16-mla16-debug", "N3-fp8", "N4-bf16-mla16"],
+)
+def test_read_contract_matches_replicated_pool(world, fp8, mla_ps, debug):
+    """Current, mixed and history batches read the stock pool's bytes, the current chunk staged
+    locally: a batch receives exactly its prefix pages (latent and indexer), nothing of its chunk."""
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
-    results = spawn_ranks(_rank_read_path, world, debug, timeout_s=240)
+    cfg = dict(fp8=fp8, mla_ps=mla_ps, debug=debug)
+    results = spawn_ranks(_rank_read_path, world, cfg, timeout_s=480)
     for res in results:
-        assert res["checks"] == 8, res
-        assert res["batch1"] == ("current", "current", 0), res  # current-reuse: nothing materialized
-        mode, kind, view_pages, received = res["batch2"]
-        assert (mode, kind, received) == ("materialized", "mixed", True), res
-        assert view_pages >= 3 + 2 + 1, res  # prefix + new pages of both requests, padded per owner
+        assert res["checks"] == 12, res
+        dsa_page = PS * (res["row_bytes"] + 132)
+        mla_page = mla_ps * res["mla_row_bytes"]
+        sub = PS // mla_ps  # MLA pages per 64-token page
+        mode, dsa, plain = res["current"]
+        assert mode == "current" and dsa["kind"] == "current" and dsa["bytes_received"] == 0, res
+        mode, dsa, plain = res["mixed"]
+        assert (mode, dsa["kind"], plain["kind"]) == ("materialized", "mixed", "mixed"), res
+        # Prefix: request 2's 3 pages; staged: its 2 new pages and request 3's 2.
+        assert dsa["view_pages"] == world * -(-3 // world) and dsa["pages_staged"] == 4, res
+        assert dsa["bytes_received"] == _expected_received(world, [3], dsa_page), res
+        assert plain["pages_staged"] == -(-(PS + 7) // mla_ps) + -(-(PS + 1) // mla_ps), res
+        assert plain["bytes_received"] == _expected_received(world, [3 * sub], mla_page), res
+        mode, dsa, plain = res["history"]
+        assert (mode, dsa["kind"]) == ("materialized", "history"), res
+        # Exactly the prefix pages (3 + 3 + 2, the shared prefix once per request), nothing else.
+        assert dsa["bytes_received"] == _expected_received(world, [3, 3, 2], dsa_page), res
+        assert plain["bytes_received"] == _expected_received(world, [3 * sub, 3 * sub, 2 * sub], mla_page), res
+        assert dsa["pages_staged"] == sum(-(-(n - p) // PS) for p, n in res["history_lens"]), res
+        for name in ("mixed", "history"):
+            assert res[name][1]["current_chunk_bytes_gathered"] == 0 == res[name][2]["current_chunk_bytes_gathered"]
         assert res["owners"] == list(range(world)), res  # every rank owned some of the pages read

@@ -1,8 +1,9 @@
 """A batch whose pages do not rotate owners, through SGLang's DSA pool on gloo ranks (debug mode off).
 
-The slot plan sizes each owner's block for balanced allocation. Here request ``req-a``'s pages
-all live on owner 1, so owner 1 holds more of the batch's page positions than its block: those
-positions must read a slot holding the trash page (never a row past the view), and the batch
+The slot plan sizes each owner's block for balanced allocation. Here request ``req-a``'s prefix
+pages all live on owner 1, so owner 1 holds more of the batch's prefix page positions than its
+block: those positions must read a slot holding the trash page (never a row past the read
+buffer), while the current chunk's pages, staged locally, read their own bytes; and the batch
 must fail at the pool's next synchronizing point (``end_shard_extend`` here; the next
 ``begin_shard_extend`` otherwise) with one line naming the batch's requests (SGLang's rids,
 handed over by the ``prepare_kv_shard_forward`` hook) and the owners' page counts. The batch
@@ -82,12 +83,14 @@ def _rank(rank: int, world: int, device: str) -> dict:
             return every, rows, view, index
 
         # Request req-a: 3 prefix pages and 1 new page, all on owner 1 (logical pages 3, 5, 7, 9);
-        # req-b: 2 fresh pages on owners 0 and 1. S = 2 + 1 = 3 pages per owner; owner 1 holds 5.
+        # req-b: 2 fresh pages on owners 0 and 1. The view covers the prefix only: S = 2 pages per
+        # owner, owner 1 holds 3; pages 9, 10, 11 are staged past the view.
         pages = [[3, 5, 7, 9], [10, 11]]
         write(locs(pages[0][:3], 3 * PS), seed=3)  # the cached prefix, written before the batch
         every, rows, view, index = batch(pages, [3 * PS, 0], [3 * PS + 20, PS + 9], ["req-a", "req-b"])
-        plan = pool.read.latent_views.plan
+        plan = pool.read.views.plan
         out = {"view_rows": view.shape[0], "slots": plan.view_pages, "S": plan.slots_per_rank}
+        out["staged"] = pool.read.counters.pages_staged
         out["max_row"] = max(int(r.max()) for r in rows)
         out["min_row"] = min(int(r.min()) for r in rows)
         # Per position: does the view hold the replicated bytes (within the block) or a trash slot?
@@ -96,7 +99,9 @@ def _rank(rank: int, world: int, device: str) -> dict:
             got, want = view[r].view(torch.uint8), replicated.get_key_buffer(0)[e].view(torch.uint8)
             for j in range(0, len(e), PS):
                 exact.append(bool(torch.equal(got[j : j + PS], want[j : j + PS])))
-                trash.append(int(plan.slot_phys[plan.send_entry(r[j : j + 1] // PS)].item()) == pool.trash_page)
+                page = int(r[j]) // PS
+                staged = page >= plan.view_pages
+                trash.append(not staged and int(plan.slot_phys[plan.send_entry(r[j : j + 1] // PS)]) == pool.trash_page)
         out["exact"], out["trash"] = exact, trash
         out["index_shapes"] = [tuple(t.shape) for t in index]
         if device == "cuda":
@@ -118,15 +123,17 @@ def test_non_rotating_pages_read_trash_and_fail_the_batch(world):
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
     for res in spawn_ranks(_rank, world, "cpu", timeout_s=300):
-        # Never past the view: every row lies inside the materialized buffer.
-        assert res["slots"] == world * res["S"] and res["view_rows"] == res["slots"] * PS, res
+        # Never past the buffer: [view | 3 staged pages | trash page], every row inside it.
+        assert res["slots"] == world * res["S"] and res["S"] == 2 and res["staged"] == 3, res
+        assert res["view_rows"] == (res["slots"] + res["staged"] + 1) * PS, res
         assert 0 <= res["min_row"] and res["max_row"] < res["view_rows"], res
-        # req-a: pages 3, 5, 7 in owner 1's block (S = 3), page 9 past it; req-b: 10, 11 (11 past it).
-        assert res["exact"] == [True, True, True, False, True, False], res
-        assert res["trash"] == [False, False, False, True, False, True], res
+        # req-a: prefix pages 3, 5 in owner 1's block (S = 2), page 7 past it; page 9 and req-b's
+        # 10, 11 are the current chunk, staged: exact.
+        assert res["exact"] == [True, True, False, True, True, True], res
+        assert res["trash"] == [False, False, True, False, False, False], res
         assert res["error"] == (
-            "--enable-cp-shared-kv: slot overflow: the batch of requests [req-a, req-b] reads [1, 5] page "
-            "positions from owners 0..1, more than the 3 pages of an owner's block (the pages of a request do "
+            "--enable-cp-shared-kv: slot overflow: the batch of requests [req-a, req-b] reads [0, 3] page "
+            "positions from owners 0..1, more than the 2 pages of an owner's block (the pages of a request do "
             "not rotate owners); those positions read the trash page, so the batch fails"
         ), res
         assert res["after"] is None
@@ -142,7 +149,7 @@ def test_non_rotating_pages_on_gpu_fail_the_batch_without_a_sync():
         pytest.skip("needs 2 GPUs")
     for res in spawn_ranks(_gpu_rank, 2, backend="nccl", timeout_s=300):
         assert res["max_row"] < res["view_rows"] and res["error"] is not None, res
-        assert "[req-a, req-b]" in res["error"] and "[1, 5]" in res["error"], res
+        assert "[req-a, req-b]" in res["error"] and "[0, 3]" in res["error"], res
 
 
 def _gpu_rank(rank: int, world: int) -> dict:

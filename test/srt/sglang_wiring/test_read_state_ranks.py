@@ -46,13 +46,24 @@ def _rank(rank: int, world: int, device: str) -> dict:
         owned = pages % world == rank
         index[pages[owned] // world] = ref_index[layer][pages[owned]]
         index_bufs.append(index)
+
+    class CountingGroup(CPGroup):
+        """The CP group, recording how many buffers each collective call moves."""
+
+        calls: list[int] = []
+
+        def all_gather_into_many(self, outs, locals_, **kwargs):
+            self.calls.append(len(outs))
+            return super().all_gather_into_many(outs, locals_, **kwargs)
+
+    group = CountingGroup()
     state = BatchReadState(
         ownership,
         rank,
         world * PHYS,
         PageBuffers(ownership, rank, ROW, latent_bufs),
         PageBuffers(ownership, rank, INDEX_ROW, index_bufs),
-        CPGroup(),
+        group,
     )
 
     def run(batch_pages: list[list[int]], prefix_lens: list[int], seq_lens: list[int]) -> dict:
@@ -66,6 +77,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
             every.append(loc.to(device))
         state.request_ids = [f"req-{r}" for r in range(len(batch_pages))]
         state.begin(req_to_token, torch.arange(len(batch_pages), device=device), prefix_lens, seq_lens)
+        group.calls.clear()
         new = torch.cat([e[q:] for e, q in zip(every, prefix_lens)])
         out = {"mode": state.mode, "every": every, "latent": [], "index": [], "counters": state.counters}
         all_locs = torch.cat(every)
@@ -80,6 +92,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
             out["latent"].append((state.latent_rows(layer).clone(), state.translate(all_locs)))
             if state.mode != "current":
                 out["index"].append((state.index_pages(layer).clone(), state.translate_pages(table), table))
+        out["collectives"] = list(group.calls)
         return out
 
     def check(out: dict) -> dict:
@@ -87,6 +100,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
         c = out["counters"]
         res = {"mode": out["mode"], "received": c.bytes_received, "current_gathered": c.current_chunk_bytes_gathered}
         res["staged"], res["view_pages"] = c.pages_staged, c.view_pages
+        res["collectives"] = out["collectives"]
         res["latent_exact"] = [
             bool(torch.equal(buf[r], ref[layer][every])) for layer, (buf, r) in enumerate(out["latent"])
         ]
@@ -146,6 +160,9 @@ def _check_results(results: list[dict]) -> None:
         # its 3 current pages (7, 8, 9) are staged; per layer, latent and indexer pages together.
         assert (mixed["view_pages"], mixed["staged"], mixed["current_gathered"]) == (4, 3, 0), mixed
         assert mixed["received"] == LAYERS * 2 * PS * (ROW + INDEX_ROW), mixed
+        # One collective call per layer moves the latent and indexer views together (one NCCL
+        # group on GPUs); current-reuse calls none.
+        assert current["collectives"] == [] and mixed["collectives"] == [2] * LAYERS, (current, mixed)
         # Non-rotating: inside the view; prefix pages 2 and 4 both on owner 0, whose block holds 1:
         # page 4 reads a trash slot. The current pages 6, 8, 10, 11 are staged, never gathered: exact.
         assert skewed["inside"], skewed

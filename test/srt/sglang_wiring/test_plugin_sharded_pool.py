@@ -176,8 +176,9 @@ def _rank_read_path(rank: int, world: int, cfg: dict) -> dict:
     """The three batch kinds through both sharded pools and their stock twins, on one CP rank.
 
     ``cfg``: ``debug`` (the syncing plan / translation / stored-row checks on every call), ``fp8``
-    (the DSA pool's packed 656-byte rows, else bf16 576-value rows) and ``mla_ps`` (the plain MLA
-    pool's page size; SGLang's DSA pool needs 64).
+    (the DSA pool's packed 656-byte rows, else bf16 576-value rows), ``mla_ps`` (the plain MLA
+    pool's page size; SGLang's DSA pool needs 64) and ``arena`` (the pools read from a view arena
+    allocated once, as a server builds them).
     """
     if cfg["debug"]:
         os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
@@ -200,6 +201,12 @@ def _rank_read_path(rank: int, world: int, cfg: dict) -> dict:
         mla_replicated = MLATokenToKVPool(world * (size + 2 * PS), **mla_kwargs)
         for p in (replicated, mla_replicated):
             p.dcp_replicated = True
+    arenas = {}
+    if cfg.get("arena"):
+        # Room for the history batch: N * S <= N * (2 + 2 + 1) prefix pages, 5 staged pages, a trash page.
+        for p in (pool, mla):
+            p.attach_view_arena(_arena_spec(rank, world, p.page_size, prefix=5 * world * PS, chunk=6 * PS))
+            arenas[id(p)] = [t.data_ptr() for t in p.read.arena.values()]
     allocator = PageInterleavePoolAllocator(
         size, physical_page_size=PS, shard_size=world, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=True
     )
@@ -239,6 +246,10 @@ def _rank_read_path(rank: int, world: int, cfg: dict) -> dict:
                 out["checks"] += 2
             mode, counters, mla_counters = pool.read.mode, pool.read.counters, mla.read.counters
             assert mla.read.mode == mode
+            for p in (pool, mla) if arenas else ():  # every buffer read is the arena, allocated once
+                bufs = [p.read.stage_latent] + ([p.read.stage_index] if p is pool else [])
+                assert [t.data_ptr() for t in bufs] == arenas[id(p)], f"rank {rank}: a read buffer outside the arena"
+                assert p.read.latent_rows(0).data_ptr() == arenas[id(p)][0]
             pool.end_shard_extend()
             mla.end_shard_extend()
         return mode, counters, mla_counters
@@ -283,6 +294,12 @@ def _rank_read_path(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
+def _arena_spec(rank: int, world: int, ps: int, prefix: int, chunk: int):
+    from sglang.srt.mem_cache.page_interleave import PageShardSpec
+
+    return PageShardSpec(shard_rank=rank, shard_size=world, page_size=ps, max_prefix_tokens=prefix, chunk_tokens=chunk)
+
+
 def _expected_received(world: int, prefix_pages: list[int], page_bytes: int, layers: int = 2) -> int:
     """Bytes a rank receives for a view of exactly these prefixes: ``(N - 1) * S`` pages per layer."""
     s = sum(-(-p // world) for p in prefix_pages)
@@ -291,16 +308,23 @@ def _expected_received(world: int, prefix_pages: list[int], page_bytes: int, lay
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "world,fp8,mla_ps,debug",
-    [(2, False, 64, False), (2, True, 16, False), (3, False, 16, True), (3, True, 64, False), (4, False, 16, False)],
-    ids=["N2-bf16", "N2-fp8-mla16", "N3-bf16-mla16-debug", "N3-fp8", "N4-bf16-mla16"],
+    "world,fp8,mla_ps,debug,arena",
+    [
+        (2, False, 64, False, False),
+        (2, True, 16, False, False),
+        (3, False, 16, True, False),
+        (3, True, 64, False, False),
+        (4, False, 16, False, False),
+        (2, False, 16, False, True),
+    ],
+    ids=["N2-bf16", "N2-fp8-mla16", "N3-bf16-mla16-debug", "N3-fp8", "N4-bf16-mla16", "N2-bf16-mla16-arena"],
 )
-def test_read_contract_matches_replicated_pool(world, fp8, mla_ps, debug):
+def test_read_contract_matches_replicated_pool(world, fp8, mla_ps, debug, arena):
     """Current, mixed and history batches read the stock pool's bytes, the current chunk staged
     locally: a batch receives exactly its prefix pages (latent and indexer), nothing of its chunk."""
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
-    cfg = dict(fp8=fp8, mla_ps=mla_ps, debug=debug)
+    cfg = dict(fp8=fp8, mla_ps=mla_ps, debug=debug, arena=arena)
     results = spawn_ranks(_rank_read_path, world, cfg, timeout_s=480)
     for res in results:
         assert res["checks"] == 12, res
@@ -325,3 +349,26 @@ def test_read_contract_matches_replicated_pool(world, fp8, mla_ps, debug):
         for name in ("mixed", "history"):
             assert res[name][1]["current_chunk_bytes_gathered"] == 0 == res[name][2]["current_chunk_bytes_gathered"]
         assert res["owners"] == list(range(world)), res  # every rank owned some of the pages read
+
+
+def test_view_arena_is_allocated_once_and_refuses_a_batch_past_it():
+    """The arena is the read buffer of every batch; a batch that would not fit raises before anything
+    is allocated or written (SGLang's admission, sized by the same spec, never lets one through)."""
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewArenaError
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+
+    with _no_dcp():
+        pool = CPSharedDSATokenToKVPool(8 * PS, cp_rank=0, cp_size=2, **_dsa_kwargs(1, fp8=False))
+    nbytes = pool.attach_view_arena(_arena_spec(0, 2, PS, prefix=2 * PS, chunk=2 * PS))
+    assert nbytes == (2 * PS + 2 * PS + PS) * (pool.row_bytes + 132)  # SGLang's scratch_rows x token bytes
+    ptrs = [t.data_ptr() for t in pool.read.arena.values()]
+    req_to_token = torch.arange(8 * PS, dtype=torch.int32).reshape(2, 4 * PS) + 2 * PS
+    with _no_dcp():
+        pool.begin_shard_extend(req_to_token, torch.tensor([0]), [0], [2 * PS - 3])  # 2 pages + trash: fits
+        assert [pool.read.stage_latent.data_ptr(), pool.read.stage_index.data_ptr()] == ptrs
+        pool.end_shard_extend()
+        with pytest.raises(ViewArenaError, match="needs 6 pages, more than the view arena's 5"):
+            pool.begin_shard_extend(req_to_token, torch.tensor([0, 1]), [0, 0], [3 * PS, 2 * PS])
+    assert pool.read.mode is None and pool.read.stage_latent is None  # nothing staged for the refused batch
+    with pytest.raises(ValueError, match="does not match the pool"):
+        pool.attach_view_arena(_arena_spec(0, 2, 16, prefix=2 * PS, chunk=2 * PS))

@@ -23,6 +23,12 @@ batch, what that buffer is:
   prefix is in the pool before the batch starts, so the layer's first read (the indexer's, on a
   DSA layer) gathers both.
 
+**View arena** (``attach_arena``, once at start-up): both modes' buffers are the leading pages
+of one latent and one indexer buffer allocated once, sized like SGLang's scratch admission
+bounds a batch (``N * sum_i ceil(prefix_pages_i / N)`` prefix pages + the chunk's pages + a
+trash page). A batch past it raises ``ViewArenaError`` in ``begin``, before anything is
+allocated or written. Without an arena the buffers are allocated per batch.
+
 Sizes come from host lengths; nothing reads device data back (debug mode aside). A materialized
 batch whose pages do not rotate owners reads the trash page past an owner's block, and its plan
 raises a device flag; ``begin`` and ``end`` (the next batch, or SGLang's end of the extend
@@ -39,7 +45,12 @@ import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import BatchCounters, LayerView, ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
+    BatchCounters,
+    LayerView,
+    ViewMaterializer,
+    arena_pages,
+)
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import host_to_device, pages_for_lens, plan_vectors
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
@@ -116,6 +127,32 @@ class BatchReadState:
         self._layer_cache: dict[int, LayerView] = {}
         # Names of the next batch's requests (SGLang's rids, set by ``pool_hooks``), for errors.
         self.request_ids: Sequence[str] | None = None
+        self.arena: dict[str, torch.Tensor] | None = None
+
+    def attach_arena(self, prefix_tokens: int, chunk_tokens: int) -> int:
+        """Allocate the view arena once: ``prefix_tokens + chunk_tokens + page_size`` token rows of latent
+        and indexer bytes (SGLang's ``PageShardSpec.scratch_rows``). Returns its bytes.
+
+        Every later batch reads from it; call before the first batch.
+        """
+        ps = self.page_size
+        if prefix_tokens < 0 or chunk_tokens < 0 or prefix_tokens % ps or chunk_tokens % ps:
+            raise ValueError(
+                f"arena sizes must be page-aligned ints >= 0 (page size {ps}), got {prefix_tokens}, {chunk_tokens}"
+            )
+        if self.views is not None or self.mode is not None:
+            raise RuntimeError("attach the view arena before the first batch")
+        pages = (prefix_tokens + chunk_tokens) // ps + 1
+        self.arena = {"latent": torch.empty((pages, ps * self.latent.row_bytes), dtype=torch.uint8, device=self.device)}
+        if self.index is not None:
+            self.arena["index"] = torch.empty((pages, ps * INDEX_TOKEN_BYTES), dtype=torch.uint8, device=self.device)
+        return sum(t.numel() for t in self.arena.values())
+
+    def _buffer(self, key: str, pages: int, width: int) -> torch.Tensor:
+        """``pages`` pages of a read buffer: the arena's leading pages, else a fresh allocation."""
+        if self.arena is not None:
+            return arena_pages(self.arena, key, pages, width)
+        return torch.empty((pages, width), dtype=torch.uint8, device=self.device)
 
     def check_overflow(self, wait: bool = False) -> None:
         """Raise ``SlotOverflowError`` for an earlier batch whose overflow flag is on the host."""
@@ -154,23 +191,19 @@ class BatchReadState:
         return self.counters
 
     def _begin_current(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
-        pages = pages_for_lens(seq_lens, self.page_size)
+        ps = self.page_size
+        pages = pages_for_lens(seq_lens, ps)
         total = sum(pages)
+        stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
+        stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
         positions, _ = plan_vectors(pages, page_table.shape[1], self.device)  # built on the device
         logical = page_table.reshape(-1).index_select(0, positions)
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
         self.page_pos.zero_()
         self.page_pos[logical] = torch.arange(1, total + 1, dtype=torch.int64, device=self.device)
-        ps = self.page_size
-        self.stage_latent = torch.empty(
-            ((total + 1) * ps, self.latent.row_bytes), dtype=torch.uint8, device=self.device
-        )
-        self.stage_index = (
-            torch.empty((total + 1, ps * self.index.row_bytes), dtype=torch.uint8, device=self.device)
-            if self.index is not None
-            else None
-        )
+        self.stage_latent = stage_latent.view(-1, self.latent.row_bytes)
+        self.stage_index = stage_index
         self.counters = BatchCounters(kind="current")
         self.mode = "current"
 
@@ -179,7 +212,7 @@ class BatchReadState:
             if callable(self.group):
                 self.group = self.group()
             # No prefetch: one set of buffers, so the staged pages of a layer are where it reads them.
-            self.views = ViewMaterializer(self.source, self.group)
+            self.views = ViewMaterializer(self.source, self.group, arena=self.arena)
         ps = self.page_size
         pages = pages_for_lens(seq_lens, ps)
         prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)

@@ -123,6 +123,27 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             ", with indexer pages" if spec.with_indexer else "",
         )
 
+    def attach_view_arena(self, spec) -> int:
+        """Allocate the read path's view arena once, sized by SGLang's ``PageShardSpec`` ``spec`` (the
+        allocator's, which SGLang's prefill admission keeps every batch within: ``max_prefix_tokens``
+        of all-gathered prefix pages, ``chunk_tokens`` of staged chunk pages, one trash page).
+
+        Its bytes are what ``view_arena.charge_arena`` took out of the KV budget. Returns them.
+        """
+        if spec.page_size != self.page_size or spec.shard_size != self.spec.cp_size:
+            raise ValueError(
+                f"arena spec (page size {spec.page_size}, {spec.shard_size} ranks) does not match the pool "
+                f"(page size {self.page_size}, {self.spec.cp_size} ranks)"
+            )
+        nbytes = self.read.attach_arena(spec.max_prefix_tokens, spec.chunk_tokens)
+        logger.info(
+            "CP-shared KV pool: view arena allocated once, %.1f MiB (%d prefix + %d chunk tokens + one page)",
+            nbytes / 2**20,
+            spec.max_prefix_tokens,
+            spec.chunk_tokens,
+        )
+        return nbytes
+
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
         """Physical row of every loc on this rank: its own row if owned, else a row of the trash page.

@@ -128,6 +128,25 @@ class LayerView:
         return positions_to_view_rows(positions, q_req, self.page_table, self.page_size, use_triton=self.use_triton)
 
 
+class ViewArenaError(RuntimeError):
+    """A batch's read buffer would not fit the view arena (admission let through a batch too large)."""
+
+
+def arena_pages(arena: dict[str, torch.Tensor], key: str, pages: int, width: int) -> torch.Tensor:
+    """The leading ``pages`` pages of ``arena[key]`` (uint8 ``[P, width]``), or ``ViewArenaError``: host sizes only."""
+    buf = arena.get(key)
+    if buf is None or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != width:
+        got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
+        raise ValueError(f"arena[{key!r}] must be uint8 [pages, {width}], got {got}")
+    if pages > buf.shape[0]:
+        raise ViewArenaError(
+            f"--enable-cp-shared-kv: this batch's read buffer needs {pages} pages, more than the view arena's "
+            f"{buf.shape[0]}: the batch was admitted past the arena (SGLang's scratch admission is bypassed or "
+            "sized for another arena); nothing was allocated or written"
+        )
+    return buf[:pages]
+
+
 def check_current_chunk(
     kv_rows: torch.Tensor | None,
     index_records: torch.Tensor | None,
@@ -164,6 +183,11 @@ class ViewMaterializer:
     on host lengths and the page size only, so materializers of one batch share one layout.
 
     ``pool`` is a ``page_source.PageSource``.
+
+    ``arena`` (optional, no prefetch): buffers allocated once by the caller (``"latent"`` and, with
+    an indexer, ``"index"``, uint8 ``[pages, page bytes]``); every batch's views are their leading
+    pages instead of fresh allocations, and a batch whose views would not fit raises
+    ``ViewArenaError`` before anything is written.
     """
 
     def __init__(
@@ -174,8 +198,11 @@ class ViewMaterializer:
         prefetch: bool = False,
         use_triton: bool | None = None,
         pipeline_chunk_tokens: int | None = None,
+        arena: dict[str, torch.Tensor] | None = None,
     ):
         n = pool.ownership.cp_size
+        if arena is not None and prefetch:
+            raise ValueError("an arena holds one set of views: it cannot serve a prefetching materializer")
         if group is None and n != 1:
             raise ValueError(f"group is required for a pool sharded over {n} ranks")
         if group is not None and (group.size != n or group.rank != pool.rank):
@@ -188,6 +215,7 @@ class ViewMaterializer:
             raise ValueError(f"pipeline_chunk_tokens must be an int >= 0 or None, got {pipeline_chunk_tokens!r}")
         self.pool = pool
         self.group = group
+        self.arena = arena
         self.prefetch = prefetch
         self.use_triton = use_triton
         self.pipeline_chunk_tokens = pipeline_chunk_tokens
@@ -293,11 +321,12 @@ class ViewMaterializer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
         send, sc = plan.send_pages(rank), plan.chunk_slots
         self._views, self._steps = [], []
+        pages = plan.view_pages + extra_pages
         for _ in range(copies):
-            views = {
-                k: torch.empty((plan.view_pages + extra_pages, w), dtype=torch.uint8, device=pool.device)
-                for k, w in widths.items()
-            }
+            if self.arena is not None:
+                views = {k: arena_pages(self.arena, k, pages, w) for k, w in widths.items()}
+            else:
+                views = {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
             steps = []
             for c in range(plan.chunks):
                 mine, whole = plan.chunk_view_slots(c, rank), plan.chunk_view_slots(c)

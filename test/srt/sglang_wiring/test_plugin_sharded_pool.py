@@ -372,3 +372,24 @@ def test_view_arena_is_allocated_once_and_refuses_a_batch_past_it():
     assert pool.read.mode is None and pool.read.stage_latent is None  # nothing staged for the refused batch
     with pytest.raises(ValueError, match="does not match the pool"):
         pool.attach_view_arena(_arena_spec(0, 2, 16, prefix=2 * PS, chunk=2 * PS))
+
+
+def test_shared_prefix_from_sglang_radix_nodes():
+    """Which requests of a batch share prefix pages, from SGLang's own radix ``TreeNode`` s (host only)."""
+    from sglang.srt.mem_cache.radix_cache import TreeNode
+
+    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import shared_prefix_from_nodes
+
+    def node(parent, tokens):
+        n = TreeNode()
+        n.parent, n.value = parent, torch.zeros(tokens, dtype=torch.int64)
+        return n
+
+    root = TreeNode()
+    a = node(root, 2 * PS)  # a cached system prompt
+    b, c = node(a, PS), node(a, 2 * PS)  # two continuations of it
+    d = node(root, 3 * PS)  # another conversation
+    got = shared_prefix_from_nodes([b, c, a, root, d, c], [3 * PS, 4 * PS, 2 * PS, 0, 3 * PS, 3 * PS], PS)
+    # c shares a's 2 pages with b; a (alone) too; root: no prefix; d: nothing; the second c shares
+    # all of its 3-page prefix with the first c (its prefix ends inside c).
+    assert got == [(-1, 0), (0, 2), (0, 2), (-1, 0), (-1, 0), (1, 3)]

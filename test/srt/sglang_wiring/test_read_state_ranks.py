@@ -2,8 +2,9 @@
 kv-shard contract with) on 2 ranks, over plain page-major buffers written through
 ``PageOwnership.store_rows`` (no SGLang kernels, so no ``sgl_kernel`` either).
 
-Three batches as SGLang's backend drives them (``begin``, the chunk's staged rows, ``translate``,
-the per-layer buffers, ``end``): current-reuse, a mixed prefix batch (materialized), and a batch
+Batches as SGLang's backend drives them (``begin``, the chunk's staged rows, ``translate``,
+the per-layer buffers, ``end``): current-reuse, a mixed prefix batch (materialized), a batch whose
+requests share prefix pages (read twice, then once through the ``shared_prefix`` hint), and a batch
 whose pages do not rotate owners. Every read equals the replicated bytes; the non-rotating batch
 reads only inside its view and fails with ``SlotOverflowError`` at the next synchronizing point.
 
@@ -66,7 +67,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
         group,
     )
 
-    def run(batch_pages: list[list[int]], prefix_lens: list[int], seq_lens: list[int]) -> dict:
+    def run(batch_pages: list[list[int]], prefix_lens: list[int], seq_lens: list[int], shared=None) -> dict:
         """One batch; returns what the kernels would read, compared later (comparisons sync)."""
         width = max(len(p) for p in batch_pages)
         req_to_token = torch.zeros((len(batch_pages), width * PS), dtype=torch.int32, device=device)
@@ -76,6 +77,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
             req_to_token[r, : seq_lens[r]] = loc.int().to(device)
             every.append(loc.to(device))
         state.request_ids = [f"req-{r}" for r in range(len(batch_pages))]
+        state.shared_prefix = shared
         state.begin(req_to_token, torch.arange(len(batch_pages), device=device), prefix_lens, seq_lens)
         group.calls.clear()
         new = torch.cat([e[q:] for e, q in zip(every, prefix_lens)])
@@ -125,8 +127,11 @@ def _rank(rank: int, world: int, device: str) -> dict:
     batches = [
         ([[2, 3, 4], [5, 6]], [0, 0], [40, 20]),  # current-reuse
         ([[2, 3, 4, 7], [8, 9]], [3 * PS, 0], [3 * PS + 5, 2 * PS]),  # mixed: materialized
-        ([[2, 4, 6, 8], [10, 11]], [2 * PS, 0], [4 * PS, 2 * PS]),  # owner 0 holds 5 positions, S = 3
+        # prefix pages 2 and 4 both on owner 0, whose block holds S = 1
+        ([[2, 4, 6, 8], [10, 11]], [2 * PS, 0], [4 * PS, 2 * PS]),
     ]
+    # A batch whose second request reads the first one's first 2 prefix pages (one radix node).
+    shared_batch = ([[2, 3, 4, 7], [2, 3, 8]], [3 * PS, 2 * PS], [4 * PS, 2 * PS + 10])
     results, errors = [], []
     if device == "cuda":
         for args in batches[:2]:  # warm-up: Triton compiles, NCCL communicators, caching allocators
@@ -135,8 +140,13 @@ def _rank(rank: int, world: int, device: str) -> dict:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        for args in batches:
-            results.append(run(*args))
+        # The overflowing batch last: on GPUs its flag may only reach the host at a later begin.
+        for args, shared in [(batches[0], None), (batches[1], None)] + [
+            (shared_batch, None),  # each request's own slots
+            (shared_batch, [(-1, 0), (0, 2)]),  # the shared pages once
+            (batches[2], None),
+        ]:
+            results.append(run(*args, shared=shared))
             errors.append(end_batch())
     finally:
         if device == "cuda":
@@ -147,12 +157,24 @@ def _rank(rank: int, world: int, device: str) -> dict:
             state.check_overflow(wait=True)
         except SlotOverflowError as err:
             errors[-1] = errors[-1] or str(err)
-    return {"batches": [check(o) for o in results], "errors": errors}
+    wrong_hint = None
+    if device == "cpu":  # debug mode's translation check catches a shared_prefix hint that is wrong
+        import os
+
+        os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
+        try:
+            run([[2, 3, 4, 7], [5, 6, 8]], [3 * PS, 2 * PS], [4 * PS, 2 * PS + 10], shared=[(-1, 0), (0, 2)])
+        except AssertionError as err:
+            wrong_hint = str(err)
+        finally:
+            os.environ.pop("SGLANG_DEBUG_CP_SHARED_KV")
+            state.end()
+    return {"batches": [check(o) for o in results], "errors": errors, "wrong_hint": wrong_hint}
 
 
 def _check_results(results: list[dict]) -> None:
     for res in results:
-        current, mixed, skewed = res["batches"]
+        current, mixed, dup, once, skewed = res["batches"]
         assert current["mode"] == "current" and all(current["latent_exact"]) and current["inside"], current
         assert mixed["mode"] == "materialized" and all(mixed["latent_exact"]) and all(mixed["index_exact"]), mixed
         assert mixed["inside"], mixed
@@ -167,8 +189,15 @@ def _check_results(results: list[dict]) -> None:
         # page 4 reads a trash slot. The current pages 6, 8, 10, 11 are staged, never gathered: exact.
         assert skewed["inside"], skewed
         assert skewed["pages_exact"] == [True, False, True, True, True, True], skewed
-        assert res["errors"][:2] == [None, None], res["errors"]
-        assert res["errors"][2] == (
+        assert res["errors"][:4] == [None] * 4, res["errors"]
+        # Shared prefix read once: the same bytes from a view of 2 slots per owner instead of 3.
+        for b in (dup, once):
+            assert b["mode"] == "materialized" and all(b["latent_exact"]) and all(b["index_exact"]), b
+            assert b["inside"] and b["current_gathered"] == 0 and b["staged"] == 2, b
+        assert (dup["view_pages"], once["view_pages"]) == (6, 4), (dup, once)
+        page = PS * (ROW + INDEX_ROW)
+        assert (dup["received"], once["received"]) == (LAYERS * 3 * page, LAYERS * 2 * page), (dup, once)
+        assert res["errors"][4] == (
             "--enable-cp-shared-kv: slot overflow: the batch of requests [req-0, req-1] reads [2, 0] page "
             "positions from owners 0..1, more than the 1 pages of an owner's block (the pages of a request do "
             "not rotate owners); those positions read the trash page, so the batch fails"
@@ -179,7 +208,10 @@ def _check_results(results: list[dict]) -> None:
 def test_read_state_on_gloo_ranks_is_exact_and_fails_an_overflowing_batch():
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
-    _check_results(spawn_ranks(_rank, 2, "cpu", timeout_s=300))
+    results = spawn_ranks(_rank, 2, "cpu", timeout_s=300)
+    _check_results(results)
+    for res in results:
+        assert res["wrong_hint"] == "request 1: a page maps outside the read buffer (6 pages)", res["wrong_hint"]
 
 
 @pytest.mark.gpu

@@ -23,6 +23,14 @@ batch, what that buffer is:
   prefix is in the pool before the batch starts, so the layer's first read (the indexer's, on a
   DSA layer) gathers both.
 
+**Shared prefixes read once** (optional, host-known): ``shared_prefix``, set before ``begin`` like
+``request_ids`` and used by that batch only, lists per request ``(source, pages)``: its first
+``pages`` prefix pages are the same logical pages as those of the earlier request ``source``
+(the scheduler knows it from the radix nodes the prefixes end at: ``shared_prefix_from_nodes``).
+The plan then skips them (``S = sum_b ceil((Q_b - shared_b) / N)``) and the translation finds them
+through the source's slots. Nothing is read back; a wrong hint maps those pages to the trash
+page, which debug mode's translation check reports.
+
 **View arena** (``attach_arena``, once at start-up): both modes' buffers are the leading pages
 of one latent and one indexer buffer allocated once, sized like SGLang's scratch admission
 bounds a batch (``N * sum_i ceil(prefix_pages_i / N)`` prefix pages + the chunk's pages + a
@@ -128,6 +136,8 @@ class BatchReadState:
         # Names of the next batch's requests (SGLang's rids, set by ``pool_hooks``), for errors.
         self.request_ids: Sequence[str] | None = None
         self.arena: dict[str, torch.Tensor] | None = None
+        # The next batch's shared prefix pages, ``(source request, pages)`` per request (one batch).
+        self.shared_prefix: Sequence[tuple[int, int]] | None = None
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int) -> int:
         """Allocate the view arena once: ``prefix_tokens + chunk_tokens + page_size`` token rows of latent
@@ -177,6 +187,8 @@ class BatchReadState:
             )
         if any(p % ps for p in prefix_lens):
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
+        shared, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
+        shared = _check_shared_prefix(shared, [p // ps for p in prefix_lens])
         self.check_overflow()
         max_len = max(seq_lens, default=0)
         # The batch's logical pages by position: every page's first token loc // ps.
@@ -185,7 +197,7 @@ class BatchReadState:
         if batch_kind(prefix_lens) == "current":
             self._begin_current(page_table, seq_lens)
         else:
-            self._begin_materialized(page_table, seq_lens, prefix_lens)
+            self._begin_materialized(page_table, seq_lens, prefix_lens, shared)
         if debug_enabled():
             self._check_translation(page_table, seq_lens)
         return self.counters
@@ -207,7 +219,9 @@ class BatchReadState:
         self.counters = BatchCounters(kind="current")
         self.mode = "current"
 
-    def _begin_materialized(self, page_table: torch.Tensor, seq_lens: list[int], prefix_lens: list[int]) -> None:
+    def _begin_materialized(
+        self, page_table: torch.Tensor, seq_lens: list[int], prefix_lens: list[int], shared: list[int]
+    ) -> None:
         if self.views is None:
             if callable(self.group):
                 self.group = self.group()
@@ -217,10 +231,19 @@ class BatchReadState:
         pages = pages_for_lens(seq_lens, ps)
         prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)
         staged = sum(pages) - sum(prefix_pages)
-        # The view covers the prefixes only; the current pages and a trash page follow it.
+        plan_table = page_table
+        if any(shared):
+            # Request b's planned pages start past its shared ones: shift its row left by shared[b].
+            (shift,) = host_to_device([shared], self.device)
+            width = page_table.shape[1]
+            cols = torch.arange(width, dtype=torch.int64, device=self.device).unsqueeze(0) + shift.unsqueeze(1)
+            plan_table = page_table.gather(1, cols.clamp_(max=width - 1))
+        plan_lens = [(q - s) * ps for q, s in zip(prefix_pages, shared)]
+        # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.
         self.counters = self.views.begin_batch(
-            page_table, prefix_lens, prefix_lens, request_ids=self.request_ids, extra_pages=staged + 1
+            plan_table, plan_lens, plan_lens, request_ids=self.request_ids, extra_pages=staged + 1
         )
+        self.counters.kind = batch_kind(prefix_lens)
         self.counters.pages_staged = staged
         plan = self.views.plan
         view_pages = plan.view_pages
@@ -300,3 +323,60 @@ class BatchReadState:
         if view is None:
             view = self._layer_cache[layer] = self.views.layer_view(layer)
         return view
+
+
+def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[int]:
+    """Pages each request shares with an earlier one (0: none), from a ``shared_prefix`` hint (host ints).
+
+    A request may share at most the prefix pages it and its source both have, with an earlier source.
+    """
+    if shared is None:
+        return [0] * len(prefix_pages)
+    if len(shared) != len(prefix_pages):
+        raise ValueError(f"shared_prefix must have one entry per request ({len(prefix_pages)}), got {len(shared)}")
+    out = []
+    for b, (src, pages) in enumerate(shared):
+        src, pages = int(src), int(pages)
+        if pages and not (0 <= src < b and 0 < pages <= min(prefix_pages[b], prefix_pages[src])):
+            raise ValueError(
+                f"shared_prefix[{b}] = ({src}, {pages}): a request shares at most the prefix pages it and an "
+                f"earlier source request both have (prefix pages {prefix_pages})"
+            )
+        out.append(max(pages, 0))
+    return out
+
+
+def shared_prefix_from_nodes(last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int) -> list:
+    """``BatchReadState.shared_prefix`` for a batch, from the radix nodes its requests' prefixes end at.
+
+    ``last_nodes[b]`` is request ``b``'s ``Req.last_node`` (SGLang's ``TreeNode``: ``parent``,
+    ``value``, the root's parent ``None``), whose root path holds exactly the KV locs of the
+    request's first ``prefix_lens[b]`` tokens. Two requests whose paths meet at a node share the
+    tokens up to that node's depth. Host objects only: no device data is read (a node's depth is
+    the host-known length of its values).
+    """
+    first: dict[int, tuple[int, int]] = {}  # id(node) -> (first request through it, its depth in tokens)
+    out = []
+    for b, node in enumerate(last_nodes):
+        path = []
+        while node is not None and getattr(node, "parent", None) is not None:
+            path.append(node)
+            node = node.parent
+        depths, depth = [], 0
+        for n in reversed(path):  # root side first
+            value = n.value
+            depth += len(value) if value is not None else len(n.key)
+            depths.append(depth)
+        best = (-1, 0)
+        for n, d in zip(reversed(path), depths):
+            hit = first.get(id(n))
+            if hit is None:
+                first[id(n)] = (b, d)
+            elif d >= best[1]:
+                best = (hit[0], d)
+        src, tokens = best
+        if src >= 0:
+            tokens = min(tokens, int(prefix_lens[b]), int(prefix_lens[src]))
+        pages = tokens // page_size if src >= 0 else 0
+        out.append((src, pages) if pages else (-1, 0))
+    return out

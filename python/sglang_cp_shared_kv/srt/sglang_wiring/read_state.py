@@ -226,7 +226,10 @@ class BatchReadState:
             if callable(self.group):
                 self.group = self.group()
             # No prefetch: one set of buffers, so the staged pages of a layer are where it reads them.
-            self.views = ViewMaterializer(self.source, self.group, arena=self.arena)
+            # With an arena, no pipeline chunks either: their padding would outgrow the bound SGLang's
+            # admission keeps (N * sum_i ceil(prefix_pages_i / N) pages).
+            chunk_tokens = 0 if self.arena is not None else None
+            self.views = ViewMaterializer(self.source, self.group, arena=self.arena, pipeline_chunk_tokens=chunk_tokens)
         ps = self.page_size
         pages = pages_for_lens(seq_lens, ps)
         prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)

@@ -194,6 +194,7 @@ def _worker(model_dir: str) -> None:
             out["admission"] = [adder._kv_shard_reserve_scratch(prefix_len=ctx, extend_len=PS) for _ in range(3)]
             out["admission_log"] = records
             out["arena_spec"] = [spec.max_prefix_tokens, spec.chunk_tokens, spec.page_size, spec.scratch_rows]
+            out["arena_allocated"] = sum(t.numel() * t.element_size() for t in pool.read.arena.values())
 
     # -- the Mooncake sender path on both prefill ranks, into a stock decode pool --
     class Layer:
@@ -371,6 +372,8 @@ def test_view_arena_is_charged_to_the_kv_budget_and_bounds_admission(results):
     assert on["charged"] == rows * token_bytes
     upstream = 2 * (8 * -(-on["context_len"] // granule) * granule + chunk + PS) * token_bytes
     assert on["charged"] * 4 <= upstream
+    # The pool built by the hook holds that arena, allocated once at build: what was charged.
+    assert results["arena_allocated"] == on["charged"]
     # Full-context prefixes: the arena takes ARENA_CONTEXTS of them per batch, the next one waits, and says so.
     assert results["admission"] == [True] * ARENA_CONTEXTS + [False] * (3 - ARENA_CONTEXTS)
     assert len(results["admission_log"]) == 3 - ARENA_CONTEXTS

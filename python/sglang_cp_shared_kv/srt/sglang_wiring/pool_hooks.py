@@ -91,6 +91,7 @@ def build_allocator(original, configurator, **kwargs):
         shard_spec=spec,  # SGLang's batch admission against our view arena's regions
     )
     allocator.cp_shared_arena = True
+    pool.attach_view_arena(spec)  # the read buffers, once: the bytes view_arena charged to the KV budget
     logger.info(
         "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
         FLAG,

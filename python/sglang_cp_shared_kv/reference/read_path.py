@@ -63,7 +63,9 @@ class ReadPath:
     """Per batch, current-reuse (``current_reuse=True`` and no request has a prefix) or a materialized view.
 
     Arguments other than ``current_reuse`` go to ``ViewMaterializer``; ``plan`` and ``counters``
-    are the batch's (``plan`` is ``None`` under current-reuse).
+    are the batch's (``plan`` is ``None`` under current-reuse). ``stage_current=True`` stages the
+    current chunk (the rows ``layer_view`` receives) past a view of the prefix pages only, as the
+    SGLang path does; off by default, where history and mixed views cover whole sequences.
     """
 
     def __init__(self, pool: PageSource, group: CPGroup | None = None, *, current_reuse: bool = True, **kwargs):

@@ -184,6 +184,12 @@ class ViewMaterializer:
 
     ``pool`` is a ``page_source.PageSource``.
 
+    With ``stage_current`` the view covers each request's prefix pages only (``ceil(prefix / ps)``:
+    a page the prefix shares with the current chunk is gathered) and the pages past them are staged
+    from the current chunk the caller passes to ``layer_view``, into pages that follow the view:
+    nothing of the chunk beyond that shared page is gathered or all-gathered. The page table
+    handed to the kernels then covers both (``LayerView.page_table``).
+
     ``arena`` (optional, no prefetch): buffers allocated once by the caller (``"latent"`` and, with
     an indexer, ``"index"``, uint8 ``[pages, page bytes]``); every batch's views are their leading
     pages instead of fresh allocations, and a batch whose views would not fit raises
@@ -199,6 +205,7 @@ class ViewMaterializer:
         use_triton: bool | None = None,
         pipeline_chunk_tokens: int | None = None,
         arena: dict[str, torch.Tensor] | None = None,
+        stage_current: bool = False,
     ):
         n = pool.ownership.cp_size
         if arena is not None and prefetch:
@@ -216,6 +223,8 @@ class ViewMaterializer:
         self.pool = pool
         self.group = group
         self.arena = arena
+        self.stage_current = stage_current
+        self._slot_table: torch.Tensor | None = None  # the kernels' page table (plan's, or with staged pages)
         self.prefetch = prefetch
         self.use_triton = use_triton
         self.pipeline_chunk_tokens = pipeline_chunk_tokens
@@ -280,10 +289,17 @@ class ViewMaterializer:
         self._num_tokens = sum(seq_lens) - sum(prefix_lens)
         pool = self.pool
         n = pool.ownership.cp_size
-        pages = pages_for_lens(seq_lens, pool.page_size)
-        # Pages past each request's (page-rounded) prefix: the current chunk, gathered again here.
+        all_pages = pages_for_lens(seq_lens, pool.page_size)
+        # Pages past each request's (page-rounded) prefix: the current chunk, gathered again here
+        # unless staged.
         prefix_pages = pages_for_lens(prefix_lens, pool.page_size)
-        self._current_pages = sum(p - q for p, q in zip(pages, prefix_pages))
+        staged = sum(p - q for p, q in zip(all_pages, prefix_pages))
+        pages = prefix_pages if self.stage_current else all_pages
+        self._current_pages = 0 if self.stage_current else staged
+        if self.stage_current:
+            if plan is not None:
+                raise ValueError("a shared plan cannot be combined with stage_current")
+            extra_pages += staged
         chunks = 1
         if self.group is not None and n > 1 and self.pipeline_chunk_tokens:
             chunks = pipeline_chunks(slots_per_rank(pages, n), pool.page_size, self.pipeline_chunk_tokens)
@@ -304,9 +320,28 @@ class ViewMaterializer:
         if debug_enabled():
             check_plan(self.plan, self.group)
         self._allocate(self.plan, 2 if self.prefetch else 1, extra_pages)
-        if self.prefetch:
+        self._slot_table = plan.slot_table
+        if self.stage_current:
+            self._slot_table = self._staged_slot_table(plan, all_pages, prefix_pages)
+            self.counters.pages_staged = staged
+        if self.prefetch or self.stage_current:
             self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
         return self.counters
+
+    def _staged_slot_table(self, plan: SlotPlan, pages: list[int], prefix_pages: list[int]) -> torch.Tensor:
+        """The plan's slot table with request ``b``'s pages ``[prefix_pages_b, pages_b)`` on the staged
+        pages ``N * S + (rank among the batch's staged pages)``: host-known, one non-blocking copy."""
+        table = plan.slot_table
+        width = table.shape[1]
+        cols = np.arange(width, dtype=np.int64)
+        pages_a, prefix_a = np.asarray(pages, dtype=np.int64), np.asarray(prefix_pages, dtype=np.int64)
+        starts = np.cumsum(pages_a - prefix_a) - (pages_a - prefix_a)
+        staged = (cols >= prefix_a[:, None]) & (cols < pages_a[:, None])
+        values = plan.view_pages + starts[:, None] + cols - prefix_a[:, None]
+        host = np.where(staged, values, -1).reshape(-1)
+        (flat,) = host_to_device([host], table.device)
+        staged_t = flat.view(table.shape)
+        return torch.where(staged_t >= 0, staged_t.to(table.dtype), table)
 
     def _allocate(self, plan: SlotPlan, copies: int, extra_pages: int = 0) -> None:
         """The view buffers, and the slices each gather step writes and all-gathers (built once per batch).
@@ -348,7 +383,7 @@ class ViewMaterializer:
         pos = np.arange(len(req), dtype=np.int64) - starts[req] + np.asarray(prefix_lens, dtype=np.int64)[req]
         device = self.pool.device
         req_d, pos_d = host_to_device([req, pos], device)
-        rows = positions_to_view_rows(pos_d.unsqueeze(1), req_d, self.plan.slot_table, self.pool.page_size)
+        rows = positions_to_view_rows(pos_d.unsqueeze(1), req_d, self._slot_table, self.pool.page_size)
         return rows.squeeze(1)
 
     def layer_view(
@@ -369,11 +404,10 @@ class ViewMaterializer:
         if not 0 <= layer < pool.num_layers:
             raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
         counters = self.counters
-        if self.prefetch:
+        if self.prefetch or self.stage_current:
             check_current_chunk(
                 current_kv_rows, current_index_records, self._num_tokens, pool.row_bytes, pool.with_indexer
             )
-        plan = self.plan
         slot = layer % len(self._views)
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -382,13 +416,15 @@ class ViewMaterializer:
             self._copy_current(self._views[slot], current_kv_rows, current_index_records)
         else:
             self._gather(layer, slot)
+            if self.stage_current:  # the staged pages (and the rest of a page shared with the prefix)
+                self._copy_current(self._views[slot], current_kv_rows, current_index_records)
         if self.prefetch and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1
         views = self._views[slot]
         kv_rows = views["latent"].view(-1, pool.row_bytes)
         index = views.get("index") if self._layer_has_index(layer) else None
-        return LayerView(kv_rows, index, plan.slot_table, pool.page_size, self.use_triton)
+        return LayerView(kv_rows, index, self._slot_table, pool.page_size, self.use_triton)
 
     def view_buffers(self, layer: int = 0) -> dict[str, torch.Tensor]:
         """The batch's view buffers that ``layer_view(layer)`` fills (``"latent"``, ``"index"``):
@@ -418,7 +454,7 @@ class ViewMaterializer:
         in_flight: list[PendingCollective] = []
         for page_ids, mine, whole in self._steps[slot]:
             gather_page_buffers(sources, page_ids, mine[:used], use_triton=self.use_triton)
-            if group is not None:
+            if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
                 in_flight.append(group.all_gather_into_many(whole[:used], mine[:used], async_op=True))
         for pending in in_flight:
             pending.wait()

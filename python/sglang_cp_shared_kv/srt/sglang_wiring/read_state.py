@@ -216,7 +216,7 @@ class BatchReadState:
         self.page_pos[logical] = torch.arange(1, total + 1, dtype=torch.int64, device=self.device)
         self.stage_latent = stage_latent.view(-1, self.latent.row_bytes)
         self.stage_index = stage_index
-        self.counters = BatchCounters(kind="current")
+        self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
 
     def _begin_materialized(

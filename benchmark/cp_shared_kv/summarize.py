@@ -47,6 +47,98 @@ def _section(title: str, d: dict | None, cols: list[tuple[str, str]], prefix: st
     return lines
 
 
+# Written from docs/benchmarks/pd_soak.json by hand (a pytest run, not a benchmark script).
+SOAK_SECTION = """\
+## PD soak through SGLang's Mooncake connector: 2 and 4 prefill CP ranks to one decode, with faults (CPU, TCP loopback)
+
+`CP_SHARED_KV_SOAK_REQUESTS=320 CP_SHARED_KV_SOAK_REPORT=docs/benchmarks/pd_soak.json python -m pytest -q -m soak --timeout 3600 test/srt/sglang_wiring/test_pd_soak.py`
+(CPU, 2 shared cores, 2026-12-01): **18 passed in 133 s**. Figures in [`benchmarks/pd_soak.json`](benchmarks/pd_soak.json).
+CI runs the same test with 40 requests per config (the default; about 50 s for both).
+
+SGLang 0.5.23's `MooncakeKVManager`/`MooncakeKVSender` on each prefill CP rank (the plugin's CP-shared DSA pool and
+allocator, one real Mooncake engine per rank) and `MooncakeKVManager`/`MooncakeKVReceiver` in a decode process (stock
+pool and allocator, the plugin's manifest check, SGLang's deferred KV release for failed requests). Requests of 1 token
+to over 1024 pages (64 tokens each), sent in 1 to 3 chunks, at most 4 in flight; random client aborts (decode only or
+both sides; before the destinations arrive, between chunks, after the last chunk); the decode SIGKILLed and started
+again once, and SIGSTOPped for 2 s once, each with requests in flight.
+
+| | 2 prefill ranks | 4 prefill ranks |
+|---|---|---|
+| requests (1 token ... pages max) | 320 (1 ... 1032) | 320 (1 ... 1047) |
+| served, byte-exact vs the replicated pool | 279 (6256 pages) | 268 (6324 pages) |
+| aborted (injected / failed by them) | 40 / 37 | 52 / 48 |
+| lost with the killed decode (router-aborted at the prefill) | 4 | 4 |
+| other failures, corrupt pages | 0, 0 | 0, 0 |
+| decode releases after every rank's ABORT_ACK / after the 30 s timeout | 37 / 0 | 48 / 0 |
+| kill: requests in flight, decode back after | 4, 10.8 s | 4, 7.4 s |
+| SIGSTOP 2 s: requests in flight | 3 | 3 |
+| Mooncake batches, entries, largest batch | 1697, 29965, 1032 | 2767, 27222, 524 |
+| run wall time (worker loop) | 49 s | 66 s |
+| free pages per prefill rank before → after | 1536 → 1536 | 1536 → 1536 |
+| decode free pages before → after (restarted decode) | 2048 → 2048 | 2048 → 2048 |
+| Mooncake regions per engine before → after, (de)registrations during the run | 5 → 5, 0 | 5 → 5, 0 |
+
+Every connector table of both sides is empty afterwards except for two SGLang behaviours the test allows only where it
+shows them: a decode's destinations reaching a prefill rank after that rank's sender was aborted and cleared make
+SGLang's bootstrap thread record the room again and nothing clears it (7 rooms per rank in each run, all aborted before
+their destinations arrived); and each decode session that ever registered stays in the prefill's
+`decode_kv_args_table` (2 per rank: the killed decode's and the restarted one's). One failed Mooncake batch (to the
+killed decode, 4 ranks) left one room in `_deferred_ack_poisoned_rooms`. KV pages are compared through a 16-byte BLAKE2b
+digest per page (every layer's latent rows and indexer page). The prefill forward writes the indexer keys with the
+torch formulation of SGLang's store kernel (checked byte-equal against the kernel at startup), since the Triton
+interpreter runs that kernel one Python program per token.
+"""
+
+
+VS_UPSTREAM_COLS = [
+    ("scale", "scale"),
+    ("batch", "batch"),
+    ("kind", "kind"),
+    ("shared_prefix", "shared prefix"),
+    ("new_tokens", "new tokens"),
+    ("seq_tokens", "tokens read"),
+    ("ours_bytes_received", "ours bytes received"),
+    ("upstream_bytes_received", "SGLang bytes received"),
+    ("ours_current_chunk_bytes_gathered", "current-chunk bytes gathered"),
+    ("ours_layer_time_us", "ours read µs/layer"),
+    ("upstream_layer_time_us", "SGLang read µs/layer"),
+    ("ours_forward_us", "ours forward µs"),
+    ("upstream_forward_us", "SGLang forward µs"),
+    ("ours_correct", "ours bit-exact"),
+    ("upstream_correct", "SGLang bit-exact"),
+]
+
+
+def _side_by_side() -> list[str]:
+    """Ours vs SGLang's ``--enable-kv-cache-sharding`` (2 GPUs), and the one-GPU correctness run."""
+    lines = _section(
+        "Side by side with SGLang's own sharding: stock / page-interleave / ours, CP=2 (2 x H200)",
+        _load("vs_upstream"),
+        VS_UPSTREAM_COLS,
+        GPU_PREFIX,
+        ["Where SGLang's page-interleave pool wins, the summary's `upstream_wins_on` names the key."],
+    )
+    one = _load("vs_upstream_1gpu")
+    if one is not None:
+        cols = [c for c in VS_UPSTREAM_COLS if "upstream" not in c[0] and "_us" not in c[0]]
+        lines += _section(
+            "The SGLang-wired path on one H200: SGLang's stock DSA pool vs ours, both CP ranks on one GPU (gloo)",
+            one,
+            cols,
+            "source .sgw/setup.sh; ",
+            [
+                "Both CP ranks share one GPU and all-gather over gloo (through the host), so this run checks",
+                "correctness on CUDA and counts bytes; its timings compare nothing and are left out of the table.",
+                "Every batch and layer: SGLang's CUDA pool writers, the indexer reads, FlashMLA sparse prefill",
+                "(`sgl-flash-mla`, output and LSE) over each path's buffer and translated rows, bit-identical to",
+                "the stock pool. SGLang's page-interleave pool is absent here: it builds a NCCL communicator,",
+                "which needs one GPU per rank. `ours_arena_bytes` is the view arena the plugin charges to the KV",
+                "budget for these server limits (32K context, 8K chunk).",
+            ],
+        )
+    return lines
+
+
 def render() -> str:
     lines = [
         "# Benchmarks",
@@ -58,7 +150,9 @@ def render() -> str:
         "",
         "The GPU tests (marker `gpu`) ran in the same session on 2 x H200:",
         "`PYTHONPATH=<flash_mla wheel dir>:python:. python3 -m pytest test/srt/layers test/srt/mem_cache -m gpu -v`;",
-        "their log is [`benchmarks/gpu_tests.txt`](benchmarks/gpu_tests.txt).",
+        "their log is [`benchmarks/gpu_tests.txt`](benchmarks/gpu_tests.txt). A later run of the whole `gpu` marker",
+        "on one H200 (`source .sgw/setup.sh; python3 -m pytest -q -m gpu -rs test`; the 2-GPU tests skip there) is",
+        "[`benchmarks/gpu_tests_1gpu.txt`](benchmarks/gpu_tests_1gpu.txt).",
         "",
     ]
     gather = _load("gather")
@@ -175,6 +269,8 @@ def render() -> str:
         "",
         ["Run on the 2-core CPU machine (loopback TCP); shared host, so ratios move by about ±30% between runs."],
     )
+    lines += _side_by_side()
+    lines += SOAK_SECTION.splitlines() + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

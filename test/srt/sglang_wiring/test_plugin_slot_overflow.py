@@ -17,14 +17,11 @@ import os
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.multirank,
-    pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1",
-        reason="SGLang's pool writers are Triton kernels: CPU needs TRITON_INTERPRET=1",
-    ),
-]
+pytestmark = [pytest.mark.sglang, pytest.mark.multirank]
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="SGLang's pool writers are Triton kernels: CPU needs TRITON_INTERPRET=1",
+)
 
 PS = 64
 
@@ -118,6 +115,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
     return out
 
 
+@needs_interpreter
 @pytest.mark.parametrize("world", [2])
 def test_non_rotating_pages_read_trash_and_fail_the_batch(world):
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
@@ -142,12 +140,12 @@ def test_non_rotating_pages_read_trash_and_fail_the_batch(world):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_non_rotating_pages_on_gpu_fail_the_batch_without_a_sync():
-    """The same batch on 2 GPUs over NCCL: the flag is read from pinned memory once it has landed."""
+    """The same batch on CUDA: the flag is read from pinned memory once it has landed. On 2 GPUs the
+    ranks all-gather over NCCL; on one GPU both ranks share it and all-gather over gloo."""
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    for res in spawn_ranks(_gpu_rank, 2, backend="nccl", timeout_s=300):
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    for res in spawn_ranks(_gpu_rank, 2, backend=backend, timeout_s=300):
         assert res["max_row"] < res["view_rows"] and res["error"] is not None, res
         assert "[req-a, req-b]" in res["error"] and "[0, 3]" in res["error"], res
 

@@ -21,11 +21,10 @@ contexts, twice (double-buffered for its layer-ahead gather)::
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG
-from sglang_cp_shared_kv.srt.utils import check_int
+from sglang_cp_shared_kv.srt.utils import check_int, env_int
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +34,7 @@ ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
 
 def arena_contexts() -> int:
     """``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS`` (an int >= 1), else ``ARENA_CONTEXTS``."""
-    raw = os.environ.get(ARENA_CONTEXTS_ENV, "").strip()
-    if not raw:
-        return ARENA_CONTEXTS
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"{ARENA_CONTEXTS_ENV} must be an int >= 1, got {raw!r}")
-    return int(raw)
+    return env_int(ARENA_CONTEXTS_ENV, ARENA_CONTEXTS, 1)
 
 
 def _ceil_align(x: int, granule: int) -> int:

@@ -30,7 +30,6 @@ the SMs the compute holds. It is off by default.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +52,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, index_page_views
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
+from sglang_cp_shared_kv.srt.utils import env_int
 
 # Pipeline chunk of a view, in tokens sent per rank (0: one piece). Each chunk hides the next one's
 # gather but adds one NCCL call's fixed cost. On 2 x H200 (bench_cp2_e2e's chunk sweep) every chunk
@@ -64,12 +64,7 @@ PIPELINE_CHUNK_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PIPELINE_CHUNK_TOKENS"
 
 def default_pipeline_chunk_tokens() -> int:
     """``$SGLANG_CP_SHARED_KV_PIPELINE_CHUNK_TOKENS`` (0: never chunk), else ``PIPELINE_CHUNK_TOKENS``."""
-    raw = os.environ.get(PIPELINE_CHUNK_TOKENS_ENV, "").strip()
-    if not raw:
-        return PIPELINE_CHUNK_TOKENS
-    if not raw.isdigit():
-        raise ValueError(f"{PIPELINE_CHUNK_TOKENS_ENV} must be an int >= 0, got {raw!r}")
-    return int(raw)
+    return env_int(PIPELINE_CHUNK_TOKENS_ENV, PIPELINE_CHUNK_TOKENS, 0)
 
 
 @dataclass

@@ -38,6 +38,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# The connector and configurator stand-ins of the single-request manifest test, shared.
+from test_plugin_decode_manifest import _configurator_build, _kv_args  # noqa: E402
 
 FLAG = "--enable-cp-shared-kv"
 ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP is made)
@@ -50,23 +52,6 @@ def _env_setup() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand, for a hang
     os.environ["MC_FORCE_TCP"] = "1"
     os.environ["MOONCAKE_PROTOCOL"] = "tcp"
-
-
-def _kv_args(pool: Any, aux: Any, engine_rank: int, ps: int) -> Any:
-    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
-
-    a = KVArgs()
-    a.engine_rank, a.pp_rank, a.system_dp_rank, a.page_size = engine_rank, 0, 0, ps
-    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
-    a.kv_layer_ids, a.kv_cache_dtype_str, a.kv_layout = [], "bfloat16", None
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [aux[0].nbytes]
-    ptrs, lens, item_lens = pool.get_state_buf_infos()
-    a.state_types = [StateType.DSA]
-    a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [list(ptrs)], [list(lens)], [list(item_lens)]
-    a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [[]], [[]], [[]]
-    a.state_conv_shard_groups, a.is_hybrid_mla_backend, a.mla_compression_ratios = [[]], False, None
-    a.num_draft_entries, a.prefill_start_layer, a.prefill_end_layer = 0, 0, None
-    return a
 
 
 class EngineLedger:
@@ -144,33 +129,6 @@ def page_digests(pool: Any, pages: Any, ps: int) -> list[str]:
             h.update(idx[layer][p].numpy().tobytes())
         out.append(h.hexdigest())
     return out
-
-
-def _configurator_build(model_config: Any, tokens: int, ps: int) -> tuple[Any, Any]:
-    """SGLang's configurator pool and allocator builders (hooked by the plugin), on the attributes they read.
-
-    As ``test_plugin_decode_manifest._configurator_build``, with the configurator's page size set.
-    """
-    import types
-
-    import torch
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
-    c = object.__new__(KVCacheConfigurator)
-    c.model_config, c.kv_cache_dtype, c.device, c.page_size = model_config, torch.bfloat16, "cpu", ps
-    c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
-    c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
-    c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
-    pool = c._build_dsa_kv_pool(max_total_num_tokens=tokens, max_running_requests=8, dsa_pool_class=DSATokenToKVPool)
-    alloc = c._build_token_to_kv_pool_allocator(
-        sizes=types.SimpleNamespace(max_total_num_tokens=tokens),
-        token_to_kv_pool=pool,
-        is_dsv4_model=False,
-        req_to_token_pool=None,
-        token_to_kv_pool_allocator=None,
-    )
-    return pool, alloc
 
 
 def _manager(mode: Any, engine: Any, kv_args: Any, rank: int, shard_size: int) -> Any:

@@ -81,11 +81,11 @@ def _deadline_wait(cond, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def _kv_args(pool, aux, engine_rank: int):
+def _kv_args(pool, aux, engine_rank: int, ps: int = PS):
     from sglang.srt.disaggregation.base.conn import KVArgs, StateType
 
     a = KVArgs()
-    a.engine_rank, a.pp_rank, a.system_dp_rank, a.page_size = engine_rank, 0, 0, PS
+    a.engine_rank, a.pp_rank, a.system_dp_rank, a.page_size = engine_rank, 0, 0, ps
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
     a.kv_layer_ids, a.kv_cache_dtype_str, a.kv_layout = [], "bfloat16", None
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [aux[0].nbytes]
@@ -148,7 +148,7 @@ def _manager(mode, engine, kv_args, rank: int, shard_size: int):
     return m
 
 
-def _configurator_build(model_config, tokens: int):
+def _configurator_build(model_config, tokens: int, ps: int = PS):
     """SGLang's configurator pool and allocator builders (hooked by the plugin), on the attributes they read."""
     import types
 
@@ -161,7 +161,7 @@ def _configurator_build(model_config, tokens: int):
     c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
     c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
     c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
-    c.page_size, c.use_mla_backend = PS, True
+    c.page_size, c.use_mla_backend = ps, True
     pool = c._build_dsa_kv_pool(max_total_num_tokens=tokens, max_running_requests=8, dsa_pool_class=DSATokenToKVPool)
     alloc = c._build_token_to_kv_pool_allocator(
         sizes=types.SimpleNamespace(max_total_num_tokens=tokens),

@@ -1,0 +1,192 @@
+"""A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync.
+
+The views of a sharded pool are all-gathered in place, owner-major: rank ``r`` writes its part
+``out[r * n : (r + 1) * n]`` (the Triton gather, short), and every rank needs every part. NCCL
+moves the parts with kernels, which wait for the SMs the attention holds. Here each rank instead
+*pulls* its peers' parts straight from their buffers with ``cuMemcpyDtoDAsync`` (the GPUs' copy
+engines), and the ranks order themselves with 64-bit stream memory operations that the GPU's
+front end executes (``cuStreamWriteValue64`` / ``cuStreamWaitValue64``): no kernel, no SM, no
+host wait. NVLink multicast is never used.
+
+Buffers are registered once (collectively): every rank passes buffers of identical shapes
+(the view arena), exported to the others by CUDA IPC. An all-gather must then lie inside one
+registered buffer, at the same offset on every rank (true for views planned from the same host
+lengths). Per call ``k`` (the ``k``-th all-gather since registration, the same count on every
+rank), on the caller's current stream::
+
+    ready[me] := k on every peer          (after this rank's part is written: a memory barrier)
+    wait ready[p] >= k; pull p's part      (for every peer p, copy engine)
+    ack[me]   := k on every peer           (this rank is done reading the peers' parts)
+    wait ack[p] >= k                       (no peer reads this rank's part any more)
+
+so the call ends, on the stream, once every rank holds every part and no rank still reads from
+another: the next write into the buffers (the next layer's gather) is safe. Counters are 64-bit
+and only grow, so a wait can never be satisfied by an older call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+from collections.abc import Sequence
+
+import torch
+
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
+
+
+class CopyEngineUnavailable(RuntimeError):
+    """The copy-engine all-gather cannot run here (no CUDA driver entry points, ranks on several nodes)."""
+
+
+class _Driver:
+    """The few CUDA driver calls we need, through ctypes (the driver ships with every CUDA install)."""
+
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise CopyEngineUnavailable(f"the CUDA driver library cannot be loaded: {e}") from e
+        self._lib = lib
+        self.write64 = self._fn(
+            ("cuStreamWriteValue64_v2", "cuStreamWriteValue64"),
+            [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint],
+        )
+        self.wait64 = self._fn(
+            ("cuStreamWaitValue64_v2", "cuStreamWaitValue64"),
+            [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint],
+        )
+        self.copy = self._fn(
+            ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"),
+            [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
+        )
+        self._error_name = lib.cuGetErrorName
+        self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+
+    def _fn(self, names: Sequence[str], argtypes: list) -> ctypes._CFuncPtr:
+        for name in names:
+            fn = getattr(self._lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+                return fn
+        raise CopyEngineUnavailable(f"the CUDA driver has none of {', '.join(names)}")
+
+    def check(self, result: int, what: str) -> None:
+        if result:
+            name = ctypes.c_char_p()
+            self._error_name(result, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({result})")
+
+
+WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+_driver: _Driver | None = None
+
+
+def driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+class CopyEngineGroup:
+    """In-place all-gathers inside registered buffers, pulled by copy engines (see the module docstring).
+
+    ``group`` carries the one-time exchange of IPC handles (and ``all_gather_object`` / ``barrier``
+    for callers that need them); ``buffers`` are this rank's registered CUDA tensors, one shape per
+    position on every rank. Collective: every rank of ``group`` constructs it with the same shapes.
+    """
+
+    backend = "copy_engine"
+
+    def __init__(self, group: CPGroup, buffers: Sequence[torch.Tensor]):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if not buffers or any(not b.is_cuda or not b.is_contiguous() for b in buffers):
+            raise ValueError("copy-engine buffers must be a non-empty list of contiguous CUDA tensors")
+        self.cpu_group = group
+        self.rank, self.size = group.rank, group.size
+        self.device = buffers[0].device
+        self._driver = driver()
+        hosts = group.all_gather_object(socket.gethostname())
+        if len(set(hosts)) != 1:
+            raise CopyEngineUnavailable(f"copy-engine all-gather needs every CP rank on one node, got hosts {hosts}")
+        # ready[p] then ack[p], written by peer p; read (waited on) only by this rank.
+        self.signals = torch.zeros(2, self.size, dtype=torch.int64, device=self.device)
+        self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
+        shapes = [(tuple(b.shape), b.dtype) for b in buffers]
+        mine = (shapes, reduce_tensor(self.signals), [reduce_tensor(b) for b in self.buffers])
+        torch.cuda.current_stream(self.device).synchronize()  # sync-ok: once, at registration
+        everyone = group.all_gather_object(mine)
+        self._peer_signals: dict[int, torch.Tensor] = {}
+        self._peer_buffers: dict[int, list[torch.Tensor]] = {}
+        for p, (their_shapes, sig, bufs) in enumerate(everyone):
+            if their_shapes != shapes:
+                raise ValueError(f"rank {p} registered buffers {their_shapes}, this rank {shapes}: they must match")
+            if p != self.rank:
+                self._peer_signals[p] = sig[0](*sig[1])
+                self._peer_buffers[p] = [fn(*args) for fn, args in bufs]
+        self.calls = 0
+        group.barrier()  # every rank has opened every handle before any call
+
+    def __repr__(self) -> str:
+        return f"CopyEngineGroup(rank={self.rank}, size={self.size}, buffers={len(self.buffers)})"
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        return self.cpu_group.all_gather_object(obj)
+
+    def barrier(self) -> None:
+        self.cpu_group.barrier()
+
+    def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, int, int]:
+        """(registered buffer, byte offset of ``out`` in it, bytes per part), or ``ValueError``."""
+        n = local.shape[0]
+        if out.shape[0] != n * self.size or out.shape[1:] != local.shape[1:] or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{self.size} * {n}, ...], got {tuple(out.shape)}")
+        part = local.numel() * local.element_size()
+        if local.data_ptr() != out.data_ptr() + self.rank * part:
+            raise ValueError("a copy-engine all-gather is in place: local must be this rank's part of out")
+        ptr = out.data_ptr()
+        for i, buf in enumerate(self.buffers):
+            base = buf.data_ptr()
+            if base <= ptr and ptr + part * self.size <= base + buf.numel():
+                return i, ptr - base, part
+        raise ValueError("out lies outside every registered buffer")
+
+    def all_gather_into_many(
+        self,
+        outs: Sequence[torch.Tensor],
+        locals_: Sequence[torch.Tensor],
+        *,
+        async_op: bool = False,
+        coalesce: bool | None = None,
+    ) -> PendingCollective:
+        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place.
+
+        Everything is queued on the current stream (ordered after the caller's writes of its parts,
+        before whatever it queues next), so the result needs no wait; ``async_op`` and ``coalesce``
+        are accepted for ``CPGroup`` compatibility.
+        """
+        if len(outs) != len(locals_) or not outs:
+            raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
+        spans = [self._locate(out, local) for out, local in zip(outs, locals_)]
+        for out in outs:
+            if out.device != self.device:
+                raise ValueError(f"out is on {out.device}, the registered buffers on {self.device}")
+        d, stream = self._driver, torch.cuda.current_stream(self.device).cuda_stream
+        self.calls += 1
+        k, me, peers = self.calls, self.rank, sorted(self._peer_signals)
+        item = self.signals.element_size()
+        for p in peers:  # my part is written (the write carries a memory barrier)
+            d.check(d.write64(stream, self._peer_signals[p].data_ptr() + me * item, k, 0), "cuStreamWriteValue64")
+        for p in peers:
+            d.check(d.wait64(stream, self.signals.data_ptr() + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
+            for (i, offset, part), out in zip(spans, outs):
+                src = self._peer_buffers[p][i].data_ptr() + offset + p * part
+                d.check(d.copy(out.data_ptr() + p * part, src, part, stream), "cuMemcpyDtoDAsync")
+        ack = self.size * item
+        for p in peers:  # done reading the peers' parts
+            d.check(d.write64(stream, self._peer_signals[p].data_ptr() + ack + me * item, k, 0), "cuStreamWriteValue64")
+        for p in peers:
+            d.check(d.wait64(stream, self.signals.data_ptr() + ack + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
+        return PendingCollective()

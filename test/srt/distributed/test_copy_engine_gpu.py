@@ -1,0 +1,87 @@
+"""The copy-engine all-gather on CUDA (ranks are processes; on a one-GPU machine they share it):
+every rank ends with every rank's part byte for byte, over many calls at moving offsets (a call
+that read a part before its owner wrote it, or an owner that overwrote it while a peer still
+read, shows as wrong bytes), on a side stream too, and without a host sync."""
+
+import pytest
+import torch
+
+from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PAGES, WIDTHS = 96, (512, 264)
+
+
+def _part(call: int, owner: int, pages: int, width: int, which: int) -> torch.Tensor:
+    """What ``owner`` writes as its part in call ``call`` (any rank can recompute it)."""
+    g = torch.Generator().manual_seed(1_000_003 * call + 7919 * owner + which)
+    return torch.randint(0, 256, (pages, width), dtype=torch.uint8, generator=g)
+
+
+def _rank(rank: int, size: int, calls: int) -> dict:
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    arena = [torch.full((PAGES, w), 255, dtype=torch.uint8, device=dev) for w in WIDTHS]
+    ce = CopyEngineGroup(CPGroup(), arena)
+    side = torch.cuda.Stream(dev)
+    bad = []
+    for call in range(1, calls + 1):
+        per = 1 + call % 7  # pages per part, and where the view starts: both move call to call
+        start = (call * 5) % (PAGES - per * size + 1)
+        outs = [a[start : start + per * size] for a in arena]
+        mine = [o[rank * per : (rank + 1) * per] for o in outs]
+        stream = side if call % 3 == 0 else torch.cuda.current_stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for i, (m, w) in enumerate(zip(mine, WIDTHS)):
+                m.copy_(_part(call, rank, per, w, i).to(dev, non_blocking=False))
+            if call == calls:
+                torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+            try:
+                ce.all_gather_into_many(outs, mine, async_op=True)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        got = [o.cpu() for o in outs]
+        for p in range(size):
+            for i, w in enumerate(WIDTHS):
+                if not torch.equal(got[i][p * per : (p + 1) * per], _part(call, p, per, w, i)):
+                    bad.append((call, p, i))
+    return {"bad": bad, "calls": ce.calls}
+
+
+@pytest.mark.parametrize("size", [2])
+def test_copy_engine_all_gather_is_exact_over_many_calls(size):
+    out = spawn_ranks(_rank, size, 60, timeout_s=300)
+    for r, res in enumerate(out):
+        assert res["bad"] == [], f"rank {r}: wrong parts (call, owner, buffer) {res['bad'][:5]}"
+        assert res["calls"] == 60
+
+
+def _misuse(rank: int, size: int) -> list[str]:
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    arena = torch.zeros((16, 64), dtype=torch.uint8, device="cuda")
+    ce = CopyEngineGroup(CPGroup(), [arena])
+    other = torch.zeros((16, 64), dtype=torch.uint8, device="cuda")
+    errors = []
+    for out, local in [(other[:4], other[2 * rank : 2 * rank + 2]), (arena[:4], arena[4:6])]:
+        try:
+            ce.all_gather_into_many([out], [local])
+        except ValueError as e:
+            errors.append(str(e))
+    ce.barrier()
+    return errors
+
+
+def test_copy_engine_all_gather_refuses_buffers_it_cannot_pull():
+    for errors in spawn_ranks(_misuse, 2, timeout_s=120):
+        assert errors == [
+            "out lies outside every registered buffer",
+            "a copy-engine all-gather is in place: local must be this rank's part of out",
+        ]

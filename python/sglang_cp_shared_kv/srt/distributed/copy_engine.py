@@ -27,12 +27,16 @@ and only grow, so a wait can never be satisfied by an older call.
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import socket
 from collections.abc import Sequence
 
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
+
+logger = logging.getLogger(__name__)
 
 
 class CopyEngineUnavailable(RuntimeError):
@@ -108,9 +112,6 @@ class CopyEngineGroup:
         self.rank, self.size = group.rank, group.size
         self.device = buffers[0].device
         self._driver = driver()
-        hosts = group.all_gather_object(socket.gethostname())
-        if len(set(hosts)) != 1:
-            raise CopyEngineUnavailable(f"copy-engine all-gather needs every CP rank on one node, got hosts {hosts}")
         # ready[p] then ack[p], written by peer p; read (waited on) only by this rank.
         self.signals = torch.zeros(2, self.size, dtype=torch.int64, device=self.device)
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
@@ -190,3 +191,51 @@ class CopyEngineGroup:
         for p in peers:
             d.check(d.wait64(stream, self.signals.data_ptr() + ack + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
         return PendingCollective()
+
+
+TRANSPORT_ENV = "SGLANG_CP_SHARED_KV_TRANSPORT"
+TRANSPORTS = ("auto", "copy_engine", "nccl")
+
+
+def transport_setting() -> str:
+    """``$SGLANG_CP_SHARED_KV_TRANSPORT``: ``auto`` (default: copy engines when every CP rank is on this
+    node, else the CP group's collectives), ``copy_engine`` (required: an error where it cannot run) or
+    ``nccl`` (the CP group's collectives, never copy engines)."""
+    raw = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+    if raw not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
+    return raw
+
+
+def view_group(
+    group: CPGroup, buffers: Sequence[torch.Tensor], setting: str | None = None
+) -> CPGroup | CopyEngineGroup:
+    """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself.
+
+    Collective: every rank of ``group`` calls it, and all of them decide alike (each says whether the
+    driver entry points load here and which host it is on; copy engines only if all can, on one host).
+    CPU buffers always use ``group``.
+    """
+    setting = setting or transport_setting()
+    if setting not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {setting!r}")
+    if setting == "nccl" or not buffers or not buffers[0].is_cuda:
+        if setting == "copy_engine":
+            raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine needs CUDA view buffers")
+        return group
+    try:
+        driver()
+        why = ""
+    except CopyEngineUnavailable as e:
+        why = str(e)
+    votes = group.all_gather_object((socket.gethostname(), why))
+    reasons = [f"rank {r}: {w}" for r, (_, w) in enumerate(votes) if w]
+    if len({h for h, _ in votes}) != 1:
+        reasons.append(f"CP ranks on {len({h for h, _ in votes})} hosts")
+    if reasons:
+        if setting == "copy_engine":
+            raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {'; '.join(reasons)}")
+        logger.info("CP-shared KV: views all-gathered by the CP group (%s), not copy engines", "; ".join(reasons))
+        return group
+    logger.info("CP-shared KV: views all-gathered by the copy engines (%d ranks on one node)", group.size)
+    return CopyEngineGroup(group, buffers)

@@ -127,19 +127,23 @@ class ViewArenaError(RuntimeError):
     """A batch's read buffer would not fit the view arena (admission let through a batch too large)."""
 
 
-def arena_pages(arena: dict[str, torch.Tensor], key: str, pages: int, width: int) -> torch.Tensor:
-    """The leading ``pages`` pages of ``arena[key]`` (uint8 ``[P, width]``), or ``ViewArenaError``: host sizes only."""
+def arena_pages(
+    arena: dict[str, torch.Tensor], key: str, pages: int, width: int, part: int = 0, parts: int = 1
+) -> torch.Tensor:
+    """The leading ``pages`` pages of part ``part`` of ``arena[key]`` (uint8 ``[P, width]`` cut into ``parts``
+    equal parts: one per view set a prefetching reader alternates), or ``ViewArenaError``: host sizes only."""
     buf = arena.get(key)
     if buf is None or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != width:
         got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
         raise ValueError(f"arena[{key!r}] must be uint8 [pages, {width}], got {got}")
-    if pages > buf.shape[0]:
+    size = buf.shape[0] // parts
+    if pages > size:
         raise ViewArenaError(
             f"--enable-cp-shared-kv: this batch's read buffer needs {pages} pages, more than the view arena's "
-            f"{buf.shape[0]}: the batch was admitted past the arena (SGLang's scratch admission is bypassed or "
+            f"{size}: the batch was admitted past the arena (SGLang's scratch admission is bypassed or "
             "sized for another arena); nothing was allocated or written"
         )
-    return buf[:pages]
+    return buf[part * size : part * size + pages]
 
 
 def check_current_chunk(
@@ -185,10 +189,12 @@ class ViewMaterializer:
     nothing of the chunk beyond that shared page is gathered or all-gathered. The page table
     handed to the kernels then covers both (``LayerView.page_table``).
 
-    ``arena`` (optional, no prefetch): buffers allocated once by the caller (``"latent"`` and, with
-    an indexer, ``"index"``, uint8 ``[pages, page bytes]``); every batch's views are their leading
-    pages instead of fresh allocations, and a batch whose views would not fit raises
-    ``ViewArenaError`` before anything is written.
+    ``arena`` (optional): buffers allocated once by the caller (``"latent"`` and, with an indexer,
+    ``"index"``, uint8 ``[pages, page bytes]``; with ``prefetch`` cut in two equal parts, one per view
+    set); every batch's views are their leading pages instead of fresh allocations, and a batch whose
+    views would not fit raises ``ViewArenaError`` before anything is written. ``group`` may be a
+    ``copy_engine.CopyEngineGroup`` registered over the arena: the views are then all-gathered by
+    the copy engines.
     """
 
     def __init__(
@@ -203,8 +209,6 @@ class ViewMaterializer:
         stage_current: bool = False,
     ):
         n = pool.ownership.cp_size
-        if arena is not None and prefetch:
-            raise ValueError("an arena holds one set of views: it cannot serve a prefetching materializer")
         if group is None and n != 1:
             raise ValueError(f"group is required for a pool sharded over {n} ranks")
         if group is not None and (group.size != n or group.rank != pool.rank):
@@ -354,7 +358,7 @@ class ViewMaterializer:
         pages = plan.view_pages + extra_pages
         for _ in range(copies):
             if self.arena is not None:
-                views = {k: arena_pages(self.arena, k, pages, w) for k, w in widths.items()}
+                views = {k: arena_pages(self.arena, k, pages, w, len(self._views), copies) for k, w in widths.items()}
             else:
                 views = {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
             steps = []
@@ -399,7 +403,10 @@ class ViewMaterializer:
         if not 0 <= layer < pool.num_layers:
             raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
         counters = self.counters
-        if self.prefetch or self.stage_current:
+        # A view planned over the prefixes only (``seq_lens = prefix_lens``: the caller stages the chunk
+        # past it) holds nothing of the current chunk: nothing to copy in.
+        copy_current = (self.prefetch or self.stage_current) and self._num_tokens > 0
+        if copy_current:
             check_current_chunk(
                 current_kv_rows, current_index_records, self._num_tokens, pool.row_bytes, pool.with_indexer
             )
@@ -407,12 +414,11 @@ class ViewMaterializer:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._wait(pending)
-        if pending is not None and pending[:2] == (layer, slot):
-            self._copy_current(self._views[slot], current_kv_rows, current_index_records)
-        else:
+        ahead = pending is not None and pending[:2] == (layer, slot)  # gathered before the pool held the chunk
+        if not ahead:
             self._gather(layer, slot)
-            if self.stage_current:  # the staged pages (and the rest of a page shared with the prefix)
-                self._copy_current(self._views[slot], current_kv_rows, current_index_records)
+        if copy_current and (ahead or self.stage_current):  # staged: the chunk's pages past the prefix
+            self._copy_current(self._views[slot], current_kv_rows, current_index_records)
         if self.prefetch and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1

@@ -1,13 +1,23 @@
 """The standalone stack's read path in one process: current-reuse through the compact table, the
-materialized fallback, and how bad input is rejected (by ``ReadPath`` and the ``ViewMaterializer`` under it)."""
+materialized fallback, the view arena, and how bad input is rejected (by ``ReadPath`` and the
+``ViewMaterializer`` under it)."""
 
 import pytest
 import torch
 from pool_workload import filled_pool as _filled_pool
 
-from sglang_cp_shared_kv.reference.read_path import ReadPath, compact_row_table, pack_index_records, pool_view
+from sglang_cp_shared_kv.reference.read_path import (
+    ReadPath,
+    compact_row_table,
+    pack_index_records,
+    pool_view,
+    staged_view_pages,
+)
 from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewArenaError
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions
 
 PS = 16
 
@@ -68,3 +78,43 @@ def test_bad_input_is_rejected():
         mat.layer_view(0, torch.zeros((7, pool.row_bytes), dtype=torch.uint8), torch.zeros((7, 3), dtype=torch.uint8))
     with pytest.raises(ValueError, match="layer"):
         mat.layer_view(5)
+
+
+def test_view_arena_holds_every_view_and_refuses_a_batch_past_it():
+    """``attach_arena`` as the wired path's: sized by ``arena_regions``, allocated once, views are its pages."""
+    pool = _filled_pool()
+    page_bytes = PS * (pool.row_bytes + INDEX_TOKEN_BYTES)
+    prefix, chunk = arena_regions(1, PS, 3 * PS + 5, 2 * PS - 3, 2)
+    assert (prefix, chunk) == (8 * PS, 2 * PS)
+    mat = ReadPath(pool, None, stage_current=True, use_triton=False)
+    assert mat.attach_arena(prefix, chunk) == 11 * page_bytes
+    arena = mat.arena
+    assert {k: tuple(v.shape) for k, v in arena.items()} == {
+        "latent": (11, PS * pool.row_bytes),
+        "index": (11, PS * INDEX_TOKEN_BYTES),
+    }
+    # A history batch: two prefix pages gathered into the arena, the current page staged after them.
+    rows = torch.randint(0, 256, (PS, pool.row_bytes), dtype=torch.uint8)
+    records = pack_index_records(torch.randint(0, 256, (PS, 128), dtype=torch.uint8), torch.rand(PS))
+    counters = mat.begin_batch(torch.tensor([[1, 2, 3]], dtype=torch.int32), [3 * PS], [2 * PS])
+    view = mat.layer_view(0, rows, records)
+    assert view.kv_rows.data_ptr() == arena["latent"].data_ptr()
+    assert view.index_pages.data_ptr() == arena["index"].data_ptr()
+    got = view.kv_rows[view.rows(torch.arange(3 * PS).unsqueeze(0), torch.tensor([0]))[0].long()]
+    assert torch.equal(got[: 2 * PS], pool.latent[0][PS : 3 * PS]) and torch.equal(got[2 * PS :], rows)
+    assert (counters.view_pages, counters.pages_staged, counters.current_chunk_bytes_gathered) == (2, 1, 0)
+    assert staged_view_pages([3 * PS], [2 * PS], 1, PS) == 3
+    # Prefix pages [2, 0] (a part-filled one viewed): 4 x 1 view pages; staged (4 - 2) + 1.
+    assert staged_view_pages([3 * PS + 1, PS], [PS + 1, 0], 4, PS) == 4 * 1 + 2 + 1
+    assert counters.bytes_materialized == 2 * page_bytes and counters.bytes_received == 0
+    # 9 prefix pages + 3 staged: past the arena's 11 pages, refused when the batch begins.
+    table = torch.tensor([list(range(10)) + [0, 0]], dtype=torch.int32)
+    assert staged_view_pages([12 * PS], [9 * PS], 1, PS) == 12
+    with pytest.raises(ViewArenaError, match="needs 12 pages, more than the view arena's 11"):
+        mat.begin_batch(table, [12 * PS], [9 * PS])
+    with pytest.raises(RuntimeError, match="once, before the first batch"):
+        mat.attach_arena(prefix, chunk)
+    with pytest.raises(ValueError, match="page-aligned"):
+        ReadPath(pool, None).attach_arena(PS + 1, PS)
+    with pytest.raises(ValueError, match="prefetching"):
+        ReadPath(pool, None, prefetch=True).attach_arena(PS, PS)

@@ -281,11 +281,14 @@ class BatchResult:
 
 @dataclass
 class PrefillRun:
-    """All batches of one run, the pool they wrote and each request's logical pages."""
+    """All batches of one run, the pool they wrote and each request's logical pages.
+
+    ``arena_bytes``: this rank's view arena (``view_arena``), allocated once; 0 without one."""
 
     batches: list[BatchResult]
     pool: ShardedMLAPool
     request_pages: list[list[int]] = field(default_factory=list)
+    arena_bytes: int = 0
 
 
 def request_tokens(requests: Sequence[RequestSpec], vocab: int, seed: int) -> list[torch.Tensor]:
@@ -330,13 +333,17 @@ def run_chunked_prefill(
     cp_size: int | None = None,
     on_batch: Callable[[int, int, BatchResult], None] | None = None,
     keep_outputs: bool = True,
+    stage_current: bool = False,
+    view_arena: tuple[int, int] | None = None,
 ) -> PrefillRun:
     """Run the request stream through the tiny DSA stack, batch by batch, layer by layer.
 
     ``group=None``: a replicated pool (``PageOwnership(1, ps)``) read through the logical page
     table. With a CP group: this rank's share of a pool sharded over the group, read through
     ``read_path.ReadPath`` (current-reuse for batches without prefixes when ``current_reuse``; the
-    next layer's gather started ahead of its pool write when ``prefetch``).
+    next layer's gather started ahead of its pool write when ``prefetch``; the current chunk staged
+    past a view of the prefixes when ``stage_current``, as the SGLang path does; every view read from
+    one arena of ``view_arena = (prefix_tokens, chunk_tokens)`` allocated once, ``ReadPath.attach_arena``).
     Logical pages come from a balanced allocator over ``cp_size`` owners (default: the
     group's size, or 1), so a replicated run can use the very page ids of a CP run.
     ``on_batch(index, total, result)`` is called after each batch (progress reports). With
@@ -361,7 +368,19 @@ def run_chunked_prefill(
         pool = ShardedMLAPool(
             PageOwnership(n, page_size), group.rank, phys_per_rank, config.num_layers, kv_format, device=device
         )
-        materializer = ReadPath(pool, group, current_reuse=current_reuse, prefetch=prefetch, use_triton=use_triton)
+        materializer = ReadPath(
+            pool,
+            group,
+            current_reuse=current_reuse,
+            prefetch=prefetch,
+            use_triton=use_triton,
+            stage_current=stage_current,
+        )
+    arena_bytes = 0
+    if view_arena is not None:
+        if materializer is None:
+            raise ValueError("view_arena needs a CP group: a replicated run reads its pool directly")
+        arena_bytes = materializer.attach_arena(*view_arena)
 
     stack = TinyDSAStack(config, kv_format, device)
     tokens = request_tokens(requests, config.vocab, config.seed)
@@ -396,7 +415,7 @@ def run_chunked_prefill(
             on_batch(len(results) - 1, len(schedule), results[-1])
         if not keep_outputs:
             results[-1].layers = []
-    return PrefillRun(results, pool, pages)
+    return PrefillRun(results, pool, pages, arena_bytes)
 
 
 def forward_layers(

@@ -5,6 +5,14 @@ Per batch it picks the kind from host lengths (``current_reuse.batch_kind``), as
 through a compact table (``req_token_start[b] + position``, page size 1) and moves nothing; any
 other batch goes to ``ViewMaterializer``. The SGLang path stages the current chunk page-aligned
 instead of using the compact table.
+
+View arena (``attach_arena``, optional, once before the first batch): as the wired path's
+``BatchReadState.attach_arena``, one latent and one indexer buffer of ``prefix + chunk tokens +
+one page`` (sizes from ``mem_cache.view_arena_size.arena_regions``); every materialized batch's
+views are their leading pages (``ViewMaterializer(arena=...)``), and a batch past it raises
+``ViewArenaError`` before anything is written. The standalone scheduler has no admission against
+the arena (SGLang's has): a caller sizes it for its stream. With ``stage_current`` the buffer is
+the wired path's ``[prefix view | current pages]``.
 """
 
 from __future__ import annotations
@@ -23,8 +31,14 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     check_current_chunk,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotPlan, copy_to_device
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    SlotPlan,
+    copy_to_device,
+    pages_for_lens,
+    slots_per_rank,
+)
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
+from sglang_cp_shared_kv.srt.utils import check_int
 
 
 def compact_row_table(extend_lens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -40,6 +54,14 @@ def compact_row_table(extend_lens: Sequence[int], device: torch.device | str = "
     starts = np.cumsum(lens) - lens
     table = torch.from_numpy(np.where(cols < lens[:, None], starts[:, None] + cols, 0).astype(np.int32))
     return copy_to_device(table, torch.device(device))
+
+
+def staged_view_pages(seq_lens: Sequence[int], prefix_lens: Sequence[int], cp_size: int, page_size: int) -> int:
+    """Pages of a ``stage_current`` batch's read buffer, from host lengths: the view of the prefixes,
+    ``N * sum_b ceil(ceil(prefix_b / ps) / N)``, and the current pages staged past it (what an arena must hold)."""
+    prefix_pages = pages_for_lens(prefix_lens, page_size)
+    staged = sum(pages_for_lens(seq_lens, page_size)) - sum(prefix_pages)
+    return cp_size * slots_per_rank(prefix_pages, cp_size) + staged
 
 
 def pack_index_records(k_u8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -75,6 +97,30 @@ class ReadPath:
         self.counters: BatchCounters | None = None
         self._compact_table: torch.Tensor | None = None
         self._num_tokens = 0
+        self.arena: dict[str, torch.Tensor] | None = None
+
+    def attach_arena(self, prefix_tokens: int, chunk_tokens: int) -> int:
+        """Allocate the view arena once: ``prefix_tokens + chunk_tokens + page_size`` token rows of latent
+        and indexer bytes (the wired path's ``attach_arena``; ``arena_regions`` gives the sizes). Returns
+        its bytes. Call before the first batch; not with ``prefetch`` (one set of views)."""
+        ps = self.pool.page_size
+        for name, value in (("prefix_tokens", prefix_tokens), ("chunk_tokens", chunk_tokens)):
+            check_int(name, value, 0)
+            if value % ps:
+                raise ValueError(f"{name} must be page-aligned (page size {ps}), got {value}")
+        if self.counters is not None or self.arena is not None:
+            raise RuntimeError("attach the view arena once, before the first batch")
+        if self.materializer.prefetch:
+            raise ValueError("this arena holds one set of views: it cannot serve a prefetching read path")
+        pages = (prefix_tokens + chunk_tokens) // ps + 1
+        pool = self.pool
+        arena = {"latent": torch.empty((pages, ps * pool.row_bytes), dtype=torch.uint8, device=pool.device)}
+        if pool.with_indexer:
+            arena["index"] = torch.empty((pages, ps * INDEX_TOKEN_BYTES), dtype=torch.uint8, device=pool.device)
+        self.arena = self.materializer.arena = arena
+        # As the wired path: no pipeline chunks, whose padding would outgrow the arena's prefix bound.
+        self.materializer.pipeline_chunk_tokens = 0
+        return sum(t.numel() for t in arena.values())
 
     @property
     def reusing_current(self) -> bool:

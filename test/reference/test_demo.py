@@ -2,9 +2,10 @@
 
 Also what a user meets first: ``--help``, one-line errors before any work, relative ``--out`` from
 another directory, no Mooncake log noise, a clean Ctrl-C, peak memory per rank against the chunk,
-and the table and plot at CP 1, 3 and 16.
+the tables and plot at CP 1, 3 and 16, and the per-batch bytes and view arena in the table and the JSON.
 """
 
+import json
 import os
 import re
 import signal
@@ -17,16 +18,20 @@ from pathlib import Path
 import pytest
 
 from sglang_cp_shared_kv.reference.demo import (
+    _fmt_bytes,
     capacity_multiplier,
+    format_batches,
     format_report,
     plot_demo,
     wait_while_progressing,
 )
 from sglang_cp_shared_kv.reference.mooncake.transfer_state import TransferState
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import ARENA_CONTEXTS, ARENA_CONTEXTS_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SH = ROOT / "scripts" / "demo.sh"
 ENV = dict(os.environ, TRITON_INTERPRET="1", MC_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+ENV.pop(ARENA_CONTEXTS_ENV, None)  # the view arena's default size
 NOISE = ("InitGoogleLogging", "Using default malloc/free", "Local segment descriptor", "Traceback")
 RSS_ROW = re.compile(r"^\s+(\d+)\s.*\s([\d.]+) (B|KiB|MiB|GiB)$")
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
@@ -81,6 +86,68 @@ def test_demo_small_settings_pass(tmp_path, cp, requests):
         assert "share" not in header and "shared prefix" not in out
     if cp == 1:
         assert "CP size 1: the baseline" in out
+    _check_batch_bytes(out, tmp_path / "plots" / "cp_shared_kv_demo.json", cp, requests)
+
+
+def _check_batch_bytes(out: str, json_path: Path, cp: int, requests: int) -> None:
+    """The view arena and each batch's bytes, in the JSON and the table, against what host lengths predict.
+
+    The run: page size 16, bf16 rows, one layer, requests of 160 + 7 i tokens, chunk 128."""
+    numbers = json.loads(json_path.read_text())
+    assert numbers["passed"] is True and numbers["options"]["cp_size"] == cp
+    ps, page_bytes = 16, 16 * (1152 + 132)  # a page of bf16 rows and indexer records, one layer
+    arena = numbers["view_arena"]
+    context = 160 + 7 * (requests - 1)
+    prefix = ARENA_CONTEXTS * -(-context // (cp * ps)) * cp * ps  # whole rotations of cp pages
+    assert (arena["contexts"], arena["context_len"], arena["prefix_tokens"], arena["chunk_tokens"]) == (
+        ARENA_CONTEXTS,
+        context,
+        prefix,
+        128,
+    )
+    assert arena["bytes"] == {3: 677952, 1: 595776}[cp] == (prefix + 128 + ps) // ps * page_bytes
+    assert all(r["arena_bytes"] == arena["bytes"] for r in numbers["ranks"])  # one arena on every rank
+    batches = numbers["batches"]
+    for b in batches:
+        prefix_pages = [-(-p // ps) for p in b["prefix_lens"]]
+        view = cp * sum(-(-q // cp) for q in prefix_pages)  # the prefixes only, N * sum ceil(pages / N)
+        staged = sum(-(-n // ps) for n in b["seq_lens"]) - sum(prefix_pages)
+        assert b["current_chunk_bytes_gathered"] == 0, b  # the chunk is staged, never all-gathered
+        if b["kind"] == "current":
+            assert (b["current_reuse_hits"], b["view_pages"], b["bytes_materialized"], b["bytes_received"]) == (
+                1,
+                0,
+                0,
+                0,
+            ), b
+            continue
+        assert (b["view_pages"], b["pages_staged"]) == (view, staged), b
+        assert (view + staged) * ps <= arena["tokens"], b  # inside the arena
+        assert b["bytes_materialized"] == view * page_bytes, b
+        assert b["bytes_received"] * cp == b["bytes_materialized"] * (cp - 1), b  # (N - 1) / N of it
+        assert b["bytes_received"] == (view - view // cp) * page_bytes, b
+    kinds = {b["kind"] for b in batches}
+    assert kinds == ({"current", "history", "mixed"} if requests > 1 else {"current", "history"})
+    if cp > 1:
+        assert sum(b["bytes_received"] for b in batches) > 0
+    for r in numbers["ranks"]:  # every rank moves the same bytes
+        for key in ("bytes_received", "bytes_materialized", "current_chunk_bytes_gathered"):
+            assert r[key] == sum(b[key] for b in batches), (key, r)
+    # The table: the arena in MiB above it, one row per batch carrying the JSON's numbers.
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("view arena: "))
+    assert lines[at].startswith(f"view arena: {arena['bytes'] / 2**20:.2f} MiB per rank, allocated once: ")
+    assert (
+        lines[at + 1].split()
+        == "batch kind reqs tokens view pages staged pages received materialized chunk gathered".split()
+    )
+    for b, line in zip(batches, lines[at + 2 :]):
+        cols = line.split()
+        assert cols[:4] == [str(b["batch"]), b["kind"], str(len(b["requests"])), str(b["tokens"])], line
+        assert cols[4:6] == [str(b["view_pages"]), str(b["pages_staged"])], line
+        moved = (_fmt_bytes(b[k]) for k in ("bytes_received", "bytes_materialized", "current_chunk_bytes_gathered"))
+        assert line.endswith(" ".join(f"{m:>{w}}" for m, w in zip(moved, (12, 12, 14)))), line
+    assert lines[at + 2 + len(batches)].split()[0] == "all"
 
 
 def test_demo_help_names_the_script_and_shows_every_default(tmp_path):
@@ -150,6 +217,16 @@ def test_demo_rejects_what_cannot_fit_or_be_written_before_any_work(tmp_path):
     assert "is not writable: it is a file, not a directory" in line
     line = _one_line_error(["--triton"], env=dict(ENV, TRITON_INTERPRET="0"))
     assert "--triton" in line and "TRITON_INTERPRET=1" in line
+    # The view arena's size comes from the plugin's setting; a stream past it is refused up front.
+    line = _one_line_error([], env=dict(ENV, **{ARENA_CONTEXTS_ENV: "0"}))
+    assert line.endswith(f"{ARENA_CONTEXTS_ENV} must be an int >= 1, got '0'"), line
+    args = ["--cp-size", "2", "--page-size", "64", "--requests", "8", "--request-len", "64", "--chunk", "256"]
+    # Arena: 2 prefix pages (one context of 113 tokens, 2 x 64 aligned) + 4 chunk pages + 1. Batch 2: request 3
+    # (prefix 43: a 2-page view, 1 page staged) and requests 4, 5, 6 (2 + 2 + 1 pages staged) = 8 pages.
+    line = _one_line_error(args, env=dict(ENV, **{ARENA_CONTEXTS_ENV: "1"}))
+    assert line.endswith(
+        f"prefill batch 2 reads 8 pages, more than the view arena's 7 ({ARENA_CONTEXTS_ENV}=1): raise {ARENA_CONTEXTS_ENV}"
+    ), line
 
 
 @pytest.mark.multirank
@@ -225,6 +302,27 @@ def test_report_table_fits_120_columns_and_counts_only_ranks_that_hold_pages(cp)
     else:
         assert "1.0x" in capacity and "CP size 1: the baseline" in capacity
     assert not any("shared prefix" in line for line in lines)
+
+
+@pytest.mark.parametrize("cp", [1, 3, 16])
+def test_batch_table_fits_120_columns_and_lists_the_first_and_last_batches(cp):
+    gib = 1 << 30
+    batches = [
+        {"batch": i + 1, "kind": ("current", "history", "mixed")[i % 3], "requests": [i, i + 1], "tokens": 16384}
+        | {"view_pages": 99999, "pages_staged": 9999, "bytes_materialized": 1023 * gib}
+        | {"bytes_received": 1023 * gib * (cp - 1) // cp, "current_chunk_bytes_gathered": 0}
+        for i in range(45)
+    ]
+    arena = {"bytes": 950 * gib, "prefix_tokens": 2 * 1048576, "chunk_tokens": 65536, "contexts": 2}
+    lines = format_batches(batches, arena | {"context_len": 1048576}, cp, 61)
+    assert max(len(line) for line in lines) <= 120
+    assert lines[0].startswith("view arena: 972800.00 MiB per rank, allocated once: 2097152 prefix tokens (2 contexts")
+    rows = [line.split()[0] for line in lines[2:] if line.split()[0].isdigit()]
+    assert rows == [str(i) for i in [*range(1, 11), *range(36, 46)]]
+    assert any(line.split()[:2] == ["...", "(25"] for line in lines)
+    total = next(line for line in lines if line.split()[0] == "all")
+    assert total.split()[1:3] == ["46", str(45 * 16384)] and _fmt_bytes(45 * 1023 * gib) in total
+    assert ("none at CP 1" in lines[-2]) == (cp == 1) and (f"{cp - 1}/{cp} of materialized" in lines[-2]) == (cp > 1)
 
 
 @pytest.mark.parametrize("cp", [1, 3, 16])

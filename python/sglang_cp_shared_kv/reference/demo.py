@@ -4,7 +4,9 @@
    one full pool).
 2. ``--cp-size`` prefill ranks (spawned processes, gloo) run the same stream; each stores only the
    KV pages it owns and reads through the materialized view (current-reuse where a batch has no
-   prefix).
+   prefix). As on the SGLang path, a view covers the prefixes only (the current chunk is staged
+   locally) and lives in a view arena allocated once per rank, sized as the plugin sizes it
+   (``arena_contexts()`` contexts of the longest request, the chunk, one page).
 3. Every rank sends its owned pages of each finished request to a separate non-CP decode process
    over the Mooncake transfer engine on 127.0.0.1; the decode side checks the N manifests,
    rebuilds the full KV and runs one decode step.
@@ -13,13 +15,14 @@
     scripts/demo.sh [--cp-size 4] [--page-size 16] [--kv-format fp8] ...   (--help lists every option)
 
 On CPU the read path's kernels run as their torch formulations (``--triton``: Triton's interpreter).
-Every check runs before the report; the plot is written last.
+Every check runs before the report; the numbers go to a JSON file and the plot is written last.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -47,15 +50,21 @@ from sglang_cp_shared_kv.reference.dsa_stack import (
     TinyDSAStack,
     check_requests,
     run_chunked_prefill,
+    schedule_chunked_prefill,
 )
+from sglang_cp_shared_kv.reference.read_path import staged_view_pages
 from sglang_cp_shared_kv.reference.spawn import RankFailure, spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, KV_FORMATS, mla_row_bytes
+from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import ARENA_CONTEXTS, ARENA_CONTEXTS_ENV, arena_contexts
 
 START_S = 120.0  # the decode process's start-up
 STALL_S = 120.0  # the decode side gives up when the prefill ranks report no progress for this long
 RANKS_LIMIT_S = 7 * 24 * 3600.0  # no wall-clock limit on the ranks: they fail on their own, or on Ctrl-C
 PLOT_NAME = "cp_shared_kv_demo.png"
+JSON_NAME = "cp_shared_kv_demo.json"
+BATCH_ROWS = 20  # batches listed in the table; a longer run lists its first and last ones (all in the JSON)
 # Memory model for the up-front check (conservative): a process with torch, gloo and Mooncake loaded;
 # per token of the chunk, the projections, attention temporaries and one batch of outputs per layer.
 PROCESS_BYTES = 450 << 20
@@ -90,14 +99,22 @@ def _env() -> None:
 
 
 def estimate_peak_bytes(
-    cp_size: int, requests: int, request_len: int, chunk: int, page_size: int, layers: int, kv_format: str
+    cp_size: int,
+    requests: int,
+    request_len: int,
+    chunk: int,
+    page_size: int,
+    layers: int,
+    kv_format: str,
+    contexts: int = ARENA_CONTEXTS,
 ) -> int:
     """A conservative estimate of the memory the whole demo needs at its peak, all processes together.
 
     The parent (replicated baseline, the rebuilt KV it checks), ``cp_size`` prefill ranks (their pool
     share, one layer's view, the indexer's decoded keys) and the decode process (full pool, rebuilt
-    copies). Per process the chunk costs ``CHUNK_TOKEN_*_BYTES`` a token; the query-blocked DSA
-    references add at most one block, or one query's keys when a single query needs more.
+    copies) and its view arena (``contexts`` contexts). Per process the chunk costs ``CHUNK_TOKEN_*_BYTES``
+    a token; the query-blocked DSA references add at most one block, or one query's keys when a single
+    query needs more.
     """
     lens = [request_len + 7 * i for i in range(requests)]
     tokens = sum(lens)
@@ -108,7 +125,9 @@ def estimate_peak_bytes(
     block = max(2 * QUERY_BLOCK_BYTES, max(lens) * (INDEX_HEAD_DIM * 4 + 64))
     work = min(chunk, tokens) * (CHUNK_TOKEN_BYTES + layers * CHUNK_TOKEN_LAYER_BYTES) + keys + block
     parent = PROCESS_BYTES + pool + 3 * kv + work + (64 << 20)  # + matplotlib
-    rank = PROCESS_BYTES + pool // cp_size + 2 * tokens * token_bytes // layers + work
+    prefix, chunk_tokens = arena_regions(cp_size, page_size, max(lens), chunk, contexts)
+    arena = (prefix + chunk_tokens + page_size) * token_bytes // layers
+    rank = PROCESS_BYTES + pool // cp_size + 2 * tokens * token_bytes // layers + arena + work
     decode = PROCESS_BYTES + pool + 3 * kv
     return parent + cp_size * rank + decode
 
@@ -139,6 +158,7 @@ def _largest_fitting(args: argparse.Namespace, name: str, budget: int) -> int:
             trial["page_size"],
             trial["layers"],
             trial["kv_format"],
+            trial["contexts"],
         )
         lo, hi = (mid, hi) if est <= budget else (lo, mid - 1)
     return lo
@@ -172,8 +192,19 @@ def preflight(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[li
         )
     if args.triton and not _interpreting():
         ap.error("--triton on CPU runs Triton's interpreter: start with TRITON_INTERPRET=1 (scripts/demo.sh sets it)")
+    try:
+        args.contexts = arena_contexts()  # the view arena's prefix contexts, as the plugin reads them
+    except ValueError as e:
+        ap.error(str(e))
     need = estimate_peak_bytes(
-        args.cp_size, args.requests, args.request_len, args.chunk, args.page_size, args.layers, args.kv_format
+        args.cp_size,
+        args.requests,
+        args.request_len,
+        args.chunk,
+        args.page_size,
+        args.layers,
+        args.kv_format,
+        args.contexts,
     )
     have = available_memory_bytes()
     if have is not None and need > 0.9 * have:
@@ -191,6 +222,16 @@ def preflight(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[li
         specs = build_requests(args.requests, args.request_len, args.page_size)
     except ValueError as e:
         ap.error(str(e))
+    # No scheduler holds a batch back for the view arena here (SGLang's admission does): check the stream.
+    prefix, chunk = arena_regions(args.cp_size, args.page_size, max(s.length for s in specs), args.chunk, args.contexts)
+    arena_pages = (prefix + chunk) // args.page_size + 1
+    for i, batch in enumerate(schedule_chunked_prefill(specs, args.chunk)):
+        need = staged_view_pages(batch.seq_lens, batch.prefix_lens, args.cp_size, args.page_size)
+        if batch.kind != "current" and need > arena_pages:
+            ap.error(
+                f"prefill batch {i + 1} reads {need} pages, more than the view arena's {arena_pages} "
+                f"({ARENA_CONTEXTS_ENV}={args.contexts}): raise {ARENA_CONTEXTS_ENV}"
+            )
     out = Path(args.out).expanduser().resolve()
     why = _check_writable(out)
     if why is not None:
@@ -211,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "CP shared-KV on CPU: prefill ranks that each hold 1/N of the KV pages, a Mooncake decode process "
             "over 127.0.0.1 that rebuilds the full KV, and bit-for-bit checks of both against a replicated run. "
-            "Prints a table per rank and writes a plot; exits 1 on any mismatch, 2 on a bad option."
+            "Prints a table per rank and one per prefill batch (its bytes, the view arena), writes the numbers "
+            "(JSON) and a plot; exits 1 on any mismatch, 2 on a bad option."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -239,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk", type=int, default=256, help="chunked-prefill token budget per batch")
     ap.add_argument("--layers", type=int, default=2, help="DSA layers of the tiny model")
     ap.add_argument(
-        "--out", default="demo_out", help=f"directory for the plot ({PLOT_NAME}), relative to the current directory"
+        "--out",
+        default="demo_out",
+        help=f"directory for the plot ({PLOT_NAME}) and the numbers ({JSON_NAME}), relative to the current directory",
     )
     ap.add_argument(
         "--triton",
@@ -395,6 +439,8 @@ def _prefill_rank(rank: int, world: int, cfg: dict, decode_address: str, heartbe
         use_triton=cfg["use_triton"],
         on_batch=on_batch,
         keep_outputs=False,
+        stage_current=True,
+        view_arena=cfg["view_arena"],
     )
     prefill_s = time.monotonic() - t0
     if rank == 0:
@@ -422,6 +468,7 @@ def _prefill_rank(rank: int, world: int, cfg: dict, decode_address: str, heartbe
         "owned_pages": len(owned),
         "page_bytes": run.pool.page_bytes,
         "allocated_bytes": run.pool.allocated_bytes,
+        "arena_bytes": run.arena_bytes,
         "sent": sent,
         "prefill_s": prefill_s,
         "send_s": send_s,
@@ -588,6 +635,54 @@ def format_report(
     return lines
 
 
+TOTALS = ("tokens", "bytes_received", "bytes_materialized", "current_chunk_bytes_gathered")
+
+
+def format_batches(
+    batches: list[dict], arena: dict, cp_size: int, layers: int, max_rows: int = BATCH_ROWS
+) -> list[str]:
+    """The per-batch table of one rank (every rank moves the same bytes), under the view arena's size.
+
+    ``batches[i]``: ``kind``, ``requests`` (their ids), ``tokens`` and the batch's ``BatchCounters``
+    fields (bytes summed over the layers, pages per layer). ``arena``: ``bytes``, ``prefix_tokens``,
+    ``chunk_tokens``, ``contexts``, ``context_len``. More than ``max_rows`` batches: the first and last.
+    """
+    mib = arena["bytes"] / 2**20
+    lines = [
+        f"view arena: {mib:.2f} MiB per rank, allocated once: {arena['prefix_tokens']} prefix tokens "
+        f"({arena['contexts']} contexts of {arena['context_len']}) + {arena['chunk_tokens']} chunk + a page",
+        f"{'batch':>6} {'kind':<8} {'reqs':>4} {'tokens':>7} {'view pages':>10} {'staged pages':>12} "
+        f"{'received':>12} {'materialized':>12} {'chunk gathered':>14}",
+    ]
+
+    def row(label: str, kind: str, reqs: int, b: dict, pages: str) -> str:
+        moved = [_fmt_bytes(b[k]) for k in TOTALS[1:]]
+        return (
+            f"{label:>6} {kind:<8} {reqs:>4} {b['tokens']:>7} {pages:>23} {moved[0]:>12} {moved[1]:>12} {moved[2]:>14}"
+        )
+
+    half = max_rows // 2
+    shown = (
+        range(len(batches)) if len(batches) <= max_rows else [*range(half), *range(len(batches) - half, len(batches))]
+    )
+    for i in shown:
+        if len(batches) > max_rows and i == len(batches) - half:
+            lines.append(f"{'...':>6} ({len(batches) - max_rows} more batches, every one in the JSON)")
+        b = batches[i]
+        lines.append(
+            row(str(i + 1), b["kind"], len(b["requests"]), b, f"{b['view_pages']:>10} {b['pages_staged']:>12}")
+        )
+    total = {k: sum(b[k] for b in batches) for k in TOTALS}
+    lines.append(row("all", "", len({r for b in batches for r in b["requests"]}), total, ""))
+    n = cp_size
+    received = (
+        f"from the other {n - 1} rank{'s' if n > 2 else ''}, {n - 1}/{n} of materialized" if n > 1 else "none at CP 1"
+    )
+    lines.append(f"(one rank, {layers} layer{'s' if layers > 1 else ''}; pages per layer; received: {received};")
+    lines.append("  chunk gathered: current-chunk bytes all-gathered, 0 as the chunk is staged; current: 0 B moved)")
+    return lines
+
+
 def plot_demo(
     path: Path,
     per_rank_bytes: list[int],
@@ -693,6 +788,11 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
         f"chunk {args.chunk}, kernels: {'Triton (interpreter)' if use_triton else 'torch formulations'}"
     )
     _log(f"output: {out_dir / PLOT_NAME}")
+    _log(f"output: {out_dir / JSON_NAME}")
+    # The view arena the plugin would allocate for these limits: its longest request, the chunk.
+    arena_prefix, arena_chunk = arena_regions(args.cp_size, args.page_size, max(lens), args.chunk, args.contexts)
+    arena_tokens = arena_prefix + arena_chunk + args.page_size
+    _log(f"view arena: {arena_tokens} tokens per rank, allocated once; views hold the prefixes, the chunk is staged")
 
     cfg = {
         "page_size": args.page_size,
@@ -704,6 +804,7 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
         "requests": specs,
         "chunk": args.chunk,
         "use_triton": use_triton,
+        "view_arena": (arena_prefix, arena_chunk),
     }
     heartbeat = mp.get_context("spawn").Value("d", time.time())
     children = _Children(cfg, heartbeat)
@@ -712,12 +813,13 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
 
     # The replicated baseline runs here while the ranks run in their processes.
     _log("baseline: replicated pool, same stream (in this process, alongside the ranks)")
-    base_digests, kinds = [], []
+    base_digests, kinds, schedule = [], [], []
     progress = _Progress("baseline")
 
     def on_base_batch(i: int, total: int, result) -> None:
         base_digests.append(_digests(result.layers))
         kinds.append(result.batch.kind)
+        schedule.append(result.batch)
         progress(i, total, result)
 
     base = run_chunked_prefill(
@@ -777,17 +879,39 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
         for r in ranks
     ]
     batches = ranks[0]["batches"]
-    total_mat = sum(c["bytes_materialized"] for _, c in batches)
     hits = sum(c["current_reuse_hits"] for _, c in batches)
+    arena = {
+        "contexts": args.contexts,
+        "context_len": max(lens),
+        "prefix_tokens": arena_prefix,
+        "chunk_tokens": arena_chunk,
+        "tokens": arena_tokens,
+        "bytes": ranks[0]["arena_bytes"],
+        "mib": round(ranks[0]["arena_bytes"] / 2**20, 3),
+    }
+    per_batch = [
+        {
+            "batch": i + 1,
+            "kind": kind,
+            "requests": list(sb.requests),
+            "prefix_lens": list(sb.prefix_lens),
+            "seq_lens": list(sb.seq_lens),
+            "tokens": sb.num_tokens,
+            **c,
+        }
+        for i, ((kind, c), sb) in enumerate(zip(batches, schedule))
+    ]
     print()
     for line in format_report(rows, len(all_pages), page_bytes, bool(shared), args.layers):
         print(line)
+    print()
     print(
         f"prefill batches: {len(kinds)} ("
         + ", ".join(f"{kinds.count(k)} {k}" for k in ("current", "history", "mixed"))
-        + f"); rank 0 materialized {_fmt_bytes(total_mat)} in them ({args.layers} layers)"
+        + f"); current-reuse: {hits} layer reads with 0 bytes moved"
     )
-    print(f"current-reuse: {hits} layer reads with 0 bytes moved")
+    for line in format_batches(per_batch, arena, args.cp_size, args.layers):
+        print(line)
     if dec["failed"]:
         print(f"transfer failures: {dec['failed']}")
     print()
@@ -796,6 +920,26 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
     for r, m in enumerate(mism):
         if m is not None:
             print(f"      rank {r}: {m}")
+    numbers = {
+        "options": {k: v for k, v in vars(args).items() if k not in ("out", "contexts")},
+        "view_arena": arena,
+        "batches": per_batch,
+        "ranks": [
+            {
+                **row,
+                "arena_bytes": r["arena_bytes"],
+                **{k: sum(c[k] for _, c in r["batches"]) for k in TOTALS if k != "tokens"},
+            }
+            for row, r in zip(rows, ranks)
+        ],
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+    try:
+        (out_dir / JSON_NAME).write_text(json.dumps(numbers, indent=1) + "\n")
+        print(f"numbers: {out_dir / JSON_NAME}")
+    except OSError as e:
+        print(f"numbers: not written ({out_dir / JSON_NAME}: {e.strerror or e})")
     sys.stdout.flush()
     try:
         plot = plot_demo(

@@ -6,7 +6,8 @@ Batches as SGLang's backend drives them (``begin``, the chunk's staged rows, ``t
 the per-layer buffers, ``end``): current-reuse, a mixed prefix batch (materialized), a batch whose
 requests share prefix pages (read twice, then once through the ``shared_prefix`` hint), and a batch
 whose pages do not rotate owners. Every read equals the replicated bytes; the non-rotating batch
-reads only inside its view and fails with ``SlotOverflowError`` at the next synchronizing point.
+reads only inside its view and fails with ``SlotOverflowError`` at the next synchronizing point,
+and a wrong hint with ``SharedPrefixError``.
 
 On CPU the ranks talk over gloo. On 2 GPUs (NCCL) the batches run under
 ``torch.cuda.set_sync_debug_mode("error")``: any host sync in the wired per-batch path raises.
@@ -158,17 +159,22 @@ def _rank(rank: int, world: int, device: str) -> dict:
         except SlotOverflowError as err:
             errors[-1] = errors[-1] or str(err)
     wrong_hint = None
-    if device == "cpu":  # debug mode's translation check catches a shared_prefix hint that is wrong
+    if device == "cpu":  # a shared_prefix hint that is wrong: debug mode's translation check, then the flag
         import os
+
+        from sglang_cp_shared_kv.srt.sglang_wiring.read_state import SharedPrefixError
 
         os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
         try:
             run([[2, 3, 4, 7], [5, 6, 8]], [3 * PS, 2 * PS], [4 * PS, 2 * PS + 10], shared=[(-1, 0), (0, 2)])
         except AssertionError as err:
-            wrong_hint = str(err)
+            wrong_hint = [str(err)]
         finally:
             os.environ.pop("SGLANG_DEBUG_CP_SHARED_KV")
+        try:
             state.end()
+        except SharedPrefixError as err:
+            wrong_hint.append(str(err))
     return {"batches": [check(o) for o in results], "errors": errors, "wrong_hint": wrong_hint}
 
 
@@ -211,7 +217,12 @@ def test_read_state_on_gloo_ranks_is_exact_and_fails_an_overflowing_batch():
     results = spawn_ranks(_rank, 2, "cpu", timeout_s=300)
     _check_results(results)
     for res in results:
-        assert res["wrong_hint"] == "request 1: a page maps outside the read buffer (6 pages)", res["wrong_hint"]
+        assert res["wrong_hint"] == [
+            "request 1: a page maps outside the read buffer (6 pages)",
+            "--enable-cp-shared-kv: wrong shared-prefix hint: in the batch of requests [req-0, req-1], the pages "
+            "the hint shares are not the same logical pages for req-1 (its first 2 of 2 prefix pages as req-0's); "
+            "they were read from other slots, so the batch fails",
+        ], res["wrong_hint"]
 
 
 @pytest.mark.gpu

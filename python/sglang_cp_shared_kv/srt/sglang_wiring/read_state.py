@@ -26,10 +26,14 @@ batch, what that buffer is:
 **Shared prefixes read once** (optional, host-known): ``shared_prefix``, set before ``begin`` like
 ``request_ids`` and used by that batch only, lists per request ``(source, pages)``: its first
 ``pages`` prefix pages are the same logical pages as those of the earlier request ``source``
-(the scheduler knows it from the radix nodes the prefixes end at: ``shared_prefix_from_nodes``).
-The plan then skips them (``S = sum_b ceil((Q_b - shared_b) / N)``) and the translation finds them
-through the source's slots. Nothing is read back; a wrong hint maps those pages to the trash
-page, which debug mode's translation check reports.
+(the scheduler knows it from the radix paths the prefixes end at: ``shared_prefix_from_paths``;
+``pool_hooks`` hands it over on the SGLang path). The plan then skips them
+(``S = sum_b ceil((Q_b - shared_b) / N)``) and the translation finds them through the source's
+slots. The hint is checked on the device, not trusted: the batch compares each request's shared
+page ids with its source's (static shapes), and a mismatch (those pages read other slots or the
+trash page) raises ``SharedPrefixError`` naming the requests at the next ``begin`` or ``end``, read
+like the overflow flag below (``slot_plan.DeviceFlagCheck``); debug mode's translation check
+reports it in ``begin`` already.
 
 **View arena** (``attach_arena``, once at start-up): both modes' buffers are the leading pages
 of one latent and one indexer buffer allocated once, sized like SGLang's scratch admission
@@ -46,7 +50,7 @@ without waiting for it (``slot_plan.OverflowCheck``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -59,9 +63,34 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     ViewMaterializer,
     arena_pages,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import host_to_device, pages_for_lens, plan_vectors
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    DeviceFlagCheck,
+    host_to_device,
+    pages_for_lens,
+    plan_vectors,
+)
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
+
+
+class SharedPrefixError(RuntimeError):
+    """A batch's ``shared_prefix`` hint named pages a request does not share with its source: it read them wrong."""
+
+
+def shared_prefix_message(
+    wrong: Sequence[int], hint: Sequence[tuple[int, int]], prefix_pages: Sequence[int], requests: Sequence[str]
+) -> str:
+    """One line naming the batch's requests and those whose hinted pages differ (``wrong[b] > 0``, host ints)."""
+    bad = ", ".join(
+        f"{requests[b]} (its first {hint[b][1]} of {prefix_pages[b]} prefix pages as {requests[hint[b][0]]}'s)"
+        for b, n in enumerate(wrong)
+        if n
+    )
+    return (
+        f"--enable-cp-shared-kv: wrong shared-prefix hint: in the batch of requests [{', '.join(requests)}], the "
+        f"pages the hint shares are not the same logical pages for {bad}; they were read from other slots, so "
+        "the batch fails"
+    )
 
 
 class PageBuffers:
@@ -138,6 +167,8 @@ class BatchReadState:
         self.arena: dict[str, torch.Tensor] | None = None
         # The next batch's shared prefix pages, ``(source request, pages)`` per request (one batch).
         self.shared_prefix: Sequence[tuple[int, int]] | None = None
+        # Per hinted batch: how many of each request's shared pages differ from its source's.
+        self.hint_check = DeviceFlagCheck()
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int) -> int:
         """Allocate the view arena once: ``prefix_tokens + chunk_tokens + page_size`` token rows of latent
@@ -165,9 +196,11 @@ class BatchReadState:
         return torch.empty((pages, width), dtype=torch.uint8, device=self.device)
 
     def check_overflow(self, wait: bool = False) -> None:
-        """Raise ``SlotOverflowError`` for an earlier batch whose overflow flag is on the host."""
+        """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose overflow (wrong
+        hint) flag is on the host; ``wait``: wait for the flags still in flight."""
         if self.views is not None:
             self.views.check_overflow(wait=wait)
+        self.hint_check.poll(wait=wait)
 
     # -- batch lifecycle --
     def begin(
@@ -187,8 +220,8 @@ class BatchReadState:
             )
         if any(p % ps for p in prefix_lens):
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
-        shared, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
-        shared = _check_shared_prefix(shared, [p // ps for p in prefix_lens])
+        hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
+        hint = _check_shared_prefix(hint, [p // ps for p in prefix_lens])
         self.check_overflow()
         max_len = max(seq_lens, default=0)
         # The batch's logical pages by position: every page's first token loc // ps.
@@ -197,7 +230,7 @@ class BatchReadState:
         if batch_kind(prefix_lens) == "current":
             self._begin_current(page_table, seq_lens)
         else:
-            self._begin_materialized(page_table, seq_lens, prefix_lens, shared)
+            self._begin_materialized(page_table, seq_lens, prefix_lens, hint)
         if debug_enabled():
             self._check_translation(page_table, seq_lens)
         return self.counters
@@ -220,7 +253,7 @@ class BatchReadState:
         self.mode = "current"
 
     def _begin_materialized(
-        self, page_table: torch.Tensor, seq_lens: list[int], prefix_lens: list[int], shared: list[int]
+        self, page_table: torch.Tensor, seq_lens: list[int], prefix_lens: list[int], hint: list[tuple[int, int]]
     ) -> None:
         if self.views is None:
             if callable(self.group):
@@ -234,11 +267,19 @@ class BatchReadState:
         pages = pages_for_lens(seq_lens, ps)
         prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)
         staged = sum(pages) - sum(prefix_pages)
+        shared = [s for _, s in hint]
         plan_table = page_table
         if any(shared):
-            # Request b's planned pages start past its shared ones: shift its row left by shared[b].
-            (shift,) = host_to_device([shared], self.device)
             width = page_table.shape[1]
+            # Positions of every shared page, of the same position in its source, and its request.
+            mine = [b * width + np.arange(s, dtype=np.int64) for b, s in enumerate(shared) if s]
+            theirs = [src * width + np.arange(s, dtype=np.int64) for src, s in hint if s]
+            owner = [np.full(s, b, dtype=np.int64) for b, s in enumerate(shared) if s]
+            shift, mine, theirs, owner = host_to_device(
+                [shared, np.concatenate(mine), np.concatenate(theirs), np.concatenate(owner)], self.device
+            )
+            self._record_hint_check(page_table, hint, prefix_pages, mine, theirs, owner)
+            # Request b's planned pages start past its shared ones: shift its row left by shared[b].
             cols = torch.arange(width, dtype=torch.int64, device=self.device).unsqueeze(0) + shift.unsqueeze(1)
             plan_table = page_table.gather(1, cols.clamp_(max=width - 1))
         plan_lens = [(q - s) * ps for q, s in zip(prefix_pages, shared)]
@@ -268,6 +309,33 @@ class BatchReadState:
         self.stage_latent = buffers["latent"].view(-1, self.latent.row_bytes)
         self.stage_index = buffers.get("index")
         self.mode = "materialized"
+
+    def _record_hint_check(
+        self,
+        page_table: torch.Tensor,
+        hint: list[tuple[int, int]],
+        prefix_pages: list[int],
+        mine: torch.Tensor,
+        theirs: torch.Tensor,
+        owner: torch.Tensor,
+    ) -> None:
+        """Count, per request, its shared pages whose id differs from its source's at the same position.
+
+        Static shapes (one compare per shared page, one ``index_add``), nothing read back: the counts
+        reach the host through ``hint_check``, which raises ``SharedPrefixError`` at a later poll.
+        """
+        flat = page_table.reshape(-1)
+        differs = flat.index_select(0, mine) != flat.index_select(0, theirs)
+        wrong = torch.zeros(len(hint), dtype=torch.int64, device=self.device)
+        wrong.index_add_(0, owner, differs.to(torch.int64))
+        names = [str(r) for r in self.request_ids] if self.request_ids is not None else []
+        if len(names) != len(hint):
+            names = [f"#{b}" for b in range(len(hint))]
+
+        def fail(host: list) -> SharedPrefixError | None:
+            return SharedPrefixError(shared_prefix_message(host, hint, prefix_pages, names)) if any(host) else None
+
+        self.hint_check.record(wrong, fail)
 
     def end(self) -> None:
         self.mode = None
@@ -328,13 +396,14 @@ class BatchReadState:
         return view
 
 
-def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[int]:
-    """Pages each request shares with an earlier one (0: none), from a ``shared_prefix`` hint (host ints).
+def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:
+    """``(source, pages)`` each request shares with an earlier one (``(-1, 0)``: none), from a
+    ``shared_prefix`` hint (host ints).
 
     A request may share at most the prefix pages it and its source both have, with an earlier source.
     """
     if shared is None:
-        return [0] * len(prefix_pages)
+        return [(-1, 0)] * len(prefix_pages)
     if len(shared) != len(prefix_pages):
         raise ValueError(f"shared_prefix must have one entry per request ({len(prefix_pages)}), got {len(shared)}")
     out = []
@@ -345,41 +414,57 @@ def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages:
                 f"shared_prefix[{b}] = ({src}, {pages}): a request shares at most the prefix pages it and an "
                 f"earlier source request both have (prefix pages {prefix_pages})"
             )
-        out.append(max(pages, 0))
+        out.append((src, pages) if pages > 0 else (-1, 0))
     return out
 
 
-def shared_prefix_from_nodes(last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int) -> list:
-    """``BatchReadState.shared_prefix`` for a batch, from the radix nodes its requests' prefixes end at.
+def shared_prefix_from_paths(
+    paths: Sequence[Sequence[tuple[Hashable, int]]], prefix_lens: Sequence[int], page_size: int
+) -> list[tuple[int, int]]:
+    """``BatchReadState.shared_prefix`` for a batch, from the radix paths its requests' prefixes end at.
 
-    ``last_nodes[b]`` is request ``b``'s ``Req.last_node`` (SGLang's ``TreeNode``: ``parent``,
-    ``value``, the root's parent ``None``), whose root path holds exactly the KV locs of the
-    request's first ``prefix_lens[b]`` tokens. Two requests whose paths meet at a node share the
-    tokens up to that node's depth. Host objects only: no device data is read (a node's depth is
-    the host-known length of its values).
+    ``paths[b]`` is request ``b``'s root-to-node path in the radix tree, root side first (the root
+    itself left out): per node, its identity and the KV tokens from the root to the node's end.
+    Invariant (SGLang's radix cache keeps it): a request's first tokens, as far as its path and its
+    ``prefix_lens[b]`` both reach, sit at its path's KV locs. Two requests whose paths meet at a node
+    hold the same locs, so the same logical pages, up to that node's depth: the later one gets the
+    first request through its deepest shared node as source, and the whole pages of that depth both
+    prefixes hold. Host ints only.
     """
-    first: dict[int, tuple[int, int]] = {}  # id(node) -> (first request through it, its depth in tokens)
+    first: dict[Hashable, tuple[int, int]] = {}  # node -> (first request through it, its depth in tokens)
     out = []
-    for b, node in enumerate(last_nodes):
-        path = []
-        while node is not None and getattr(node, "parent", None) is not None:
-            path.append(node)
-            node = node.parent
-        depths, depth = [], 0
-        for n in reversed(path):  # root side first
-            value = n.value
-            depth += len(value) if value is not None else len(n.key)
-            depths.append(depth)
+    for b, path in enumerate(paths):
         best = (-1, 0)
-        for n, d in zip(reversed(path), depths):
-            hit = first.get(id(n))
+        for node, depth in path:
+            hit = first.get(node)
             if hit is None:
-                first[id(n)] = (b, d)
-            elif d >= best[1]:
-                best = (hit[0], d)
+                first[node] = (b, depth)
+            elif depth >= best[1]:
+                best = (hit[0], depth)
         src, tokens = best
-        if src >= 0:
-            tokens = min(tokens, int(prefix_lens[b]), int(prefix_lens[src]))
-        pages = tokens // page_size if src >= 0 else 0
+        pages = min(tokens, int(prefix_lens[b]), int(prefix_lens[src])) // page_size if src >= 0 else 0
         out.append((src, pages) if pages else (-1, 0))
     return out
+
+
+def shared_prefix_from_nodes(
+    last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int
+) -> list[tuple[int, int]]:
+    """``shared_prefix_from_paths`` from node objects: ``last_nodes[b]`` is request ``b``'s ``Req.last_node``
+    in a tree of SGLang's ``TreeNode`` s (``parent``, ``value``, the root's parent ``None``).
+
+    A node's depth is the host-known length of its values (of its key where it has none): no device
+    data is read.
+    """
+    paths = []
+    for node in last_nodes:
+        chain = []
+        while node is not None and getattr(node, "parent", None) is not None:
+            chain.append(node)
+            node = node.parent
+        path, depth = [], 0
+        for n in reversed(chain):  # root side first
+            depth += len(n.value) if n.value is not None else len(n.key)
+            path.append((id(n), depth))
+        paths.append(path)
+    return shared_prefix_from_paths(paths, prefix_lens, page_size)

@@ -27,7 +27,7 @@ captured in a CUDA graph. The plan is the same on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -265,18 +265,58 @@ def overflow_message(status: Sequence[int], slots_per_rank: int, requests: Seque
     )
 
 
-class OverflowCheck:
-    """The overflow flags of planned batches, read only once they are on the host without waiting.
+class DeviceFlagCheck:
+    """Device flags read on the host only once they have landed, never waited for.
 
-    ``record(plan, requests)`` after a batch is planned: on CUDA a non-blocking copy of the plan's
-    ``status`` into pinned host memory and an event; on CPU the status itself. ``poll()`` raises
-    ``SlotOverflowError`` for the first recorded batch whose flag is set, among those whose copy
-    has landed (``Event.query``: never a wait); ``poll(wait=True)`` waits for them all, for a
-    caller that synchronizes there anyway (the end of a run, a test).
+    ``record(flags, fail)`` once the work that sets ``flags`` (a small device tensor) is queued: on
+    CUDA a non-blocking copy into pinned host memory and an event; on CPU the tensor itself.
+    ``poll()`` hands the host values of every record whose copy has landed (``Event.query``: never
+    a wait), oldest first, to its ``fail``, and raises the exception ``fail`` returns (``None``:
+    nothing wrong), dropping the records still pending; ``poll(wait=True)`` waits for them all, for
+    a caller that synchronizes there anyway (the end of a run, a test).
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, int, tuple[str, ...]]] = []
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, Callable[[list], Exception | None]]] = []
+
+    def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:
+        event = None
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flags.device))
+            flags = host
+        self._pending.append((flags, event, fail))
+
+    def poll(self, wait: bool = False) -> None:
+        while self._pending:
+            flags, event, fail = self._pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return  # not landed yet: read at a later poll, never waited for
+                event.synchronize()  # sync-ok: poll(wait=True) only, where the caller synchronizes anyway
+            self._pending.pop(0)
+            error = fail(flags.tolist())  # sync-ok: a host tensor (pinned copy landed, or a CPU tensor)
+            if error is not None:
+                self._pending.clear()
+                raise error
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+
+class OverflowCheck:
+    """The overflow flags of planned batches, read only once they are on the host without waiting.
+
+    ``record(plan, requests)`` after a batch is planned records the plan's ``status``
+    (``DeviceFlagCheck``). ``poll()`` raises ``SlotOverflowError`` for the first recorded batch
+    whose flag is set, among those whose copy has landed; ``poll(wait=True)`` waits for them all.
+    """
+
+    def __init__(self) -> None:
+        self._flags = DeviceFlagCheck()
 
     def record(self, plan: SlotPlan, requests: Sequence[str] | None = None) -> None:
         if plan.status is None:
@@ -284,28 +324,16 @@ class OverflowCheck:
         names = tuple(str(r) for r in requests) if requests is not None else None
         if names is None or len(names) != len(plan.pages_per_req):
             names = tuple(f"#{b}" for b in range(len(plan.pages_per_req)))
-        status, event = plan.status, None
-        if status.device.type == "cuda":
-            host = torch.empty(status.shape, dtype=status.dtype, pin_memory=True)
-            host.copy_(status, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(status.device))
-            status = host
-        self._pending.append((status, event, plan.slots_per_rank, names))
+        slots = plan.slots_per_rank
+
+        def fail(host: list) -> SlotOverflowError | None:
+            return SlotOverflowError(overflow_message(host, slots, names)) if host[0] else None
+
+        self._flags.record(plan.status, fail)
 
     def poll(self, wait: bool = False) -> None:
-        while self._pending:
-            status, event, slots, names = self._pending[0]
-            if event is not None and not event.query():
-                if not wait:
-                    return  # not landed yet: read at a later poll, never waited for
-                event.synchronize()  # sync-ok: poll(wait=True) only, where the caller synchronizes anyway
-            self._pending.pop(0)
-            host = status.tolist()  # sync-ok: a host tensor (pinned copy landed, or a CPU plan)
-            if host[0]:
-                self._pending.clear()
-                raise SlotOverflowError(overflow_message(host, slots, names))
+        self._flags.poll(wait=wait)
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return self._flags.pending

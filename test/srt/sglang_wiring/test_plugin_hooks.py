@@ -38,6 +38,7 @@ TARGETS = [
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool_allocator",
     "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices",
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools",
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
     "sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward",
     "sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes",
     "sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch",

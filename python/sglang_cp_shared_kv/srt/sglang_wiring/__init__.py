@@ -3,7 +3,8 @@
 - ``server_args_hook``: the ``--enable-cp-shared-kv`` flag on SGLang's server args.
 - ``startup_checks``: the flag's rules, run where SGLang resolves its arguments.
 - ``pool_hooks``: SGLang's MLA/DSA pools replaced by ``sharded_kv_pool``'s subclasses and its
-  allocator widened by N (SGLang's owner-rotating allocator).
+  allocator widened by N (SGLang's owner-rotating allocator); each extend batch's request ids and
+  shared-prefix hint (from the scheduler's radix tree) handed to the pool's read state.
 - ``view_arena``: the read buffer's size, charged to the KV budget, and SGLang's batch admission
   held to it.
 - ``sharded_kv_pool`` + ``read_state``: the masked write path and the kv-shard read contract

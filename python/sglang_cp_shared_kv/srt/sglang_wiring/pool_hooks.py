@@ -17,12 +17,27 @@ draft, pool):
 An AFTER hook on ``_init_pools`` then refuses to go on, one line per problem, unless every
 plugin hook is installed in this process and the pool and allocator SGLang built are ours.
 An AROUND hook on ``prepare_kv_shard_forward`` hands the batch's request ids to the pool (for
-the slot-overflow error).
+the slot-overflow error) and its shared-prefix hint.
+
+**Shared prefixes** (``read_state.BatchReadState.shared_prefix``): only the scheduler knows which
+requests of a batch share prefix pages (the radix paths their ``Req.last_node`` s end), and
+``ForwardBatch`` does not carry them. An AFTER hook on ``ForwardBatch.init_new`` (which receives
+the ``ScheduleBatch``) computes the hint of each extend batch from its requests' radix paths and
+the ``extend_prefix_lens_cpu`` it built, and leaves it on the pool (``shared_prefix_hint``), keyed
+by the batch's rids and prefix lens: SGLang's eager runner rebuilds the ForwardBatch from its
+dataclass fields before the backend begins it, so an attribute of the batch would not arrive.
+``name_batch_requests`` hands it to the read state when the batch it begins is that batch (same
+requests in the same order, same prefix lens, prefix-free padding past them); any other batch
+reads without a hint. Host objects only: the tree's node ids and value lengths, no device data.
+Every CP rank's scheduler holds the same tree and batches (as it holds the same logical locs), so
+every rank plans with the same hint; the read state checks it against the page ids on the device.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, runtime_enabled
 
@@ -130,12 +145,105 @@ def check_built_pools(result, configurator, **_kwargs):
     return result
 
 
+@dataclass(frozen=True)
+class SharedPrefixHint:
+    """One extend batch's shared-prefix hint, from ``ForwardBatch.init_new`` to the batch's ``begin``.
+
+    ``rids`` and ``prefix_lens``: the batch's requests and their ``extend_prefix_lens_cpu``, as
+    ``init_new`` built them; ``pairs``: ``(source, pages)`` per request (``BatchReadState.shared_prefix``).
+    """
+
+    rids: tuple[str, ...]
+    prefix_lens: tuple[int, ...]
+    pairs: tuple[tuple[int, int], ...]
+
+    def for_batch(self, rids: Sequence[str] | None, prefix_lens: Sequence[int] | None) -> list | None:
+        """The pairs for a batch of these ``rids`` and ``prefix_lens`` if it is this hint's batch (SGLang may
+        pad its prefix lens with prefix-free entries past the requests: no sharing there), else ``None``."""
+        n = len(self.rids)
+        if rids is None or prefix_lens is None or tuple(rids) != self.rids or len(prefix_lens) < n:
+            return None
+        if tuple(int(p) for p in prefix_lens[:n]) != self.prefix_lens or any(int(p) for p in prefix_lens[n:]):
+            return None
+        return [*self.pairs, *[(-1, 0)] * (len(prefix_lens) - n)]
+
+
+def _radix_paths(tree_cache, last_nodes: list) -> list[list[tuple[int, int]]] | None:
+    """Each request's root-to-``last_node`` path as ``(node id, KV tokens from the root)`` per node, from
+    SGLang's ``UnifiedRadixCache`` (``last_node`` s are node ids; its tree core copies the paths out);
+    ``None`` where the cache is not one, or a node is unknown to it."""
+    core = getattr(tree_cache, "tree_core", None)
+    if core is None or not all(type(n) is int for n in last_nodes):
+        return None
+    try:
+        infos = core.collect_path_info(last_nodes)
+    except KeyError:  # a handle the tree does not hold (never for a locked prefix): no hint
+        return None
+    paths = []
+    for path in infos:
+        out, depth = [], 0
+        for info in path:
+            if info.full_value_len is None:  # no KV on the device from here on: nothing to share past it
+                break
+            depth += info.full_value_len
+            out.append((info.node_id, depth))
+        paths.append(out)
+    return paths
+
+
+def batch_shared_prefix(
+    batch, rids: Sequence[str] | None, prefix_lens: Sequence[int] | None, page_size: int
+) -> SharedPrefixHint | None:
+    """The hint of a ``ScheduleBatch`` whose ForwardBatch has these ``rids`` and ``prefix_lens`` (same requests,
+    same order), from its requests' ``last_node`` s in its ``tree_cache``; ``None`` when no two requests
+    share a whole prefix page. Host objects only."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import shared_prefix_from_nodes, shared_prefix_from_paths
+
+    reqs = batch.reqs
+    if rids is None or prefix_lens is None or not len(reqs) == len(rids) == len(prefix_lens):
+        return None
+    if sum(int(p) >= page_size for p in prefix_lens) < 2:
+        return None  # fewer than two requests with a whole prefix page: nothing to share
+    nodes = [req.last_node for req in reqs]
+    paths = _radix_paths(batch.tree_cache, nodes)
+    if paths is not None:
+        pairs = shared_prefix_from_paths(paths, prefix_lens, page_size)
+    elif all(hasattr(n, "parent") for n in nodes):  # RadixCache's TreeNode objects
+        pairs = shared_prefix_from_nodes(nodes, prefix_lens, page_size)
+    else:
+        return None
+    if not any(pages for _, pages in pairs):
+        return None
+    return SharedPrefixHint(tuple(rids), tuple(int(p) for p in prefix_lens), tuple(pairs))
+
+
+def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
+    """AFTER hook on ``ForwardBatch.init_new``: leave an extend batch's shared-prefix hint on a CP-shared pool.
+
+    Every extend batch replaces the pool's hint (``None``: no sharing), so a hint never outlives the
+    next batch. Passes through unless the flag is on and the model runner's pool is ours.
+    """
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    pool = getattr(model_runner, "token_to_kv_pool", None)
+    if not isinstance(pool, CPSharedKVPoolMixin) or not runtime_enabled():
+        return result
+    if result.forward_mode.is_extend_or_draft_extend_or_mixed():
+        pool.shared_prefix_hint = batch_shared_prefix(batch, result.rids, result.extend_prefix_lens_cpu, pool.page_size)
+    return result
+
+
 def name_batch_requests(original, pool, req_to_token, forward_batch):
-    """Give a CP-shared pool the batch's request ids before SGLang's backend begins the batch (for errors)."""
+    """Give a CP-shared pool the batch's request ids (for errors) and its shared-prefix hint before SGLang's
+    backend begins the batch."""
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
 
     if isinstance(pool, CPSharedKVPoolMixin):
-        pool.read.request_ids = getattr(forward_batch, "rids", None)
+        rids = getattr(forward_batch, "rids", None)
+        pool.read.request_ids = rids
+        hint = pool.shared_prefix_hint
+        prefix_lens = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+        pool.read.shared_prefix = hint.for_batch(rids, prefix_lens) if hint is not None else None
     return original(pool, req_to_token, forward_batch)
 
 
@@ -145,5 +253,6 @@ HOOKS = [
     (f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, "around"),
     (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, "around"),
     (f"{_CONFIGURATOR}._init_pools", check_built_pools, "after"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", hint_shared_prefix, "after"),
     ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", name_batch_requests, "around"),
 ]

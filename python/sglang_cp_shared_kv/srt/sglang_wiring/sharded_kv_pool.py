@@ -111,6 +111,9 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             index = PageBuffers(self.ownership, spec.cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
         # One plan and one collective per layer serve both (read_state.BatchReadState.source).
         self.read = BatchReadState(self.ownership, spec.cp_rank, spec.logical_pages, latent, index, cp_group)
+        # The last extend batch's shared-prefix hint (``pool_hooks.SharedPrefixHint``), left by SGLang's
+        # ``ForwardBatch.init_new`` for its ``begin`` (through ``prepare_kv_shard_forward``).
+        self.shared_prefix_hint = None
         self._shard_extend_active = False
         logger.info(
             "CP-shared KV pool: rank %d of %d, %d physical pages per rank (page 0 reserved), page size %d, "

@@ -28,6 +28,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     BatchCounters,
     LayerView,
     ViewMaterializer,
+    allocate_arena,
     check_current_chunk,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
@@ -38,7 +39,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     slots_per_rank,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
-from sglang_cp_shared_kv.srt.utils import check_int
 
 
 def compact_row_table(extend_lens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -100,23 +100,22 @@ class ReadPath:
         self.arena: dict[str, torch.Tensor] | None = None
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int) -> int:
-        """Allocate the view arena once: ``prefix_tokens + chunk_tokens + page_size`` token rows of latent
-        and indexer bytes (the wired path's ``attach_arena``; ``arena_regions`` gives the sizes). Returns
-        its bytes. Call before the first batch; not with ``prefetch`` (one set of views)."""
-        ps = self.pool.page_size
-        for name, value in (("prefix_tokens", prefix_tokens), ("chunk_tokens", chunk_tokens)):
-            check_int(name, value, 0)
-            if value % ps:
-                raise ValueError(f"{name} must be page-aligned (page size {ps}), got {value}")
+        """Allocate the view arena once (``materialize.allocate_arena``: ``prefix_tokens + chunk_tokens +
+        page_size`` token rows of latent and indexer bytes, a second chunk and page when prefetching; the
+        wired path's ``attach_arena``; ``arena_regions`` gives the sizes). Returns its bytes. Call before
+        the first batch."""
         if self.counters is not None or self.arena is not None:
             raise RuntimeError("attach the view arena once, before the first batch")
-        if self.materializer.prefetch:
-            raise ValueError("this arena holds one set of views: it cannot serve a prefetching read path")
-        pages = (prefix_tokens + chunk_tokens) // ps + 1
         pool = self.pool
-        arena = {"latent": torch.empty((pages, ps * pool.row_bytes), dtype=torch.uint8, device=pool.device)}
-        if pool.with_indexer:
-            arena["index"] = torch.empty((pages, ps * INDEX_TOKEN_BYTES), dtype=torch.uint8, device=pool.device)
+        arena = allocate_arena(
+            prefix_tokens,
+            chunk_tokens,
+            pool.page_size,
+            pool.row_bytes,
+            pool.with_indexer,
+            pool.device,
+            self.materializer.prefetch,
+        )
         self.arena = self.materializer.arena = arena
         # As the wired path: no pipeline chunks, whose padding would outgrow the arena's prefix bound.
         self.materializer.pipeline_chunk_tokens = 0

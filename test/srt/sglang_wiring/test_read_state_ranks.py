@@ -9,8 +9,11 @@ whose pages do not rotate owners. Every read equals the replicated bytes; the no
 reads only inside its view and fails with ``SlotOverflowError`` at the next synchronizing point,
 and a wrong hint with ``SharedPrefixError``.
 
-On CPU the ranks talk over gloo. On 2 GPUs (NCCL) the batches run under
-``torch.cuda.set_sync_debug_mode("error")``: any host sync in the wired per-batch path raises.
+On CPU the ranks talk over gloo, with per-batch buffers or from a view arena of two buffers
+(one-layer-ahead prefetch: each layer stages into and reads the buffer of its parity, the next
+layer's prefix gathered at its read). On GPUs the batches run under
+``torch.cuda.set_sync_debug_mode("error")``: any host sync in the wired per-batch path raises; on
+2 GPUs over NCCL, and (one GPU is enough) with the arena's views pulled by the copy engines.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 PS, LAYERS, ROW, INDEX_ROW, PHYS = 16, 2, 64, 132, 9
 
 
-def _rank(rank: int, world: int, device: str) -> dict:
+def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> dict:
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
     from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
@@ -67,31 +70,49 @@ def _rank(rank: int, world: int, device: str) -> dict:
         PageBuffers(ownership, rank, INDEX_ROW, index_bufs),
         group,
     )
+    if prefetch is not None:  # a view arena: 8 pages of prefix, 8 of chunk (twice when prefetching)
+        state.attach_arena(8 * PS, 8 * PS, prefetch)
+
+    def count_calls(views) -> None:
+        """Record the copy-engine group's calls in ``group.calls`` as the CP group's are."""
+        ce = views.group if views is not None else None
+        if ce is not None and ce is not group and not getattr(ce, "counted", False):
+            call = ce.all_gather_into_many
+
+            def counted(outs, locals_, **kwargs):
+                group.calls.append(len(outs))
+                return call(outs, locals_, **kwargs)
+
+            ce.all_gather_into_many, ce.counted = counted, True
 
     def run(batch_pages: list[list[int]], prefix_lens: list[int], seq_lens: list[int], shared=None) -> dict:
         """One batch; returns what the kernels would read, compared later (comparisons sync)."""
         width = max(len(p) for p in batch_pages)
-        req_to_token = torch.zeros((len(batch_pages), width * PS), dtype=torch.int32, device=device)
+        req_to_token = torch.zeros((len(batch_pages), width * PS), dtype=torch.int32)
         every = []
-        for r, p in enumerate(batch_pages):
+        for r, p in enumerate(batch_pages):  # built on the host, copied without a blocking call
             loc = (torch.tensor(p).repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(p)))[: seq_lens[r]]
-            req_to_token[r, : seq_lens[r]] = loc.int().to(device)
-            every.append(loc.to(device))
+            req_to_token[r, : seq_lens[r]] = loc.int()
+            every.append(loc.to(device, non_blocking=True))
+        req_to_token = req_to_token.to(device, non_blocking=True)
         state.request_ids = [f"req-{r}" for r in range(len(batch_pages))]
         state.shared_prefix = shared
         state.begin(req_to_token, torch.arange(len(batch_pages), device=device), prefix_lens, seq_lens)
+        count_calls(state.views)
         group.calls.clear()
         new = torch.cat([e[q:] for e, q in zip(every, prefix_lens)])
         out = {"mode": state.mode, "every": every, "latent": [], "index": [], "counters": state.counters}
+        out["view_sets"] = state.views.view_sets if state.mode == "materialized" else 0
         all_locs = torch.cat(every)
         table = all_locs[::PS] // PS
         # The current chunk's pages: whole new pages past each page-aligned prefix.
         new_pages = torch.cat([e[q::PS] // PS for e, q in zip(every, prefix_lens)])
         for layer in range(LAYERS):  # layer by layer: a layer's buffers are reused by the next
             # The pool's write path stages the chunk it stores, in every mode: never gathered.
-            state.stage_latent[state.translate(new)] = ref[layer][new]
+            stage_latent, stage_index = state.stage(layer)
+            stage_latent[state.translate(new)] = ref[layer][new]
             if state.mode != "current":
-                state.stage_index[state.translate_pages(new_pages)] = ref_index[layer][new_pages]
+                stage_index[state.translate_pages(new_pages)] = ref_index[layer][new_pages]
             out["latent"].append((state.latent_rows(layer).clone(), state.translate(all_locs)))
             if state.mode != "current":
                 out["index"].append((state.index_pages(layer).clone(), state.translate_pages(table), table))
@@ -103,7 +124,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
         c = out["counters"]
         res = {"mode": out["mode"], "received": c.bytes_received, "current_gathered": c.current_chunk_bytes_gathered}
         res["staged"], res["view_pages"] = c.pages_staged, c.view_pages
-        res["collectives"] = out["collectives"]
+        res["collectives"], res["view_sets"] = out["collectives"], out["view_sets"]
         res["latent_exact"] = [
             bool(torch.equal(buf[r], ref[layer][every])) for layer, (buf, r) in enumerate(out["latent"])
         ]
@@ -135,7 +156,9 @@ def _rank(rank: int, world: int, device: str) -> dict:
     shared_batch = ([[2, 3, 4, 7], [2, 3, 8]], [3 * PS, 2 * PS], [4 * PS, 2 * PS + 10])
     results, errors = [], []
     if device == "cuda":
-        for args in batches[:2]:  # warm-up: Triton compiles, NCCL communicators, caching allocators
+        for args in batches[
+            :2
+        ]:  # (the copy-engine group registers the arenas at the first view)  # warm-up: Triton compiles, NCCL communicators, caching allocators
             run(*args)
             end_batch()
         torch.cuda.synchronize()
@@ -178,9 +201,11 @@ def _rank(rank: int, world: int, device: str) -> dict:
     return {"batches": [check(o) for o in results], "errors": errors, "wrong_hint": wrong_hint}
 
 
-def _check_results(results: list[dict]) -> None:
+def _check_results(results: list[dict], prefetch: bool = False) -> None:
     for res in results:
         current, mixed, dup, once, skewed = res["batches"]
+        # Prefetching: every materialized batch here fits the arena twice, its layers alternate sets.
+        assert [b["view_sets"] for b in res["batches"]] == [0] + [2 if prefetch else 1] * 4, res["batches"]
         assert current["mode"] == "current" and all(current["latent_exact"]) and current["inside"], current
         assert mixed["mode"] == "materialized" and all(mixed["latent_exact"]) and all(mixed["index_exact"]), mixed
         assert mixed["inside"], mixed
@@ -211,11 +236,12 @@ def _check_results(results: list[dict]) -> None:
 
 
 @pytest.mark.multirank
-def test_read_state_on_gloo_ranks_is_exact_and_fails_an_overflowing_batch():
+@pytest.mark.parametrize("prefetch", [None, True], ids=["per-batch-buffers", "arena-prefetch"])
+def test_read_state_on_gloo_ranks_is_exact_and_fails_an_overflowing_batch(prefetch):
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
-    results = spawn_ranks(_rank, 2, "cpu", timeout_s=300)
-    _check_results(results)
+    results = spawn_ranks(_rank, 2, "cpu", prefetch, timeout_s=300)
+    _check_results(results, prefetch=bool(prefetch))
     for res in results:
         assert res["wrong_hint"] == [
             "request 1: a page maps outside the read buffer (6 pages)",
@@ -231,3 +257,12 @@ def test_read_state_on_gpus_never_syncs_the_host():
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
     _check_results(spawn_ranks(_rank, 2, "cuda", backend="nccl", timeout_s=300))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_state_with_copy_engines_and_prefetch_never_syncs_the_host():
+    """Both ranks on one GPU when there is only one: the copy engines pull across processes all the same."""
+    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+
+    _check_results(spawn_ranks(_rank, 2, "cuda", True, timeout_s=300), prefetch=True)

@@ -24,6 +24,36 @@ def test_arena_spec_regions_and_ratio_to_sglang_scratch():
         make_arena_spec(0, 2, 64, 4096, 1024, 0)
 
 
+def test_prefetch_adds_a_second_chunk_and_keeps_admission():
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_bytes, make_arena_spec, upstream_scratch_bytes
+
+    spec = make_arena_spec(3, 8, 64, 131072 + 100, 16384, 2)
+    token_bytes = 656 + 132
+    ours = arena_bytes(spec, token_bytes, prefetch=True)
+    assert ours == (2 * (131072 + 512) + 2 * (16384 + 64)) * token_bytes
+    assert ours * 4 <= upstream_scratch_bytes(spec, token_bytes, 131072 + 100)  # 0.14x
+
+
+def test_prefetch_setting_follows_the_transport(monkeypatch):
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import TRANSPORT_ENV
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import PREFETCH_ENV, prefetch_enabled
+
+    monkeypatch.delenv(PREFETCH_ENV, raising=False)
+    for transport, on in ((None, True), ("copy_engine", True), ("nccl", False)):
+        if transport is None:
+            monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+        else:
+            monkeypatch.setenv(TRANSPORT_ENV, transport)
+        assert prefetch_enabled() is on
+    monkeypatch.setenv(PREFETCH_ENV, "1")
+    assert prefetch_enabled()  # asked for, over NCCL too
+    monkeypatch.setenv(PREFETCH_ENV, "0")
+    assert not prefetch_enabled()
+    monkeypatch.setenv(PREFETCH_ENV, "2")
+    with pytest.raises(ValueError, match=f"^{PREFETCH_ENV} must be 0 or 1, got '2'$"):
+        prefetch_enabled()
+
+
 def test_arena_contexts_from_the_environment(monkeypatch):
     from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import ARENA_CONTEXTS, ARENA_CONTEXTS_ENV, arena_contexts
 

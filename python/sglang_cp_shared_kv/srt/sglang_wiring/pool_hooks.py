@@ -92,7 +92,7 @@ def build_allocator(original, configurator, **kwargs):
     from sglang.srt.runtime_context import get_disagg
 
     from sglang_cp_shared_kv.srt.sglang_wiring.transfer import enable_sharded_transfer
-    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import spec_for
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import prefetch_enabled, spec_for
 
     spec = spec_for(configurator)
     allocator = PageInterleavePoolAllocator(
@@ -106,7 +106,9 @@ def build_allocator(original, configurator, **kwargs):
         shard_spec=spec,  # SGLang's batch admission against our view arena's regions
     )
     allocator.cp_shared_arena = True
-    pool.attach_view_arena(spec)  # the read buffers, once: the bytes view_arena charged to the KV budget
+    pool.attach_view_arena(
+        spec, prefetch_enabled()
+    )  # the read buffers, once: the bytes view_arena charged to the budget
     logger.info(
         "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
         FLAG,

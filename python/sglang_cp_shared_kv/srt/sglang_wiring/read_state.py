@@ -55,12 +55,14 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
+from sglang_cp_shared_kv.srt.distributed.copy_engine import view_group
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     BatchCounters,
     LayerView,
     ViewMaterializer,
+    allocate_arena,
     arena_pages,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
@@ -159,34 +161,38 @@ class BatchReadState:
         self.page_pos = torch.zeros(logical_pages, dtype=torch.int64, device=self.device)
         self.mode: str | None = None  # None (no extend in flight), "current" or "materialized"
         self.counters: BatchCounters | None = None
-        self.stage_latent: torch.Tensor | None = None
-        self.stage_index: torch.Tensor | None = None
+        # Per view buffer (one, or two alternating by layer when prefetching): the latent rows and
+        # indexer pages the write path stages the current chunk into, and the kernels read.
+        self._stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._layer_cache: dict[int, LayerView] = {}
         # Names of the next batch's requests (SGLang's rids, set by ``pool_hooks``), for errors.
         self.request_ids: Sequence[str] | None = None
         self.arena: dict[str, torch.Tensor] | None = None
+        self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
         # The next batch's shared prefix pages, ``(source request, pages)`` per request (one batch).
         self.shared_prefix: Sequence[tuple[int, int]] | None = None
         # Per hinted batch: how many of each request's shared pages differ from its source's.
         self.hint_check = DeviceFlagCheck()
 
-    def attach_arena(self, prefix_tokens: int, chunk_tokens: int) -> int:
-        """Allocate the view arena once: ``prefix_tokens + chunk_tokens + page_size`` token rows of latent
-        and indexer bytes (SGLang's ``PageShardSpec.scratch_rows``). Returns its bytes.
-
-        Every later batch reads from it; call before the first batch.
+    def attach_arena(self, prefix_tokens: int, chunk_tokens: int, prefetch: bool = False) -> int:
+        """Allocate the view arena once (``materialize.allocate_arena``): room for a batch of ``prefix_tokens``
+        of view and ``chunk_tokens`` staged (SGLang's ``PageShardSpec.scratch_rows``), and with
+        ``prefetch`` a second chunk: a batch whose views fit twice alternates its layers between two
+        view sets, layer ``l + 1``'s prefix gathered (on a side stream) while layer ``l`` reads.
+        Returns its bytes. Every later batch reads from it; call before the first batch.
         """
-        ps = self.page_size
-        if prefix_tokens < 0 or chunk_tokens < 0 or prefix_tokens % ps or chunk_tokens % ps:
-            raise ValueError(
-                f"arena sizes must be page-aligned ints >= 0 (page size {ps}), got {prefix_tokens}, {chunk_tokens}"
-            )
         if self.views is not None or self.mode is not None:
             raise RuntimeError("attach the view arena before the first batch")
-        pages = (prefix_tokens + chunk_tokens) // ps + 1
-        self.arena = {"latent": torch.empty((pages, ps * self.latent.row_bytes), dtype=torch.uint8, device=self.device)}
-        if self.index is not None:
-            self.arena["index"] = torch.empty((pages, ps * INDEX_TOKEN_BYTES), dtype=torch.uint8, device=self.device)
+        self.arena = allocate_arena(
+            prefix_tokens,
+            chunk_tokens,
+            self.page_size,
+            self.latent.row_bytes,
+            self.index is not None,
+            self.device,
+            prefetch,
+        )
+        self.prefetch = prefetch
         return sum(t.numel() for t in self.arena.values())
 
     def _buffer(self, key: str, pages: int, width: int) -> torch.Tensor:
@@ -247,8 +253,7 @@ class BatchReadState:
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
         self.page_pos.zero_()
         self.page_pos[logical] = torch.arange(1, total + 1, dtype=torch.int64, device=self.device)
-        self.stage_latent = stage_latent.view(-1, self.latent.row_bytes)
-        self.stage_index = stage_index
+        self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
 
@@ -258,11 +263,16 @@ class BatchReadState:
         if self.views is None:
             if callable(self.group):
                 self.group = self.group()
-            # No prefetch: one set of buffers, so the staged pages of a layer are where it reads them.
-            # With an arena, no pipeline chunks either: their padding would outgrow the bound SGLang's
-            # admission keeps (N * sum_i ceil(prefix_pages_i / N) pages).
+            group = self.group
+            if self.arena is not None and group is not None:  # copy engines pull from the peers' arenas
+                group = view_group(group, list(self.arena.values()))
+            # Each layer stages its chunk into the view buffer it reads (layers alternate between two
+            # when prefetching). With an arena, no pipeline chunks: their padding would outgrow the
+            # bound SGLang's admission keeps (N * sum_i ceil(prefix_pages_i / N) pages).
             chunk_tokens = 0 if self.arena is not None else None
-            self.views = ViewMaterializer(self.source, self.group, arena=self.arena, pipeline_chunk_tokens=chunk_tokens)
+            self.views = ViewMaterializer(
+                self.source, group, arena=self.arena, prefetch=self.prefetch, pipeline_chunk_tokens=chunk_tokens
+            )
         ps = self.page_size
         pages = pages_for_lens(seq_lens, ps)
         prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)
@@ -305,9 +315,10 @@ class BatchReadState:
             self.page_pos[current] = torch.arange(
                 view_pages, view_pages + staged, dtype=torch.int64, device=self.device
             )
-        buffers = self.views.view_buffers()
-        self.stage_latent = buffers["latent"].view(-1, self.latent.row_bytes)
-        self.stage_index = buffers.get("index")
+        self._stages = []
+        for part in range(self.views.view_sets):
+            buffers = self.views.view_buffers(part)
+            self._stages.append((buffers["latent"].view(-1, self.latent.row_bytes), buffers.get("index")))
         self.mode = "materialized"
 
     def _record_hint_check(
@@ -339,9 +350,25 @@ class BatchReadState:
 
     def end(self) -> None:
         self.mode = None
-        self.stage_latent = self.stage_index = None
+        self._stages = []
         self._layer_cache.clear()
+        if self.views is not None:
+            self.views.drain()  # a layer gathered ahead and never read: the next batch reuses its buffer
         self.check_overflow()
+
+    # -- the buffers the write path stages the current chunk into --
+    def stage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(latent rows, indexer pages)`` that local ``layer`` stages its chunk into and reads."""
+        return self._stages[layer % len(self._stages)]
+
+    @property
+    def stage_latent(self) -> torch.Tensor | None:
+        """The first view buffer's latent rows (the only one unless prefetching); None outside a batch."""
+        return self._stages[0][0] if self._stages else None
+
+    @property
+    def stage_index(self) -> torch.Tensor | None:
+        return self._stages[0][1] if self._stages else None
 
     # -- translation --
     def translate(self, locs: torch.Tensor) -> torch.Tensor:
@@ -370,7 +397,7 @@ class BatchReadState:
     def latent_rows(self, layer: int) -> torch.Tensor:
         """uint8 ``[rows, row_bytes]``: the latent rows ``translate`` points into, for local ``layer``."""
         if self.mode == "current":
-            return self.stage_latent
+            return self.stage(layer)[0]
         return self._layer_view(layer).kv_rows
 
     def index_pages(self, layer: int) -> torch.Tensor:
@@ -378,7 +405,7 @@ class BatchReadState:
         if self.index is None:
             raise ValueError("this pool has no indexer")
         if self.mode == "current":
-            return self.stage_index
+            return self.stage(layer)[1]
         pages = self._layer_view(layer).index_pages
         if pages is None:
             raise ValueError(f"local layer {layer} holds no indexer pages")
@@ -388,7 +415,8 @@ class BatchReadState:
         """The layer's view, gathered at its first read (latent and indexer prefix pages together).
 
         The prefix pages are in the pool before the batch starts and the staged pages lie past the
-        gathered ones, so the gather may run before or after the layer's writes.
+        gathered ones, so the gather may run before or after the layer's writes: when prefetching,
+        this read also starts gathering layer ``l + 1`` into the other view buffer.
         """
         view = self._layer_cache.get(layer)
         if view is None:

@@ -126,10 +126,11 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             ", with indexer pages" if spec.with_indexer else "",
         )
 
-    def attach_view_arena(self, spec) -> int:
+    def attach_view_arena(self, spec, prefetch: bool = False) -> int:
         """Allocate the read path's view arena once, sized by SGLang's ``PageShardSpec`` ``spec`` (the
         allocator's, which SGLang's prefill admission keeps every batch within: ``max_prefix_tokens``
-        of all-gathered prefix pages, ``chunk_tokens`` of staged chunk pages, one trash page).
+        of all-gathered prefix pages, ``chunk_tokens`` of staged chunk pages, one trash page), and with
+        ``prefetch`` a second chunk and page (``BatchReadState.attach_arena``).
 
         Its bytes are what ``view_arena.charge_arena`` took out of the KV budget. Returns them.
         """
@@ -138,12 +139,14 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
                 f"arena spec (page size {spec.page_size}, {spec.shard_size} ranks) does not match the pool "
                 f"(page size {self.page_size}, {self.spec.cp_size} ranks)"
             )
-        nbytes = self.read.attach_arena(spec.max_prefix_tokens, spec.chunk_tokens)
+        nbytes = self.read.attach_arena(spec.max_prefix_tokens, spec.chunk_tokens, prefetch)
         logger.info(
-            "CP-shared KV pool: view arena allocated once, %.1f MiB (%d prefix + %d chunk tokens + one page)",
+            "CP-shared KV pool: view arena allocated once, %.1f MiB (%d prefix + %s%d chunk tokens + a page%s)",
             nbytes / 2**20,
             spec.max_prefix_tokens,
+            "2 x " if prefetch else "",
             spec.chunk_tokens,
+            ", views prefetched a layer ahead" if prefetch else "",
         )
         return nbytes
 
@@ -178,7 +181,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             self._write_mla_kv_buffer(self.kv_buffer[local], rows, cache_k_nope, cache_k_rope)
             return
         # Quantize once into the staging rows the batch reads, then keep the owned ones.
-        stage = self._as_rows(self.read.stage_latent)
+        stage = self._as_rows(self.read.stage(local)[0])
         self._write_mla_kv_buffer(stage, stage_rows, cache_k_nope, cache_k_rope)
         self.kv_buffer[local].index_copy_(0, rows, stage.index_select(0, stage_rows))
 
@@ -193,7 +196,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             cache_k = cache_k.view(self.store_dtype)
         stage_rows = self._stage_rows(loc)
         if stage_rows is not None:
-            self._as_rows(self.read.stage_latent)[stage_rows] = cache_k
+            self._as_rows(self.read.stage(local)[0])[stage_rows] = cache_k
         self.kv_buffer[local][self.store_rows(loc.long())] = cache_k
 
     # -- the kv-shard read contract --
@@ -314,7 +317,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         targets = [(self._kernel_view(local), pool.store_rows(loc.long()), None)]
         stage_rows = pool._stage_rows(loc)
         if stage_rows is not None:
-            targets.append((self._kernel_view(pool.read.stage_index), stage_rows, None))
+            targets.append((self._kernel_view(pool.read.stage(layer_id - pool.start_layer)[1]), stage_rows, None))
         return targets
 
     def store_quantized(self, layer_id, loc, index_k, index_k_scale) -> None:

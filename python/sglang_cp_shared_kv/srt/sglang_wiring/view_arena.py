@@ -12,10 +12,13 @@ sees shrinks by exactly the arena.
 
 Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``,
 default ``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times the bytes of one
-token's latent row and indexer record, once. SGLang's page-interleave scratch keeps eight
-contexts, twice (double-buffered for its layer-ahead gather)::
+token's latent row and indexer record. With one-layer-ahead prefetch (``$SGLANG_CP_SHARED_KV_PREFETCH``,
+on unless the transport is set to ``nccl``) a second chunk and page: a batch whose views fit the
+arena twice (at most half the prefix budget: the usual batch) is prefetched, a larger one is read
+layer by layer; admission stays the same. SGLang's page-interleave scratch keeps eight contexts,
+twice (double-buffered for its layer-ahead gather)::
 
-    ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2)
+    ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions, ceil_align
 from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG
 from sglang_cp_shared_kv.srt.utils import check_int, env_int
 
@@ -30,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 ARENA_CONTEXTS = 2
 ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
+PREFETCH_ENV = "SGLANG_CP_SHARED_KV_PREFETCH"
 
 
 def arena_contexts() -> int:
@@ -37,33 +42,39 @@ def arena_contexts() -> int:
     return env_int(ARENA_CONTEXTS_ENV, ARENA_CONTEXTS, 1)
 
 
-def _ceil_align(x: int, granule: int) -> int:
-    return -(-x // granule) * granule
+def prefetch_enabled() -> bool:
+    """One-layer-ahead prefetch of the views: ``$SGLANG_CP_SHARED_KV_PREFETCH`` (1 or 0). Unset: on unless
+    ``SGLANG_CP_SHARED_KV_TRANSPORT=nccl`` (a prefetch whose gather needs SMs hides nothing behind the
+    attention; the copy engines' pull needs none)."""
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
+
+    default = 0 if transport_setting() == "nccl" else 1
+    prefetch = env_int(PREFETCH_ENV, default, 0)
+    if prefetch > 1:
+        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got '{prefetch}'")
+    return bool(prefetch)
 
 
 def make_arena_spec(
     cp_rank: int, cp_size: int, page_size: int, context_len: int, chunk_tokens: int, contexts: int
 ) -> Any:
-    """SGLang's ``PageShardSpec`` with our region sizes: ``contexts`` contexts of prefix, the chunk budget."""
+    """SGLang's ``PageShardSpec`` with our region sizes: ``contexts`` contexts of prefix, the chunk budget
+    (what SGLang's admission bounds every batch by)."""
     from sglang.srt.mem_cache.page_interleave import PageShardSpec
 
     check_int("cp_size", cp_size, 2)
-    check_int("page_size", page_size, 1)
-    check_int("context_len", context_len, 1)
-    check_int("chunk_tokens", chunk_tokens, 1)
-    check_int("contexts", contexts, 1)
+    prefix, chunk = arena_regions(cp_size, page_size, context_len, chunk_tokens, contexts)
     return PageShardSpec(
-        shard_rank=cp_rank,
-        shard_size=cp_size,
-        page_size=page_size,
-        max_prefix_tokens=contexts * _ceil_align(context_len, cp_size * page_size),
-        chunk_tokens=_ceil_align(chunk_tokens, page_size),
+        shard_rank=cp_rank, shard_size=cp_size, page_size=page_size, max_prefix_tokens=prefix, chunk_tokens=chunk
     )
 
 
-def arena_bytes(spec: Any, token_bytes: int) -> int:
-    """Bytes of one arena: ``spec.scratch_rows`` tokens (prefix, chunk, trash page) of ``token_bytes`` each."""
-    return spec.scratch_rows * token_bytes
+def arena_bytes(spec: Any, token_bytes: int, prefetch: bool = False) -> int:
+    """Bytes of one arena: ``arena_tokens`` (``spec.scratch_rows``: prefix, chunk, trash page; a second chunk
+    and page with ``prefetch``) of ``token_bytes`` each."""
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import arena_tokens
+
+    return arena_tokens(spec.max_prefix_tokens, spec.chunk_tokens, spec.page_size, prefetch) * token_bytes
 
 
 def upstream_scratch_bytes(spec: Any, token_bytes: int, context_len: int) -> int:
@@ -71,7 +82,7 @@ def upstream_scratch_bytes(spec: Any, token_bytes: int, context_len: int) -> int
     from sglang.srt.mem_cache import page_interleave
 
     contexts = page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS
-    prefix = contexts * _ceil_align(context_len, spec.shard_size * spec.page_size)
+    prefix = contexts * ceil_align(context_len, spec.shard_size * spec.page_size)
     return 2 * (prefix + spec.chunk_tokens + spec.page_size) * token_bytes
 
 
@@ -103,15 +114,17 @@ def charge_arena(original, kvc, **kwargs):
 
     spec = spec_for(kvc)
     token_bytes = page_interleave._page_shard_row_bytes(kvc)
-    ours = arena_bytes(spec, token_bytes)
+    prefetch = prefetch_enabled()
+    ours = arena_bytes(spec, token_bytes, prefetch)
     theirs = upstream_scratch_bytes(spec, token_bytes, kvc.model_config.context_len)
     layers = max(int(getattr(kvc.model_config, "num_hidden_layers", 1) or 1), 1)
     logger.info(
-        "%s: view arena %.1f MiB per rank (%d prefix + %d chunk tokens), charged to the KV budget: about %d "
+        "%s: view arena %.1f MiB per rank (%d prefix + %s%d chunk tokens), charged to the KV budget: about %d "
         "fewer cached tokens; SGLang's --enable-kv-cache-sharding scratch would take %.1f MiB",
         FLAG,
         ours / 2**20,
         spec.max_prefix_tokens,
+        "2 x " if prefetch else "",
         spec.chunk_tokens,
         ours // (token_bytes * layers),
         theirs / 2**20,

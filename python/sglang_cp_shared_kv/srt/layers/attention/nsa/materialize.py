@@ -52,7 +52,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, index_page_views
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
-from sglang_cp_shared_kv.srt.utils import env_int
+from sglang_cp_shared_kv.srt.utils import check_int, env_int
 
 # Pipeline chunk of a view, in tokens sent per rank (0: one piece). Each chunk hides the next one's
 # gather but adds one NCCL call's fixed cost. On 2 x H200 (bench_cp2_e2e's chunk sweep) every chunk
@@ -127,23 +127,58 @@ class ViewArenaError(RuntimeError):
     """A batch's read buffer would not fit the view arena (admission let through a batch too large)."""
 
 
-def arena_pages(
-    arena: dict[str, torch.Tensor], key: str, pages: int, width: int, part: int = 0, parts: int = 1
-) -> torch.Tensor:
-    """The leading ``pages`` pages of part ``part`` of ``arena[key]`` (uint8 ``[P, width]`` cut into ``parts``
-    equal parts: one per view set a prefetching reader alternates), or ``ViewArenaError``: host sizes only."""
+def arena_pages(arena: dict[str, torch.Tensor], key: str, pages: int, width: int, part: int = 0) -> torch.Tensor:
+    """Pages ``[part * pages, (part + 1) * pages)`` of ``arena[key]`` (uint8 ``[P, width]``): the ``part``-th
+    view set of ``pages`` pages (a prefetching reader alternates two), or ``ViewArenaError`` if even one
+    set does not fit. Host sizes only."""
     buf = arena.get(key)
     if buf is None or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != width:
         got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
         raise ValueError(f"arena[{key!r}] must be uint8 [pages, {width}], got {got}")
-    size = buf.shape[0] // parts
-    if pages > size:
+    if pages > buf.shape[0]:
         raise ViewArenaError(
             f"--enable-cp-shared-kv: this batch's read buffer needs {pages} pages, more than the view arena's "
-            f"{size}: the batch was admitted past the arena (SGLang's scratch admission is bypassed or "
+            f"{buf.shape[0]}: the batch was admitted past the arena (SGLang's scratch admission is bypassed or "
             "sized for another arena); nothing was allocated or written"
         )
-    return buf[part * size : part * size + pages]
+    if (part + 1) * pages > buf.shape[0]:
+        raise ValueError(f"view set {part} of {pages} pages lies past the arena's {buf.shape[0]}")
+    return buf[part * pages : (part + 1) * pages]
+
+
+def arena_sets(arena: dict[str, torch.Tensor], pages: int, wanted: int) -> int:
+    """View sets of ``pages`` pages the arena holds for this batch, at most ``wanted`` (at least 1)."""
+    return max(1, min(wanted, min(buf.shape[0] for buf in arena.values()) // max(pages, 1)))
+
+
+def arena_tokens(prefix_tokens: int, chunk_tokens: int, page_size: int, prefetch: bool = False) -> int:
+    """Token rows of a view arena: one batch's read buffer at its largest (``prefix_tokens`` of view,
+    ``chunk_tokens`` staged, a trash page: SGLang's ``PageShardSpec.scratch_rows``), plus, for a
+    prefetching reader, a second chunk and trash page: two view sets fit whenever the batch's views
+    take at most half the prefix budget (the usual batch), one always does."""
+    return prefix_tokens + (2 if prefetch else 1) * (chunk_tokens + page_size)
+
+
+def allocate_arena(
+    prefix_tokens: int,
+    chunk_tokens: int,
+    page_size: int,
+    row_bytes: int,
+    with_indexer: bool,
+    device,
+    prefetch: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A view arena, once, of ``arena_tokens`` rows: latent (``"latent"``, uint8 ``[pages, ps * row_bytes]``)
+    and indexer (``"index"``, ``[pages, ps * 132]``)."""
+    for name, value in (("prefix_tokens", prefix_tokens), ("chunk_tokens", chunk_tokens)):
+        check_int(name, value, 0)
+        if value % page_size:
+            raise ValueError(f"{name} must be page-aligned (page size {page_size}), got {value}")
+    pages = arena_tokens(prefix_tokens, chunk_tokens, page_size, prefetch) // page_size
+    arena = {"latent": torch.empty((pages, page_size * row_bytes), dtype=torch.uint8, device=device)}
+    if with_indexer:
+        arena["index"] = torch.empty((pages, page_size * INDEX_TOKEN_BYTES), dtype=torch.uint8, device=device)
+    return arena
 
 
 def check_current_chunk(
@@ -190,9 +225,10 @@ class ViewMaterializer:
     handed to the kernels then covers both (``LayerView.page_table``).
 
     ``arena`` (optional): buffers allocated once by the caller (``"latent"`` and, with an indexer,
-    ``"index"``, uint8 ``[pages, page bytes]``; with ``prefetch`` cut in two equal parts, one per view
-    set); every batch's views are their leading pages instead of fresh allocations, and a batch whose
-    views would not fit raises ``ViewArenaError`` before anything is written. ``group`` may be a
+    ``"index"``, uint8 ``[pages, page bytes]``, ``allocate_arena``); every batch's views are its leading
+    pages instead of fresh allocations, and a batch whose views would not fit raises
+    ``ViewArenaError`` before anything is written. A prefetching materializer prefetches a batch
+    whose two view sets fit the arena and reads any other one layer at a time. ``group`` may be a
     ``copy_engine.CopyEngineGroup`` registered over the arena: the views are then all-gathered by
     the copy engines.
     """
@@ -281,7 +317,7 @@ class ViewMaterializer:
             raise ValueError(f"prefix_lens must lie in [0, seq_len], got {prefix_lens} for seq_lens {seq_lens}")
         if not isinstance(extra_pages, int) or extra_pages < 0:
             raise ValueError(f"extra_pages must be an int >= 0, got {extra_pages!r}")
-        self._drain()  # a gather still in flight writes buffers this batch replaces
+        self.drain()  # a gather still in flight writes buffers this batch replaces
         self.check_overflow()
         kind = batch_kind(prefix_lens)
         self.counters = BatchCounters(kind=kind)
@@ -318,12 +354,16 @@ class ViewMaterializer:
         self.plan = plan
         if debug_enabled():
             check_plan(self.plan, self.group)
-        self._allocate(self.plan, 2 if self.prefetch else 1, extra_pages)
+        copies = 2 if self.prefetch else 1
+        if self.arena is not None:
+            copies = arena_sets(self.arena, self.plan.view_pages + extra_pages, copies)
+        self._allocate(self.plan, copies, extra_pages)
         self._slot_table = plan.slot_table
         if self.stage_current:
             self._slot_table = self._staged_slot_table(plan, all_pages, prefix_pages)
             self.counters.pages_staged = staged
-        if self.prefetch or self.stage_current:
+        self._current_rows = None
+        if (self.prefetch or self.stage_current) and self._num_tokens:
             self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
         return self.counters
 
@@ -358,7 +398,7 @@ class ViewMaterializer:
         pages = plan.view_pages + extra_pages
         for _ in range(copies):
             if self.arena is not None:
-                views = {k: arena_pages(self.arena, k, pages, w, len(self._views), copies) for k, w in widths.items()}
+                views = {k: arena_pages(self.arena, k, pages, w, len(self._views)) for k, w in widths.items()}
             else:
                 views = {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
             steps = []
@@ -419,13 +459,18 @@ class ViewMaterializer:
             self._gather(layer, slot)
         if copy_current and (ahead or self.stage_current):  # staged: the chunk's pages past the prefix
             self._copy_current(self._views[slot], current_kv_rows, current_index_records)
-        if self.prefetch and layer + 1 < pool.num_layers:
+        if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1
         views = self._views[slot]
         kv_rows = views["latent"].view(-1, pool.row_bytes)
         index = views.get("index") if self._layer_has_index(layer) else None
         return LayerView(kv_rows, index, self._slot_table, pool.page_size, self.use_triton)
+
+    @property
+    def view_sets(self) -> int:
+        """View sets of the batch in progress: 2 when it is prefetched (layers alternate), else 1."""
+        return len(self._views)
 
     def view_buffers(self, layer: int = 0) -> dict[str, torch.Tensor]:
         """The batch's view buffers that ``layer_view(layer)`` fills (``"latent"``, ``"index"``):
@@ -489,7 +534,8 @@ class ViewMaterializer:
         if event is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(event)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Order what the caller queues next after a gather started ahead (none: nothing). No host wait."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self._wait(pending)

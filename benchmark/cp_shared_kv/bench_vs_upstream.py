@@ -108,10 +108,10 @@ def schedule(scale: Scale, ps: int, cp_size: int = 2) -> list[list[tuple[int, in
                 cur, budget = [], scale.chunk
     if cur:
         batches.append(cur)
+    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions
     from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts
 
-    granule = cp_size * ps
-    max_prefix_pages = arena_contexts() * (-(-scale.context_len // granule) * granule) // ps
+    max_prefix_pages = arena_regions(cp_size, ps, scale.context_len, scale.chunk, arena_contexts())[0] // ps
     cur, block = [], 0
     for slot, src in zip(range(4, 8), (0, 0, 1, 2)):
         prefix = scale.lengths[src] // ps * ps
@@ -291,10 +291,14 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         if "ours" in paths:
             pools["ours"] = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
             # The view arena the plugin's allocator hook attaches, sized from the same server limits.
-            from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts, make_arena_spec
+            from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
+                arena_contexts,
+                make_arena_spec,
+                prefetch_enabled,
+            )
 
             arena = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, arena_contexts())
-            ours_arena_bytes = pools["ours"].attach_view_arena(arena)
+            ours_arena_bytes = pools["ours"].attach_view_arena(arena, prefetch_enabled())
         phys = size // ps + 1
         if "upstream" in paths:
             from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
@@ -337,6 +341,11 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     turn2_src = {4: 0, 5: 0, 6: 1, 7: 2}
     gen = torch.Generator().manual_seed(1234)
     rows_out, correct_all = [], True
+    profiler = None
+    if args.get("profile_host") and rank == 0:  # where our forward's host time goes (cProfile, rank 0)
+        import cProfile
+
+        profiler = cProfile.Profile()
     up_scratch = 0
     if "upstream" in pools:
         up_scratch = sum(t.numel() * t.element_size() for s in pools["upstream"]._slots for t in s.tensors.values())
@@ -490,6 +499,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         # -- the whole forward, back to back, per path (GPU only: FlashMLA over every query) --
         if device.type == "cuda":
             for name in paths:
+                if profiler is not None and name == "ours":
+                    profiler.enable()
                 pool = pools[name]
                 sharded = name != "stock"
                 torch.cuda.reset_peak_memory_stats(device)
@@ -499,24 +510,41 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 t0 = time.perf_counter()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
+                # Host time spent inside the pool's calls (no sync in between: what the host pays to
+                # queue them): the batch plan, then per layer the reads and the writes.
+                host = {"plan": 0.0, "read": 0.0, "write": 0.0}
                 with _no_dcp(), counter:
+                    h = time.perf_counter()
                     if sharded:
                         prepare_kv_shard_forward(pool, req_to_token, fb)
                     rows = pool.translate_loc_to_scratch(every) if sharded else every
+                    host["plan"] += time.perf_counter() - h
                     fwd_rows = rows[fwd_tokens].reshape(new_tokens, scale.topk)
                     for layer in range(layers):
                         nope, rope, k, kscale = chunks[layer]
+                        h = time.perf_counter()
                         pool.set_index_k_scale_buffer(layer, new_locs, k, kscale)
+                        h1 = time.perf_counter()
                         pool.get_index_k_scale_buffer(layer, lens_t, logical_pages, sum(seq_lens), max_seq)
+                        h2 = time.perf_counter()
                         pool.set_mla_kv_buffer(_Layer(layer), new_locs, nope, rope)
+                        h3 = time.perf_counter()
                         kv = pool.get_key_buffer(layer)
+                        h4 = time.perf_counter()
+                        host["write"] += (h1 - h) + (h3 - h2)
+                        host["read"] += (h2 - h1) + (h4 - h3)
                         kv_u8 = kv.view(torch.uint8).reshape(kv.shape[0], -1)
                         _sparse_attention(q_fwd, kv_u8, fwd_rows, kv_format, device)
                 e1.record()
                 _sync(device)
                 row[f"{name}_forward_us"] = round((time.perf_counter() - t0) * 1e6, 1)
+                row[f"{name}_plan_host_us"] = round(host["plan"] * 1e6, 1)
+                row[f"{name}_read_host_us_per_layer"] = round(host["read"] * 1e6 / layers, 1)
+                row[f"{name}_write_host_us_per_layer"] = round(host["write"] * 1e6 / layers, 1)
                 row[f"{name}_forward_device_us"] = round(e0.elapsed_time(e1) * 1e3, 1)
                 row[f"{name}_forward_host_syncs"] = counter.count
+                if profiler is not None and name == "ours":
+                    profiler.disable()
                 if name == "ours":  # allocated beyond the pool and its arena during the forward
                     row["ours_peak_extra_bytes"] = int(torch.cuda.max_memory_allocated(device) - base_mem)
                 if sharded:
@@ -531,6 +559,9 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     env = {"upstream_scratch_bytes": up_scratch, "pool_tokens_per_rank": size}
     if "ours" in pools:
         env["ours_arena_bytes"] = ours_arena_bytes
+        views = pools["ours"].read.views
+        env["ours_transport"] = getattr(views.group, "backend", None) if views is not None else None
+        env["ours_prefetch"] = bool(views is not None and views.prefetch)
     if "upstream" in pools:
         from sglang.srt.environ import envs
 
@@ -543,6 +574,15 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             env["nccl_version"] = NCCLLibrary().ncclGetRawVersion()
         except Exception as e:  # noqa: BLE001 - recorded, not fatal
             env["nccl_version"] = f"unknown: {e}"
+    if profiler is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats("sglang_cp_shared_kv", 60)  # our calls, inclusive
+        env["ours_forward_host_profile"] = text.getvalue()
     return {"rows": rows_out, "correct_all": correct_all, "env": env}
 
 
@@ -590,6 +630,13 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
         [r.get("ours_forward_host_syncs", r.get("ours_host_syncs")) for r in rows]
     )
     s["host_syncs_sglang_metadata_per_forward"] = None  # init_forward_metadata not run: see the module docstring
+    # Host cost (GPU runs): what queuing the plan and each layer's reads costs the host, median over
+    # the batches that read a view (history and mixed), and SGLang's own for the same calls.
+    for name in ("ours", "upstream", "stock"):
+        for key in ("plan_host_us", "read_host_us_per_layer"):
+            vals = [r.get(f"{name}_{key}") for r in rows if r["kind"] != "current"]
+            if any(v is not None for v in vals):
+                s[f"{name}_{key}"] = _median(vals)
     if has_up:
         wins = [k for k in ("ours_vs_upstream_layer_time", "ours_vs_upstream_forward_time") if (s[k] or 0) < 1.0]
         wins += [k for k in ("bytes_ratio", "peak_scratch_ratio") if (s[k] or 0) > 1.0]
@@ -615,6 +662,11 @@ def main(argv: list[str] | None = None) -> None:
         "without the upstream path (its gather communicator is NCCL)",
     )
     ap.add_argument("--timeout", type=float, default=560.0)
+    ap.add_argument(
+        "--profile-host",
+        action="store_true",
+        help="cProfile our forward's host work on rank 0 (GPU runs), written to <out>_host_profile.txt",
+    )
     a = ap.parse_args(argv)
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
@@ -628,12 +680,18 @@ def main(argv: list[str] | None = None) -> None:
     ok = True
     for sc in a.scale:
         args = dict(device=a.device, scale=sc, kv_format=a.kv_format, page_size=a.page_size, paths=paths)
+        args["profile_host"] = a.profile_host
         per_rank = spawn_ranks(_rank, world, args, backend=backend, timeout_s=a.timeout)
         r0 = per_rank[0]
         ok &= all(r["correct_all"] for r in per_rank)
         rows = [dict(row, scale=sc, kv_format=a.kv_format, page_size=a.page_size) for row in r0["rows"]]
         all_rows += rows
         summaries[sc] = summarize(rows, r0["env"], all(r["correct_all"] for r in per_rank))
+        profile = r0["env"].pop("ours_forward_host_profile", None)
+        if profile:
+            from benchmark.cp_shared_kv.bench_common import RESULTS_DIR
+
+            (RESULTS_DIR / f"{a.out}_host_profile.txt").write_text(profile)
         envs[sc] = r0["env"]
     summary = {
         k: _median([s.get(k) for s in summaries.values()]) if k not in ("correct_all", "upstream_wins_on") else None

@@ -130,6 +130,29 @@ class PageBuffers:
         return self.buffers[layer]
 
 
+class TensorMemo:
+    """``fn(t)`` once per input tensor: a later call with the very same tensor, unmodified (the same
+    object at the same ``_version``), returns the first result. SGLang hands every layer of a batch
+    the same loc and page tensors, so their translations run once per batch instead of once per
+    layer (host time). Holds the last ``size`` inputs; ``clear()`` when what ``fn`` reads changes.
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], size: int = 4):
+        self.fn, self.size = fn, size
+        self._entries: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        for src, version, out in self._entries:
+            if src is t and version == t._version:  # identity and a host counter: nothing read back
+                return out
+        out = self.fn(t)
+        self._entries = [(t, t._version, out), *self._entries[: self.size - 1]]
+        return out
+
+    def clear(self) -> None:
+        self._entries = []
+
+
 class BatchReadState:
     """The read side of one sharded pool for the extend batch in progress."""
 
@@ -173,6 +196,9 @@ class BatchReadState:
         self.shared_prefix: Sequence[tuple[int, int]] | None = None
         # Per hinted batch: how many of each request's shared pages differ from its source's.
         self.hint_check = DeviceFlagCheck()
+        # This batch's translations of the tensors every layer passes again (cleared per batch).
+        self.stage_rows = TensorMemo(lambda locs: self.translate(locs).long())
+        self.translate_pages_once = TensorMemo(self.translate_pages)
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int, prefetch: bool = False) -> int:
         """Allocate the view arena once (``materialize.allocate_arena``): room for a batch of ``prefix_tokens``
@@ -233,6 +259,8 @@ class BatchReadState:
         # The batch's logical pages by position: every page's first token loc // ps.
         page_table = req_to_token[req_pool_indices.long(), :max_len:ps].long() // ps
         self._layer_cache.clear()
+        self.stage_rows.clear()
+        self.translate_pages_once.clear()
         if batch_kind(prefix_lens) == "current":
             self._begin_current(page_table, seq_lens)
         else:
@@ -352,6 +380,8 @@ class BatchReadState:
         self.mode = None
         self._stages = []
         self._layer_cache.clear()
+        self.stage_rows.clear()
+        self.translate_pages_once.clear()
         if self.views is not None:
             self.views.drain()  # a layer gathered ahead and never read: the next batch reuses its buffer
         self.check_overflow()

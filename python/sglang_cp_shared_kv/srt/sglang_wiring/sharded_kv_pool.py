@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import CPSharedSpec
-from sglang_cp_shared_kv.srt.sglang_wiring.read_state import BatchReadState, PageBuffers
+from sglang_cp_shared_kv.srt.sglang_wiring.read_state import BatchReadState, PageBuffers, TensorMemo
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,10 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             index = PageBuffers(self.ownership, spec.cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
         # One plan and one collective per layer serve both (read_state.BatchReadState.source).
         self.read = BatchReadState(self.ownership, spec.cp_rank, spec.logical_pages, latent, index, cp_group)
+        # The same out_cache_loc reaches every layer's latent and indexer writes: its rows once.
+        self._store_rows = TensorMemo(
+            lambda locs: self.ownership.store_rows(locs.long(), spec.cp_rank, spec.trash_page, spec.phys_pages)[0]
+        )
         # The last extend batch's shared-prefix hint (``pool_hooks.SharedPrefixHint``), left by SGLang's
         # ``ForwardBatch.init_new`` for its ``begin`` (through ``prepare_kv_shard_forward``).
         self.shared_prefix_hint = None
@@ -152,12 +156,11 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
 
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
-        """Physical row of every loc on this rank: its own row if owned, else a row of the trash page.
+        """Physical row (int64) of every loc on this rank: its own row if owned, else a row of the trash page.
 
-        Debug mode checks the rows (``PageOwnership.check_store_rows``).
+        Debug mode checks the rows (``PageOwnership.check_store_rows``). Once per loc tensor (``TensorMemo``).
         """
-        spec = self.spec
-        return self.ownership.store_rows(locs, spec.cp_rank, spec.trash_page, spec.phys_pages)[0]
+        return self._store_rows(locs)
 
     def _local_layer(self, layer, layer_id_override) -> int:
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
@@ -166,7 +169,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     def _stage_rows(self, locs: torch.Tensor) -> torch.Tensor | None:
         """Rows of the batch's staging pages for ``locs`` (the current-reuse buffer, or the pages past a
         materialized view), or None outside a sharded extend batch."""
-        return self.read.translate(locs).long() if self._shard_extend_active and self.read.mode is not None else None
+        return self.read.stage_rows(locs) if self._shard_extend_active and self.read.mode is not None else None
 
     def _as_rows(self, buf: torch.Tensor) -> torch.Tensor:
         """A uint8 ``[rows, row_bytes]`` buffer as the pool's ``[rows, 1, kv_cache_dim]`` store dtype."""
@@ -175,7 +178,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None):
         loc, _, _ = unwrap_write_loc(loc_info)
         local = self._local_layer(layer, layer_id_override)
-        rows = self.store_rows(loc.long())
+        rows = self.store_rows(loc)
         stage_rows = self._stage_rows(loc)
         if stage_rows is None:
             self._write_mla_kv_buffer(self.kv_buffer[local], rows, cache_k_nope, cache_k_rope)
@@ -197,14 +200,16 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         stage_rows = self._stage_rows(loc)
         if stage_rows is not None:
             self._as_rows(self.read.stage(local)[0])[stage_rows] = cache_k
-        self.kv_buffer[local][self.store_rows(loc.long())] = cache_k
+        self.kv_buffer[local][self.store_rows(loc)] = cache_k
 
     # -- the kv-shard read contract --
     def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
+        self._store_rows.clear()  # per batch: a kernel may refill a loc buffer without a version bump
         self.read.begin(req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu)
         self._shard_extend_active = True
 
     def end_shard_extend(self) -> None:
+        self._store_rows.clear()
         self.read.end()
         self._shard_extend_active = False
 
@@ -296,7 +301,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         return dsa_index_k_cache.GetKAndS.execute(
             pool,
             self.get_buffer(layer_id),
-            page_indices=pool.read.translate_pages(page_indices),
+            page_indices=pool.read.translate_pages_once(page_indices),
             seq_len_tensor=seq_len_tensor,
             seq_len_sum=seq_len_sum,
             max_seq_len=max_seq_len,
@@ -314,7 +319,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         local = self.buffer[layer_id - pool.start_layer]
         if not local.shape[0]:
             raise RuntimeError(f"layer {layer_id} skips top-k and holds no indexer keys")
-        targets = [(self._kernel_view(local), pool.store_rows(loc.long()), None)]
+        targets = [(self._kernel_view(local), pool.store_rows(loc), None)]
         stage_rows = pool._stage_rows(loc)
         if stage_rows is not None:
             targets.append((self._kernel_view(pool.read.stage(layer_id - pool.start_layer)[1]), stage_rows, None))

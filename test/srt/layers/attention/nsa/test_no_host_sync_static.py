@@ -68,6 +68,7 @@ HOST_RESULTS = {
     "data_ptr",
     "is_contiguous",
     "storage_offset",
+    "_version",  # the in-place modification counter, kept on the host
     "type",
     "tolist",
     "item",

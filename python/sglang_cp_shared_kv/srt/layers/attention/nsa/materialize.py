@@ -274,6 +274,7 @@ class ViewMaterializer:
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
+        self._prefetched: torch.cuda.Event | None = None
         self.overflow = OverflowCheck()
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -523,7 +524,10 @@ class ViewMaterializer:
             self._side_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(self._side_stream):
                 self._gather(layer, slot)
-                event = torch.cuda.Event()
+                # One event serves every layer: the reader's wait is queued before the next record.
+                if self._prefetched is None:
+                    self._prefetched = torch.cuda.Event()
+                event = self._prefetched
                 event.record(self._side_stream)
         else:
             self._gather(layer, slot)

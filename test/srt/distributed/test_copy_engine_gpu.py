@@ -85,3 +85,24 @@ def test_copy_engine_all_gather_refuses_buffers_it_cannot_pull():
             "out lies outside every registered buffer",
             "a copy-engine all-gather is in place: local must be this rank's part of out",
         ]
+
+
+def _mismatched(rank: int, size: int) -> list:
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup, CopyEngineUnavailable, view_group
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = CPGroup()
+    arena = [torch.zeros((16 + rank, 64), dtype=torch.uint8, device="cuda")]  # not the same shape on every rank
+    out = []
+    try:
+        CopyEngineGroup(group, arena)
+    except CopyEngineUnavailable as e:
+        out.append(str(e))
+    out.append(view_group(group, arena, "auto") is group)  # every rank falls back alike, none hangs
+    return out
+
+
+def test_a_rank_that_cannot_register_makes_every_rank_fall_back():
+    for res in spawn_ranks(_mismatched, 2, timeout_s=120):
+        assert len(res) == 2 and res[1] is True, res
+        assert "registered buffers" in res[0] and "they must match" in res[0], res

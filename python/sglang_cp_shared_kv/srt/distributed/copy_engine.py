@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective, check_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -116,19 +116,33 @@ class CopyEngineGroup:
         self.signals = torch.zeros(2, self.size, dtype=torch.int64, device=self.device)
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
-        mine = (shapes, reduce_tensor(self.signals), [reduce_tensor(b) for b in self.buffers])
+        mine, why = None, ""
+        try:  # memory a custom allocator made may not export
+            mine = (shapes, reduce_tensor(self.signals), [reduce_tensor(b) for b in self.buffers])
+        except RuntimeError as e:
+            why = f"exporting this rank's arena by CUDA IPC failed: {e}"
         torch.cuda.current_stream(self.device).synchronize()  # sync-ok: once, at registration
         everyone = group.all_gather_object(mine)
         self._peer_signals: dict[int, torch.Tensor] = {}
         self._peer_buffers: dict[int, list[torch.Tensor]] = {}
-        for p, (their_shapes, sig, bufs) in enumerate(everyone):
-            if their_shapes != shapes:
-                raise ValueError(f"rank {p} registered buffers {their_shapes}, this rank {shapes}: they must match")
-            if p != self.rank:
+        for p, theirs in enumerate(everyone):
+            if p == self.rank or theirs is None or why:
+                continue
+            their_shapes, sig, bufs = theirs
+            if their_shapes != shapes:  # said to every rank below, not raised here alone
+                why = f"rank {p} registered buffers {their_shapes}, this rank {shapes}: they must match"
+                continue
+            try:
                 self._peer_signals[p] = sig[0](*sig[1])
                 self._peer_buffers[p] = [fn(*args) for fn, args in bufs]
+            except RuntimeError as e:
+                why = f"opening rank {p}'s arena by CUDA IPC failed: {e}"
+        # Every rank learns whether every rank could export and open every arena: all use the copy
+        # engines, or all raise (and ``view_group`` falls back to the CP group on every rank alike).
+        failures = [f"rank {p}: {w}" for p, w in enumerate(group.all_gather_object(why)) if w]
+        if failures:
+            raise CopyEngineUnavailable("; ".join(failures))
         self.calls = 0
-        group.barrier()  # every rank has opened every handle before any call
 
     def __repr__(self) -> str:
         return f"CopyEngineGroup(rank={self.rank}, size={self.size}, buffers={len(self.buffers)})"
@@ -168,8 +182,7 @@ class CopyEngineGroup:
         before whatever it queues next), so the result needs no wait; ``async_op`` and ``coalesce``
         are accepted for ``CPGroup`` compatibility.
         """
-        if len(outs) != len(locals_) or not outs:
-            raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
+        check_pairs(outs, locals_)
         spans = [self._locate(out, local) for out, local in zip(outs, locals_)]
         for out in outs:
             if out.device != self.device:
@@ -237,5 +250,12 @@ def view_group(
             raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {'; '.join(reasons)}")
         logger.info("CP-shared KV: views all-gathered by the CP group (%s), not copy engines", "; ".join(reasons))
         return group
+    try:
+        ce = CopyEngineGroup(group, buffers)
+    except CopyEngineUnavailable as e:  # raised on every rank alike
+        if setting == "copy_engine":
+            raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {e}") from e
+        logger.info("CP-shared KV: views all-gathered by the CP group (%s), not copy engines", e)
+        return group
     logger.info("CP-shared KV: views all-gathered by the copy engines (%d ranks on one node)", group.size)
-    return CopyEngineGroup(group, buffers)
+    return ce

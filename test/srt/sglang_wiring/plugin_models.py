@@ -8,6 +8,8 @@ so the pools and transfers under test see the real row and page layouts.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 _MLA = {
@@ -129,3 +131,61 @@ def stock_dsa_pools(token_counts: list[int], page_size: int) -> list:
             pool.dcp_replicated = True
             pools.append(pool)
     return pools
+
+
+def run_worker(argv: list[str], env: dict, timeout: float) -> dict:
+    """Run ``python <argv>`` (a test file's worker) and return the JSON it printed after ``RESULT:``; a worker
+    that fails or prints none fails the test with its output's tail."""
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
+    assert proc.returncode == 0 and line, (
+        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return json.loads(line[-1][len("RESULT:") :])
+
+
+def configurator(model_config, page_size: int):
+    """SGLang's ``KVCacheConfigurator`` with the attributes its pool and allocator builders read (no model runner)."""
+    import types
+
+    import torch
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    c = object.__new__(KVCacheConfigurator)
+    c.model_config, c.kv_cache_dtype, c.device = model_config, torch.bfloat16, "cpu"
+    c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
+    c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
+    c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
+    c.page_size, c.use_mla_backend = page_size, True
+    return c
+
+
+def build_pool_and_allocator(
+    model_config, tokens: int, max_running: int, page_size: int, cp: tuple[int, int] | None = None
+) -> tuple:
+    """SGLang's configurator builds (through the plugin's hooks, when the flag is on) the DSA pool of ``tokens``
+    and its allocator; ``cp``: as CP rank ``cp[0]`` of ``cp[1]`` (else in the caller's parallel context)."""
+    import contextlib
+    import types
+
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    ctx = contextlib.nullcontext()
+    if cp is not None:
+        ctx = get_parallel().override(
+            attn_cp_rank=cp[0], attn_cp_size=cp[1], attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False
+        )
+    with ctx:
+        conf = configurator(model_config, page_size)
+        pool = conf._build_dsa_kv_pool(
+            max_total_num_tokens=tokens, max_running_requests=max_running, dsa_pool_class=DSATokenToKVPool
+        )
+        alloc = conf._build_token_to_kv_pool_allocator(
+            sizes=types.SimpleNamespace(max_total_num_tokens=tokens),
+            token_to_kv_pool=pool,
+            is_dsv4_model=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=None,
+        )
+    return pool, alloc

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from plugin_models import prefill_cp_argv, stock_dsa_pools, write_model_dirs
+from plugin_models import build_pool_and_allocator, prefill_cp_argv, run_worker, stock_dsa_pools, write_model_dirs
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
@@ -149,28 +148,8 @@ def _manager(mode, engine, kv_args, rank: int, shard_size: int):
 
 
 def _configurator_build(model_config, tokens: int, ps: int = PS):
-    """SGLang's configurator pool and allocator builders (hooked by the plugin), on the attributes they read."""
-    import types
-
-    import torch
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
-    c = object.__new__(KVCacheConfigurator)
-    c.model_config, c.kv_cache_dtype, c.device = model_config, torch.bfloat16, "cpu"
-    c.is_draft_worker, c.is_hybrid_swa, c.hybrid_gdn_config = False, False, None
-    c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
-    c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
-    c.page_size, c.use_mla_backend = ps, True
-    pool = c._build_dsa_kv_pool(max_total_num_tokens=tokens, max_running_requests=8, dsa_pool_class=DSATokenToKVPool)
-    alloc = c._build_token_to_kv_pool_allocator(
-        sizes=types.SimpleNamespace(max_total_num_tokens=tokens),
-        token_to_kv_pool=pool,
-        is_dsv4_model=False,
-        req_to_token_pool=None,
-        token_to_kv_pool_allocator=None,
-    )
-    return pool, alloc
+    """SGLang's configurator pool and allocator builders (hooked by the plugin), in the caller's parallel context."""
+    return build_pool_and_allocator(model_config, tokens, 8, ps)
 
 
 def _build_pools(model_dir: str):
@@ -538,12 +517,7 @@ def results(tmp_path_factory) -> dict:
     write_model_dirs(root, ["mla", "dsa"])
     env = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv", "TRITON_INTERPRET": "1", "MC_LOG_LEVEL": "WARNING"}
     env.pop("SGLANG_DEBUG_CP_SHARED_KV", None)  # the faults must reach the decode, not the prefill's debug check
-    proc = subprocess.run([sys.executable, __file__, str(root)], capture_output=True, text=True, timeout=240, env=env)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
-    assert proc.returncode == 0 and line, (
-        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(line[-1][len("RESULT:") :])
+    return run_worker([__file__, str(root)], env, 240)
 
 
 SUCCESS, FAILED = 4, 0

@@ -21,11 +21,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from plugin_models import prefill_cp_argv, stock_dsa_pools, write_model_dirs
+from plugin_models import (
+    build_pool_and_allocator,
+    configurator,
+    prefill_cp_argv,
+    run_worker,
+    stock_dsa_pools,
+    write_model_dirs,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
@@ -46,24 +52,7 @@ TARGETS = [
 
 
 def _configurator(model_config):
-    """SGLang's configurator with the attributes its pool/allocator builders read (no model runner)."""
-    import types
-
-    import torch
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-
-    c = object.__new__(KVCacheConfigurator)
-    c.model_config = model_config
-    c.kv_cache_dtype = torch.bfloat16
-    c.device = "cpu"
-    c.is_draft_worker = False
-    c.is_hybrid_swa = False
-    c.hybrid_gdn_config = None
-    c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
-    c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
-    c.page_size = PS
-    c.use_mla_backend = True
-    return c
+    return configurator(model_config, PS)
 
 
 def _sender_side(rank: int, pool, engine):
@@ -105,7 +94,6 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.disaggregation.base.conn import StateType
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
     from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
@@ -122,23 +110,7 @@ def _worker(model_dir: str) -> None:
     for flag in (False, True):
         server_args.__dict__["enable_cp_shared_kv"] = flag  # fixture: the record as the launcher would pass it
         publish(server_args, role="scheduler")
-        pools = []
-        for rank in range(n):
-            with get_parallel().override(
-                attn_cp_rank=rank, attn_cp_size=n, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False
-            ):
-                conf = _configurator(dsa_config)
-                pool = conf._build_dsa_kv_pool(
-                    max_total_num_tokens=8 * PS, max_running_requests=4, dsa_pool_class=DSATokenToKVPool
-                )
-                alloc = conf._build_token_to_kv_pool_allocator(
-                    sizes=sizes,
-                    token_to_kv_pool=pool,
-                    is_dsv4_model=False,
-                    req_to_token_pool=None,
-                    token_to_kv_pool_allocator=None,
-                )
-            pools.append((pool, alloc))
+        pools = [build_pool_and_allocator(dsa_config, 8 * PS, 4, PS, cp=(rank, n)) for rank in range(n)]
         pool, alloc = pools[1]
         built[flag] = pools
         out[f"flag_{flag}"] = {
@@ -305,12 +277,7 @@ def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
     write_model_dirs(root, ["mla", "dsa"])
     env = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv", "TRITON_INTERPRET": "1", "MC_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run([sys.executable, __file__, str(root)], capture_output=True, text=True, timeout=300, env=env)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
-    assert proc.returncode == 0 and line, (
-        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(line[-1][len("RESULT:") :])
+    return run_worker([__file__, str(root)], env, 300)
 
 
 def test_every_hook_is_installed(results):

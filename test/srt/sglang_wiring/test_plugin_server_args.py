@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from plugin_models import write_model_dirs
+from plugin_models import run_worker, write_model_dirs
 
 pytestmark = pytest.mark.sglang
 
@@ -89,14 +89,7 @@ def _resolved_dict_worker(model_dir: str) -> None:
 
 
 def _run(*args: str, env: dict | None = None) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, *args], capture_output=True, text=True, timeout=240, env=env or _ENV
-    )
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
-    assert proc.returncode == 0 and line, (
-        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(line[-1][len("RESULT:") :])
+    return run_worker([__file__, *args], env or _ENV, 240)
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from plugin_models import prefill_cp_argv, write_model_dirs
+from plugin_models import build_pool_and_allocator, prefill_cp_argv, run_worker, write_model_dirs
 
 pytestmark = [pytest.mark.sglang]
 needs_interpreter = pytest.mark.skipif(
@@ -56,16 +55,15 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang.srt.runtime_context import get_parallel, publish
+    from sglang.srt.runtime_context import publish
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-    from test_plugin_hooks import _configurator
 
     from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
     from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import hint_shared_prefix, name_batch_requests
@@ -77,19 +75,7 @@ def _worker(model_dir: str) -> None:
     server_args.__dict__["enable_cp_shared_kv"] = True  # fixture: the record as the launcher would pass it
     publish(server_args, role="scheduler")
     dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
-    sizes = SimpleNamespace(max_total_num_tokens=16 * PS)
-    with get_parallel().override(attn_cp_rank=0, attn_cp_size=2, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
-        conf = _configurator(dsa_config)
-        pool = conf._build_dsa_kv_pool(
-            max_total_num_tokens=16 * PS, max_running_requests=8, dsa_pool_class=DSATokenToKVPool
-        )
-        allocator = conf._build_token_to_kv_pool_allocator(
-            sizes=sizes,
-            token_to_kv_pool=pool,
-            is_dsv4_model=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=None,
-        )
+    pool, allocator = build_pool_and_allocator(dsa_config, 16 * PS, 8, PS, cp=(0, 2))
     req_to_token = ReqToTokenPool(size=8, max_context_len=16 * PS, device="cpu", enable_memory_saver=False)
     tree = UnifiedRadixCache(
         CacheInitParams(
@@ -205,12 +191,7 @@ def route(tmp_path_factory) -> dict:
         "MC_LOG_LEVEL": "WARNING",
         "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",  # what the flag's resolution selects
     }
-    proc = subprocess.run([sys.executable, __file__, str(root)], capture_output=True, text=True, timeout=300, env=env)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
-    assert proc.returncode == 0 and line, (
-        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(line[-1][len("RESULT:") :])
+    return run_worker([__file__, str(root)], env, 300)
 
 
 def test_init_new_hook_is_installed(route):

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from plugin_models import write_model_dirs
+from plugin_models import run_worker, write_model_dirs
 
 pytestmark = pytest.mark.sglang
 
@@ -201,18 +200,7 @@ def _worker(model_dir: str) -> None:
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("models")
     write_model_dirs(root)
-    proc = subprocess.run(
-        [sys.executable, __file__, str(root)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "SGLANG_PLUGINS": "cp_shared_kv"},
-    )
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
-    assert proc.returncode == 0 and line, (
-        f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return json.loads(line[-1][len("RESULT:") :])
+    return run_worker([__file__, str(root)], {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv"}, 240)
 
 
 @pytest.mark.parametrize("case_id,model,mode,argv,expected", CASES, ids=[c[0] for c in CASES])

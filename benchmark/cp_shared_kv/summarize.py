@@ -35,9 +35,11 @@ def _env(d: dict) -> str:
     return f"{gpu}, torch {e['torch']}, triton {e.get('triton')}, {e['date_utc']}"
 
 
-def _section(title: str, d: dict | None, cols: list[tuple[str, str]], prefix: str, notes: list[str]) -> list[str]:
+def _section(
+    title: str, d: dict | None, cols: list[tuple[str, str]], prefix: str, notes: list[str], pending: str = ""
+) -> list[str]:
     if d is None:
-        return [f"## {title}", "", "Not run yet.", ""]
+        return [f"## {title}", "", f"Not run yet{f': {pending}' if pending else ''}.", ""]
     lines = [f"## {title}", "", f"`{prefix}{d['command']}` ({_env(d)})", ""]
     lines += [f"Summary: `{json.dumps(d['summary'])}`", ""]
     lines += _table(d["rows"], cols) + [""] + notes + [""]
@@ -117,6 +119,8 @@ def _side_by_side() -> list[str]:
         VS_UPSTREAM_COLS,
         GPU_PREFIX,
         ["Where SGLang's page-interleave pool wins, the summary's `upstream_wins_on` names the key."],
+        pending="`source .sgw/setup.sh; python3 -m benchmark.cp_shared_kv.bench_vs_upstream` on 2 GPUs (copy engines "
+        "and prefetch by default; `SGLANG_CP_SHARED_KV_TRANSPORT=nccl` for our NCCL figures)",
     )
     one = _load("vs_upstream_1gpu")
     if one is not None:

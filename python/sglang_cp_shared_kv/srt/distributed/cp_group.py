@@ -64,8 +64,7 @@ class CPGroup:
         before reading ``outs``; on CUDA the collectives start after everything already queued on
         the current stream, so a caller may keep queuing work that does not touch the buffers.
         """
-        if len(outs) != len(locals_) or not outs:
-            raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
+        check_pairs(outs, locals_)
         pairs = [self._byte_pair(out, local) for out, local in zip(outs, locals_)]
         if coalesce is None:
             coalesce = self.backend == "nccl"
@@ -103,6 +102,12 @@ class CPGroup:
             _all_gather_single(out_b, local_b, group=self.group)
         else:
             dist.all_gather(list(out_b.chunk(self.size)), local_b, group=self.group)
+
+
+def check_pairs(outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> None:
+    """The arguments of an ``all_gather_into_many``: as many outputs as local parts, at least one."""
+    if len(outs) != len(locals_) or not outs:
+        raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ with per-request rotation bases, as the scheduler drives it), so the three paths
 ``req_to_token``. The workload is chunked prefill as the scheduler issues it: four requests in
 chunks of ``chunk`` new tokens per batch (a later chunk of one request beside the first chunk of
 the next makes the mixed batches), then a second turn in which four requests reuse first-turn
-prefixes from the radix cache (two of them the same one).
+prefixes from the radix cache (two of them the same one: ours reads it once, through the hint the
+plugin's ``ForwardBatch.init_new`` hook derives from the radix paths, handed to the pool as that hook does).
 
 Per batch: SGLang's ``prepare_kv_shard_forward`` (``kv_shard_hooks``) with a stand-in forward
 batch holding the four fields it reads. ``DSABackend.init_forward_metadata`` needs a model
@@ -273,6 +274,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import shared_prefix_from_paths
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
     scale = SCALES[args["scale"]]
@@ -389,6 +391,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             extend_prefix_lens_cpu=prefix_lens,
             seq_lens_cpu=seq_lens,
         )
+        # The shared-prefix hint the plugin computes from the radix cache: a turn-2 request's prefix ends at
+        # the node of the request it continues (one node per source request), a turn-1 chunk's at its own.
+        radix = [[(turn2_src.get(s, s), p)] if p else [] for s, p, _ in batch]
+        hint = shared_prefix_from_paths(radix, prefix_lens, ps)
         row: dict = {"batch": bi + 1, "kind": batch_kind(batch), "new_tokens": new_tokens, "seq_tokens": sum(seq_lens)}
         row["shared_prefix"] = set(SHARED_PREFIX_SLOTS) <= set(slots)
         results: dict[str, list] = {}
@@ -406,6 +412,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 ev[0].record()
             with _no_dcp(), counter:
                 if sharded:
+                    if name == "ours":  # what the plugin's ForwardBatch.init_new hook hands this batch
+                        pool.read.shared_prefix = hint
                     prepare_kv_shard_forward(pool, req_to_token, fb)
             if ev:
                 ev[1].record()
@@ -516,6 +524,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 with _no_dcp(), counter:
                     h = time.perf_counter()
                     if sharded:
+                        if name == "ours":
+                            pool.read.shared_prefix = hint
                         prepare_kv_shard_forward(pool, req_to_token, fb)
                     rows = pool.translate_loc_to_scratch(every) if sharded else every
                     host["plan"] += time.perf_counter() - h

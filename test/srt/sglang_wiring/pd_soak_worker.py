@@ -39,7 +39,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # The connector and configurator stand-ins of the single-request manifest test, shared.
-from test_plugin_decode_manifest import _configurator_build, _kv_args  # noqa: E402
+from test_plugin_decode_manifest import _configurator_build, _kv_args, _prefill_info  # noqa: E402
 
 FLAG = "--enable-cp-shared-kv"
 ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP is made)
@@ -198,7 +198,7 @@ def decode_main(cfg: dict) -> None:
     import torch
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServerInfo
+    from sglang.srt.disaggregation.common.conn import KVTransferError
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
@@ -220,16 +220,7 @@ def decode_main(cfg: dict) -> None:
     mgr = _manager(DisaggregationMode.DECODE, engine, _kv_args(pool, aux, 0, ps), 0, 1)
     mgr.waiting_timeout = cfg["waiting_timeout_s"]
     mgr.start_decode_thread()
-    info = PrefillServerInfo(
-        attn_tp_size=1,
-        attn_cp_size=n,
-        dp_size=1,
-        pp_size=1,
-        page_size=ps,
-        kv_cache_dtype="bfloat16",
-        follow_bootstrap_room=False,
-        enable_kv_cache_sharding=True,
-    )
+    info = _prefill_info(n, ps)
     mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every CP rank
     mgr.prefill_info_table[ADDR] = info
     for cp in info.target_cp_ranks:

@@ -147,6 +147,22 @@ def _manager(mode, engine, kv_args, rank: int, shard_size: int):
     return m
 
 
+def _prefill_info(cp_size: int, ps: int):
+    """What a decode server learns of a prefill server with ``cp_size`` CP ranks and sharded KV (SGLang's record)."""
+    from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+    return PrefillServerInfo(
+        attn_tp_size=1,
+        attn_cp_size=cp_size,
+        dp_size=1,
+        pp_size=1,
+        page_size=ps,
+        kv_cache_dtype="bfloat16",
+        follow_bootstrap_room=False,
+        enable_kv_cache_sharding=True,
+    )
+
+
 def _configurator_build(model_config, tokens: int, ps: int = PS):
     """SGLang's configurator pool and allocator builders (hooked by the plugin), in the caller's parallel context."""
     return build_pool_and_allocator(model_config, tokens, 8, ps)
@@ -246,7 +262,7 @@ def _worker(model_dir: str) -> None:
     load_plugins()
     import sglang.srt.disaggregation.common.conn as common_conn
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.common.conn import CommonKVManager, KVTransferError, PrefillServerInfo
+    from sglang.srt.disaggregation.common.conn import CommonKVManager, KVTransferError
     from sglang.srt.disaggregation.mooncake.conn import FastQueue, MooncakeKVReceiver, MooncakeKVSender
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
@@ -320,16 +336,7 @@ def _worker(model_dir: str) -> None:
         p_mgrs.append(m)
         p_aux.append(aux)
     addr = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP is made)
-    info = PrefillServerInfo(
-        attn_tp_size=1,
-        attn_cp_size=N,
-        dp_size=1,
-        pp_size=1,
-        page_size=PS,
-        kv_cache_dtype="bfloat16",
-        follow_bootstrap_room=False,
-        enable_kv_cache_sharding=True,
-    )
+    info = _prefill_info(N, PS)
     d_mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from both CP ranks, expect 2 successes
     d_mgr.prefill_info_table[addr] = info
     for cp in info.target_cp_ranks:

@@ -54,7 +54,7 @@ def _rank(rank: int, size: int, calls: int) -> dict:
     return {"bad": bad, "calls": ce.calls}
 
 
-@pytest.mark.parametrize("size", [2])
+@pytest.mark.parametrize("size", [2, 3])
 def test_copy_engine_all_gather_is_exact_over_many_calls(size):
     out = spawn_ranks(_rank, size, 60, timeout_s=300)
     for r, res in enumerate(out):

@@ -55,6 +55,7 @@ from sglang_cp_shared_kv.reference.dsa_stack import (
 from sglang_cp_shared_kv.reference.read_path import staged_view_pages
 from sglang_cp_shared_kv.reference.spawn import RankFailure, spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import arena_tokens
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, KV_FORMATS, mla_row_bytes
 from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions
 from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import ARENA_CONTEXTS, ARENA_CONTEXTS_ENV, arena_contexts
@@ -126,7 +127,7 @@ def estimate_peak_bytes(
     work = min(chunk, tokens) * (CHUNK_TOKEN_BYTES + layers * CHUNK_TOKEN_LAYER_BYTES) + keys + block
     parent = PROCESS_BYTES + pool + 3 * kv + work + (64 << 20)  # + matplotlib
     prefix, chunk_tokens = arena_regions(cp_size, page_size, max(lens), chunk, contexts)
-    arena = (prefix + chunk_tokens + page_size) * token_bytes // layers
+    arena = arena_tokens(prefix, chunk_tokens, page_size) * token_bytes // layers
     rank = PROCESS_BYTES + pool // cp_size + 2 * tokens * token_bytes // layers + arena + work
     decode = PROCESS_BYTES + pool + 3 * kv
     return parent + cp_size * rank + decode
@@ -224,7 +225,7 @@ def preflight(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[li
         ap.error(str(e))
     # No scheduler holds a batch back for the view arena here (SGLang's admission does): check the stream.
     prefix, chunk = arena_regions(args.cp_size, args.page_size, max(s.length for s in specs), args.chunk, args.contexts)
-    arena_pages = (prefix + chunk) // args.page_size + 1
+    arena_pages = arena_tokens(prefix, chunk, args.page_size) // args.page_size
     for i, batch in enumerate(schedule_chunked_prefill(specs, args.chunk)):
         need = staged_view_pages(batch.seq_lens, batch.prefix_lens, args.cp_size, args.page_size)
         if batch.kind != "current" and need > arena_pages:
@@ -791,8 +792,8 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
     _log(f"output: {out_dir / JSON_NAME}")
     # The view arena the plugin would allocate for these limits: its longest request, the chunk.
     arena_prefix, arena_chunk = arena_regions(args.cp_size, args.page_size, max(lens), args.chunk, args.contexts)
-    arena_tokens = arena_prefix + arena_chunk + args.page_size
-    _log(f"view arena: {arena_tokens} tokens per rank, allocated once; views hold the prefixes, the chunk is staged")
+    arena_rows = arena_tokens(arena_prefix, arena_chunk, args.page_size)
+    _log(f"view arena: {arena_rows} tokens per rank, allocated once; views hold the prefixes, the chunk is staged")
 
     cfg = {
         "page_size": args.page_size,
@@ -885,7 +886,7 @@ def _run(args: argparse.Namespace, specs: list[RequestSpec], out_dir: Path, star
         "context_len": max(lens),
         "prefix_tokens": arena_prefix,
         "chunk_tokens": arena_chunk,
-        "tokens": arena_tokens,
+        "tokens": arena_rows,
         "bytes": ranks[0]["arena_bytes"],
         "mib": round(ranks[0]["arena_bytes"] / 2**20, 3),
     }

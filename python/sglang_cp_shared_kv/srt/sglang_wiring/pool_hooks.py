@@ -106,9 +106,8 @@ def build_allocator(original, configurator, **kwargs):
         shard_spec=spec,  # SGLang's batch admission against our view arena's regions
     )
     allocator.cp_shared_arena = True
-    pool.attach_view_arena(
-        spec, prefetch_enabled()
-    )  # the read buffers, once: the bytes view_arena charged to the budget
+    # The read buffers, once: the bytes view_arena charged to the budget.
+    pool.attach_view_arena(spec, prefetch_enabled())
     logger.info(
         "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
         FLAG,

@@ -38,7 +38,9 @@ reports it in ``begin`` already.
 **View arena** (``attach_arena``, once at start-up): both modes' buffers are the leading pages
 of one latent and one indexer buffer allocated once, sized like SGLang's scratch admission
 bounds a batch (``N * sum_i ceil(prefix_pages_i / N)`` prefix pages + the chunk's pages + a
-trash page). A batch past it raises ``ViewArenaError`` in ``begin``, before anything is
+trash page), with a second chunk and page when prefetching: a batch whose buffer fits twice
+alternates its layers between two view sets, layer ``l + 1``'s prefix gathered while layer ``l``
+reads. A batch past the arena raises ``ViewArenaError`` in ``begin``, before anything is
 allocated or written. Without an arena the buffers are allocated per batch.
 
 Sizes come from host lengths; nothing reads device data back (debug mode aside). A materialized

@@ -4,8 +4,10 @@ The views of a sharded pool are all-gathered in place, owner-major: rank ``r`` w
 ``out[r * n : (r + 1) * n]`` (the Triton gather, short), and every rank needs every part. NCCL
 moves the parts with kernels, which wait for the SMs the attention holds. Here each rank instead
 *pulls* its peers' parts straight from their buffers with ``cuMemcpyDtoDAsync`` (the GPUs' copy
-engines), and the ranks order themselves with 64-bit stream memory operations that the GPU's
-front end executes (``cuStreamWriteValue64`` / ``cuStreamWaitValue64``): no kernel, no SM, no
+engines), and the ranks order themselves with 64-bit counters: a rank writes a counter into its own
+memory (``cuStreamWriteValue64``, executed by the GPU's front end) and copies those 8 bytes into
+each peer's signal slot (a copy engine again: stream memory operations may not target another
+GPU's memory), and waits only on its own memory (``cuStreamWaitValue64``). No kernel, no SM, no
 host wait. NVLink multicast is never used.
 
 Buffers are registered once (collectively): every rank passes buffers of identical shapes
@@ -21,7 +23,9 @@ rank), on the caller's current stream::
 
 so the call ends, on the stream, once every rank holds every part and no rank still reads from
 another: the next write into the buffers (the next layer's gather) is safe. Counters are 64-bit
-and only grow, so a wait can never be satisfied by an older call.
+and only grow, so a wait can never be satisfied by an older call. Calls are ordered on the device
+(each one's stream waits for the previous call's, as the view materializer's prefetch does): the
+outgoing counters live in one slot pair that the next call rewrites.
 """
 
 from __future__ import annotations
@@ -114,6 +118,8 @@ class CopyEngineGroup:
         self._driver = driver()
         # ready[p] then ack[p], written by peer p; read (waited on) only by this rank.
         self.signals = torch.zeros(2, self.size, dtype=torch.int64, device=self.device)
+        # This rank's outgoing ready and ack counters, copied from here into the peers' signals.
+        self.outbox = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
         mine, why = None, ""
@@ -153,6 +159,16 @@ class CopyEngineGroup:
     def barrier(self) -> None:
         self.cpu_group.barrier()
 
+    def _signal(self, stream: int, k: int, which: int) -> None:
+        """Queue ``signals[which][me] := k`` on every peer: the counter into this rank's outbox, then
+        8 bytes from there into each peer's slot by copy engine."""
+        d, item = self._driver, self.outbox.element_size()
+        src = self.outbox.data_ptr() + which * item
+        d.check(d.write64(stream, src, k, 0), "cuStreamWriteValue64")
+        slot = (which * self.size + self.rank) * item
+        for peer in self._peer_signals.values():
+            d.check(d.copy(peer.data_ptr() + slot, src, item, stream), "cuMemcpyDtoDAsync")
+
     def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, int, int]:
         """(registered buffer, byte offset of ``out`` in it, bytes per part), or ``ValueError``."""
         n = local.shape[0]
@@ -189,18 +205,16 @@ class CopyEngineGroup:
                 raise ValueError(f"out is on {out.device}, the registered buffers on {self.device}")
         d, stream = self._driver, torch.cuda.current_stream(self.device).cuda_stream
         self.calls += 1
-        k, me, peers = self.calls, self.rank, sorted(self._peer_signals)
+        k, peers = self.calls, sorted(self._peer_signals)
         item = self.signals.element_size()
-        for p in peers:  # my part is written (the write carries a memory barrier)
-            d.check(d.write64(stream, self._peer_signals[p].data_ptr() + me * item, k, 0), "cuStreamWriteValue64")
+        self._signal(stream, k, 0)  # my part is written (the counter write carries a memory barrier)
         for p in peers:
             d.check(d.wait64(stream, self.signals.data_ptr() + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
             for (i, offset, part), out in zip(spans, outs):
                 src = self._peer_buffers[p][i].data_ptr() + offset + p * part
                 d.check(d.copy(out.data_ptr() + p * part, src, part, stream), "cuMemcpyDtoDAsync")
+        self._signal(stream, k, 1)  # done reading the peers' parts
         ack = self.size * item
-        for p in peers:  # done reading the peers' parts
-            d.check(d.write64(stream, self._peer_signals[p].data_ptr() + ack + me * item, k, 0), "cuStreamWriteValue64")
         for p in peers:
             d.check(d.wait64(stream, self.signals.data_ptr() + ack + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
         return PendingCollective()

@@ -51,7 +51,31 @@ def _rank(rank: int, size: int, calls: int) -> dict:
             for i, w in enumerate(WIDTHS):
                 if not torch.equal(got[i][p * per : (p + 1) * per], _part(call, p, per, w, i)):
                     bad.append((call, p, i))
-    return {"bad": bad, "calls": ce.calls}
+    return {"bad": bad, "calls": ce.calls, "contexts_elsewhere": _contexts_on_other_gpus(dev)}
+
+
+def _contexts_on_other_gpus(dev: torch.device) -> list[int] | None:
+    """GPUs other than ``dev`` on which this process holds a CUDA context (NVML's process lists), or
+    None where NVML is not installed or cannot see this process (a PID namespace: it does not list
+    this process on ``dev`` either). Opening a peer's arena must map it into this device's context,
+    not create one on the peer's GPU."""
+    import os
+
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    try:
+        found = []
+        for i in range(torch.cuda.device_count()):
+            uuid = str(torch.cuda.get_device_properties(i).uuid)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            if os.getpid() in {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}:
+                found.append(i)
+        return [i for i in found if i != dev.index] if dev.index in found else None
+    finally:
+        pynvml.nvmlShutdown()
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -60,6 +84,7 @@ def test_copy_engine_all_gather_is_exact_over_many_calls(size):
     for r, res in enumerate(out):
         assert res["bad"] == [], f"rank {r}: wrong parts (call, owner, buffer) {res['bad'][:5]}"
         assert res["calls"] == 60
+        assert res["contexts_elsewhere"] in ([], None), f"rank {r} holds a context on GPUs {res['contexts_elsewhere']}"
 
 
 def _misuse(rank: int, size: int) -> list[str]:

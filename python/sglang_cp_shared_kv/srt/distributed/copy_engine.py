@@ -11,7 +11,11 @@ GPU's memory), and waits only on its own memory (``cuStreamWaitValue64``). No ke
 host wait. NVLink multicast is never used.
 
 Buffers are registered once (collectively): every rank passes buffers of identical shapes
-(the view arena), exported to the others by CUDA IPC. An all-gather must then lie inside one
+(the view arena), exported to the others by CUDA IPC. Each rank opens its peers' handles in its own
+device's context with lazy peer access (``cuIpcOpenMemHandle``): the pulls then run GPU to GPU
+over NVLink, and no rank creates a context on another rank's GPU. (A handle opened in the peer
+device's context instead, as ``torch.multiprocessing`` rebuilds a shared CUDA tensor, leaves this
+device without peer access: on 2 H200s its copies were staged at about 31 GB/s.) An all-gather must then lie inside one
 registered buffer, at the same offset on every rank (true for views planned from the same host
 lengths). Per call ``k`` (the ``k``-th all-gather since registration, the same count on every
 rank), on the caller's current stream::
@@ -47,6 +51,13 @@ class CopyEngineUnavailable(RuntimeError):
     """The copy-engine all-gather cannot run here (no CUDA driver entry points, ranks on several nodes)."""
 
 
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # CUipcMemHandle
+
+
+IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+
+
 class _Driver:
     """The few CUDA driver calls we need, through ctypes (the driver ships with every CUDA install)."""
 
@@ -68,6 +79,17 @@ class _Driver:
             ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"),
             [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
         )
+        self.address_range = self._fn(
+            ("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
+            [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64],
+        )
+        self.ipc_get = self._fn(("cuIpcGetMemHandle",), [ctypes.POINTER(_IpcHandle), ctypes.c_uint64])
+        self.ipc_open = self._fn(
+            ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
+            [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint],
+        )
+        self.ipc_close = self._fn(("cuIpcCloseMemHandle",), [ctypes.c_uint64])
+        self._mapped: dict[bytes, list[int]] = {}  # IPC handle -> [address here, registrations]
         self._error_name = lib.cuGetErrorName
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
@@ -84,6 +106,38 @@ class _Driver:
             name = ctypes.c_char_p()
             self._error_name(result, ctypes.byref(name))
             raise RuntimeError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({result})")
+
+    def export(self, t: torch.Tensor) -> tuple[bytes, int]:
+        """``(IPC handle of the allocation holding t, t's byte offset in it)``: a handle names a whole
+        allocation, and the caching allocator hands out pieces of larger ones."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check(self.address_range(ctypes.byref(base), ctypes.byref(size), t.data_ptr()), "cuMemGetAddressRange")
+        handle = _IpcHandle()
+        self.check(self.ipc_get(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
+        return bytes(handle.reserved), t.data_ptr() - base.value
+
+    def open(self, handle: bytes) -> int:
+        """Map a peer's allocation into the current context (this rank's device), peer access enabled.
+
+        A handle maps once per context: a second registration over the same allocation (the caching
+        allocator keeps its blocks) shares the mapping, which the last ``release`` unmaps.
+        """
+        entry = self._mapped.get(handle)
+        if entry is None:
+            ptr = ctypes.c_uint64()
+            h = _IpcHandle.from_buffer_copy(handle)
+            self.check(self.ipc_open(ctypes.byref(ptr), h, IPC_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
+            entry = self._mapped[handle] = [ptr.value, 0]
+        entry[1] += 1
+        return entry[0]
+
+    def release(self, handle: bytes) -> None:
+        entry = self._mapped.get(handle)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._mapped[handle]
+                self.ipc_close(entry[0])
 
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -108,14 +162,12 @@ class CopyEngineGroup:
     backend = "copy_engine"
 
     def __init__(self, group: CPGroup, buffers: Sequence[torch.Tensor]):
-        from torch.multiprocessing.reductions import reduce_tensor
-
         if not buffers or any(not b.is_cuda or not b.is_contiguous() for b in buffers):
             raise ValueError("copy-engine buffers must be a non-empty list of contiguous CUDA tensors")
         self.cpu_group = group
         self.rank, self.size = group.rank, group.size
         self.device = buffers[0].device
-        self._driver = driver()
+        self._driver = d = driver()
         # ready[p] then ack[p], written by peer p; read (waited on) only by this rank.
         self.signals = torch.zeros(2, self.size, dtype=torch.int64, device=self.device)
         # This rank's outgoing ready and ack counters, copied from here into the peers' signals.
@@ -123,32 +175,50 @@ class CopyEngineGroup:
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
         mine, why = None, ""
-        try:  # memory a custom allocator made may not export
-            mine = (shapes, reduce_tensor(self.signals), [reduce_tensor(b) for b in self.buffers])
-        except RuntimeError as e:
-            why = f"exporting this rank's arena by CUDA IPC failed: {e}"
-        torch.cuda.current_stream(self.device).synchronize()  # sync-ok: once, at registration
-        everyone = group.all_gather_object(mine)
-        self._peer_signals: dict[int, torch.Tensor] = {}
-        self._peer_buffers: dict[int, list[torch.Tensor]] = {}
-        for p, theirs in enumerate(everyone):
-            if p == self.rank or theirs is None or why:
-                continue
-            their_shapes, sig, bufs = theirs
-            if their_shapes != shapes:  # said to every rank below, not raised here alone
-                why = f"rank {p} registered buffers {their_shapes}, this rank {shapes}: they must match"
-                continue
-            try:
-                self._peer_signals[p] = sig[0](*sig[1])
-                self._peer_buffers[p] = [fn(*args) for fn, args in bufs]
+        with torch.cuda.device(self.device):  # the driver calls act on the current context: this device's
+            try:  # memory a custom allocator made (expandable segments, say) may not export
+                mine = (shapes, [d.export(t) for t in (self.signals, *self.buffers)])
             except RuntimeError as e:
-                why = f"opening rank {p}'s arena by CUDA IPC failed: {e}"
+                why = f"exporting this rank's arena by CUDA IPC failed: {e}"
+            torch.cuda.current_stream(self.device).synchronize()  # sync-ok: once, at registration
+            everyone = group.all_gather_object(mine)
+            # Peer addresses only (ints): the peers' signals and buffers, mapped into this context.
+            self._peer_signals: dict[int, int] = {}
+            self._peer_buffers: dict[int, list[int]] = {}
+            self._opened: list[bytes] = []
+            for p, theirs in enumerate(everyone):
+                if p == self.rank or theirs is None or why:
+                    continue
+                their_shapes, exports = theirs
+                if their_shapes != shapes:  # said to every rank below, not raised here alone
+                    why = f"rank {p} registered buffers {their_shapes}, this rank {shapes}: they must match"
+                    continue
+                try:
+                    bases: dict[bytes, int] = {}
+                    for handle, _ in exports:
+                        if handle not in bases:
+                            bases[handle] = d.open(handle)
+                            self._opened.append(handle)
+                    addresses = [bases[handle] + offset for handle, offset in exports]
+                except RuntimeError as e:
+                    why = f"opening rank {p}'s arena by CUDA IPC failed: {e}"
+                    continue
+                self._peer_signals[p], self._peer_buffers[p] = addresses[0], addresses[1:]
         # Every rank learns whether every rank could export and open every arena: all use the copy
         # engines, or all raise (and ``view_group`` falls back to the CP group on every rank alike).
         failures = [f"rank {p}: {w}" for p, w in enumerate(group.all_gather_object(why)) if w]
         if failures:
+            self.close()
             raise CopyEngineUnavailable("; ".join(failures))
         self.calls = 0
+
+    def close(self) -> None:
+        """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
+        opened, self._opened = getattr(self, "_opened", []), []
+        with torch.cuda.device(self.device):
+            for handle in opened:
+                self._driver.release(handle)
+        self._peer_signals, self._peer_buffers = {}, {}
 
     def __repr__(self) -> str:
         return f"CopyEngineGroup(rank={self.rank}, size={self.size}, buffers={len(self.buffers)})"
@@ -167,7 +237,7 @@ class CopyEngineGroup:
         d.check(d.write64(stream, src, k, 0), "cuStreamWriteValue64")
         slot = (which * self.size + self.rank) * item
         for peer in self._peer_signals.values():
-            d.check(d.copy(peer.data_ptr() + slot, src, item, stream), "cuMemcpyDtoDAsync")
+            d.check(d.copy(peer + slot, src, item, stream), "cuMemcpyDtoDAsync")
 
     def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, int, int]:
         """(registered buffer, byte offset of ``out`` in it, bytes per part), or ``ValueError``."""
@@ -211,7 +281,7 @@ class CopyEngineGroup:
         for p in peers:
             d.check(d.wait64(stream, self.signals.data_ptr() + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
             for (i, offset, part), out in zip(spans, outs):
-                src = self._peer_buffers[p][i].data_ptr() + offset + p * part
+                src = self._peer_buffers[p][i] + offset + p * part
                 d.check(d.copy(out.data_ptr() + p * part, src, part, stream), "cuMemcpyDtoDAsync")
         self._signal(stream, k, 1)  # done reading the peers' parts
         ack = self.size * item

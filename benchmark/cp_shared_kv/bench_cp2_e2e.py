@@ -34,7 +34,7 @@ from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena, prefetch_stream
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, pipeline_chunks, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
@@ -107,7 +107,7 @@ def _copy_engine_materializer(pool, group, table, seq_lens, prefix_lens) -> View
     return mat
 
 
-def _rank_main(rank, world, formats, contexts, layers, iters, backend="nccl"):
+def _rank_main(rank, world, formats, contexts, layers, iters, backend="nccl", chunk_sweep=True):
     if backend == "gloo":  # the one-GPU smoke: every rank on the same device
         torch.cuda.set_device(0)
     group = CPGroup()
@@ -134,7 +134,7 @@ def _rank_main(rank, world, formats, contexts, layers, iters, backend="nccl"):
             ce_mat = _copy_engine_materializer(pool, group, table, seq_lens, prefix_lens)
             ce_us = cuda_time_us(lambda: ce_mat.layer_view(0), iters=iters)  # noqa: B023
             ce_device_us = queued_time_us(lambda: ce_mat.layer_view(0), group, iters)  # noqa: B023
-            sweep = _chunk_sweep(pool, group, table, seq_lens, prefix_lens, world, iters)
+            sweep = _chunk_sweep(pool, group, table, seq_lens, prefix_lens, world, iters) if chunk_sweep else {}
             send_pages = plan.send_pages(rank)
             sources = (pool.latent_pages(0), pool.index[0])
             blocks = [
@@ -206,7 +206,7 @@ def _prefetch(flash_mla, mats, layers, iters):
     rows_in_view = mats[0].plan.view_pages * PS
     q = (torch.randn(CHUNK, HEADS, 576, device="cuda") / 8).to(torch.bfloat16)
     idx = torch.randint(0, rows_in_view, (CHUNK, 1, TOPK), dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
+    side = prefetch_stream(torch.device("cuda", torch.cuda.current_device()))  # the wired path's side stream
     main = torch.cuda.current_stream()
 
     def attn(view):
@@ -298,6 +298,11 @@ def main() -> None:
         default="nccl",
         help="gloo: a smoke run with every rank on one GPU (its timings compare nothing)",
     )
+    ap.add_argument(
+        "--no-chunk-sweep",
+        action="store_true",
+        help="skip timing pipelined chunk sizes (the sweep decided nothing new)",
+    )
     args = ap.parse_args()
     n = args.world_size
     results = spawn_ranks(
@@ -308,6 +313,7 @@ def main() -> None:
         args.layers,
         args.iters,
         args.backend,
+        not args.no_chunk_sweep,
         backend=args.backend,
         timeout_s=540,
     )
@@ -337,6 +343,7 @@ def main() -> None:
                 r["chunk_sweep"], key=lambda k, r=r: r["chunk_sweep"][k]["layer_view_device_us"]
             )
             for r in rows
+            if r["chunk_sweep"]
         },
         "prefetch_exposed_per_layer_us": {
             f"{r['kv_format']}@{r['context_tokens']}": r.get("prefetch_exposed_per_layer_us")

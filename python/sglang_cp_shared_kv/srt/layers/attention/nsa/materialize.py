@@ -101,6 +101,16 @@ class BatchCounters:
     pages_staged: int = 0
 
 
+HIGHEST_STREAM_PRIORITY = -(1 << 10)  # torch maps a priority past the device's range to its end
+
+
+def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream a layer-ahead gather runs on, at the device's highest priority: the attention
+    it hides behind holds the SMs, and the block scheduler then starts the gather's blocks as soon
+    as any of the attention's retire instead of after all of them."""
+    return torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
+
+
 @dataclass
 class LayerView:
     """What the indexer and MLA kernels read for one layer.
@@ -518,7 +528,7 @@ class ViewMaterializer:
         event = None
         if device.type == "cuda":
             if self._side_stream is None:
-                self._side_stream = torch.cuda.Stream(device)
+                self._side_stream = prefetch_stream(device)
             # The side stream starts after everything queued so far: the previous batch's pool
             # writes, and the kernels still reading this buffer set's previous layer.
             self._side_stream.wait_stream(torch.cuda.current_stream(device))

@@ -23,9 +23,10 @@ current-chunk rows must be in the pool before its ``layer_view`` (the write path
 and a view stays valid until the next ``layer_view`` call (the buffers are reused).
 
 Optional one-layer-ahead prefetch (``prefetch=True``) gathers layer ``l + 1`` on a side CUDA
-stream while layer ``l`` computes. It is bit-exact (tests on gloo and NCCL), but on 2 x H200 with
-a dense matmul standing in for the layer it hid nothing: the gather and NCCL kernels wait for
-the SMs the compute holds. It is off by default.
+stream (``prefetch_stream``, the highest priority) while layer ``l`` computes. It is bit-exact
+(tests on gloo, NCCL and copy engines). On 2 x H200 behind FlashMLA sparse prefill it hides the
+view at 32K tokens, not at 128K-512K: the gather kernel waits for the SMs the attention holds
+(``docs/benchmarks.md``). Off by default here; the SGLang path turns it on with copy engines.
 """
 
 from __future__ import annotations

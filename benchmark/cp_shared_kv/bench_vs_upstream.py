@@ -38,11 +38,21 @@ flight), bytes received per rank, peak view / scratch memory, and host syncs per
 
     python -m benchmark.cp_shared_kv.bench_vs_upstream                 # 2 GPUs, writes vs_upstream.json
     python -m benchmark.cp_shared_kv.bench_vs_upstream --device cpu --scale smoke --out vs_upstream_cpu
+
+A scale too long for one sitting runs in pieces (``--batches FIRST:LAST``: the batches before FIRST
+are written into every pool, planned and ended, nothing read or timed), and ``--merge`` joins the
+pieces' rows into one result with the summary over all of them:
+
+    python -m benchmark.cp_shared_kv.bench_vs_upstream --scale 128k --batches 1:16 --out vs_upstream_128k_a
+    python -m benchmark.cp_shared_kv.bench_vs_upstream --scale 128k --batches 17:31 --out vs_upstream_128k_b
+    python -m benchmark.cp_shared_kv.bench_vs_upstream --merge vs_upstream_32k vs_upstream_128k_a \
+        vs_upstream_128k_b --out vs_upstream
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 import warnings
@@ -374,7 +384,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         up_scratch = sum(t.numel() * t.element_size() for s in pools["upstream"]._slots for t in s.tensors.values())
     page_bytes = ps * (kwargs["kv_cache_dim"] + 132)
 
+    first, last = args.get("batches") or (1, len(batches))
     for bi, batch in enumerate(batches):
+        if bi + 1 > last:
+            break
         for slot, prefix, seq in batch:
             alloc(slot, prefix, seq, turn2_src.get(slot) if prefix and slot >= 4 else None)
         slots = [s for s, _, _ in batch]
@@ -416,6 +429,21 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         # the node of the request it continues (one node per source request), a turn-1 chunk's at its own.
         radix = [[(turn2_src.get(s, s), p)] if p else [] for s, p, _ in batch]
         hint = shared_prefix_from_paths(radix, prefix_lens, ps)
+        if bi + 1 < first:  # before the measured range: its KV in every pool, as the scheduler leaves it
+            with _no_dcp():
+                for name in paths:
+                    pool = pools[name]
+                    if name != "stock":
+                        if name == "ours":
+                            pool.read.shared_prefix = hint
+                        prepare_kv_shard_forward(pool, req_to_token, fb)
+                    for layer in range(layers):
+                        nope, rope, k, kscale = chunks[layer]
+                        pool.set_index_k_scale_buffer(layer, new_locs, k, kscale)
+                        pool.set_mla_kv_buffer(_Layer(layer), new_locs, nope, rope)
+                    if name != "stock":
+                        pool.end_shard_extend()
+            continue
         row: dict = {"batch": bi + 1, "kind": batch_kind(batch), "new_tokens": new_tokens, "seq_tokens": sum(seq_lens)}
         row["shared_prefix"] = set(SHARED_PREFIX_SLOTS) <= set(slots)
         results: dict[str, list] = {}
@@ -680,6 +708,62 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
     return s
 
 
+def _plot(name: str, rows: list[dict]) -> None:
+    def draw(ax):
+        xs = list(range(len(rows)))
+        for path in PATHS:
+            key = f"{path}_layer_time_us"
+            if rows and all(key in r for r in rows):
+                ax.plot(xs, [r[key] for r in rows], marker="o", label=path)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (all scales in order)")
+        ax.set_ylabel("read path per layer, host-inclusive (µs)")
+        ax.set_title("read path per layer: stock / SGLang page-interleave / ours (CP=2)")
+        ax.legend()
+
+    save_plot(name, draw)
+
+
+def _batch_range(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        lo, hi = int(first), int(last)
+    except ValueError:
+        lo, hi = 0, -1
+    if not sep or not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST with 1 <= FIRST <= LAST, got {text!r}")
+    return lo, hi
+
+
+def merge(names: list[str], out: str) -> None:
+    """One result from several runs' (a scale's pieces, other scales): their rows in order, each
+    scale's summary computed again over all its rows, a scale correct only if every piece was."""
+    from benchmark.cp_shared_kv.bench_common import RESULTS_DIR
+
+    rows: list[dict] = []
+    envs: dict[str, dict] = {}
+    correct: dict[str, bool] = {}
+    for name in names:
+        path = RESULTS_DIR / f"{name}.json"
+        if not path.exists():
+            raise SystemExit(f"--merge: no result {path}")
+        doc = json.loads(path.read_text())
+        rows += doc["rows"]
+        for sc, env in doc["run_environment"].items():
+            ok = bool(doc["by_scale"][sc]["correct_all"])
+            if sc in envs:
+                env = dict(envs[sc], batches=f"{envs[sc].get('batches')},{env.get('batches')}")
+            envs[sc] = env
+            correct[sc] = correct.get(sc, True) and ok
+    seen = [(r["scale"], r["batch"]) for r in rows]
+    if len(set(seen)) != len(seen):
+        raise SystemExit("--merge: the results measure some batch of a scale twice")
+    rows.sort(key=lambda r: (list(envs).index(r["scale"]), r["batch"]))
+    summaries = {sc: summarize([r for r in rows if r["scale"] == sc], env, correct[sc]) for sc, env in envs.items()}
+    _write(out, rows, summaries, envs, all(correct.values()))
+    _plot(out, rows)
+
+
 def _write(name: str, rows: list[dict], summaries: dict[str, dict], envs: dict, ok: bool) -> None:
     """The result file: every scale's summary, and their medians as the headline."""
     first = next(iter(summaries.values()))
@@ -707,6 +791,20 @@ def main(argv: list[str] | None = None) -> None:
         help="CP group backend (default: nccl on cuda, gloo on cpu); gloo on cuda runs both ranks on one GPU, "
         "without the upstream path (its gather communicator is NCCL)",
     )
+    ap.add_argument(
+        "--batches",
+        type=_batch_range,
+        default=None,
+        metavar="FIRST:LAST",
+        help="measure only these batches of the scale (1-based, inclusive); the earlier ones are only written",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="NAME",
+        default=None,
+        help="join these results (names under docs/benchmarks/) into --out instead of running",
+    )
     ap.add_argument("--timeout", type=float, default=560.0)
     ap.add_argument(
         "--profile-host",
@@ -714,6 +812,9 @@ def main(argv: list[str] | None = None) -> None:
         help="cProfile our forward's host work on rank 0 (GPU runs), written to <out>_host_profile.txt",
     )
     a = ap.parse_args(argv)
+    if a.merge:
+        merge(a.merge, a.out)
+        return
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
     world = 2
@@ -727,6 +828,7 @@ def main(argv: list[str] | None = None) -> None:
     for sc in a.scale:
         args = dict(device=a.device, scale=sc, kv_format=a.kv_format, page_size=a.page_size, paths=paths)
         args["profile_host"] = a.profile_host
+        args["batches"] = a.batches
         per_rank = spawn_ranks(_rank, world, args, backend=backend, timeout_s=a.timeout)
         r0 = per_rank[0]
         ok &= all(r["correct_all"] for r in per_rank)
@@ -738,23 +840,11 @@ def main(argv: list[str] | None = None) -> None:
             from benchmark.cp_shared_kv.bench_common import RESULTS_DIR
 
             (RESULTS_DIR / f"{a.out}_host_profile.txt").write_text(profile)
-        envs[sc] = r0["env"]
+        envs[sc] = dict(r0["env"], batches="{}:{}".format(*a.batches) if a.batches else "all")
         # Written after every scale (a later scale that fails or times out keeps the earlier ones).
         _write(a.out, all_rows, summaries, envs, ok)
 
-    def draw(ax):
-        xs = list(range(len(all_rows)))
-        for name in paths:
-            key = f"{name}_layer_time_us"
-            if all(key in r for r in all_rows):
-                ax.plot(xs, [r[key] for r in all_rows], marker="o", label=name)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch (all scales in order)")
-        ax.set_ylabel("read path per layer, host-inclusive (µs)")
-        ax.set_title("read path per layer: stock / SGLang page-interleave / ours (CP=2)")
-        ax.legend()
-
-    save_plot(a.out, draw)
+    _plot(a.out, all_rows)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ def _side_by_side() -> list[str]:
             "read) is not met by either sharded pool; the stock pool's own calls take 15 and 92 µs.",
             "`ours_vs_upstream_layer_time` is below its 1.2 goal; `upstream_wins_on` names any key where",
             "SGLang's page-interleave pool wins. Only the 32K scale ran: the 128K scale (31 batches) needs",
-            "about 9 minutes of the 2 GPUs, more than the session had left.",
+            "about 9 minutes of the 2 GPUs, more than the session had left; `--batches FIRST:LAST` and `--merge`",
+            "(the module's docstring) run it in pieces that fit one device call each.",
         ],
         pending="`source .sgw/setup.sh; python3 -m benchmark.cp_shared_kv.bench_vs_upstream` on 2 GPUs (copy engines "
         "and prefetch by default; `SGLANG_CP_SHARED_KV_TRANSPORT=nccl` for our NCCL figures)",

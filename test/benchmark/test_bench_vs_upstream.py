@@ -14,13 +14,22 @@ pytestmark = [
 ]
 
 
-def test_tiny_workload_is_bit_exact_and_accounts_bytes():
-    from benchmark.cp_shared_kv.bench_vs_upstream import SCALES, _rank, batch_kind, schedule, summarize
+ARGS = dict(device="cpu", scale="tiny", kv_format="fp8", page_size=64, paths=["stock", "ours"])
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    from benchmark.cp_shared_kv.bench_vs_upstream import _rank
 
     from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 
-    args = dict(device="cpu", scale="tiny", kv_format="fp8", page_size=64, paths=["stock", "ours"])
-    per_rank = spawn_ranks(_rank, 2, args, timeout_s=600)
+    return spawn_ranks(_rank, 2, ARGS, timeout_s=600)
+
+
+def test_tiny_workload_is_bit_exact_and_accounts_bytes(tiny_run):
+    from benchmark.cp_shared_kv.bench_vs_upstream import SCALES, batch_kind, schedule, summarize
+
+    per_rank = tiny_run
     batches = schedule(SCALES["tiny"], 64)
     kinds = [r["kind"] for r in per_rank[0]["rows"]]
     assert kinds == [batch_kind(b) for b in batches] and {"current", "mixed", "history"} <= set(kinds)
@@ -46,3 +55,39 @@ def test_tiny_workload_is_bit_exact_and_accounts_bytes():
     summary = summarize(per_rank[0]["rows"], per_rank[0]["env"], True)
     assert summary["correct_all"] and "bytes_ratio" not in summary  # no upstream column on CPU
     assert summary["current_chunk_bytes_gathered"] == 0
+
+
+def test_a_piece_of_the_workload_measures_what_the_whole_run_measures_for_it(tiny_run, tmp_path, monkeypatch):
+    """``--batches``: the batches before the range only written, the range read and checked as in the
+    whole run (same kinds, bytes, bit-exactness); ``--merge`` of the whole run's first part and the
+    piece gives every batch once and the whole run's summary."""
+    import json
+
+    from benchmark.cp_shared_kv import bench_common
+    from benchmark.cp_shared_kv.bench_vs_upstream import SCALES, _rank, _write, main, schedule, summarize
+
+    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+
+    n = len(schedule(SCALES["tiny"], 64))
+    first = n - 1  # the second turn's last two batches, the shared-prefix one among them
+    piece = spawn_ranks(_rank, 2, dict(ARGS, batches=(first, n)), timeout_s=600)
+    whole = tiny_run[0]["rows"]
+    assert [r["batch"] for r in piece[0]["rows"]] == [first, n]
+    assert all(res["correct_all"] for res in piece)
+    keys = ("kind", "seq_tokens", "shared_prefix", "ours_bytes_received", "ours_current_chunk_bytes_gathered")
+    for got, want in zip(piece[0]["rows"], whole[first - 1 :]):
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+
+    monkeypatch.setattr(bench_common, "RESULTS_DIR", tmp_path)
+    env = dict(tiny_run[0]["env"], batches="all")
+    head = [dict(r, scale="tiny") for r in whole[: first - 1]]
+    tail = [dict(r, scale="tiny") for r in piece[0]["rows"]]
+    _write("head", head, {"tiny": summarize(head, env, True)}, {"tiny": env}, True)
+    _write("tail", tail, {"tiny": summarize(tail, env, True)}, {"tiny": env}, True)
+    main(["--merge", "head", "tail", "--out", "joined"])
+    joined = json.loads((tmp_path / "joined.json").read_text())
+    assert [r["batch"] for r in joined["rows"]] == list(range(1, n + 1))
+    assert joined["summary"]["correct_all"] is True
+    assert joined["by_scale"]["tiny"] == summarize(joined["rows"], env, True)
+    with pytest.raises(SystemExit, match="twice"):
+        main(["--merge", "head", "head", "--out", "again"])

@@ -12,7 +12,9 @@ timed for several pipeline chunk sizes (``chunk_sweep``). Also measured:
 - one-layer-ahead prefetch: the view of layer l+1 is built on a side stream while FlashMLA's
   sparse prefill of layer l runs; the exposed time per layer is reported next to the attention time,
   and ``prefetch_exposed_fraction``: exposed view time per layer / the view time a layer adds
-  without prefetch (0: all hidden, 1: nothing hidden);
+  without prefetch (0: all hidden, 1: nothing hidden). Three forwards of ``--layers`` layers are
+  timed alike, in turn within each iteration (``forward_times_us``): attention alone, views built in
+  line, views prefetched;
 - the copy-engine transport (``copy_engine.CopyEngineGroup``: peers' parts pulled from a view arena
   registered once, no SMs): the same view and prefetch timings (``*_copy_engine``), beside NCCL's;
 - current-reuse vs materialize for current-only chunks (time and bytes).
@@ -170,9 +172,9 @@ def _rank_main(rank, world, formats, contexts, layers, iters, backend="nccl", ch
                 mats = [ViewMaterializer(pool, group), ViewMaterializer(pool, group)]  # double buffer
                 for m in mats:
                     m.begin_batch(table, seq_lens, prefix_lens)
-                row.update(_prefetch(flash_mla, mats, layers, iters))
+                row.update(_prefetch(flash_mla, mats, layers, iters, group))
                 mats = [_copy_engine_materializer(pool, group, table, seq_lens, prefix_lens) for _ in range(2)]
-                row.update({f"{k}_copy_engine": v for k, v in _prefetch(flash_mla, mats, layers, iters).items()})
+                row.update({f"{k}_copy_engine": v for k, v in _prefetch(flash_mla, mats, layers, iters, group).items()})
                 del mats
             rows.append(row)
             torch.cuda.empty_cache()
@@ -200,9 +202,31 @@ def _chunk_sweep(pool, group, table, seq_lens, prefix_lens, world, iters) -> dic
     return out
 
 
-def _prefetch(flash_mla, mats, layers, iters):
+def forward_times_us(fns, group: CPGroup, iters: int) -> list[float]:
+    """Median device microseconds of each of ``fns`` (whole forwards), measured in turn within every
+    iteration (drift hits them alike), each started on every rank together (device drained, barrier)
+    with the host queued ahead of the GPU, as inside a forward pass."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, out in zip(fns, times):
+            torch.cuda.synchronize()
+            group.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(4 * QUEUE_AHEAD_CYCLES)  # longer than a forward's enqueue on the host
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) * 1000.0)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
+def _prefetch(flash_mla, mats, layers, iters, group):
     """Exposed per-layer time of building layer l+1's view on a side stream during layer l's attention
-    (``mats``: two materializers of the batch, the double buffer)."""
+    (``mats``: two materializers of the batch, the double buffer), against the same forward of
+    attention alone and the one that builds each view in line, all three timed alike."""
     rows_in_view = mats[0].plan.view_pages * PS
     q = (torch.randn(CHUNK, HEADS, 576, device="cuda") / 8).to(torch.bfloat16)
     idx = torch.randint(0, rows_in_view, (CHUNK, 1, TOPK), dtype=torch.int32, device="cuda")
@@ -214,7 +238,10 @@ def _prefetch(flash_mla, mats, layers, iters):
         return flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576**-0.5, 512, use_legacy=True)
 
     view0 = mats[0].layer_view(0)
-    attn_us = cuda_time_us(lambda: attn(view0), iters=iters)
+
+    def forward_attention_only():
+        for _ in range(layers):
+            attn(view0)
 
     def forward_no_prefetch():
         for layer in range(layers):
@@ -239,8 +266,9 @@ def _prefetch(flash_mla, mats, layers, iters):
             done[layer] = torch.cuda.Event()
             done[layer].record(main)
 
-    serial_us = cuda_time_us(forward_no_prefetch, iters=max(3, iters // 5))
-    overlap_us = cuda_time_us(forward_prefetch, iters=max(3, iters // 5))
+    fwd = (forward_attention_only, forward_no_prefetch, forward_prefetch)
+    attn_fwd_us, serial_us, overlap_us = forward_times_us(fwd, group, max(5, iters // 3))
+    attn_us = attn_fwd_us / layers
     exposed = overlap_us / layers - attn_us
     view = serial_us / layers - attn_us  # what the view adds to a layer when nothing overlaps
     return {

@@ -213,6 +213,11 @@ def render() -> str:
         "([`log`](benchmarks/gpu_tests_2gpu_read_state.txt), 2 passed). The rest of the `gpu` marker passed on 2 x H200",
         "earlier the same session (22 tests) before the copy-engine fixes, which they do not import.",
         "",
+        "Wall times on 2 x H200 (each command after `source .sgw/setup.sh`, about 40 s): the two test files",
+        "above 23-54 s, `bench_cp2_e2e --world-size 2 --no-chunk-sweep` 23-30 s, `bench_vs_upstream --scale",
+        "32k` 158 s (with the untimed warm pass). The 128K scale is some 31 batches of 17 s or more: run it as",
+        "`--batches` pieces and `--merge` them (see the side-by-side section).",
+        "",
     ]
     gather = _load("gather")
     lines += _section(

@@ -215,7 +215,8 @@ def render() -> str:
         "",
         "Wall times on 2 x H200 (each command after `source .sgw/setup.sh`, about 40 s): the two test files",
         "above 23-54 s, `bench_cp2_e2e --world-size 2 --no-chunk-sweep` 23-30 s, `bench_vs_upstream --scale",
-        "32k` 158 s (with the untimed warm pass). The 128K scale is some 31 batches of 17 s or more: run it as",
+        "32k` 158 s (with the untimed warm pass). The 128K scale is 31 batches of about 20 s each before the",
+        "warm pass (12 in the first run's last 4 minutes), so more with it: run it as",
         "`--batches` pieces and `--merge` them (see the side-by-side section).",
         "",
     ]

@@ -15,9 +15,9 @@ Buffers are registered once (collectively): every rank passes buffers of identic
 device's context with lazy peer access (``cuIpcOpenMemHandle``): the pulls then run GPU to GPU
 over NVLink, and no rank creates a context on another rank's GPU. (A handle opened in the peer
 device's context instead, as ``torch.multiprocessing`` rebuilds a shared CUDA tensor, leaves this
-device without peer access: on 2 H200s its copies were staged at about 31 GB/s.) An all-gather must then lie inside one
-registered buffer, at the same offset on every rank (true for views planned from the same host
-lengths). Per call ``k`` (the ``k``-th all-gather since registration, the same count on every
+device without peer access: on 2 H200s its copies ran at about 31 GB/s.) An all-gather must then
+lie inside one registered buffer, at the same offset on every rank (true for views planned from the
+same host lengths). Per call ``k`` (the ``k``-th all-gather since registration, the same count on every
 rank), on the caller's current stream::
 
     ready[me] := k on every peer          (after this rank's part is written: a memory barrier)

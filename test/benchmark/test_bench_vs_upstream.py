@@ -91,3 +91,14 @@ def test_a_piece_of_the_workload_measures_what_the_whole_run_measures_for_it(tin
     assert joined["by_scale"]["tiny"] == summarize(joined["rows"], env, True)
     with pytest.raises(SystemExit, match="twice"):
         main(["--merge", "head", "head", "--out", "again"])
+
+
+@pytest.mark.parametrize("text", ["5", "0:3", "4:2", "a:b", ":"])
+def test_a_batch_range_is_first_colon_last_from_one(text):
+    import argparse
+
+    from benchmark.cp_shared_kv.bench_vs_upstream import _batch_range
+
+    assert _batch_range("2:7") == (2, 7) and _batch_range("3:3") == (3, 3)
+    with pytest.raises(argparse.ArgumentTypeError, match="FIRST:LAST"):
+        _batch_range(text)

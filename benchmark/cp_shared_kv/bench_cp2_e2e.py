@@ -51,6 +51,22 @@ QUEUE_AHEAD_CYCLES = 6_000_000  # ~3 ms of GPU sleep that the host enqueues the 
 QUEUED_REPS = 4  # calls per queued timing (amortizes the ranks' start skew)
 
 
+def _queued_once_us(fn, group: CPGroup, reps: int, cycles: int = QUEUE_AHEAD_CYCLES) -> float:
+    """Device microseconds per call of ``reps`` calls of ``fn``, enqueued while the GPU sleeps
+    ``cycles`` (so launch overhead is hidden, as in a forward pass), every rank starting together
+    after a barrier."""
+    torch.cuda.synchronize()
+    group.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(cycles)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / reps
+
+
 def queued_time_us(fn, group: CPGroup, iters: int, reps: int = QUEUED_REPS) -> float:
     """Median device microseconds per call of ``fn`` with the host queued ahead of the GPU.
 
@@ -60,19 +76,7 @@ def queued_time_us(fn, group: CPGroup, iters: int, reps: int = QUEUED_REPS) -> f
     """
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        group.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / reps)
-    times.sort()
+    times = sorted(_queued_once_us(fn, group, reps) for _ in range(iters))
     return times[len(times) // 2]
 
 
@@ -208,19 +212,9 @@ def forward_times_us(fns, group: CPGroup, iters: int) -> list[float]:
     with the host queued ahead of the GPU, as inside a forward pass."""
     for fn in fns:
         fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(iters):
-        for fn, out in zip(fns, times):
-            torch.cuda.synchronize()
-            group.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(4 * QUEUE_AHEAD_CYCLES)  # longer than a forward's enqueue on the host
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) * 1000.0)
-    return [sorted(t)[len(t) // 2] for t in times]
+    # The GPU sleeps longer than a forward's enqueue takes the host.
+    times = [[_queued_once_us(fn, group, 1, 4 * QUEUE_AHEAD_CYCLES) for fn in fns] for _ in range(iters)]
+    return [sorted(t)[iters // 2] for t in zip(*times)]
 
 
 def _prefetch(flash_mla, mats, layers, iters, group):

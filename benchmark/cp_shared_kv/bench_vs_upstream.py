@@ -235,6 +235,16 @@ class _Gate:
         dist.barrier(group=self.group)
 
 
+def _begin_batch(name: str, pool, hint, req_to_token: torch.Tensor, fb) -> None:
+    """A sharded pool's batch start as SGLang makes it: for ours, the shared-prefix hint the plugin's
+    ``ForwardBatch.init_new`` hook hands the batch; then ``prepare_kv_shard_forward``."""
+    from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
+
+    if name == "ours":
+        pool.read.shared_prefix = hint
+    prepare_kv_shard_forward(pool, req_to_token, fb)
+
+
 class _SyncCounter:
     """Counts host syncs (CUDA sync-debug warnings) while active; 0 on CPU."""
 
@@ -298,7 +308,6 @@ def _topk_positions(k_u8, k_scale, q_u8, q_scale, weights, key_lens: list[int], 
 
 def _rank(rank: int, world: int, args: dict) -> dict:
     import numpy as np
-    from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -434,9 +443,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 for name in paths:
                     pool = pools[name]
                     if name != "stock":
-                        if name == "ours":
-                            pool.read.shared_prefix = hint
-                        prepare_kv_shard_forward(pool, req_to_token, fb)
+                        _begin_batch(name, pool, hint, req_to_token, fb)
                     for layer in range(layers):
                         nope, rope, k, kscale = chunks[layer]
                         pool.set_index_k_scale_buffer(layer, new_locs, k, kscale)
@@ -464,9 +471,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     ev[0].record()
                 with _no_dcp(), counter:
                     if sharded:
-                        if name == "ours":  # what the plugin's ForwardBatch.init_new hook hands this batch
-                            pool.read.shared_prefix = hint
-                        prepare_kv_shard_forward(pool, req_to_token, fb)
+                        _begin_batch(name, pool, hint, req_to_token, fb)
                 if ev:
                     ev[1].record()
                 _sync(device)
@@ -578,9 +583,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 with _no_dcp(), counter:
                     h = time.perf_counter()
                     if sharded:
-                        if name == "ours":
-                            pool.read.shared_prefix = hint
-                        prepare_kv_shard_forward(pool, req_to_token, fb)
+                        _begin_batch(name, pool, hint, req_to_token, fb)
                     rows = pool.translate_loc_to_scratch(every) if sharded else every
                     host["plan"] += time.perf_counter() - h
                     fwd_rows = rows[fwd_tokens].reshape(new_tokens, scale.topk)

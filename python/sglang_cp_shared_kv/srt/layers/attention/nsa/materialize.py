@@ -25,8 +25,8 @@ and a view stays valid until the next ``layer_view`` call (the buffers are reuse
 Optional one-layer-ahead prefetch (``prefetch=True``) gathers layer ``l + 1`` on a side CUDA
 stream (``prefetch_stream``, the highest priority) while layer ``l`` computes. It is bit-exact
 (tests on gloo, NCCL and copy engines). On 2 x H200 behind FlashMLA sparse prefill it hides the
-view at 32K tokens, not at 128K-512K: the gather kernel waits for the SMs the attention holds
-(``docs/benchmarks.md``). Off by default here; the SGLang path turns it on with copy engines.
+view at 32K tokens, not at 128K-512K (``docs/benchmarks.md``; ``docs/design.md`` names the
+suspected causes). Off by default here; the SGLang path turns it on with copy engines.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 
 def check_int(name: str, value: Any, lo: int) -> None:
     """Raise ``ValueError("<name> must be an int >= <lo>, got <value!r>")`` unless ``value`` is an int >= ``lo``."""
@@ -21,3 +23,14 @@ def env_int(name: str, default: int, lo: int) -> int:
     if not raw.isdigit() or int(raw) < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {raw!r}")
     return int(raw)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The raw handle of ``device``'s current CUDA stream, for a launcher or driver call that takes one.
+
+    Without building a ``torch.cuda.Stream`` (``torch.cuda.current_stream(device)`` cost ~10 µs of
+    host time per call on an H200 host: ``docs/benchmarks/host_calls.json``).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream

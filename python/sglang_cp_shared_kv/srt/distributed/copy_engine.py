@@ -29,7 +29,9 @@ so the call ends, on the stream, once every rank holds every part and no rank st
 another: the next write into the buffers (the next layer's gather) is safe. Counters are 64-bit
 and only grow, so a wait can never be satisfied by an older call. Calls are ordered on the device
 (each one's stream waits for the previous call's, as the view materializer's prefetch does): the
-outgoing counters live in one slot pair that the next call rewrites.
+outgoing counter lives in one word (``k`` is written there once and copied out twice, as ready and
+as ack) that the next call rewrites. The pulls of a set of buffers are computed once and looked up
+after that (every layer of a batch all-gathers into the same view buffers).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from collections.abc import Sequence
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective, check_pairs
+from sglang_cp_shared_kv.srt.utils import current_stream_handle
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +173,9 @@ class CopyEngineGroup:
         self._driver = d = driver()
         # ready[p] then ack[p], written by peer p; read (waited on) only by this rank.
         self.signals = torch.zeros(2, self.size, dtype=torch.int64, device=self.device)
-        # This rank's outgoing ready and ack counters, copied from here into the peers' signals.
-        self.outbox = torch.zeros(2, dtype=torch.int64, device=self.device)
+        # This rank's outgoing counter (a call's ready and ack carry the same value), copied from here
+        # into the peers' signals.
+        self.outbox = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
         mine, why = None, ""
@@ -211,6 +215,7 @@ class CopyEngineGroup:
             self.close()
             raise CopyEngineUnavailable("; ".join(failures))
         self.calls = 0
+        self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
 
     def close(self) -> None:
         """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
@@ -219,6 +224,7 @@ class CopyEngineGroup:
             for handle in opened:
                 self._driver.release(handle)
         self._peer_signals, self._peer_buffers = {}, {}
+        self._pull_cache = {}
 
     def __repr__(self) -> str:
         return f"CopyEngineGroup(rank={self.rank}, size={self.size}, buffers={len(self.buffers)})"
@@ -229,12 +235,9 @@ class CopyEngineGroup:
     def barrier(self) -> None:
         self.cpu_group.barrier()
 
-    def _signal(self, stream: int, k: int, which: int) -> None:
-        """Queue ``signals[which][me] := k`` on every peer: the counter into this rank's outbox, then
-        8 bytes from there into each peer's slot by copy engine."""
-        d, item = self._driver, self.outbox.element_size()
-        src = self.outbox.data_ptr() + which * item
-        d.check(d.write64(stream, src, k, 0), "cuStreamWriteValue64")
+    def _signal(self, stream: int, which: int) -> None:
+        """Queue ``signals[which][me] := outbox`` on every peer: 8 bytes by copy engine into each peer's slot."""
+        d, item, src = self._driver, self.outbox.element_size(), self.outbox.data_ptr()
         slot = (which * self.size + self.rank) * item
         for peer in self._peer_signals.values():
             d.check(d.copy(peer + slot, src, item, stream), "cuMemcpyDtoDAsync")
@@ -254,6 +257,40 @@ class CopyEngineGroup:
                 return i, ptr - base, part
         raise ValueError("out lies outside every registered buffer")
 
+    def _pulls(self, outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> list[tuple[int, list]]:
+        """Per peer, in rank order: ``(its ready signal's address, [(destination, source, bytes)])``.
+
+        Checked and computed once per set of buffers: a read path all-gathers into the same view
+        buffers every layer of a batch, so later calls only look the list up (host time).
+        """
+        key = tuple(
+            (o.data_ptr(), o.numel(), o.is_contiguous(), x.data_ptr(), x.numel()) for o, x in zip(outs, locals_)
+        )
+        key += (len(outs), len(locals_), outs[0].element_size() if outs else 0)
+        found = self._pull_cache.get(key)
+        if found is not None:
+            return found
+        check_pairs(outs, locals_)
+        spans = [self._locate(out, local) for out, local in zip(outs, locals_)]
+        for out in outs:
+            if out.device != self.device:
+                raise ValueError(f"out is on {out.device}, the registered buffers on {self.device}")
+        item = self.signals.element_size()
+        found = [
+            (
+                self.signals.data_ptr() + p * item,
+                [
+                    (out.data_ptr() + p * part, self._peer_buffers[p][i] + offset + p * part, part)
+                    for (i, offset, part), out in zip(spans, outs)
+                ],
+            )
+            for p in sorted(self._peer_signals)
+        ]
+        if len(self._pull_cache) >= PULL_CACHE_SIZE:
+            self._pull_cache.clear()
+        self._pull_cache[key] = found
+        return found
+
     def all_gather_into_many(
         self,
         outs: Sequence[torch.Tensor],
@@ -268,26 +305,27 @@ class CopyEngineGroup:
         before whatever it queues next), so the result needs no wait; ``async_op`` and ``coalesce``
         are accepted for ``CPGroup`` compatibility.
         """
-        check_pairs(outs, locals_)
-        spans = [self._locate(out, local) for out, local in zip(outs, locals_)]
-        for out in outs:
-            if out.device != self.device:
-                raise ValueError(f"out is on {out.device}, the registered buffers on {self.device}")
-        d, stream = self._driver, torch.cuda.current_stream(self.device).cuda_stream
+        pulls = self._pulls(outs, locals_)
+        d, stream = self._driver, current_stream_handle(self.device)
         self.calls += 1
-        k, peers = self.calls, sorted(self._peer_signals)
-        item = self.signals.element_size()
-        self._signal(stream, k, 0)  # my part is written (the counter write carries a memory barrier)
-        for p in peers:
-            d.check(d.wait64(stream, self.signals.data_ptr() + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
-            for (i, offset, part), out in zip(spans, outs):
-                src = self._peer_buffers[p][i] + offset + p * part
-                d.check(d.copy(out.data_ptr() + p * part, src, part, stream), "cuMemcpyDtoDAsync")
-        self._signal(stream, k, 1)  # done reading the peers' parts
-        ack = self.size * item
-        for p in peers:
-            d.check(d.wait64(stream, self.signals.data_ptr() + ack + p * item, k, WAIT_GEQ), "cuStreamWaitValue64")
+        k = self.calls
+        # The counter into the outbox (the write carries a memory barrier: my part is written), then
+        # to every peer as ready; the same word goes out again as ack once the pulls have run.
+        d.check(d.write64(stream, self.outbox.data_ptr(), k, 0), "cuStreamWriteValue64")
+        self._signal(stream, 0)
+        for ready, copies in pulls:
+            d.check(d.wait64(stream, ready, k, WAIT_GEQ), "cuStreamWaitValue64")
+            for dst, src, nbytes in copies:
+                d.check(d.copy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+        self._signal(stream, 1)  # done reading the peers' parts
+        ack = self.size * self.signals.element_size()
+        for ready, _ in pulls:
+            d.check(d.wait64(stream, ready + ack, k, WAIT_GEQ), "cuStreamWaitValue64")
         return PendingCollective()
+
+
+# Sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets).
+PULL_CACHE_SIZE = 16
 
 
 TRANSPORT_ENV = "SGLANG_CP_SHARED_KV_TRANSPORT"

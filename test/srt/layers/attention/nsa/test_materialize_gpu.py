@@ -21,7 +21,13 @@ from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages, positions_to_view_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    _no_launch_hooks,
+    gather_pages,
+    gather_pages_ref,
+    positions_to_view_rows,
+    prepare_gather,
+)
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, predicted_view_pages
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
@@ -176,3 +182,29 @@ def test_nccl_views_equal_replicated_pages_without_syncing(chunk_tokens):
     ):
         assert latent_ok and index_ok and counted
         assert (chunks > 1) == bool(chunk_tokens)
+
+
+def test_prepared_gather_launches_equal_the_reference():
+    """The JIT launch, then the compiled kernel's launcher called directly (``PreparedLaunch``), on
+    changing bytes: each launch reads what the pool holds when it runs, with no host sync."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    latent = torch.randint(0, 256, (40, PS * 656), dtype=torch.uint8, generator=gen).to(dev)
+    index = torch.randint(0, 256, (40, PS * 132), dtype=torch.uint8, generator=gen).to(dev)
+    ids_host = torch.randint(0, 40, (17,), generator=gen)
+    ids = ids_host.to(dev)
+    outs, launch = prepare_gather([latent, index], ids)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3):
+            for out in outs:
+                out.zero_()
+            launch()
+            latent[int(ids_host[step])] += 1  # queued after the launch: not in what it copied
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    latent[int(ids_host[2])] -= 1
+    assert torch.equal(outs[0], gather_pages_ref(latent, ids))
+    assert torch.equal(outs[1], gather_pages_ref(index, ids))
+    assert launch._kernel is not None or not _no_launch_hooks()  # the direct path ran (no profiler hooks)

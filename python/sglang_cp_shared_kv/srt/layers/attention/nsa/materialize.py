@@ -31,7 +31,7 @@ suspected causes). Off by default here; the SGLang path turns it on with copy en
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +40,7 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import positions_to_view_rows, prepare_gather
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     OverflowCheck,
@@ -282,10 +282,13 @@ class ViewMaterializer:
         # of a layer's gather: (this rank's page ids, its part of each view, the chunk of each view).
         self._views: list[dict[str, torch.Tensor]] = []
         self._steps: list[list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]] = []
+        # Per (layer, view set): its gather's launches, checked once per batch (``_prepare_gather``).
+        self._launches: dict[tuple[int, int], tuple[list, int]] = {}
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched: torch.cuda.Event | None = None
+        self._fork: torch.cuda.Event | None = None
         self.overflow = OverflowCheck()
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -407,6 +410,7 @@ class ViewMaterializer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
         send, sc = plan.send_pages(rank), plan.chunk_slots
         self._views, self._steps = [], []
+        self._launches = {}
         pages = plan.view_pages + extra_pages
         for _ in range(copies):
             if self.arena is not None:
@@ -504,19 +508,18 @@ class ViewMaterializer:
         NCCL's stream behind that chunk's gather, while the next chunk's gather runs on this
         stream; the stream then waits for them all. On gloo every call completes in order.
         """
-        pool, plan, group = self.pool, self.plan, self.group
-        sources = [pool.latent_pages(layer)]
-        if self._layer_has_index(layer):
-            sources.append(pool.index[layer])
-        used = len(sources)
+        plan, group = self.plan, self.group
+        prepared = self._launches.get((layer, slot))
+        if prepared is None:
+            prepared = self._launches[(layer, slot)] = self._prepare_gather(layer, slot)
+        steps, page_bytes = prepared
         in_flight: list[PendingCollective] = []
-        for page_ids, mine, whole in self._steps[slot]:
-            gather_page_buffers(sources, page_ids, mine[:used], use_triton=self.use_triton)
+        for launch, whole, mine in steps:
+            launch()
             if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
-                in_flight.append(group.all_gather_into_many(whole[:used], mine[:used], async_op=True))
+                in_flight.append(group.all_gather_into_many(whole, mine, async_op=True))
         for pending in in_flight:
             pending.wait()
-        page_bytes = sum(src.shape[1] for src in sources)
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
@@ -524,22 +527,41 @@ class ViewMaterializer:
         counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
         counters.current_chunk_bytes_gathered += self._current_pages * page_bytes
 
+    def _prepare_gather(self, layer: int, slot: int) -> tuple[list[tuple[Callable[[], None], list, list]], int]:
+        """``layer``'s gather into view set ``slot``, checked once per batch: per step ``(launch, the view
+        chunks to all-gather, this rank's part of them)``, and the bytes of one slot's pages."""
+        pool = self.pool
+        sources = [pool.latent_pages(layer)]
+        if self._layer_has_index(layer):
+            sources.append(pool.index[layer])
+        used = len(sources)
+        steps = []
+        for page_ids, mine, whole in self._steps[slot]:
+            _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
+            steps.append((launch, whole[:used], mine[:used]))
+        return steps, sum(src.shape[1] for src in sources)
+
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device
         event = None
         if device.type == "cuda":
-            if self._side_stream is None:
-                self._side_stream = prefetch_stream(device)
+            side = self._side_stream
+            if side is None:
+                side = self._side_stream = prefetch_stream(device)
+                self._fork, self._prefetched = torch.cuda.Event(), torch.cuda.Event()
             # The side stream starts after everything queued so far: the previous batch's pool
-            # writes, and the kernels still reading this buffer set's previous layer.
-            self._side_stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._side_stream):
+            # writes, and the kernels still reading this buffer set's previous layer. One event
+            # each way serves every layer: each wait is queued before the event is recorded again.
+            main = torch.cuda.current_stream(device)
+            self._fork.record(main)
+            side.wait_event(self._fork)
+            torch.cuda.set_stream(side)
+            try:
                 self._gather(layer, slot)
-                # One event serves every layer: the reader's wait is queued before the next record.
-                if self._prefetched is None:
-                    self._prefetched = torch.cuda.Event()
-                event = self._prefetched
-                event.record(self._side_stream)
+            finally:
+                torch.cuda.set_stream(main)
+            event = self._prefetched
+            event.record(side)
         else:
             self._gather(layer, slot)
         self._pending = (layer, slot, event)

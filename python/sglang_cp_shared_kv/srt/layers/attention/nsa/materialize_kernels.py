@@ -22,11 +22,11 @@ None of them reads device data back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from sglang_cp_shared_kv.srt.utils import check_int
+from sglang_cp_shared_kv.srt.utils import check_int, current_stream_handle
 
 try:
     import triton
@@ -144,6 +144,20 @@ def gather_page_buffers(
     The read path gathers a slot's latent page and its indexer page together. ``page_ids`` must
     hold valid page indices of every source (the plan points padding at the trash page).
     """
+    outs, launch = prepare_gather(srcs, page_ids, outs, use_triton)
+    launch()
+    return outs
+
+
+def prepare_gather(
+    srcs: Sequence[torch.Tensor],
+    page_ids: torch.Tensor,
+    outs: Sequence[torch.Tensor] | None = None,
+    use_triton: bool | None = None,
+) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """``gather_page_buffers`` checked once: ``(outs, launch)``, where each ``launch()`` queues the same
+    gather again (these very tensors, on the current stream) without the checks. A read path that
+    repeats one layer's gather into the same view buffers prepares it once per batch (host time)."""
     if not 1 <= len(srcs) <= 2:
         raise ValueError(f"srcs must hold one or two buffers, got {len(srcs)}")
     if outs is not None and len(outs) != len(srcs):
@@ -151,9 +165,10 @@ def gather_page_buffers(
     _check_index("page_ids", page_ids, 1)
     outs = [_check_gather(src, page_ids, None if outs is None else outs[k]) for k, src in enumerate(srcs)]
     if page_ids.shape[0] == 0:
-        return outs
+        return outs, _nothing
     if not triton_enabled(srcs[0].device, use_triton):
-        return [gather_pages_ref(src, page_ids, out) for src, out in zip(srcs, outs)]
+        pairs = list(zip(srcs, outs))
+        return outs, lambda: [gather_pages_ref(src, page_ids, out) for src, out in pairs]
     args = []
     for src, out in zip(srcs, outs):
         s_words, o_words = _word_view(src), _word_view(out)
@@ -161,10 +176,58 @@ def gather_page_buffers(
             s_words, o_words = src, out
         args.append((s_words, o_words, s_words.shape[1], s_words.stride(0), o_words.stride(0)))
     block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
-    grid = (page_ids.shape[0], len(args))
     a, b = args[0], args[-1]
-    _gather_pages_kernel[grid](page_ids, *a, *b, BLOCK=block, num_warps=8 if block >= 2048 else 4)
-    return outs
+    launch = PreparedLaunch(
+        _gather_pages_kernel,
+        (page_ids.shape[0], len(args)),
+        (page_ids, *a, *b),
+        {"BLOCK": block},
+        num_warps=8 if block >= 2048 else 4,
+    )
+    return outs, launch
+
+
+def _nothing() -> None:
+    return None
+
+
+def _no_launch_hooks() -> bool:
+    """Whether Triton has no launch hooks set (none, or hook chains without calls)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return False
+    hooks = (getattr(runtime, "launch_enter_hook", None), getattr(runtime, "launch_exit_hook", None))
+    return all(hook is None or not getattr(hook, "calls", True) for hook in hooks)
+
+
+class PreparedLaunch:
+    """One Triton launch with fixed arguments, queued again on every call (on the current stream).
+
+    The first call goes through Triton's JIT, which compiles or finds the kernel specialized for these
+    very arguments; later calls hand the same arguments straight to that compiled kernel's launcher,
+    skipping the per-call binding, specialization and cache lookup (tens of µs of host time per
+    launch). ``constexprs`` are the kernel's last parameters, in signature order (the launcher takes
+    them after ``args``). Under the interpreter, or while Triton's launch hooks are set (profilers),
+    every call goes through the JIT.
+    """
+
+    def __init__(self, fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options):
+        self.fn, self.args, self.constexprs, self.options = fn, args, constexprs, options
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        self._kernel = None
+        self._all_args = (*args, *constexprs.values())  # the launcher takes constexprs too, in order
+
+    def __call__(self) -> None:
+        kernel = self._kernel
+        if kernel is None or not _no_launch_hooks():
+            kernel = self.fn[self.grid](*self.args, **self.constexprs, **self.options)
+            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+                self._kernel = kernel
+            return
+        stream = current_stream_handle(self.device)
+        g0, g1, g2 = self.grid
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
 
 
 def gather_pages(

@@ -1,0 +1,123 @@
+"""Host cost of the calls the read path queues, each alone, side by side in one run.
+
+The read path's host time is a sum of small calls: torch ops, Triton launches, CUDA driver calls
+through ctypes (the copy-engine all-gather), stream and event calls. This times each one, back to
+back on an idle GPU (the host never waits: every call only queues work), with CUDA's sync-debug
+mode off ("default") and on ("warn", as the side-by-side harness keeps it while timing a forward). Reported
+per call in µs (median of repeats) and as a ratio to one small torch op.
+
+    python -m benchmark.cp_shared_kv.bench_host_calls
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from benchmark.cp_shared_kv.bench_common import write_result
+from sglang_cp_shared_kv.srt.distributed.copy_engine import WAIT_GEQ, driver
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import prefetch_stream
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, prepare_gather
+from sglang_cp_shared_kv.srt.utils import current_stream_handle
+
+
+def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the host time of ``calls`` back-to-back calls, per call."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def calls_under_test() -> dict[str, Callable[[], object]]:
+    dev = torch.device("cuda")
+    d = driver()
+    small = torch.zeros(64, dtype=torch.int64, device=dev)
+    word = torch.zeros(2, dtype=torch.int64, device=dev)
+    latent = torch.zeros((64, 64 * 656), dtype=torch.uint8, device=dev)
+    index = torch.zeros((64, 64 * 132), dtype=torch.uint8, device=dev)
+    ids = torch.arange(32, device=dev)
+    outs = [
+        torch.empty((32, latent.shape[1]), dtype=torch.uint8, device=dev),
+        torch.empty((32, index.shape[1]), dtype=torch.uint8, device=dev),
+    ]
+    _, prepared = prepare_gather([latent, index], ids, outs)
+    event, side = torch.cuda.Event(), prefetch_stream(dev)
+    host = np.arange(65, dtype=np.int64)
+
+    def stream_handle() -> int:
+        return current_stream_handle(dev)
+
+    def write64() -> None:
+        d.check(d.write64(stream_handle(), word.data_ptr(), 1, 0), "write")
+
+    def copy8() -> None:
+        d.check(d.copy(word.data_ptr() + 8, word.data_ptr(), 8, stream_handle()), "copy")
+
+    def wait64() -> None:  # already satisfied: the GPU passes it at once
+        d.check(d.wait64(stream_handle(), word.data_ptr(), 0, WAIT_GEQ), "wait")
+
+    def switch_streams() -> None:
+        main = torch.cuda.current_stream(dev)
+        torch.cuda.set_stream(side)
+        torch.cuda.set_stream(main)
+
+    def fork() -> None:
+        event.record(torch.cuda.current_stream(dev))
+        side.wait_event(event)
+
+    return {
+        "torch_add_": lambda: small.add_(1),
+        "torch_empty": lambda: torch.empty(64, dtype=torch.int64, device=dev),
+        "index_select": lambda: small.index_select(0, ids),
+        "current_stream": lambda: torch.cuda.current_stream(dev),
+        "current_stream_handle": lambda: current_stream_handle(dev),
+        "event_record_and_wait": fork,
+        "set_stream_twice": switch_streams,
+        "triton_gather_jit": lambda: gather_page_buffers([latent, index], ids, outs),
+        "triton_gather_prepared": prepared,
+        "driver_write64": write64,
+        "driver_copy8": copy8,
+        "driver_wait64": wait64,
+        "pin_memory_copy": lambda: torch.from_numpy(host).pin_memory().to(dev, non_blocking=True),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--repeats", type=int, default=7)
+    a = p.parse_args()
+    calls = calls_under_test()
+    for fn in calls.values():  # compile, allocate, warm
+        fn()
+    rows = []
+    for mode in ("default", "warn"):
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            for name, fn in calls.items():
+                rows.append(
+                    {"call": name, "sync_debug": mode, "host_us": round(per_call_us(fn, a.calls, a.repeats), 2)}
+                )
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    base = {r["sync_debug"]: r["host_us"] for r in rows if r["call"] == "torch_add_"}
+    for r in rows:
+        r["vs_torch_op"] = round(r["host_us"] / base[r["sync_debug"]], 2)
+        print(f"{r['sync_debug']:>4} {r['call']:<24} {r['host_us']:8.2f} µs  {r['vs_torch_op']:5.2f}x a torch op")
+    summary = {f"{r['call']}_us" + ("" if r["sync_debug"] == "default" else "_sync_debug"): r["host_us"] for r in rows}
+    write_result("host_calls", rows, summary)
+
+
+if __name__ == "__main__":
+    main()

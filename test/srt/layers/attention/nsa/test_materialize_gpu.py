@@ -22,6 +22,7 @@ from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    _COMPILED,
     _no_launch_hooks,
     gather_pages,
     gather_pages_ref,
@@ -207,4 +208,17 @@ def test_prepared_gather_launches_equal_the_reference():
     latent[int(ids_host[2])] -= 1
     assert torch.equal(outs[0], gather_pages_ref(latent, ids))
     assert torch.equal(outs[1], gather_pages_ref(index, ids))
-    assert launch._kernel is not None or not _no_launch_hooks()  # the direct path ran (no profiler hooks)
+    assert launch._key in _COMPILED or not _no_launch_hooks()  # the direct path ran (no profiler hooks)
+    # Another gather of the same specialization reuses that kernel; a misaligned buffer gets its own.
+    few = ids[:5].clamp(max=38)  # pages of the 39-page buffers below
+    other_outs, other = prepare_gather([latent[1:], index[1:]], few)
+    assert other._key == launch._key
+    other()
+    odd = latent.view(-1)[4 : 4 + 39 * latent.shape[1]].view(39, -1)  # 4-byte, not 16-byte, aligned
+    odd_outs, odd_launch = prepare_gather([odd, index[:39]], few)
+    assert odd_launch._key != launch._key
+    odd_launch()
+    odd_launch()
+    assert torch.equal(other_outs[0], gather_pages_ref(latent[1:], few))
+    assert torch.equal(odd_outs[0], gather_pages_ref(odd, few))
+    assert torch.equal(odd_outs[1], gather_pages_ref(index[:39], few))

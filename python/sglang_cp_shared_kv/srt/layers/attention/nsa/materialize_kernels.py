@@ -200,34 +200,73 @@ def _no_launch_hooks() -> bool:
     return all(hook is None or not getattr(hook, "calls", True) for hook in hooks)
 
 
-class PreparedLaunch:
-    """One Triton launch with fixed arguments, queued again on every call (on the current stream).
+def _specialization(arg) -> tuple:
+    """What Triton may specialize a kernel on for one argument, and more: a tensor's dtype and 16-byte
+    alignment; an int's being 1, its divisibility by 16 and its width (i32, i64, u64); anything else by
+    value. Two argument lists with equal keys select the same compiled kernel."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool):
+        return ("b", arg)
+    if isinstance(arg, int):
+        return ("i", arg == 1, arg % 16 == 0, -(1 << 31) <= arg < (1 << 31), arg >= (1 << 63))
+    return ("v", type(arg), arg)
 
-    The first call goes through Triton's JIT, which compiles or finds the kernel specialized for these
-    very arguments; later calls hand the same arguments straight to that compiled kernel's launcher,
-    skipping the per-call binding, specialization and cache lookup (tens of µs of host time per
-    launch). ``constexprs`` are the kernel's last parameters, in signature order (the launcher takes
-    them after ``args``). Under the interpreter, or while Triton's launch hooks are set (profilers),
-    every call goes through the JIT.
+
+# Compiled kernels by (kernel, device, options, constexprs, specialization of every argument).
+_COMPILED: dict[tuple, object] = {}
+_COMPILED_LIMIT = 256
+
+
+class PreparedLaunch:
+    """One Triton launch with fixed arguments, queued on every call (on the current stream).
+
+    Triton's JIT spends tens of µs of host time per launch binding and specializing the arguments
+    and looking the kernel up (``docs/benchmarks/host_calls.json``). Here the first launch of a
+    specialization goes through the JIT, which compiles or finds the kernel; it is kept under a key
+    (``_specialization`` of every argument, a superset of what Triton specializes on), and every
+    later launch with an equal key, this one's or another's, hands the arguments straight to that
+    compiled kernel's launcher. ``constexprs`` must be the kernel's last parameters, in signature
+    order (the launcher takes them after ``args``; checked once per kernel). Under the interpreter,
+    or while Triton's launch hooks are set (profilers), every launch goes through the JIT.
     """
 
     def __init__(self, fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options):
         self.fn, self.args, self.constexprs, self.options = fn, args, constexprs, options
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        self._kernel = None
-        self._all_args = (*args, *constexprs.values())  # the launcher takes constexprs too, in order
+        self._all_args = (*args, *constexprs.values())
+        self._key = (
+            fn,
+            self.device,
+            tuple(sorted(options.items())),
+            tuple(constexprs.items()),
+            tuple(_specialization(a) for a in args),
+        )
 
     def __call__(self) -> None:
-        kernel = self._kernel
+        kernel = _COMPILED.get(self._key)
         if kernel is None or not _no_launch_hooks():
             kernel = self.fn[self.grid](*self.args, **self.constexprs, **self.options)
-            if all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
-                self._kernel = kernel
+            if self._direct_launch_fits(kernel):
+                if len(_COMPILED) >= _COMPILED_LIMIT:
+                    _COMPILED.clear()
+                _COMPILED[self._key] = kernel
             return
-        stream = current_stream_handle(self.device)
         g0, g1, g2 = self.grid
+        stream = current_stream_handle(self.device)
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
+
+    def _direct_launch_fits(self, kernel) -> bool:
+        """Whether a compiled kernel's launcher can take this launch's arguments as laid out here."""
+        names = list(getattr(self.fn, "arg_names", ()))
+        ordered = names == [*names[: len(self.args)], *self.constexprs] and len(names) == len(self._all_args)
+        return ordered and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
+
+
+def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+    """``fn[grid](*args, **constexprs, **options)`` through ``PreparedLaunch``'s kernel cache."""
+    PreparedLaunch(fn, grid, args, constexprs, **options)()
 
 
 def gather_pages(
@@ -290,7 +329,7 @@ def build_slot_table(
     out = torch.empty((batch_size, max_pages), dtype=torch.int32, device=slots.device)
     block = min(1024, triton.next_power_of_2(max_pages))
     grid = (batch_size, triton.cdiv(max_pages, block))
-    _slot_table_kernel[grid](slots, cu_pages, out, max_pages, pad, BLOCK=block)
+    launch(_slot_table_kernel, grid, (slots, cu_pages, out, max_pages, pad), {"BLOCK": block})
     return out
 
 
@@ -336,7 +375,7 @@ def plan_positions(
         return plan_positions_ref(cu_pages, max_pages, num_positions)
     out = torch.empty(num_positions, dtype=torch.int64, device=cu_pages.device)
     block = min(1024, triton.next_power_of_2(max_pages))
-    _plan_positions_kernel[(batch, triton.cdiv(max_pages, block))](cu_pages, out, max_pages, BLOCK=block)
+    launch(_plan_positions_kernel, (batch, triton.cdiv(max_pages, block)), (cu_pages, out, max_pages), {"BLOCK": block})
     return out
 
 
@@ -591,32 +630,21 @@ def assign_slots(
         block = BLOCKED_PLAN_BLOCK
         grid = triton.cdiv(num_positions, block)
         counts = torch.empty((grid, cp_size), dtype=torch.int64, device=device)
-        _owner_counts_kernel[(grid,)](
-            *table_args, counts, num_positions, max_pages, N=cp_size, NP2=np2, BLOCK=block, num_warps=8
+        launch(
+            _owner_counts_kernel,
+            (grid,),
+            (*table_args, counts, num_positions, max_pages),
+            {"N": cp_size, "NP2": np2, "BLOCK": block},
+            num_warps=8,
         )
         inclusive = counts.cumsum(0)
         offsets, totals = inclusive - counts, inclusive[-1]
-    _assign_slots_kernel[(grid,)](
-        *table_args,
-        cu_pages,
-        offsets,
-        totals,
-        logical,
-        slots,
-        table,
-        slot_phys,
-        status,
-        num_positions,
-        batch * max_pages,
-        max_pages,
-        chunk_slots,
-        slots_per_rank,
-        trash_page,
-        pad,
-        N=cp_size,
-        NP2=np2,
-        BLOCK=block,
-        BLOCKED=grid > 1,
+    launch(
+        _assign_slots_kernel,
+        (grid,),
+        (*table_args, cu_pages, offsets, totals, logical, slots, table, slot_phys, status, num_positions)
+        + (batch * max_pages, max_pages, chunk_slots, slots_per_rank, trash_page, pad),
+        {"N": cp_size, "NP2": np2, "BLOCK": block, "BLOCKED": grid > 1},
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
     return logical, slots, table, slot_phys[:send_entries], status
@@ -679,5 +707,6 @@ def positions_to_view_rows(
     t, k = positions.shape
     block = min(1024, triton.next_power_of_2(k))
     grid = (t, triton.cdiv(k, block))
-    _positions_to_rows_kernel[grid](positions, q_req, table, out, k, table.stride(0), page_size, BLOCK=block)
+    args = (positions, q_req, table, out, k, table.stride(0), page_size)
+    launch(_positions_to_rows_kernel, grid, args, {"BLOCK": block})
     return out

@@ -40,7 +40,13 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import positions_to_view_rows, prepare_gather
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    gather_launch,
+    positions_to_view_rows,
+    prepare_gather,
+    triton_enabled,
+    word_pair,
+)
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     OverflowCheck,
@@ -284,6 +290,7 @@ class ViewMaterializer:
         self._steps: list[list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]] = []
         # Per (layer, view set): its gather's launches, checked once per batch (``_prepare_gather``).
         self._launches: dict[tuple[int, int], tuple[list, int]] = {}
+        self._checked = False  # a gather of this materializer's buffers has passed prepare_gather's checks
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
@@ -528,8 +535,13 @@ class ViewMaterializer:
         counters.current_chunk_bytes_gathered += self._current_pages * page_bytes
 
     def _prepare_gather(self, layer: int, slot: int) -> tuple[list[tuple[Callable[[], None], list, list]], int]:
-        """``layer``'s gather into view set ``slot``, checked once per batch: per step ``(launch, the view
-        chunks to all-gather, this rank's part of them)``, and the bytes of one slot's pages."""
+        """``layer``'s gather into view set ``slot``, built once per batch: per step ``(launch, the view
+        chunks to all-gather, this rank's part of them)``, and the bytes of one slot's pages.
+
+        The pool's pages and the view buffers are this materializer's own (shapes fixed by the pool
+        and the plan), so the gather's checks run once (``prepare_gather``, at the first batch) and
+        later batches build the launches straight from the buffers (host time).
+        """
         pool = self.pool
         sources = [pool.latent_pages(layer)]
         if self._layer_has_index(layer):
@@ -537,8 +549,12 @@ class ViewMaterializer:
         used = len(sources)
         steps = []
         for page_ids, mine, whole in self._steps[slot]:
-            _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
+            if not self._checked or not triton_enabled(pool.device, self.use_triton) or not page_ids.shape[0]:
+                _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
+            else:
+                launch = gather_launch([word_pair(src, out) for src, out in zip(sources, mine)], page_ids)
             steps.append((launch, whole[:used], mine[:used]))
+        self._checked = True
         return steps, sum(src.shape[1] for src in sources)
 
     def _start_prefetch(self, layer: int, slot: int) -> None:

@@ -169,22 +169,29 @@ def prepare_gather(
     if not triton_enabled(srcs[0].device, use_triton):
         pairs = list(zip(srcs, outs))
         return outs, lambda: [gather_pages_ref(src, page_ids, out) for src, out in pairs]
-    args = []
-    for src, out in zip(srcs, outs):
-        s_words, o_words = _word_view(src), _word_view(out)
-        if s_words.dtype != o_words.dtype:
-            s_words, o_words = src, out
-        args.append((s_words, o_words, s_words.shape[1], s_words.stride(0), o_words.stride(0)))
+    return outs, gather_launch([word_pair(src, out) for src, out in zip(srcs, outs)], page_ids)
+
+
+def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``src`` and ``out`` as int32 words when both allow it (``_word_view``), else both as they are."""
+    s_words, o_words = _word_view(src), _word_view(out)
+    return (s_words, o_words) if s_words.dtype == o_words.dtype else (src, out)
+
+
+def gather_launch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor) -> PreparedLaunch:
+    """The gather kernel's launch copying ``pairs[k] = (src, out)`` pages ``page_ids`` (one or two pairs,
+    ``word_pair`` s of buffers ``prepare_gather`` accepts): its last step, for a caller that built and
+    checked the buffers itself (the view materializer, once per layer and batch)."""
+    args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
     block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
     a, b = args[0], args[-1]
-    launch = PreparedLaunch(
+    return PreparedLaunch(
         _gather_pages_kernel,
         (page_ids.shape[0], len(args)),
         (page_ids, *a, *b),
         {"BLOCK": block},
         num_warps=8 if block >= 2048 else 4,
     )
-    return outs, launch
 
 
 def _nothing() -> None:

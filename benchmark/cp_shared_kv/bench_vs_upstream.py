@@ -54,9 +54,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -304,6 +306,18 @@ def _topk_positions(k_u8, k_scale, q_u8, q_scale, weights, key_lens: list[int], 
         order = torch.sort(-s, stable=True).indices[:topk]
         out[t, : order.numel()] = order
     return out
+
+
+def _relative_paths(text: str) -> str:
+    """A profile's file names relative to this checkout or to the package directory that holds them."""
+    import site
+    import sysconfig
+
+    root = str(Path(__file__).resolve().parents[2]) + "/"
+    dirs = {sysconfig.get_paths()["purelib"], *site.getsitepackages(), *sys.path[1:]}
+    for d in sorted((d for d in dirs if d and Path(d).is_absolute()), key=len, reverse=True):
+        text = text.replace(d.rstrip("/") + "/", "")
+    return text.replace(root, "")
 
 
 def _rank(rank: int, world: int, args: dict) -> dict:
@@ -649,7 +663,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("tottime").print_stats(45)
         stats.sort_stats("cumulative").print_stats("sglang_cp_shared_kv", 60)  # our calls, inclusive
-        env["ours_forward_host_profile"] = text.getvalue()
+        env["ours_forward_host_profile"] = _relative_paths(text.getvalue())
     return {"rows": rows_out, "correct_all": correct_all, "env": env}
 
 

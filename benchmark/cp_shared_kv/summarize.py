@@ -193,6 +193,101 @@ def _side_by_side() -> list[str]:
     return lines
 
 
+# The host-cost runs of the wired path on one H200: (result file, commit it ran, what it shows).
+HOST_COST_RUNS = [
+    ("vs_upstream_1gpu_host_65ef8ce", "65ef8ce", "before: every launch through Triton's JIT"),
+    ("vs_upstream_1gpu_host_19a61fa", "19a61fa", "launch cache, copy-engine pulls computed once, raw stream handles"),
+    ("vs_upstream_1gpu_host", "cdd6d0a", "and the layer gathers built without per-call checks (another machine)"),
+]
+
+
+def _host_cost() -> list[str]:
+    """Per-call host costs, and the wired path's plan and per-layer read host time before and after trims."""
+    calls = _load("host_calls")
+    runs = [(_load(name), name, commit, what) for name, commit, what in HOST_COST_RUNS]
+    if calls is None or any(d is None for d, *_ in runs):
+        return []
+    lines = ["## Host cost of the SGLang-wired read path (1 x H200)", ""]
+    lines += [f"`{SGW_PREFIX}{calls['command']}` ({_env(calls)})", ""]
+    by_call: dict[str, dict] = {}
+    for r in calls["rows"]:
+        by_call.setdefault(r["call"], {"call": r["call"]})[r["sync_debug"]] = r["host_us"]
+        if r["sync_debug"] == "default":
+            by_call[r["call"]]["ratio"] = r["vs_torch_op"]
+    lines += _table(
+        list(by_call.values()),
+        [("call", "call"), ("default", "host µs"), ("warn", "host µs, sync-debug warn"), ("ratio", "x a torch op")],
+    )
+    lines += [
+        "",
+        "Each call alone, back to back, the GPU idle (`torch_add_`: one small torch op, the unit). On this",
+        "host a Triton launch through the JIT costs several torch ops; the same launch handed to the compiled",
+        "kernel's launcher (`PreparedLaunch`, `triton_gather_prepared`) about one. `torch.cuda.current_stream`",
+        "builds a Python object; the raw handle (`current_stream_handle`) does not. Each driver call of the",
+        "copy-engine all-gather (`driver_*`, through ctypes) costs less than a torch op.",
+        "[`benchmarks/host_calls_staging_ring.json`](benchmarks/host_calls_staging_ring.json): the same command",
+        "earlier that day on another machine (every call slower there), with a ring of reused pinned buffers",
+        "for the plan's host-to-device copies, since dropped: `pinned_staging_copy` 55 µs against",
+        "`pin_memory_copy` 25 µs (its event and stream calls cost more than the pinned allocation saved).",
+        "",
+    ]
+    rows = []
+    for d, name, commit, what in runs:
+        s = d["summary"]
+        rows.append(
+            {
+                "commit": commit,
+                "what": what,
+                "date": d["environment"]["date_utc"],
+                "ours_plan": s["ours_plan_host_us"],
+                "stock_plan": s["stock_plan_host_us"],
+                "ours_read": s["ours_read_host_us_per_layer"],
+                "stock_read": s["stock_read_host_us_per_layer"],
+                "read_ratio": round(s["ours_read_host_us_per_layer"] / s["stock_read_host_us_per_layer"], 2),
+                "correct": s["correct_all"],
+                "file": f"[`{name}.json`](benchmarks/{name}.json)",
+            }
+        )
+    lines += [f"`{SGW_PREFIX}{runs[-1][0]['command']}`, at each commit:", ""]
+    lines += _table(
+        rows,
+        [
+            ("commit", "commit"),
+            ("what", "change"),
+            ("date", "run (UTC)"),
+            ("ours_plan", "ours plan host µs"),
+            ("stock_plan", "stock plan host µs"),
+            ("ours_read", "ours read host µs/layer"),
+            ("stock_read", "stock read host µs/layer"),
+            ("read_ratio", "ours / stock read"),
+            ("correct", "correct_all"),
+            ("file", "result"),
+        ],
+    )
+    lines += [
+        "",
+        "The side-by-side harness on one GPU (both CP ranks share it, copy engines between the two",
+        "processes, prefetch on; 17 batches x 4 layers at 32K), host time inside the pool's calls while the",
+        "forward is queued: `plan` is `prepare_kv_shard_forward` and the batch's translation, `read` a",
+        "layer's indexer and latent reads with our view gather and its transfer. The first two rows ran on",
+        "one machine minutes apart (the first from a checkout of 65ef8ce); the third on another machine,",
+        "whose stock calls were slower, so compare it through the stock pool of its own run (`ours / stock",
+        "read`). Medians over batches. The 40 µs goal (plan and per-layer read) is **not met**: the stock",
+        "pool's own calls take 13-18 µs and 76-123 µs here, and ours add a gather launch, the copy-engine",
+        "calls and the prefetch's stream switches per layer, and some twenty torch ops and three launches",
+        "per plan. Where the rest goes, from cProfile of the third row's code (rank 0, inflated by the",
+        "profiler): [`benchmarks/vs_upstream_1gpu_profiled_host_profile.txt`](benchmarks/vs_upstream_1gpu_profiled_host_profile.txt)",
+        "(`--profile-host`, [`json`](benchmarks/vs_upstream_1gpu_profiled.json)). The GPU tests of the changed",
+        "code (`source .sgw/setup.sh; python3 -m pytest -q --timeout 120 test/srt/distributed/test_copy_engine_gpu.py",
+        "test/srt/sglang_wiring/test_read_state_ranks.py test/srt/layers/attention/nsa/test_materialize_gpu.py",
+        "test/srt/layers/attention/nsa/test_slot_overflow_gpu.py test/srt/layers/attention/nsa/test_gpu_cuda_graph.py",
+        "test/srt/layers/attention/nsa/test_materialize_staged.py`, 17 passed, the 2-GPU ones skipped) ran in the",
+        "same call: [`log`](benchmarks/gpu_tests_1gpu_host_cost.txt).",
+        "",
+    ]
+    return lines
+
+
 def render() -> str:
     lines = [
         "# Benchmarks",
@@ -365,6 +460,7 @@ def render() -> str:
         ["Run on the 2-core CPU machine (loopback TCP); shared host, so ratios move by about ±30% between runs."],
     )
     lines += _side_by_side()
+    lines += _host_cost()
     lines += SOAK_SECTION.splitlines() + [""]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -98,6 +98,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_host_calls times CUDA calls: it needs a CUDA GPU, and none is visible here")
     calls = calls_under_test()
     for fn in calls.values():  # compile, allocate, warm
         fn()

@@ -179,12 +179,10 @@ def _dsa_kwargs(ps: int, layers: int, device: torch.device, fp8: bool) -> dict:
 class _ShardGroup:
     """What SGLang's page-interleave pool reads of its ``GroupCoordinator``: size, rank, a CPU group, the device."""
 
-    def __init__(self, rank: int, world: int, device: torch.device):
-        import torch.distributed as dist
-
+    def __init__(self, rank: int, world: int, device: torch.device, cpu_group):
         self.world_size = world
         self.rank_in_group = rank
-        self.cpu_group = dist.new_group(list(range(world)), backend="gloo")
+        self.cpu_group = cpu_group
         self.device = device
 
 
@@ -224,11 +222,9 @@ class _Gate:
     wait for the other inside the next section's first collective.
     """
 
-    def __init__(self, device: torch.device):
-        import torch.distributed as dist
-
+    def __init__(self, device: torch.device, cpu_group):
         self.device = device
-        self.group = dist.new_group(backend="gloo")
+        self.group = cpu_group
 
     def __call__(self) -> None:
         import torch.distributed as dist
@@ -341,7 +337,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     size = (-(-total_tokens // (world * ps)) + 2 * world) * ps
     kwargs = _dsa_kwargs(ps, layers, device, fp8)
     group = CPGroup()
-    gate = _Gate(device)
+    import torch.distributed as dist
+
+    cpu_group = dist.new_group(backend="gloo")  # the timing gate's barriers, and SGLang's pool's CPU group
+    gate = _Gate(device, cpu_group)
     pools: dict[str, object] = {}
     with _no_dcp():
         if "ours" in paths:
@@ -361,7 +360,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
 
             spec = upstream_spec(rank, world, ps, scale.context_len, scale.chunk)
             pools["upstream"] = PageInterleaveDSATokenToKVPool(
-                size, shard_spec=spec, shard_group=_ShardGroup(rank, world, device), **kwargs
+                size, shard_spec=spec, shard_group=_ShardGroup(rank, world, device, cpu_group), **kwargs
             )
         stock = DSATokenToKVPool(world * phys * ps - ps, **kwargs)  # the same logical space, unsharded
         pools["stock"] = stock

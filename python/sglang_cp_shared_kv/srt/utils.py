@@ -1,11 +1,12 @@
-"""Argument checks shared by the plugin and the reference stack (no torch)."""
+"""Argument checks and small helpers shared by the plugin and the reference stack (imports without torch)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def check_int(name: str, value: Any, lo: int) -> None:
@@ -31,6 +32,8 @@ def current_stream_handle(device: torch.device) -> int:
     Without building a ``torch.cuda.Stream`` (``torch.cuda.current_stream(device)`` cost ~10 µs of
     host time per call on an H200 host: ``docs/benchmarks/host_calls.json``).
     """
+    import torch  # here, not at the top: this module imports without torch
+
     index = device.index if device.index is not None else torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream

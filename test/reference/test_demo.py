@@ -233,15 +233,21 @@ def test_demo_rejects_what_cannot_fit_or_be_written_before_any_work(tmp_path):
 @pytest.mark.mooncake
 def test_demo_ctrl_c_stops_every_process_without_a_traceback(tmp_path):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, while the ranks run."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_cp_shared_kv.reference.demo", "--cp-size", "2", "--requests", "1"]
-        + ["--request-len", "4096", "--layers", "1", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        start_new_session=True,
-    )
+    # The demo starts as from a terminal: SIGINT not ignored. A test session started as a background
+    # job ignores SIGINT, and an ignored signal stays ignored across exec; a handler does not.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_cp_shared_kv.reference.demo", "--cp-size", "2", "--requests", "1"]
+            + ["--request-len", "4096", "--layers", "1", "--out", str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     seen = []
     for line in proc.stdout:
         seen.append(line)

@@ -288,8 +288,6 @@ class ViewMaterializer:
         # of a layer's gather: (this rank's page ids, its part of each view, the chunk of each view).
         self._views: list[dict[str, torch.Tensor]] = []
         self._steps: list[list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]] = []
-        # Per (layer, view set): its gather's launches, checked once per batch (``_prepare_gather``).
-        self._launches: dict[tuple[int, int], tuple[list, int]] = {}
         self._checked = False  # a gather of this materializer's buffers has passed prepare_gather's checks
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
@@ -417,7 +415,6 @@ class ViewMaterializer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
         send, sc = plan.send_pages(rank), plan.chunk_slots
         self._views, self._steps = [], []
-        self._launches = {}
         pages = plan.view_pages + extra_pages
         for _ in range(copies):
             if self.arena is not None:
@@ -516,10 +513,7 @@ class ViewMaterializer:
         stream; the stream then waits for them all. On gloo every call completes in order.
         """
         plan, group = self.plan, self.group
-        prepared = self._launches.get((layer, slot))
-        if prepared is None:
-            prepared = self._launches[(layer, slot)] = self._prepare_gather(layer, slot)
-        steps, page_bytes = prepared
+        steps, page_bytes = self._prepare_gather(layer, slot)
         in_flight: list[PendingCollective] = []
         for launch, whole, mine in steps:
             launch()
@@ -535,8 +529,9 @@ class ViewMaterializer:
         counters.current_chunk_bytes_gathered += self._current_pages * page_bytes
 
     def _prepare_gather(self, layer: int, slot: int) -> tuple[list[tuple[Callable[[], None], list, list]], int]:
-        """``layer``'s gather into view set ``slot``, built once per batch: per step ``(launch, the view
-        chunks to all-gather, this rank's part of them)``, and the bytes of one slot's pages.
+        """``layer``'s gather into view set ``slot`` (a layer is gathered once per batch): per step
+        ``(launch, the view chunks to all-gather, this rank's part of them)``, and the bytes of one
+        slot's pages.
 
         The pool's pages and the view buffers are this materializer's own (shapes fixed by the pool
         and the plan), so the gather's checks run once (``prepare_gather``, at the first batch) and

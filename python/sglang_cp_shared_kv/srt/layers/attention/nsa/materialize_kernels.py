@@ -156,8 +156,7 @@ def prepare_gather(
     use_triton: bool | None = None,
 ) -> tuple[list[torch.Tensor], Callable[[], None]]:
     """``gather_page_buffers`` checked once: ``(outs, launch)``, where each ``launch()`` queues the same
-    gather again (these very tensors, on the current stream) without the checks. A read path that
-    repeats one layer's gather into the same view buffers prepares it once per batch (host time)."""
+    gather (these very tensors, on the current stream) without the checks."""
     if not 1 <= len(srcs) <= 2:
         raise ValueError(f"srcs must hold one or two buffers, got {len(srcs)}")
     if outs is not None and len(outs) != len(srcs):

@@ -46,20 +46,32 @@ BROKEN = (
 )
 
 
-def _launch(argv: list[str], broken: bool = False) -> tuple[int, list[str], float]:
-    """(exit code, stderr lines other than SGLang's log lines, seconds) of one launcher run."""
+# A launcher on an SGLang that reports another version (the version module is what SGLang itself reads).
+OTHER_VERSION = (
+    "import runpy, sys\n"
+    "import sglang.version\n"
+    "sglang.version.__version__ = '0.5.24'\n"
+    "sys.argv = ['launch_server', *sys.argv[1:]]\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__')\n"
+)
+
+
+def _launch(argv: list[str], broken: bool = False, script: str | None = None, env: dict | None = None, logs=False):
+    """(exit code, stderr lines other than SGLang's log lines (``logs``: with them), seconds) of one launcher run."""
     env = {
         **os.environ,
         "SGLANG_PLUGINS": "cp_shared_kv",
         "HF_ENDPOINT": "http://127.0.0.1:9",  # a closed port: any download attempt fails loudly
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "PYTHONWARNINGS": "ignore",
+        **(env or {}),
     }
-    head = [sys.executable, "-c", BROKEN] if broken else [sys.executable, "-m", "sglang.launch_server"]
+    script = BROKEN if broken else script
+    head = [sys.executable, "-c", script] if script else [sys.executable, "-m", "sglang.launch_server"]
     start = time.monotonic()
     proc = subprocess.run(head + argv, capture_output=True, text=True, timeout=240, env=env)
     # SGLang's own log lines ("[2026-01-01 00:00:00] ...") are not ours to judge.
-    lines = [x for x in proc.stderr.splitlines() if x.strip() and not re.match(r"\[\d{4}-\d\d-\d\d ", x)]
+    lines = [x for x in proc.stderr.splitlines() if x.strip() and (logs or not re.match(r"\[\d{4}-\d\d-\d\d ", x))]
     return proc.returncode, lines, time.monotonic() - start
 
 
@@ -82,7 +94,14 @@ def test_bare_flag_lists_every_problem_cleanly():
 
 
 def test_model_config_is_checked_before_the_network():
-    rc, lines, seconds = _launch(["--model-path", "x", FLAG, *CP])
+    """Also: an expert override of the SGLang version check warns once, naming both versions, and
+    every other check still runs (this launcher reports SGLang 0.5.24)."""
+    env = {"SGLANG_CP_SHARED_KV_ANY_SGLANG": "1"}
+    rc, lines, seconds = _launch(["--model-path", "x", FLAG, *CP], script=OTHER_VERSION, env=env, logs=True)
+    warnings = [x for x in lines if "SGLang 0.5.24 is installed" in x]
+    assert len(warnings) == 1, lines  # logged at WARNING (SGLang's log format shows no level)
+    assert "checked against SGLang 0.5.23 only; starting anyway" in warnings[0], lines
+    lines = [x for x in lines if not re.match(r"\[\d{4}-\d\d-\d\d ", x)]
     _assert_clean(rc, lines)
     assert len(lines) == 1 and "neither a local directory nor a model in the Hugging Face cache" in lines[0], lines
     assert seconds < 120, seconds
@@ -112,3 +131,12 @@ def test_a_hook_sglang_could_not_install_refuses_the_start():
 def test_a_broken_hook_is_harmless_without_the_flag():
     rc, lines, _ = _launch(["--model-path", "dummy", "--help"], broken=True)
     assert rc == 0, lines
+
+
+def test_another_sglang_version_refuses_in_one_line():
+    """The hooks wrap private functions of exactly the SGLang versions they were checked against."""
+    rc, lines, _ = _launch(["--model-path", "x", FLAG, *CP], script=OTHER_VERSION)
+    _assert_clean(rc, lines)
+    assert len(lines) == 1, lines
+    assert "SGLang 0.5.24 is installed" in lines[0] and "SGLang 0.5.23 only" in lines[0], lines
+    assert "SGLANG_CP_SHARED_KV_ANY_SGLANG=1" in lines[0], lines

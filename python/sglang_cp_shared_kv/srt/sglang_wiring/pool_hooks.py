@@ -39,7 +39,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-FLAG = "--enable-cp-shared-kv"
-ATTR = "enable_cp_shared_kv"
+from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import ATTR, FLAG
+
 _HELP = (
     "Shard the MLA latent + DSA indexer KV cache across the prefill context-parallel ranks: "
     "each logical page is stored once, on rank (page %% attn-cp-size), instead of on every CP rank. "
@@ -31,25 +32,6 @@ _HELP = (
     "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake. On a (non-CP) decode server "
     "with --disaggregation-mode decode: expect and check the prefill ranks' page manifests (sglang-cp-shared-kv plugin)."
 )
-
-
-def enabled(server_args: Any) -> bool:
-    """Whether a server-args record (or a resolving view of one) has the flag on."""
-    return bool(getattr(server_args, ATTR, False))
-
-
-def runtime_enabled() -> bool:
-    """Whether the server args published in this process have the flag on.
-
-    False before any server args are published (e.g. a pool built by a test).
-    """
-    from sglang.srt.runtime_context import get_context
-
-    try:
-        server_args = get_context().server_args
-    except ValueError:  # "Global server args is not set yet!"
-        return False
-    return enabled(server_args)
 
 
 class _FlagAction(argparse._StoreTrueAction):
@@ -62,8 +44,6 @@ class _FlagAction(argparse._StoreTrueAction):
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
-        from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
-
         startup_checks.install_clean_exit()
         lines = startup_checks.hook_rejections()
         if lines:

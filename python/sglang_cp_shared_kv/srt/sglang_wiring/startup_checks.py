@@ -15,11 +15,13 @@ configuration's rejections are raised together in one ``CPSharedKVStartupError``
 such an error prints as its lines alone, without a traceback. With the flag off
 both hooks only call the stock step.
 
-Before anything else, with the flag on: every hook the plugin registered must be
-installed in this process (SGLang's ``HookRegistry`` logs a target it cannot
-install and goes on: the server would start with replicated KV), and the model
-config must be readable without the network (a local directory, or a model in
-the Hugging Face cache), since the rest of resolution may download it.
+Before anything else, with the flag on: the installed SGLang must be a version the
+hooks were checked against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1``
+overrides, with a WARNING), every hook the plugin registered must be installed in this
+process (SGLang's ``HookRegistry`` logs a target it cannot install and goes on: the server
+would start with replicated KV), and the model config must be readable without the network
+(a local directory, or a model in the Hugging Face cache), since the rest of resolution may
+download it.
 
 What is accepted is exactly what the wiring honours (see ``sglang_wiring``):
 a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks,
@@ -38,7 +40,7 @@ import sys
 from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM as _INDEX_HEAD_DIM
-from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, enabled
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,10 @@ DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
 # Plain-MLA prefill backends that consume the same contract in 0.5.23.
 MLA_PREFILL_BACKENDS = ("fa3",)
 _DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages on CUDA
+# The SGLang releases whose private functions the hooks were written and tested against.
+SGLANG_VERSIONS = ("0.5.23",)
+ANY_SGLANG_ENV = "SGLANG_CP_SHARED_KV_ANY_SGLANG"
+_version_warned = False
 
 
 class CPSharedKVStartupError(ValueError):
@@ -68,10 +74,47 @@ def _not_wired(flag: str, value: Any) -> str:
     return f"{flag} is not set" if value in (None, "null", "") else f"{flag} {value} is not wired"
 
 
+def sglang_version_rejections() -> list[str]:
+    """One line when the installed SGLang is not one the hooks were checked against (``SGLANG_VERSIONS``).
+
+    The hooks wrap private functions whose signatures and call order change between releases: another
+    version may start and shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start anyway,
+    with a WARNING (once per process); the missing-hook check still runs.
+    """
+    global _version_warned
+    from sglang.version import __version__ as version
+
+    if version in SGLANG_VERSIONS:
+        return []
+    checked = " or ".join(SGLANG_VERSIONS)
+    if os.environ.get(ANY_SGLANG_ENV) == "1":
+        if not _version_warned:
+            logger.warning(
+                "%s: SGLang %s is installed, the plugin's hooks were checked against SGLang %s only; starting anyway "
+                "because %s=1",
+                FLAG,
+                version,
+                checked,
+                ANY_SGLANG_ENV,
+            )
+            _version_warned = True
+        return []
+    return [
+        _line(
+            f"SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang {checked} only",
+            f"install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk",
+        )
+    ]
+
+
 def hook_rejections() -> list[str]:
-    """One line naming every plugin hook SGLang did not install in this process (none: ``[]``)."""
+    """The SGLang version line, else one line naming every plugin hook SGLang did not install in this
+    process (none: ``[]``)."""
     from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
 
+    version = sglang_version_rejections()
+    if version:
+        return version  # another version's missing hooks follow from it
     missing = missing_hooks()
     if not missing:
         return []
@@ -79,7 +122,7 @@ def hook_rejections() -> list[str]:
         _line(
             f"SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs such a "
             "failure and goes on, which would leave the KV replicated)",
-            "run sglang==0.5.23, whose functions these hooks wrap, or drop the flag",
+            f"run sglang=={SGLANG_VERSIONS[-1]}, whose functions these hooks wrap, or drop the flag",
         )
     ]
 

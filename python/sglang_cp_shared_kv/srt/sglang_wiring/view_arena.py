@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions, ceil_align
-from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG
 from sglang_cp_shared_kv.srt.utils import check_int, env_int
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,31 @@
+"""The ``--enable-cp-shared-kv`` flag: its name, and whether a server-args record (or this process) has it on.
+
+Every wiring module reads the flag through here; ``server_args_hook`` puts it on SGLang's parser
+and server-args record, ``startup_checks`` checks what it may be combined with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLAG = "--enable-cp-shared-kv"
+ATTR = "enable_cp_shared_kv"
+
+
+def enabled(server_args: Any) -> bool:
+    """Whether a server-args record (or a resolving view of one) has the flag on."""
+    return bool(getattr(server_args, ATTR, False))
+
+
+def runtime_enabled() -> bool:
+    """Whether the server args published in this process have the flag on.
+
+    False before any server args are published (e.g. a pool built by a test).
+    """
+    from sglang.srt.runtime_context import get_context
+
+    try:
+        server_args = get_context().server_args
+    except ValueError:  # "Global server args is not set yet!"
+        return False
+    return enabled(server_args)

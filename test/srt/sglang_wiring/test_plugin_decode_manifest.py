@@ -443,6 +443,13 @@ def _worker(model_dir: str) -> None:
 
     runs = {}
     publish_flag(True)
+    # The plugin's series, as a decode server with --enable-metrics builds them (single-process registry here).
+    from prometheus_client import REGISTRY
+
+    from sglang_cp_shared_kv.srt.sglang_wiring import metrics
+
+    labels = {"model_name": "tiny", "engine_type": "decode", "tp_rank": "0", "cp_rank": "0"}
+    metrics.use(metrics.CPSharedKVMetrics(labels))
     # "good" stays in flight (one rank's first chunk sent) while every faulty request runs and fails.
     good = Request(0)
     good.send(1, 0)
@@ -456,6 +463,7 @@ def _worker(model_dir: str) -> None:
     good.send(0, 0)
     good.send(0, 1)
     runs["good"].update(good.verdict())
+    out["manifest_rejections"] = REGISTRY.get_sample_value("sglang:cp_shared_kv_manifest_rejections_total", labels)
     publish_flag(False)
     for idx, req in enumerate(REQUESTS):
         if not req[2]:
@@ -566,6 +574,11 @@ def test_a_wrong_manifest_fails_only_that_request(results, name, phrase):
     if [r for r in REQUESTS if r[0] == name][0][-1]:
         # The faulty rank reported first; the decode held the request until the other rank was done too.
         assert run["held_poll"] not in (None, FAILED, SUCCESS), run["held_poll"]
+
+
+def test_each_refused_request_counts_once_in_the_metrics(results):
+    failed = [name for name, run in results["runs"].items() if run["poll"] == FAILED]
+    assert len(failed) == 6 and results["manifest_rejections"] == len(failed), results["manifest_rejections"]
 
 
 def test_wrong_shares_really_corrupt_what_the_check_rejects(results):

@@ -12,6 +12,8 @@
 - ``transfer``: SGLang's Mooncake sender in sharded mode (owned pages at their positions), and
   each prefill rank's manifest on its Success status.
 - ``decode_manifest``: on a decode server, the manifests checked before a request is ready.
+- ``metrics``: each prefill CP rank's startup line, and the plugin's series in SGLang's
+  ``/metrics`` (``--enable-metrics``).
 
 Each module lists its hooks in a table (``HOOKS``: target, hook, ``"after"`` or ``"around"``;
 ``startup_checks.RESOLUTION_HOOKS``: resolution step, check); ``register`` installs them all.
@@ -25,13 +27,21 @@ def hook_tables() -> list[tuple[str, object, str]]:
     """Every (target, hook, kind) the plugin registers with SGLang's ``HookRegistry``, in order."""
     from sglang_cp_shared_kv.srt.sglang_wiring import (
         decode_manifest,
+        metrics,
         pool_hooks,
         server_args_hook,
         transfer,
         view_arena,
     )
 
-    return [*server_args_hook.HOOKS, *pool_hooks.HOOKS, *view_arena.HOOKS, *transfer.HOOKS, *decode_manifest.HOOKS]
+    return [
+        *server_args_hook.HOOKS,
+        *pool_hooks.HOOKS,
+        *view_arena.HOOKS,
+        *transfer.HOOKS,
+        *decode_manifest.HOOKS,
+        *metrics.HOOKS,
+    ]
 
 
 def _wraps(target: str, hook: object) -> bool:

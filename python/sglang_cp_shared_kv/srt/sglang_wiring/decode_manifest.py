@@ -35,6 +35,7 @@ from typing import Any
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring import metrics
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.transfer import MANIFEST_FRAME, latent_page_bytes
 
@@ -159,6 +160,7 @@ def check_status_message(original, mgr, msg):
             return parsed
         if was_ok:
             logger.error("%s: manifest check failed: %s", FLAG, check.error)
+            metrics.count_manifest_rejection()
         if len(check.reported) < check.senders:
             return None  # hold: another prefill rank may still be writing into these pages
         return room, failed, prefill_rank, f"{FLAG}: manifest check failed: {check.error}".replace("\n", " ")

@@ -1,0 +1,267 @@
+"""What ``--enable-cp-shared-kv`` does, per CP rank: one startup line, and metrics in SGLang's ``/metrics``.
+
+**Startup line** (INFO, every prefill CP rank, once its pool and allocator are built): the CP size,
+the KV token slots this rank holds against the logical tokens the group caches (and what a
+replicated pool would hold in the same memory), the view arena, the transport setting and whether
+views are prefetched.
+
+**Metrics** (only with SGLang's ``--enable-metrics``). SGLang serves ``/metrics`` from
+prometheus_client's multiprocess directory (``$PROMETHEUS_MULTIPROC_DIR``, set by its launcher
+before the scheduler processes start); each scheduler writes its own series there. These are made
+the same way: prometheus_client imported only when they are built, gauges in ``mostrecent`` mode,
+names ``sglang:cp_shared_kv_*``, labels ``model_name``, ``engine_type``, ``tp_rank`` (plus
+``--extra-metric-labels``) and ``cp_rank``: every CP rank reports its own shard (SGLang's own
+scheduler metrics come from CP rank 0 only).
+
+================================================  =========  ===========================================
+``sglang:cp_shared_kv_held_tokens``               gauge      KV token slots this rank's pool holds
+``sglang:cp_shared_kv_logical_capacity_tokens``   gauge      logical tokens the CP group caches (N x)
+``sglang:cp_shared_kv_view_arena_bytes``          gauge      the view arena, allocated once
+``sglang:cp_shared_kv_view_arena_peak_used_bytes`` gauge     the most of it one batch has used
+``sglang:cp_shared_kv_view_bytes_received_per_batch`` histogram  bytes one batch's views received
+``sglang:cp_shared_kv_view_bytes_received_total`` counter    the same, summed over batches
+``sglang:cp_shared_kv_arena_deferrals_total``     counter    times admission held a request back
+``sglang:cp_shared_kv_view_transport``            gauge      1 on the transport the views use
+``sglang:cp_shared_kv_slot_overflows_total``      counter    batches failed by a slot overflow
+``sglang:cp_shared_kv_manifest_rejections_total`` counter    requests a decode server refused
+================================================  =========  ===========================================
+
+Every value is one the host already has: sizes from the pool and allocator, per-batch byte counts
+that the read path sums from host lengths (``BatchCounters``), the arena share from the shapes of
+the buffers the batch reads, SGLang's admission answer. Nothing reads the device. A batch's view
+bytes are recorded when the next batch begins (its layers have all read their views by then).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "sglang:cp_shared_kv_"
+# Bytes a batch receives: 0 (current-reuse) and powers of 4 from 1 MiB to 64 GiB (a 128k-token
+# GLM-5 prefix at CP 8 is ~7 GB over its 78 layers).
+BYTES_BUCKETS = (0.0, *(float(4**k * 2**20) for k in range(9)))
+
+
+class CPSharedKVMetrics:
+    """The plugin's Prometheus series for one process, under ``labels`` (SGLang's scheduler labels + ``cp_rank``)."""
+
+    def __init__(self, labels: dict[str, Any]):
+        # As SGLang's collectors: prometheus_client only after $PROMETHEUS_MULTIPROC_DIR is set.
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.labels = {k: str(v) for k, v in labels.items()}
+        names = list(self.labels)
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return Gauge(PREFIX + name, doc, [*names, *extra], multiprocess_mode="mostrecent")
+
+        self.held_tokens = gauge("held_tokens", "KV token slots this CP rank's pool holds (1/N of every page).")
+        self.logical_capacity_tokens = gauge(
+            "logical_capacity_tokens",
+            "Logical KV tokens the CP group caches with the sharding (the widened allocator).",
+        )
+        self.view_arena_bytes = gauge("view_arena_bytes", "Bytes of this rank's view arena, allocated once.")
+        self.view_arena_peak_used_bytes = gauge(
+            "view_arena_peak_used_bytes", "The most bytes of the view arena one batch's read buffers have used."
+        )
+        self.view_transport = gauge(
+            "view_transport", "1 on the transport this rank's views are all-gathered with.", ("transport",)
+        )
+        self.view_bytes_received_per_batch = Histogram(
+            PREFIX + "view_bytes_received_per_batch",
+            "Bytes of prefix pages one batch's views received from the other CP ranks, all layers.",
+            names,
+            buckets=BYTES_BUCKETS,
+        )
+        self.view_bytes_received_total = Counter(
+            PREFIX + "view_bytes_received_total", "Bytes of prefix pages the views received from other CP ranks.", names
+        )
+        self.arena_deferrals = Counter(
+            PREFIX + "arena_deferrals_total",
+            "Times SGLang's admission held a request back because the batch's views would not fit the view arena.",
+            names,
+        )
+        self.slot_overflows = Counter(
+            PREFIX + "slot_overflows_total", "Batches failed because their pages did not rotate owners.", names
+        )
+        self.manifest_rejections = Counter(
+            PREFIX + "manifest_rejections_total",
+            "Requests whose prefill page manifests the decode server refused.",
+            names,
+        )
+        self._peak_used = 0
+        self._recorded = None  # the last BatchCounters recorded (a batch is recorded once)
+        self._transport: str | None = None
+
+    def series(self, metric: Any) -> Any:
+        """``metric``'s series for this process's labels."""
+        return metric.labels(**self.labels)
+
+    def pools_built(self, pool: Any, allocator: Any) -> None:
+        """Sizes fixed at start-up: the shard, the logical capacity, the arena."""
+        self.series(self.held_tokens).set(pool.size)
+        self.series(self.logical_capacity_tokens).set(allocator.size)
+        self.series(self.view_arena_bytes).set(arena_bytes(pool))
+
+    def batch_begun(self, pool: Any) -> None:
+        """After ``begin_shard_extend``: the arena share of this batch's read buffers, the transport once chosen."""
+        read = pool.read
+        if read.arena is not None and read.stage_latent is not None:
+            sets = read.views.view_sets if read.mode == "materialized" else 1
+            used = sets * sum(t.nbytes for t in (read.stage_latent, read.stage_index) if t is not None)
+            if used > self._peak_used:
+                self._peak_used = used
+                self.series(self.view_arena_peak_used_bytes).set(used)
+        if self._transport is None and read.views is not None and read.views.group is not None:
+            self._transport = transport_name(read.views.group)
+            self.view_transport.labels(**self.labels, transport=self._transport).set(1)
+
+    def batch_done(self, counters: Any) -> None:
+        """A batch whose layers have all read their views (``BatchCounters``, host ints): its received bytes."""
+        if counters is None or counters is self._recorded:
+            return
+        self._recorded = counters
+        self.series(self.view_bytes_received_per_batch).observe(counters.bytes_received)
+        if counters.bytes_received:
+            self.series(self.view_bytes_received_total).inc(counters.bytes_received)
+
+
+def arena_bytes(pool: Any) -> int:
+    """Bytes of a CP-shared pool's view arena (0 without one)."""
+    arena = pool.read.arena
+    return sum(t.nbytes for t in arena.values()) if arena is not None else 0
+
+
+def transport_name(group: Any) -> str:
+    """``copy_engine`` for the copy-engine group, else the CP group's collective backend (``nccl``, ``gloo``)."""
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
+
+    return "copy_engine" if isinstance(group, CopyEngineGroup) else str(group.backend)
+
+
+def sglang_labels() -> dict[str, Any]:
+    """SGLang's scheduler metric labels for this process (``model_name``, ``engine_type``, ``tp_rank``, its
+    extra labels) and ``cp_rank``."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_serving
+
+    parallel = get_parallel()
+    labels = {
+        "model_name": get_serving().served_model_name,
+        "engine_type": DisaggregationMode.to_engine_type(get_disagg().disaggregation_mode),
+        "tp_rank": parallel.tp_rank,
+        "cp_rank": parallel.attn_cp_rank,
+    }
+    labels.update(get_observability().extra_metric_labels or {})
+    return labels
+
+
+_metrics: CPSharedKVMetrics | None = None
+_decided = False
+
+
+def get() -> CPSharedKVMetrics | None:
+    """This process's metrics when the flag and ``--enable-metrics`` are on (built at the first call), else None."""
+    global _metrics, _decided
+    if not _decided:
+        from sglang.srt.runtime_context import get_observability
+
+        if not runtime_enabled():
+            return None  # no server args published yet: decide later
+        _decided = True
+        if get_observability().enable_metrics:
+            _metrics = CPSharedKVMetrics(sglang_labels())
+    return _metrics
+
+
+def use(metrics: CPSharedKVMetrics | None) -> None:
+    """Record into ``metrics`` from now on in this process (a caller that builds its own labels)."""
+    global _metrics, _decided
+    _metrics, _decided = metrics, True
+
+
+def startup_line(pool: Any, allocator: Any) -> str:
+    """The one line a prefill CP rank logs once its pool and allocator are built."""
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import TRANSPORT_ENV, transport_setting
+
+    spec = pool.spec
+    n = spec.cp_size
+    arena = arena_bytes(pool)
+    # The arena was charged to the KV budget: a replicated pool would hold those bytes as tokens.
+    token_bytes = (spec.row_bytes + (INDEX_TOKEN_BYTES if spec.with_indexer else 0)) * len(pool.kv_buffer)
+    replicated = pool.size + arena // token_bytes
+    return (
+        f"{FLAG}: CP rank {spec.cp_rank} of {n}: holds 1/{n} of every KV page, {pool.size} token slots for "
+        f"{allocator.size} logical tokens over the CP group (a replicated pool in this memory: about {replicated} "
+        f"tokens); view arena {arena / 2**20:.1f} MiB; view transport {transport_setting()} ({TRANSPORT_ENV}); "
+        f"prefetch {'on' if pool.read.prefetch else 'off'}"
+    )
+
+
+# -- hooks --
+
+
+def _ours(pool: Any) -> bool:
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    return isinstance(pool, CPSharedKVPoolMixin)
+
+
+def report_pools(result, _configurator, **_kwargs):
+    """AFTER hook on ``KVCacheConfigurator._init_pools``: the startup line and the start-up sizes."""
+    pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
+    if not _ours(pool):
+        return result
+    logger.info(startup_line(pool, allocator))
+    metrics = get()
+    if metrics is not None:
+        metrics.pools_built(pool, allocator)
+    return result
+
+
+def observe_batch(original, pool, req_to_token, forward_batch):
+    """AROUND ``prepare_kv_shard_forward``: the previous batch's bytes, this batch's arena share, overflows."""
+    metrics = get() if _ours(pool) else None
+    if metrics is None:
+        return original(pool, req_to_token, forward_batch)
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
+
+    metrics.batch_done(pool.read.counters)  # every layer of the previous batch has read its view
+    try:
+        extend = original(pool, req_to_token, forward_batch)
+    except SlotOverflowError:
+        metrics.series(metrics.slot_overflows).inc()
+        raise
+    if extend:
+        metrics.batch_begun(pool)
+    return extend
+
+
+def count_deferral(reserved: bool, adder, *_args, **_kwargs) -> bool:
+    """AFTER hook on ``PrefillAdder._kv_shard_reserve_scratch``: a request held back by the view arena."""
+    if not reserved and getattr(adder.token_to_kv_pool_allocator, "cp_shared_arena", False):
+        metrics = get()
+        if metrics is not None:
+            metrics.series(metrics.arena_deferrals).inc()
+    return reserved
+
+
+def count_manifest_rejection() -> None:
+    """A decode server refused a request's manifests (``decode_manifest``)."""
+    metrics = get()
+    if metrics is not None:
+        metrics.series(metrics.manifest_rejections).inc()
+
+
+# (target, hook, kind) for ``sglang_wiring.register``.
+HOOKS = [
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools", report_pools, "after"),
+    ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", observe_batch, "around"),
+    ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", count_deferral, "after"),
+]

@@ -90,7 +90,7 @@ def test_bytes_rank_and_repeat():
     col = ManifestCollector("r", 6, 2, PAGE_BYTES)
     _rejects(col, _manifest(table, 0, 2, nbytes=3 * PAGE_BYTES + 1), "bytes for 3 pages")
     _rejects(col, _manifest(table, 2, 2), "rank 2 out of range")
-    _rejects(col, _manifest(table, 0, 2, rid="other"), "given to request")
+    _rejects(col, _manifest(table, 0, 2, rid="other"), "the manifest is for request 'other'")
     col.add(_manifest(table, 0, 2))
     _rejects(col, _manifest(table, 0, 2), "second manifest")
 

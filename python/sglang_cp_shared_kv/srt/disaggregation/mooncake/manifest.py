@@ -54,7 +54,7 @@ class ManifestCollector:
         """
         rank, rid = m.rank, self.request_id
         if m.request_id != rid:
-            raise ManifestError(f"manifest for {m.request_id!r} given to request {rid!r}")
+            raise ManifestError(f"request {rid}: the manifest is for request {m.request_id!r:.80}")
         if not 0 <= rank < self.cp_size:
             raise ManifestError(f"request {rid}: manifest rank {rank} out of range [0, {self.cp_size})")
         if rank in self.reported_by:

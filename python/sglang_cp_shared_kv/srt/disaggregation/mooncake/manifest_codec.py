@@ -22,6 +22,9 @@ from typing import Any
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 256
 MAX_REASON_CHARS = 4096
+MAX_MESSAGE_BYTES = 64 << 20  # a manifest of ~3M pages; anything larger is refused unparsed
+MAX_INT = (1 << 63) - 1  # every int fits an int64 (the collector's arrays)
+MAX_INDEX = (1 << 31) - 1  # pages and positions are SGLang's int32 KV indices
 
 
 class ControlMessageError(ValueError):
@@ -29,10 +32,10 @@ class ControlMessageError(ValueError):
 
 
 # -- field validators: each returns the normalized value or raises ControlMessageError --
-def int_field(lo: int = 0) -> Callable[[str, Any], int]:
+def int_field(lo: int = 0, hi: int = MAX_INT) -> Callable[[str, Any], int]:
     def check(name: str, v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ControlMessageError(f"{name} must be an int >= {lo}, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ControlMessageError(f"{name} must be an int >= {lo} and <= {hi}, got {v!r:.40}")
         return v
 
     return check
@@ -56,11 +59,12 @@ def str_field(max_chars: int, allow_empty: bool = False) -> Callable[[str, Any],
 
 
 def int_list_field(name: str, v: Any) -> tuple[int, ...]:
+    """A list of SGLang KV indices: ints in [0, MAX_INDEX]."""
     if not isinstance(v, (list, tuple)):
-        raise ControlMessageError(f"{name} must be a list of ints >= 0, got {type(v).__name__}")
+        raise ControlMessageError(f"{name} must be a list of ints >= 0 and <= {MAX_INDEX}, got {type(v).__name__}")
     for i, x in enumerate(v):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise ControlMessageError(f"{name}[{i}] must be an int >= 0, got {x!r}")
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_INDEX:
+            raise ControlMessageError(f"{name}[{i}] must be an int >= 0 and <= {MAX_INDEX}, got {x!r:.40}")
     return tuple(v)
 
 
@@ -103,10 +107,16 @@ def _build(cls, body: dict) -> Any:
 
 def decode_message(data: bytes, types: Mapping[str, type]) -> Any:
     """Parse and validate one message of one of ``types`` (``TYPE`` -> class); raise ``ControlMessageError``."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ControlMessageError(f"control message must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ControlMessageError(f"control message has {len(data)} bytes, at most {MAX_MESSAGE_BYTES} allowed")
     try:
-        obj = json.loads(data.decode("utf-8"))
+        obj = json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ControlMessageError(f"control message is not valid JSON: {e}") from None
+    except RecursionError:  # nesting deeper than the parser's stack
+        raise ControlMessageError("control message is not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise ControlMessageError(f"control message must be a JSON object, got {type(obj).__name__}")
     version = obj.pop("v", None)

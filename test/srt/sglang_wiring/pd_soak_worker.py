@@ -131,10 +131,10 @@ def page_digests(pool: Any, pages: Any, ps: int) -> list[str]:
     return out
 
 
-def _manager(mode: Any, engine: Any, kv_args: Any, rank: int, shard_size: int) -> Any:
+def _manager(mode: Any, engine: Any, kv_args: Any, rank: int, shard_size: int, host: str) -> Any:
     from test_plugin_decode_manifest import _manager as build
 
-    m = build(mode, engine, kv_args, rank, shard_size)
+    m = build(mode, engine, kv_args, rank, shard_size, host)
     m.enable_deferred_decode_kv_release = True  # SGLang's default for Mooncake
     return m
 
@@ -215,9 +215,9 @@ def decode_main(cfg: dict) -> None:
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
         pool, alloc = _configurator_build(dsa_config, cfg["decode_pages"] * ps, ps)
     aux = torch.zeros(N_AUX, 64, dtype=torch.uint8)
-    engine = MooncakeTransferEngine("127.0.0.1")
+    engine = MooncakeTransferEngine(cfg["decode_ip"])
     ledger = EngineLedger(engine, _register(engine, [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]))
-    mgr = _manager(DisaggregationMode.DECODE, engine, _kv_args(pool, aux, 0, ps), 0, 1)
+    mgr = _manager(DisaggregationMode.DECODE, engine, _kv_args(pool, aux, 0, ps), 0, 1, cfg["decode_ip"])
     mgr.waiting_timeout = cfg["waiting_timeout_s"]
     mgr.start_decode_thread()
     info = _prefill_info(n, ps)
@@ -225,7 +225,7 @@ def decode_main(cfg: dict) -> None:
     mgr.prefill_info_table[ADDR] = info
     for cp in info.target_cp_ranks:
         mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
-            {"rank_ip": "127.0.0.1", "rank_port": cfg["prefill_ports"][cp], "is_dummy": False}
+            {"rank_ip": cfg["prefill_ip"], "rank_port": cfg["prefill_ports"][cp], "is_dummy": False}
         ]
     free_at_start = int(alloc.available_size())
     aux_free = list(range(N_AUX))
@@ -408,6 +408,7 @@ class Request:
     alloc_pages: int = 0  # pages the allocators' free count dropped by for this request
     freed_pages: int = 0  # pages their free count rose by when it was freed
     t0: float = 0.0
+    t_prefill_end: float = 0.0
     t_end: float = 0.0
 
 
@@ -417,8 +418,9 @@ class DecodeProc:
     def __init__(self, cfg: dict, incarnation: int, log_path: str, env: dict):
         self.incarnation = incarnation
         self.log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "decode", json.dumps(cfg)],
+        netns = ["ip", "netns", "exec", cfg["decode_netns"]] if cfg.get("decode_netns") else []
+        self.proc = subprocess.Popen(  # ``ip netns exec`` execs the command: the pid is the decode's
+            [*netns, sys.executable, os.path.abspath(__file__), "decode", json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -459,6 +461,7 @@ def _plan(rng: random.Random, cfg: dict, n: int, ps: int) -> list[Request]:
     """The requests: random lengths (log-uniform), a few huge ones, random chunking and aborts."""
     total, reqs = cfg["requests"], []
     huge_at = set(rng.sample(range(1, total), max(1, round(total * cfg["huge_fraction"]))))
+    pre_at = set(rng.sample(sorted(set(range(1, total)) - huge_at), max(2, round(total * 0.03))))
     for i in range(total):
         room = cfg["room_base"] + i
         huge = i in huge_at
@@ -475,6 +478,8 @@ def _plan(rng: random.Random, cfg: dict, n: int, ps: int) -> list[Request]:
         abort = None
         if not huge and rng.random() < cfg["abort_fraction"]:
             abort = (rng.choice(["decode", "both"]), rng.choice(["boot", "mid", "late"]))
+        if i in pre_at:  # the client abort reached the prefill before the decode's destinations
+            abort = ("both", "pre")
         reqs.append(Request(room, tokens, n_pages, cuts, abort, huge))
     return reqs
 
@@ -498,7 +503,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_cp_shared_kv.srt.sglang_wiring import transfer
+    from sglang_cp_shared_kv.srt.sglang_wiring import connector_bounds, transfer
 
     t_start = time.monotonic()
     n, ps, model_dir = cfg["n"], cfg["ps"], cfg["model_dir"]
@@ -581,10 +586,10 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     executor = concurrent.futures.ThreadPoolExecutor(2)
     mgrs, ledgers, auxes = [], [], []
     for rank, pool in enumerate(pools):
-        engine = MooncakeTransferEngine("127.0.0.1")
+        engine = MooncakeTransferEngine(cfg["prefill_ip"])
         aux = torch.full((N_AUX, 64), 100 + rank, dtype=torch.uint8)
         ledgers.append(EngineLedger(engine, _register(engine, [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux])))
-        m = _manager(DisaggregationMode.PREFILL, engine, _kv_args(pool, aux, rank, ps), rank, n)
+        m = _manager(DisaggregationMode.PREFILL, engine, _kv_args(pool, aux, rank, ps), rank, n, cfg["prefill_ip"])
         m.bootstrap_timeout = cfg["bootstrap_timeout_s"]
         m.transfer_queues = [FastQueue()]
         m.start_prefill_thread()
@@ -601,9 +606,12 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         "model_dir": model_dir,
         "decode_pages": cfg["decode_pages"],
         "prefill_ports": [m.rank_port for m in mgrs],
+        "prefill_ip": cfg["prefill_ip"],
+        "decode_ip": cfg["decode_ip"],
         "release_timeout_s": cfg["release_timeout_s"],
         "waiting_timeout_s": cfg["waiting_timeout_s"],
         "finish_timeout_s": cfg["finish_timeout_s"],
+        "decode_netns": cfg.get("decode_netns"),
     }
     log_path = cfg["decode_log"]
     incarnations: list[dict] = []
@@ -625,7 +633,14 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     finished: list[Request] = []
     kill_at = int(len(reqs) * cfg["kill_at"])
     stop_at = int(len(reqs) * cfg["stop_at"])
-    faults: dict[str, Any] = {"killed": None, "stopped": None}
+    faults: dict[str, Any] = {"killed": None, "stopped": None, "partition": None}
+    link = cfg.get("partition_link")  # the prefill's end of the link to the decode (namespaced runs)
+    partition_at = int(len(reqs) * cfg["partition_at"]) if link else None
+    partition_until = None
+
+    def set_link(state: str) -> None:
+        subprocess.run(["ip", "link", "set", "dev", link, state], check=True, timeout=10, capture_output=True)
+
     started = 0
     stopped_until = None
     t_deadline = t_start + cfg["run_timeout_s"]
@@ -681,6 +696,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         req.prefill_status = "success" if ok else "failed"
         req.prefill_reason = "; ".join(sorted(set(reasons)))[:300]
         req.prefill_clean = room_clean(req.room)
+        req.t_prefill_end = time.monotonic()
         req.state = "await_decode"
 
     def fits(req: Request) -> bool:
@@ -696,8 +712,15 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         req.senders = [MooncakeKVSender(m, ADDR, req.room) for m in mgrs]
         for s in req.senders:
             s.init(req.n_pages, aux_index=req.aux_idx)
-        decode.send({"op": "new", "room": req.room, "n_pages": req.n_pages})
         req.state = "boot"
+        if req.abort == ("both", "pre"):  # the prefill drops the request before the decode sends its pages
+            abort_prefill(req)
+            conclude_prefill(req)
+            decode.send({"op": "new", "room": req.room, "n_pages": req.n_pages})
+            decode.send({"op": "abort", "room": req.room})
+            req.aborted = True
+            return True
+        decode.send({"op": "new", "room": req.room, "n_pages": req.n_pages})
         return True
 
     def send_chunk(req: Request) -> None:
@@ -763,9 +786,37 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         inflight.remove(req)
         finished.append(req)
 
-    last_progress = 0.0
+    def room_tables(m: Any) -> int:
+        """The most rooms any of a prefill manager's per-room tables holds."""
+        return max(
+            len(m.request_status),
+            len(m.transfer_infos),
+            len(m.req_to_decode_prefix_len),
+            len(m.failure_records),
+            len(m.__dict__.get(transfer._SHARES_ATTR, {})),
+        )
+
+    def sample_tables() -> None:
+        """Per rank, how far its tables exceed the requests in flight at the prefill (kept if it lasts)."""
+        at_prefill = sum(1 for r in inflight if r.state != "await_decode")
+        for rank, m in enumerate(mgrs):
+            excess = room_tables(m) - at_prefill
+            if excess > 0:  # a room between two of SGLang's table updates: look again
+                time.sleep(0.02)
+                excess = room_tables(m) - at_prefill
+            bounds_seen[rank]["max_excess_over_in_flight"] = max(bounds_seen[rank]["max_excess_over_in_flight"], excess)
+            poisoned = len(m._deferred_ack_poisoned_rooms)
+            bounds_seen[rank]["max_poisoned"] = max(bounds_seen[rank]["max_poisoned"], poisoned)
+        bounds_seen_samples[0] += 1
+
+    bounds_seen = [{"max_excess_over_in_flight": -(10**9), "max_poisoned": 0} for _ in mgrs]
+    bounds_seen_samples = [0]
+    last_progress, last_sample = 0.0, 0.0
     while pending or inflight:
         now = time.monotonic()
+        if now - last_sample > 0.1:
+            last_sample = now
+            sample_tables()
         if now - last_progress > 1.0:
             last_progress = now
             states = sorted(f"{r.room}:{r.state}" for r in inflight)
@@ -778,27 +829,61 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
             break
         # -- faults --
         huge_in_flight = any(r.huge and r.state != "await_decode" for r in inflight)
-        if faults["killed"] is None and started >= kill_at and not huge_in_flight:
+        # The kill waits for a request with chunks still to send whose destinations reached every rank:
+        # the router does not abort that one at the prefill, so its next chunk goes to the dead decode
+        # (a failed Mooncake batch, which poisons the room's abort acknowledgement).
+        victims, poison_victim = [], None
+        if faults["killed"] is None and started >= kill_at and not huge_in_flight and partition_until is None:
             take_decode_messages()
             victims = [r for r in inflight if r.incarnation == decode.incarnation and r.decode is None]
-        else:
-            victims = []
+            sending = [
+                r
+                for r in victims
+                if r.state == "send" and r.chunk <= len(r.cuts) and min_poll(r) >= KVPoll.WaitingForInput
+            ]
+            if sending:
+                poison_victim = sending[0]
+            elif started < int(len(reqs) * 0.9):
+                victims = []  # not yet: wait for such a request
         if victims:  # kill only with requests the decode has not concluded
             t0 = time.monotonic()
             decode.proc.kill()
             decode.proc.wait(timeout=30)
             for r in victims:  # the router sees the decode gone and aborts those requests at the prefill
                 r.decode = {"op": "done", "room": r.room, "status": "lost", "reason": "decode process killed"}
-                if r.state != "await_decode":
+                if r.state != "await_decode" and r is not poison_victim:
                     abort_prefill(r)
             decode = start_decode()
             faults["killed"] = {
                 "at_request": started,
+                "left_sending": poison_victim.room if poison_victim is not None else None,
                 "in_flight": len(victims),
                 "in_flight_states": sorted({r.state for r in victims}),
                 "restart_s": round(time.monotonic() - t0, 2),
             }
-        if faults["stopped"] is None and started >= stop_at and inflight and not huge_in_flight:
+        # -- the partition: the link to the decode down for partition_s with transfers in flight, then up --
+        if (
+            partition_at is not None
+            and faults["partition"] is None
+            and started >= partition_at
+            and any(r.state in ("send", "wait") for r in inflight)
+        ):
+            set_link("down")
+            partition_until = time.monotonic() + cfg["partition_s"]
+            faults["partition"] = {
+                "at_request": started,
+                "in_flight": len(inflight),
+                "in_flight_rooms": sorted(r.room for r in inflight),
+                "in_flight_states": sorted({r.state for r in inflight}),
+                "down_at_s": round(time.monotonic() - t_start, 3),
+                "seconds": cfg["partition_s"],
+            }
+        if partition_until is not None and time.monotonic() >= partition_until:
+            set_link("up")
+            faults["partition"]["up_at_s"] = round(time.monotonic() - t_start, 3)
+            partition_until = None
+        partitioned = partition_until is not None
+        if faults["stopped"] is None and started >= stop_at and inflight and not huge_in_flight and not partitioned:
             os.kill(decode.proc.pid, signal.SIGSTOP)
             stopped_until = time.monotonic() + cfg["stop_s"]
             faults["stopped"] = {
@@ -836,6 +921,21 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     except subprocess.TimeoutExpired:
         decode.proc.kill()
     time.sleep(0.5)  # late ABORT_ACKs and statuses settle on the prefill threads
+    # The poison of a failed batch's room is held until the room's window ends (connector_bounds):
+    # wait for it (``bounds_wait``: "real"), or sweep as the next request's clear would then ("clock").
+    poisoned_before_sweep = [len(m._deferred_ack_poisoned_rooms) for m in mgrs]
+    closed_open = [sorted(connector_bounds.bounds_of(m).closed.items(), key=lambda kv: kv[1]) for m in mgrs]
+    poisoned_in_window = [
+        set(m._deferred_ack_poisoned_rooms) <= {room for room, _ in closed} for m, closed in zip(mgrs, closed_open)
+    ]
+    last_window_end = max((until for closed in closed_open for _, until in closed), default=time.monotonic())
+    if cfg["bounds_wait"] == "real":
+        time.sleep(max(0.0, last_window_end - time.monotonic()) + 0.1)
+        for m in mgrs:
+            connector_bounds.sweep(m)
+    else:
+        for m in mgrs:
+            connector_bounds.sweep(m, now=max(time.monotonic(), last_window_end) + 0.1)
     prefill_tables = []
     for m in mgrs:
         prefill_tables.append(
@@ -852,6 +952,10 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "decode_registrations": sorted(m.decode_kv_args_table),
                 "failed_sessions": sorted(m.failed_sessions),
                 "poisoned_ack_rooms": len(m._deferred_ack_poisoned_rooms),
+                "poisoned_before_sweep": poisoned_before_sweep[len(prefill_tables)],
+                "poisoned_all_in_open_windows": poisoned_in_window[len(prefill_tables)],
+                "bounds": connector_bounds.bounds_of(m).counts(),
+                **bounds_seen[len(prefill_tables)],
             }
         )
     rows = []
@@ -879,6 +983,9 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "drained": d.get("drained"),
                 "exact": (d.get("digests") == r.expected) if status == "success" else None,
                 "seconds": round(r.t_end - r.t0, 3),
+                "start_s": round(r.t0 - t_start, 3),
+                "end_s": round(r.t_end - t_start, 3),
+                "prefill_end_s": round(r.t_prefill_end - t_start, 3),
             }
         )
     result = {
@@ -889,6 +996,9 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         "requests_finished": len(finished),
         "stuck": stuck,
         "wall_s": round(wall_s, 2),
+        "table_samples": bounds_seen_samples[0],
+        "bounds_window_s": connector_bounds.bounds_of(mgrs[0]).window,
+        "bounds_wait": cfg["bounds_wait"],
         "faults": faults,
         "incarnations": incarnations,
         "prefill_free_pages": {

@@ -18,8 +18,9 @@ Requests: lengths log-uniform from 1 token to 128 pages (64 tokens each), plus h
 than 1024 pages (positions, i.e. manifest entries and destination pages; on 2 ranks each rank's
 Mooncake batch then holds more than 1024 (source, destination, length) entries), sent in 1 to 3
 chunks. Faults: ~15 % of requests aborted (a client abort reaching the decode only or both sides,
-before the destinations arrive, between chunks, or after the last chunk); the decode SIGKILLed with
-requests in flight and started again (a new Mooncake session that registers anew), then SIGSTOPped
+before the destinations arrive, between chunks, or after the last chunk) and ~3 % aborted at the
+prefill before the decode is told; the decode SIGKILLed with requests in flight (one of them still
+sending, which the router leaves to fail at the prefill) and started again (a new Mooncake session that registers anew), then SIGSTOPped
 for 2 s with requests in flight and continued. Huge requests are never aborted, and the kill and the
 stop wait until no huge request is being sent, so every huge transfer completes and is checked.
 
@@ -27,9 +28,8 @@ Why a subprocess for the decode: SGLang's connector threads and the Mooncake eng
 killed or frozen inside a process, so the decode runs as its own process and gets the real
 signals; the prefill ranks share one process (threads per rank, each with its own engine and
 sockets), since the faults under test are the decode's. When the decode is killed, the router
-aborts at the prefill the requests that were routed to it (what a client disconnect does); the
-killed decode's pages are freed by its exit, its registration stays in SGLang's prefill table
-(SGLang never prunes ``decode_kv_args_table``; asserted as one entry per decode start).
+aborts at the prefill the requests that were routed to it (what a client disconnect does), but
+one that is still sending; the killed decode's pages are freed by its exit.
 
 Checks, after the run: every allocator's free pages (each prefill rank's and the last decode's)
 and aux slots are back at their start; every Mooncake engine still holds exactly the regions it
@@ -39,18 +39,23 @@ successful request's pages on the decode equal the replicated pool's pages (the 
 the prefill ranks wrote alongside theirs) byte for byte, compared through a 16-byte BLAKE2b
 digest of each page (all layers' latent rows and DSA indexer page).
 
-What SGLang 0.5.23 itself leaves behind, and the checks allow only where it is shown: a decode's
-destination pages that reach a prefill rank after the rank's sender was aborted and cleared make
-SGLang's bootstrap thread record the room again (``request_status``, ``transfer_infos``,
-``req_to_decode_prefix_len``; nothing clears it), and every decode session that ever registered
-stays in the prefill's ``decode_kv_args_table``.
+Connector state (``sglang_wiring.connector_bounds``): requests aborted at the prefill before the
+decode is told (abort phase ``pre``) make every prefill rank receive destinations for a cleared
+room, which SGLang 0.5.23 would record again for ever; the decode kill leaves one request sending,
+so its next Mooncake batch fails and poisons the room, which SGLang would keep for ever. The plugin
+drops the first at once and the second when the room's window ends (the end of the run sweeps as the
+first clear after the window does); the tables are sampled through the run (never more rooms than
+requests in flight at the prefill) and are empty at the end. Every decode session that ever
+registered stays in the prefill's ``decode_kv_args_table``: one entry per decode start.
 
 The indexer-key store kernel runs under the Triton interpreter at one Python program per token;
 the prefill process swaps it for its torch formulation after checking both write the same bytes
 (``pd_soak_worker.use_torch_indexer_store``). Nothing else is replaced.
 
-Short version (CI, default): ``CP_SHARED_KV_SOAK_REQUESTS`` requests per config (40). The long one
-is the same test with more requests; see docs/benchmarks.md. ``CP_SHARED_KV_SOAK_REPORT=path``
+Short version (CI, default): ``CP_SHARED_KV_SOAK_REQUESTS`` requests (40) per config
+(``CP_SHARED_KV_SOAK_RANKS``: 2 and 4 prefill ranks). The long one
+is the same test with more requests and ``CP_SHARED_KV_SOAK_BOUNDS_WAIT=real`` (the end of the run
+waits out the rooms' windows); see docs/benchmarks.md. ``CP_SHARED_KV_SOAK_REPORT=path``
 writes the figures as JSON.
 """
 
@@ -98,6 +103,12 @@ def _config(n: int, model_dir: Path, log: Path) -> dict:
         "run_timeout_s": 60 + 4 * REQUESTS,
         "room_base": 1000,
         "decode_log": str(log),
+        "prefill_ip": "127.0.0.1",
+        "decode_ip": "127.0.0.1",
+        # How the end of the run releases the poison of failed batches' rooms (connector_bounds):
+        # "real" waits out each room's window (waiting + release timeouts + margin, ~155 s), "clock"
+        # sweeps with the clock at the window's end, as the first clear after it does.
+        "bounds_wait": os.environ.get("CP_SHARED_KV_SOAK_BOUNDS_WAIT", "clock"),
     }
 
 
@@ -156,6 +167,16 @@ def _summary(r: dict) -> dict:
             },
             "prefill_decode_kv_args_table": [len(t["decode_registrations"]) for t in r["prefill_tables"]],
         },
+        "connector_bounds": {
+            "max_room_entries_over_requests_in_flight": [t["max_excess_over_in_flight"] for t in r["prefill_tables"]],
+            "max_poisoned_rooms": [t["max_poisoned"] for t in r["prefill_tables"]],
+            "poisoned_rooms_at_end_before_sweep": [t["poisoned_before_sweep"] for t in r["prefill_tables"]],
+            "late_destinations_dropped": [t["bounds"]["late_dropped"] for t in r["prefill_tables"]],
+            "poisoned_rooms_released": [t["bounds"]["poison_dropped"] for t in r["prefill_tables"]],
+            "window_s": r["bounds_window_s"],
+            "end_of_run_sweep": r["bounds_wait"],
+            "table_samples": r["table_samples"],
+        },
         "tables_left": {
             "prefill": [{k: v for k, v in t.items() if isinstance(v, int) and v} for t in r["prefill_tables"]],
             "decode": {k: v for k, v in dl["tables"].items() if v},
@@ -163,19 +184,18 @@ def _summary(r: dict) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2_prefill_ranks", "4_prefill_ranks"])
-def soak(request, tmp_path_factory) -> dict:
-    n = request.param
-    root = tmp_path_factory.mktemp(f"soak{n}")
-    write_model_dirs(root, ["mla", "dsa"])
-    cfg = _config(n, root, root / "decode.log")
+def run_soak(cfg: dict, root: Path, prefix: tuple[str, ...] = (), name: str = "") -> tuple[dict, str]:
+    """Run the soak's prefill process (``prefix``: e.g. ``ip netns exec NS``) on ``cfg``; its result and stderr."""
     env = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv", "TRITON_INTERPRET": "1", "MC_LOG_LEVEL": "WARNING"}
     env.pop("SGLANG_DEBUG_CP_SHARED_KV", None)
+    # The timeouts SGLang reads from its environment, as the decode is configured (both sides alike).
+    env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(cfg["waiting_timeout_s"])
+    env["SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"] = str(cfg["release_timeout_s"])
     proc = subprocess.run(
-        [sys.executable, str(HERE / "pd_soak_worker.py"), "prefill", json.dumps(cfg)],
+        [*prefix, sys.executable, str(HERE / "pd_soak_worker.py"), "prefill", json.dumps(cfg)],
         capture_output=True,
         text=True,
-        timeout=cfg["run_timeout_s"] + 300,
+        timeout=cfg["run_timeout_s"] + 500,
         env=env,
     )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT:")]
@@ -188,8 +208,21 @@ def soak(request, tmp_path_factory) -> dict:
     result["summary"] = _summary(result)
     dump = os.environ.get("CP_SHARED_KV_SOAK_DUMP")  # a folder: every request's row, for a failure's analysis
     if dump:
-        Path(dump, f"pd_soak_{n}.json").write_text(json.dumps(result, indent=1))
-        Path(dump, f"pd_soak_{n}.stderr").write_text(proc.stderr)
+        Path(dump, f"{name or 'pd_soak'}_{cfg['n']}.json").write_text(json.dumps(result, indent=1))
+        Path(dump, f"{name or 'pd_soak'}_{cfg['n']}.stderr").write_text(proc.stderr)
+    return result, proc.stderr
+
+
+RANKS = [int(x) for x in os.environ.get("CP_SHARED_KV_SOAK_RANKS", "2,4").split(",")]
+
+
+@pytest.fixture(scope="module", params=RANKS, ids=[f"{n}_prefill_ranks" for n in RANKS])
+def soak(request, tmp_path_factory) -> dict:
+    n = request.param
+    root = tmp_path_factory.mktemp(f"soak{n}")
+    write_model_dirs(root, ["mla", "dsa"])
+    cfg = _config(n, root, root / "decode.log")
+    result, _ = run_soak(cfg, root)
     report = os.environ.get("CP_SHARED_KV_SOAK_REPORT")
     if report:
         path = Path(report)
@@ -269,25 +302,53 @@ def test_free_pages_are_back_where_they_started(soak):
 
 
 def test_connector_tables_are_empty(soak):
-    """Every connector table of both sides is empty, except what SGLang itself never clears.
+    """Every connector table of both sides is empty at the end, ``decode_kv_args_table`` aside.
 
-    Two SGLang 0.5.23 behaviours leave entries that no request of ours can clear:
-    - a decode's destination pages reaching a prefill rank after that rank's sender was aborted and
-      cleared (a client abort racing the decode's metadata) make SGLang's bootstrap thread record the
-      room again (``transfer_infos``, ``request_status``, ``req_to_decode_prefix_len``); nothing
-      clears it afterwards. Allowed only for rooms concluded before their metadata reached that rank;
-    - ``_deferred_ack_poisoned_rooms`` keeps one room per failed Mooncake batch.
+    Without the plugin's bounds SGLang 0.5.23 keeps a room whose destinations reached a rank after
+    its sender was cleared, and every poisoned room; ``connector_bounds`` drops the first at once and
+    the second when the room's window ends (swept at the end of the run). The decode registrations
+    are one per decode session (see test_engine_registrations_are_back_where_they_started).
     """
-    late = {"request_status", "transfer_infos", "req_to_decode_prefix_len"}
     for rank, t in enumerate(soak["prefill_tables"]):
-        racing = {x["room"] for x in soak["rows"] if rank in x["concluded_before_metadata_on_ranks"]}
-        assert set(t["rooms_left"]) <= racing, (rank, t["rooms_left"], sorted(racing))
-        for key in late:
-            assert t[key] == len(t["rooms_left"]), (rank, key, t)
-        rest = {k: v for k, v in t.items() if isinstance(v, int) and v and k not in late | {"poisoned_ack_rooms"}}
+        assert t["rooms_left"] == [], (rank, t)
+        rest = {k: v for k, v in t.items() if isinstance(v, int) and v and k.split("_")[0] not in ("max", "poisoned")}
         assert rest == {}, (rank, t)
-        assert t["poisoned_ack_rooms"] <= soak["prefill_engines"][rank]["failed_batches"], (rank, t)
+        assert t["poisoned_ack_rooms"] == 0, (rank, t)
+        assert t["poisoned_all_in_open_windows"], (rank, t)  # nothing was released early
+        assert t["poisoned_before_sweep"] <= soak["prefill_engines"][rank]["failed_batches"], (rank, t)
+        assert t["bounds"]["live"] == t["bounds"]["unclaimed"] == 0, (rank, t)
     assert {k: v for k, v in soak["decode_ledger"]["tables"].items() if v} == {}
+
+
+def test_late_destinations_and_poisoned_rooms_are_released(soak):
+    """The two rooms SGLang 0.5.23 keeps, provoked on purpose and released by ``connector_bounds``.
+
+    - requests aborted at the prefill before the decode sent its destination pages (abort phase
+      ``pre``): every rank receives destinations for a room it has cleared, and drops them;
+    - the request left sending when the decode was killed: its next chunk's Mooncake batch to the
+      dead decode fails, which poisons the room on the ranks that sent it; the poison is released
+      only once the room's window has ended (never earlier), and then it is.
+    """
+    pre = [x for x in soak["rows"] if x["abort"] == ["both", "pre"] and x["decode"] != "lost"]
+    assert pre
+    for rank, t in enumerate(soak["prefill_tables"]):
+        assert t["bounds"]["late_dropped"] >= len(pre), (rank, t["bounds"], len(pre))
+    victim = soak["faults"]["killed"]["left_sending"]
+    assert victim is not None
+    row = next(x for x in soak["rows"] if x["room"] == victim)
+    assert row["prefill"] == "failed" and row["decode"] == "lost", row
+    poisoned = [t["poisoned_before_sweep"] for t in soak["prefill_tables"]]
+    assert sum(poisoned) >= 1, poisoned
+    assert [t["bounds"]["poison_dropped"] for t in soak["prefill_tables"]] == poisoned
+
+
+def test_room_tables_never_exceed_the_requests_in_flight(soak):
+    """Sampled through the run (every 0.1 s): no prefill rank's per-room table held more rooms than
+    the requests in flight at the prefill; the poisoned rooms, held for their window, stay few."""
+    assert soak["table_samples"] >= 10
+    for rank, t in enumerate(soak["prefill_tables"]):
+        assert t["max_excess_over_in_flight"] <= 0, (rank, t)
+        assert t["max_poisoned"] <= soak["prefill_engines"][rank]["failed_batches"], (rank, t)
 
 
 def test_engine_registrations_are_back_where_they_started(soak):

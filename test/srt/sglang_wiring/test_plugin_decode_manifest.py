@@ -97,8 +97,8 @@ def _kv_args(pool, aux, engine_rank: int, ps: int = PS):
     return a
 
 
-def _manager(mode, engine, kv_args, rank: int, shard_size: int):
-    """SGLang's Mooncake KV manager with the attributes its connector methods read."""
+def _manager(mode, engine, kv_args, rank: int, shard_size: int, host: str = "127.0.0.1"):
+    """SGLang's Mooncake KV manager with the attributes its connector methods read, its socket on ``host``."""
     import threading
     import types
     from collections import defaultdict
@@ -122,9 +122,9 @@ def _manager(mode, engine, kv_args, rank: int, shard_size: int):
     m.attn_dp_size, m.attn_dp_rank, m.system_dp_size, m.system_dp_rank = 1, 0, 1, 0
     m.kv_shard_rank, m.kv_shard_size = rank, shard_size  # what __init__ derives from the CP group
     m.enable_all_cp_ranks_for_transfer, m.is_dummy_cp_rank = shard_size > 1, False
-    m.local_ip = "127.0.0.1"
+    m.local_ip = host
     m._zmq_ctx = zmq.Context()
-    m.rank_port, m.server_socket = get_zmq_socket_on_host(m._zmq_ctx, zmq.PULL, host="127.0.0.1")
+    m.rank_port, m.server_socket = get_zmq_socket_on_host(m._zmq_ctx, zmq.PULL, host=host)
     m.request_status, m.failure_records, m.failure_lock = {}, {}, threading.Lock()
     m._socket_cache, m._monitor_cache, m._socket_send_locks, m._socket_lock = {}, {}, {}, threading.Lock()
     m._staging_outstanding, m._deferred_ack_targets, m._deferred_ack_poisoned_rooms = defaultdict(int), {}, set()

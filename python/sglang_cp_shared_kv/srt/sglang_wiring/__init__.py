@@ -14,6 +14,8 @@
 - ``decode_manifest``: on a decode server, the manifests checked before a request is ready.
 - ``metrics``: each prefill CP rank's startup line, and the plugin's series in SGLang's
   ``/metrics`` (``--enable-metrics``).
+- ``connector_bounds``: on a prefill server, the connector's per-room tables bounded (rooms that
+  SGLang 0.5.23 would keep after their request ended are dropped).
 
 Each module lists its hooks in a table (``HOOKS``: target, hook, ``"after"`` or ``"around"``;
 ``startup_checks.RESOLUTION_HOOKS``: resolution step, check); ``register`` installs them all.
@@ -26,6 +28,7 @@ from __future__ import annotations
 def hook_tables() -> list[tuple[str, object, str]]:
     """Every (target, hook, kind) the plugin registers with SGLang's ``HookRegistry``, in order."""
     from sglang_cp_shared_kv.srt.sglang_wiring import (
+        connector_bounds,
         decode_manifest,
         metrics,
         pool_hooks,
@@ -41,6 +44,7 @@ def hook_tables() -> list[tuple[str, object, str]]:
         *transfer.HOOKS,
         *decode_manifest.HOOKS,
         *metrics.HOOKS,
+        *connector_bounds.HOOKS,
     ]
 
 

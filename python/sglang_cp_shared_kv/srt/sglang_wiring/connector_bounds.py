@@ -1,0 +1,192 @@
+"""Bounded per-request state in a prefill's Mooncake KV manager (SGLang 0.5.23).
+
+Three of the manager's tables outlive the requests they describe:
+
+- **late destinations**: the decode's destination pages for a room can reach a prefill rank
+  after that rank's sender was aborted and cleared (a client abort racing the decode's
+  metadata, or a delayed network). SGLang's bootstrap thread then records the room again
+  (``transfer_infos``, ``req_to_decode_prefix_len``, and ``request_status`` through
+  ``update_status(room, WaitingForInput)``, which may open a room because destinations may
+  also arrive before their sender); no sender is left to clear it.
+- ``_deferred_ack_poisoned_rooms``: a room whose Mooncake batch failed is poisoned so that no
+  abort acknowledgement tells the decode its pages are safe while the batch may still write
+  them; only a new request under the same room (random 63-bit ids: never) removes it.
+- ``decode_kv_args_table``: one registration per decode rank session, kept for ever. It grows
+  with decode restarts, not with requests, and is left alone here: dropping a registration the
+  decode still relies on would fail every later transfer to it (SGLang's transfer worker reads
+  it unguarded), and a decode re-registers only after its heartbeat declared the prefill dead.
+
+This module bounds the first two, per prefill manager, with what the plugin can see from hooks:
+
+- a room is *live* from its sender's opening status (``update_status(room, Bootstrapping)``,
+  called only by ``CommonKVSender.__init__`` on a prefill) until ``CommonKVSender.clear``;
+- a cleared room is *closed* for ``window_s``. Destinations that reach a closed room are dropped
+  at once (``update_status`` AROUND: the tables the bootstrap thread filled are popped and the
+  room is not opened). Destinations for a room that is neither live nor closed open it as SGLang
+  does (they may precede their sender) and are dropped if no sender opens it within ``window_s``;
+- when a closed room's window ends, its poison is dropped: by then the decode has released the
+  room's pages (it fails a request at most ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` after it sent
+  its destinations, which precede any transfer and so the clear, and releases a failed request's
+  pages at most ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` later), so no abort
+  acknowledgement can matter any more.
+
+``window_s`` is those two timeouts plus a margin, read from SGLang's environment as the decode
+reads them (a deployment sets them alike on both sides). Expired rooms are swept at every clear;
+closed rooms beyond ``MAX_CLOSED`` are forgotten oldest first keeping their poison (SGLang's
+behaviour), so the plugin's own state is bounded too. With the flag off, or on a decode, every
+hook calls SGLang's step and nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, runtime_enabled
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_cp_shared_kv_bounds"  # on a prefill KV manager: its RoomBounds
+MARGIN_S = 5.0
+MAX_CLOSED = 1 << 16
+
+
+def window_s() -> float:
+    """How long a cleared room stays closed, and how long destinations may wait for their sender."""
+    from sglang.srt.environ import envs
+
+    waiting = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+    release = float(envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get())
+    return waiting + release + MARGIN_S
+
+
+class RoomBounds:
+    """The plugin's view of one prefill manager's rooms: live, closed (until), unclaimed (until)."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.lock = threading.Lock()  # the bootstrap thread and the scheduler both call in
+        self.live: set[int] = set()
+        self.closed: OrderedDict[int, float] = OrderedDict()  # room -> end of its window, oldest first
+        self.unclaimed: OrderedDict[int, float] = OrderedDict()  # destinations with no sender yet
+        self.late_dropped = 0  # destinations dropped for a closed room
+        self.unclaimed_dropped = 0  # rooms opened by destinations that no sender claimed
+        self.poison_dropped = 0  # poisoned rooms released after their window
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "live": len(self.live),
+            "closed": len(self.closed),
+            "unclaimed": len(self.unclaimed),
+            "late_dropped": self.late_dropped,
+            "unclaimed_dropped": self.unclaimed_dropped,
+            "poison_dropped": self.poison_dropped,
+        }
+
+
+def _guarded_prefill(mgr: Any) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL and runtime_enabled()
+
+
+def bounds_of(mgr: Any) -> RoomBounds:
+    """The manager's ``RoomBounds`` (made on first use)."""
+    state = mgr.__dict__.get(_STATE_ATTR)
+    if state is None:
+        state = mgr.__dict__.setdefault(_STATE_ATTR, RoomBounds(window_s()))
+    return state
+
+
+def _forget_room(mgr: Any, room: int) -> None:
+    """Pop a room with no sender from the tables the bootstrap thread fills."""
+    mgr.transfer_infos.pop(room, None)
+    mgr.req_to_decode_prefix_len.pop(room, None)
+    mgr.request_status.pop(room, None)
+
+
+def guard_update_status(original, mgr, bootstrap_room, status):
+    """AROUND ``CommonKVManager.update_status`` (prefill, flag on): track live rooms; drop late destinations."""
+    if not _guarded_prefill(mgr):
+        return original(mgr, bootstrap_room, status)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    b = bounds_of(mgr)
+    with b.lock:
+        if status == KVPoll.Bootstrapping:  # a sender opens the room (only CommonKVSender.__init__ sets it)
+            b.live.add(bootstrap_room)
+            b.closed.pop(bootstrap_room, None)
+            b.unclaimed.pop(bootstrap_room, None)
+        elif (
+            status == KVPoll.WaitingForInput
+            and bootstrap_room not in b.live
+            and bootstrap_room not in mgr.request_status
+        ):
+            if bootstrap_room in b.closed:  # destinations of a cleared request: nobody will send
+                _forget_room(mgr, bootstrap_room)
+                b.late_dropped += 1
+                logger.debug("%s: dropped late destinations of cleared room %s", FLAG, bootstrap_room)
+                return None
+            b.unclaimed[bootstrap_room] = time.monotonic() + b.window
+    return original(mgr, bootstrap_room, status)
+
+
+def close_room(original, sender):
+    """AROUND ``CommonKVSender.clear`` (prefill, flag on): the room closes, then expired rooms are swept."""
+    mgr = sender.kv_mgr
+    if not _guarded_prefill(mgr):
+        return original(sender)
+    # A duplicate sender under a deferred bootstrap clears nothing; the owning one is still live.
+    owner = mgr.deferred_bootstrap is None or sender._owns_bootstrap_room
+    result = original(sender)
+    if owner:
+        b = bounds_of(mgr)
+        room = sender.bootstrap_room
+        with b.lock:
+            b.live.discard(room)
+            b.unclaimed.pop(room, None)
+            b.closed.pop(room, None)
+            b.closed[room] = time.monotonic() + b.window
+        sweep(mgr)
+    return result
+
+
+def sweep(mgr: Any, now: float | None = None) -> None:
+    """Release the rooms whose window has ended: poison of closed rooms, unclaimed destinations."""
+    b = bounds_of(mgr)
+    now = time.monotonic() if now is None else now
+    with b.lock:
+        while b.closed:
+            room, until = next(iter(b.closed.items()))
+            over_cap = len(b.closed) > MAX_CLOSED
+            if until > now and not over_cap:
+                break
+            del b.closed[room]
+            if until <= now and room not in b.live:
+                if room in mgr._deferred_ack_poisoned_rooms:
+                    mgr._deferred_ack_poisoned_rooms.discard(room)
+                    b.poison_dropped += 1
+                if room in mgr.request_status or room in mgr.transfer_infos:  # re-opened by another path
+                    _forget_room(mgr, room)
+        while b.unclaimed:
+            room, until = next(iter(b.unclaimed.items()))
+            if until > now:
+                break
+            del b.unclaimed[room]
+            if room not in b.live:
+                _forget_room(mgr, room)
+                b.unclaimed_dropped += 1
+                logger.info(
+                    "%s: dropped destinations of room %s: no request claimed them in %.0fs", FLAG, room, b.window
+                )
+
+
+_COMMON = "sglang.srt.disaggregation.common.conn"
+# (target, hook, kind) for ``sglang_wiring.register``.
+HOOKS = [
+    (f"{_COMMON}.CommonKVManager.update_status", guard_update_status, "around"),
+    (f"{_COMMON}.CommonKVSender.clear", close_room, "around"),
+]

@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -92,6 +92,71 @@ interpreter runs that kernel one Python program per token.
 """
 
 
+def _pd_faults() -> list[str]:
+    """The namespaced PD run (``test_pd_faults.py``), from ``pd_faults.json``."""
+    d = _load("pd_faults")
+    title = (
+        "## PD across two network namespaces: a capped link, a 10 s partition, the decode killed (CPU, TCP over veth)"
+    )
+    if d is None:
+        return [title, "", "Not run yet.", ""]
+    s, p, t, link = d["summary"], d["partition"], d["soak_summary"], d["link"]
+    cb = t["connector_bounds"]
+    rows = [
+        ("requests (tokens min ... max)", f"{s['requests_total']} ({t['tokens']['min']} ... {t['tokens']['max']})"),
+        ("served, byte-exact vs the replicated pool", f"{s['served_exact']} (corrupt: {s['served_corrupt']})"),
+        *[(f"failed: {k[len('failed_') :].replace('_', ' ')}", v) for k, v in s["failed_by_cause"].items()],
+        ("hung (not concluded by the run's deadline)", s["hung"]),
+        ("leaked (pages, aux slots, registrations, table entries not back)", s["leaked"]),
+        ("link cap each way; delay and loss", f"{link['rate_each_way']}; {link['delay_loss']}"),
+        (
+            "partition: seconds, requests in flight when cut, spanning it",
+            f"{p['seconds']}, {p['in_flight']}, {p['requests_spanning_it']}",
+        ),
+        (
+            "partition detected (first transfer failed by it, after the cut)",
+            "none failed: TCP held the transfers until the link came back"
+            if s["partition_detected_after_s"] is None
+            else f"{s['partition_detected_after_s']} s",
+        ),
+        ("prefill transfer time of served requests p50 / p99", f"{s['transfer_s_p50']} s / {s['transfer_s_p99']} s"),
+        (
+            "longest prefill transfer time of a request spanning the partition",
+            f"{s['transfer_s_max_spanning_partition']} s",
+        ),
+        ("longest request", f"{s['max_request_s']} s"),
+        (
+            "decode killed: requests in flight, back after",
+            f"{t['faults']['killed']['in_flight']}, {t['faults']['killed']['restart_s']} s",
+        ),
+        (
+            "late destinations dropped per rank; poisoned rooms released per rank",
+            f"{cb['late_destinations_dropped']}; {cb['poisoned_rooms_released']}",
+        ),
+        (
+            "most rooms in a table above the requests in flight (sampled)",
+            cb["max_room_entries_over_requests_in_flight"],
+        ),
+        ("end-of-run sweep of the rooms' windows", f"{cb['end_of_run_sweep']} (window {cb['window_s']} s)"),
+        ("run wall time", f"{s['wall_s']} s"),
+    ]
+    figures = "Figures in [`benchmarks/pd_faults.json`](benchmarks/pd_faults.json)."
+    lines = [title, "", f"`{d['command']}`", f"(CPU, 2 shared cores, {d['date_utc']}). {figures}", ""]
+    lines += [
+        "The soak's processes (2 prefill CP ranks: SGLang's Mooncake manager and sender over the plugin's pool, one real",
+        "Mooncake engine per rank; the decode: SGLang's manager and receiver with the plugin's manifest check) in two",
+        "network namespaces joined by a veth pair, Mooncake and ZMQ over TCP across it, `tc tbf` on both ends. Faults: the",
+        "soak's aborts, the decode SIGKILLed and restarted then SIGSTOPped for 2 s, and the link set down for the partition",
+        "with transfers in flight, then up. `leaked` counts every page, aux slot, engine region and connector table entry",
+        "not back at its start (the decode registrations kept per decode session excepted: one per decode start).",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in rows] + [""]
+    return lines
+
+
 VS_UPSTREAM_COLS = [
     ("scale", "scale"),
     ("batch", "batch"),
@@ -462,6 +527,7 @@ def render() -> str:
     lines += _side_by_side()
     lines += _host_cost()
     lines += SOAK_SECTION.splitlines() + [""]
+    lines += _pd_faults()
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -862,10 +862,13 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "restart_s": round(time.monotonic() - t0, 2),
             }
         # -- the partition: the link to the decode down for partition_s with transfers in flight, then up --
+        # (after the kill, once its requests have concluded: the two faults do not overlap)
         if (
             partition_at is not None
             and faults["partition"] is None
+            and faults["killed"] is not None
             and started >= partition_at
+            and all(r.incarnation == decode.incarnation and r.decode is None for r in inflight)
             and any(r.state in ("send", "wait") for r in inflight)
         ):
             set_link("down")

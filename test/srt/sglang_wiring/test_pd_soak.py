@@ -52,8 +52,9 @@ The indexer-key store kernel runs under the Triton interpreter at one Python pro
 the prefill process swaps it for its torch formulation after checking both write the same bytes
 (``pd_soak_worker.use_torch_indexer_store``). Nothing else is replaced.
 
-Short version (CI, default): ``CP_SHARED_KV_SOAK_REQUESTS`` requests (40) per config
-(``CP_SHARED_KV_SOAK_RANKS``: 2 and 4 prefill ranks). The long one
+``CP_SHARED_KV_SOAK_RANKS=2,4`` runs it with 2 and 4 prefill ranks, ``CP_SHARED_KV_SOAK_REQUESTS``
+requests each (40 by default); without it the module is skipped: CI runs the same soak with 2 ranks
+across two network namespaces, with link faults on top (``test_pd_faults.py``). The long one
 is the same test with more requests and ``CP_SHARED_KV_SOAK_BOUNDS_WAIT=real`` (the end of the run
 waits out the rooms' windows); see docs/benchmarks.md. ``CP_SHARED_KV_SOAK_REPORT=path``
 writes the figures as JSON.
@@ -110,6 +111,20 @@ def _config(n: int, model_dir: Path, log: Path) -> dict:
         # sweeps with the clock at the window's end, as the first clear after it does.
         "bounds_wait": os.environ.get("CP_SHARED_KV_SOAK_BOUNDS_WAIT", "clock"),
     }
+
+
+# The prefill managers' per-room tables the worker reports (sizes), SGLang's and the plugin's.
+PREFILL_TABLES = [
+    "request_status",
+    "transfer_infos",
+    "failure_records",
+    "req_to_decode_prefix_len",
+    "staging_outstanding",
+    "deferred_ack_targets",
+    "manifest_shares",
+    "queued_chunks",
+    "poisoned_ack_rooms",
+]
 
 
 def _summary(r: dict) -> dict:
@@ -178,7 +193,7 @@ def _summary(r: dict) -> dict:
             "table_samples": r["table_samples"],
         },
         "tables_left": {
-            "prefill": [{k: v for k, v in t.items() if isinstance(v, int) and v} for t in r["prefill_tables"]],
+            "prefill": [{k: t[k] for k in PREFILL_TABLES if t[k]} for t in r["prefill_tables"]],
             "decode": {k: v for k, v in dl["tables"].items() if v},
         },
     }
@@ -213,7 +228,13 @@ def run_soak(cfg: dict, root: Path, prefix: tuple[str, ...] = (), name: str = ""
     return result, proc.stderr
 
 
-RANKS = [int(x) for x in os.environ.get("CP_SHARED_KV_SOAK_RANKS", "2,4").split(",")]
+# CI runs the 2-rank soak across two network namespaces (test_pd_faults.py) instead of this module.
+RANKS = [int(x) for x in os.environ.get("CP_SHARED_KV_SOAK_RANKS", "").split(",") if x]
+if not RANKS:
+    pytestmark.append(
+        pytest.mark.skip(reason="the loopback soak runs with CP_SHARED_KV_SOAK_RANKS=2,4; CI runs test_pd_faults.py")
+    )
+    RANKS = [2]
 
 
 @pytest.fixture(scope="module", params=RANKS, ids=[f"{n}_prefill_ranks" for n in RANKS])
@@ -311,8 +332,7 @@ def test_connector_tables_are_empty(soak):
     """
     for rank, t in enumerate(soak["prefill_tables"]):
         assert t["rooms_left"] == [], (rank, t)
-        rest = {k: v for k, v in t.items() if isinstance(v, int) and v and k.split("_")[0] not in ("max", "poisoned")}
-        assert rest == {}, (rank, t)
+        assert {k: t[k] for k in PREFILL_TABLES if t[k]} == {}, (rank, t)
         assert t["poisoned_ack_rooms"] == 0, (rank, t)
         assert t["poisoned_all_in_open_windows"], (rank, t)  # nothing was released early
         assert t["poisoned_before_sweep"] <= soak["prefill_engines"][rank]["failed_batches"], (rank, t)

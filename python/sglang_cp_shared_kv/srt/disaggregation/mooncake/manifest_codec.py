@@ -120,7 +120,7 @@ def decode_message(data: bytes, types: Mapping[str, type]) -> Any:
     if not isinstance(obj, dict):
         raise ControlMessageError(f"control message must be a JSON object, got {type(obj).__name__}")
     version = obj.pop("v", None)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # not 1.0, not true
         raise ControlMessageError(f"control message version must be {PROTOCOL_VERSION}, got {version!r:.40}")
     kind = obj.pop("type", None)
     cls = types.get(kind) if isinstance(kind, str) else None

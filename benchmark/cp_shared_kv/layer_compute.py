@@ -280,12 +280,12 @@ class MoEStandIn:
 
     def __init__(self, tokens: int, cfg: MoEConfig = MoEConfig(), device: str | torch.device = "cpu", seed: int = 0):
         self.cfg, self.shape = cfg, moe_shape(tokens, cfg)
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         h, i = cfg.hidden, cfg.moe_intermediate
         e, m = self.shape["experts_on_rank"], self.shape["rows_per_expert"]
 
         def rand(*shape, scale=1.0):
-            return (torch.randn(*shape, generator=g) * scale).to(device)
+            return torch.randn(*shape, generator=g, device=device) * scale
 
         self.x_shared = rand(tokens, h).to(torch.bfloat16)
         self.router = rand(cfg.routed_experts, h, scale=h**-0.5).to(torch.bfloat16)
@@ -302,23 +302,52 @@ class MoEStandIn:
             self.x_routed, self.w13, self.w2 = (t.to(torch.bfloat16) for t in (x_routed, w13, w2))
         else:
             raise ValueError(f"weight_dtype must be 'fp8' or 'bf16', got {cfg.weight_dtype!r}")
+        del x_routed, w13, w2
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed out bf16 ``[E, M, hidden]``, shared out bf16 ``[T, hidden]``); the router logits are computed and dropped."""
-        cfg, e, i = self.cfg, self.shape["experts_on_rank"], self.cfg.moe_intermediate
         _ = self.x_shared @ self.router.t()
-        if cfg.weight_dtype == "bf16":
-            gu = torch.bmm(self.x_routed, self.w13[:e].transpose(1, 2))
-            routed = torch.bmm(_swiglu(gu, i), self.w2[:e].transpose(1, 2))
-            gu_s = self.x_shared @ self.w13[e].t()
-            return routed, _swiglu(gu_s, i) @ self.w2[e].t()
+        return self.routed(0, self.shape["experts_on_rank"]), self.shared()
+
+    def steps(self, k: int) -> list:
+        """The layer's MoE as ``k`` callables run in turn (router and routed experts in ``k`` groups, the
+        shared expert with the last): for a caller that interleaves other work between them."""
+        e = self.shape["experts_on_rank"]
+        bounds = [round(j * e / k) for j in range(k + 1)]
+        out = []
+        for j in range(k):
+            lo, hi, last = bounds[j], bounds[j + 1], j == k - 1
+
+            def step(lo=lo, hi=hi, first=j == 0, last=last):
+                if first:
+                    _ = self.x_shared @ self.router.t()
+                self.routed(lo, hi)
+                if last:
+                    self.shared()
+
+            out.append(step)
+        return out
+
+    def routed(self, lo: int, hi: int) -> torch.Tensor:
+        """Local experts ``[lo, hi)``: bf16 ``[hi - lo, M, hidden]``."""
+        i = self.cfg.moe_intermediate
+        if self.cfg.weight_dtype == "bf16":
+            gu = torch.bmm(self.x_routed[lo:hi], self.w13[lo:hi].transpose(1, 2))
+            return torch.bmm(_swiglu(gu, i), self.w2[lo:hi].transpose(1, 2))
         outs = []
-        for x, sx, w13, s13, w2, s2 in zip(self.x_routed, self.sx_routed, self.w13, self.s13, self.w2, self.s2):
-            act, sa = quantize_rows(_swiglu(_mm_fp8(x, sx, w13, s13), i))
-            outs.append(_mm_fp8(act, sa, w2, s2))
+        for k in range(lo, hi):
+            act, sa = quantize_rows(_swiglu(_mm_fp8(self.x_routed[k], self.sx_routed[k], self.w13[k], self.s13[k]), i))
+            outs.append(_mm_fp8(act, sa, self.w2[k], self.s2[k]))
+        return torch.stack(outs) if outs else self.x_shared.new_empty(0)
+
+    def shared(self) -> torch.Tensor:
+        """The shared expert over every token: bf16 ``[T, hidden]``."""
+        e, i = self.shape["experts_on_rank"], self.cfg.moe_intermediate
+        if self.cfg.weight_dtype == "bf16":
+            return _swiglu(self.x_shared @ self.w13[e].t(), i) @ self.w2[e].t()
         xs, sxs = quantize_rows(self.x_shared)
         act, sa = quantize_rows(_swiglu(_mm_fp8(xs, sxs, self.w13[e], self.s13[e]), i))
-        return torch.stack(outs), _mm_fp8(act, sa, self.w2[e], self.s2[e])
+        return _mm_fp8(act, sa, self.w2[e], self.s2[e])
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The same outputs in fp32 from the dequantized operands (activations requantized like ``__call__``)."""

@@ -11,6 +11,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     assign_slots_ref,
     build_slot_table,
     build_slot_table_ref,
+    gather_launch,
     gather_page_buffers,
     gather_pages,
     gather_pages_ref,
@@ -20,6 +21,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     positions_to_view_rows,
     positions_to_view_rows_ref,
     triton_enabled,
+    word_pair,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import chunk_layout, plan_vectors, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
@@ -172,6 +174,11 @@ def test_gather_page_buffers_gathers_latent_and_index_pages_together(ps, row_byt
     outs = [torch.zeros_like(e) for e in expected]
     assert gather_page_buffers([latent, index], ids, outs, use_triton=True) == outs
     assert all(torch.equal(a, b) for a, b in zip(outs, expected))
+    # Fewer programs than slots: each loops over every programs-th slot.
+    for programs in (1, 3):
+        outs = [torch.zeros_like(e) for e in expected]
+        gather_launch([word_pair(s, o) for s, o in zip((latent, index), outs)], ids, programs=programs)()
+        assert all(torch.equal(a, b) for a, b in zip(outs, expected)), programs
 
 
 def test_gather_page_buffers_rejects_bad_buffer_lists():

@@ -87,6 +87,7 @@ if triton is not None:
     @triton.jit
     def _gather_pages_kernel(
         page_ids,
+        num_slots,
         src_a,
         out_a,
         words_a,
@@ -99,13 +100,15 @@ if triton is not None:
         out_stride_b,
         BLOCK: tl.constexpr,
     ):
-        # One program copies one slot's page of buffer a (grid column 0) or b (column 1).
-        slot = tl.program_id(0).to(tl.int64)
-        page = tl.load(page_ids + slot).to(tl.int64)
-        if tl.program_id(1) == 0:
-            _copy_page(src_a + page * src_stride_a, out_a + slot * out_stride_a, words_a, BLOCK)
-        else:
-            _copy_page(src_b + page * src_stride_b, out_b + slot * out_stride_b, words_b, BLOCK)
+        # Program (i, k) copies the pages of slots i, i + G, i + 2G, ... (G programs per column) of
+        # buffer a (grid column k = 0) or b (k = 1).
+        first = tl.program_id(0).to(tl.int64)
+        for slot in range(first, num_slots, tl.num_programs(0)):
+            page = tl.load(page_ids + slot).to(tl.int64)
+            if tl.program_id(1) == 0:
+                _copy_page(src_a + page * src_stride_a, out_a + slot * out_stride_a, words_a, BLOCK)
+            else:
+                _copy_page(src_b + page * src_stride_b, out_b + slot * out_stride_b, words_b, BLOCK)
 
 
 def _word_view(t: torch.Tensor) -> torch.Tensor:
@@ -177,17 +180,24 @@ def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch
     return (s_words, o_words) if s_words.dtype == o_words.dtype else (src, out)
 
 
-def gather_launch(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor) -> PreparedLaunch:
+def gather_launch(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
+) -> PreparedLaunch:
     """The gather kernel's launch copying ``pairs[k] = (src, out)`` pages ``page_ids`` (one or two pairs,
     ``word_pair`` s of buffers ``prepare_gather`` accepts): its last step, for a caller that built and
-    checked the buffers itself (the view materializer, once per layer and batch)."""
+    checked the buffers itself (the view materializer, once per layer and batch).
+
+    ``programs``: programs per buffer, each looping over every ``programs``-th slot (None: one per
+    slot). Fewer programs hold fewer SMs at once: what a gather running beside other kernels wants."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
     block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
     a, b = args[0], args[-1]
+    slots = page_ids.shape[0]
+    grid0 = slots if programs is None else max(1, min(slots, programs))
     return PreparedLaunch(
         _gather_pages_kernel,
-        (page_ids.shape[0], len(args)),
-        (page_ids, *a, *b),
+        (grid0, len(args)),
+        (page_ids, slots, *a, *b),
         {"BLOCK": block},
         num_warps=8 if block >= 2048 else 4,
     )

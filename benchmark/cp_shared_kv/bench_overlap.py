@@ -1,0 +1,490 @@
+"""Overlap proxy on one GPU: what building the next layer's view costs a real layer, cause by cause.
+
+One process stands for CP rank 0 of a CP-2 prefill. A layer is ``layer_compute``'s attention (FlashMLA's
+fp8 paged kernel as SGLang's DSA backend calls it, 4096 queries, top-k 2048, over the layer's view)
+followed by its MoE stand-in (fp8 GEMMs of DeepSeek-V3.2's routed + shared experts, EP 8). The view of
+``C`` prefix tokens holds ``C / 2`` tokens this rank owns, gathered from its pool pages by our Triton
+gather kernel (``materialize_kernels``, 656-B latent rows + 132-B indexer records per token), and
+``C / 2`` of the peer, pulled from another buffer of the same bytes on this GPU (the peer's arena).
+
+Per context, every variant runs ``--layers`` layers per forward and is timed with CUDA events from the
+end of layer 0 to the end of the last (steady state: each layer's view was prefetched during the layer
+before), ``--reps`` times round-robin with the others; the JSON holds per-layer medians and spreads:
+
+- ``none``: the layer alone (every layer reads a view built before timing);
+- ``inline_*``: the view built on the compute stream before the layer's attention;
+- ``prefetch_*``: layer ``l + 1``'s view built on a side stream while layer ``l`` computes. Switches:
+  the peer's part by copy engine (``cuMemcpyDtoDAsync``) or by SM (the gather kernel);
+  side-stream priority (highest, the wired path's, or normal); where the side stream starts (with
+  the layer, or after its attention: behind the MoE only); the copies split into pieces each started
+  with one step of the layer; the gather kernel's grid (one program per page, or a capped count);
+  only the copy engines, or only the gather kernel;
+- ``*_real``: the wired path's ``ViewMaterializer`` (arena, copy-engine transport, its side stream
+  and event waits and host launches) over a pool of this rank's pages. Its peer is emulated: the
+  ``CopyEngineGroup`` it drives pulls from a local buffer of the peer's arena shape and its peer's
+  signals are already set (the waits never block), so it issues every driver call of the real
+  transport, but the bytes come from this GPU's memory instead of over NVLink (read and written on one
+  HBM: twice the local traffic of a real pull) and no peer is ever late.
+
+``CUDA_DEVICE_MAX_CONNECTIONS`` is set per process: ``--connections`` runs a child per value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmark.cp_shared_kv.bench_common import command_line, environment
+from benchmark.cp_shared_kv.layer_compute import AttentionStep, MoEStandIn, attention_inputs, moe_shape
+from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup, driver
+from sglang_cp_shared_kv.srt.layers.attention.nsa import materialize
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_launch, word_pair
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES, quantize_mla_fp8
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.sglang_wiring.read_state import PageBuffers
+
+PS = 64
+CP = 2
+QUERIES = 4096  # the chunk's tokens on this rank
+LATENT_PAGE = PS * MLA_FP8_ROW_BYTES
+INDEX_PAGE = PS * INDEX_TOKEN_BYTES
+MOE_STEPS = 3  # the MoE split into steps, for the split-copy variant
+LATE_PEER_US = 300  # the emulated peer's lag behind this rank, per layer (late-peer variant)
+CLOCK_HZ = 1.98e9  # H200 SM clock: torch.cuda._sleep takes cycles
+
+# name -> switches; the peer's part: "ce" copy engine, "sm" gather kernel, None not moved.
+VARIANTS = {
+    "none": {},
+    "inline_ce": {"inline": True, "peer": "ce"},
+    "inline_sm": {"inline": True, "peer": "sm"},
+    "prefetch_ce": {"peer": "ce"},
+    "prefetch_ce_prio_normal": {"peer": "ce", "priority": 0},
+    "prefetch_sm": {"peer": "sm"},
+    "prefetch_sm_prio_normal": {"peer": "sm", "priority": 0},
+    "prefetch_ce_only": {"peer": "ce", "own": "ce"},
+    "prefetch_gather_only": {"peer": None},
+    "prefetch_ce_after_attention": {"peer": "ce", "start": "after_attention"},
+    "prefetch_ce_split": {"peer": "ce", "pieces": 1 + MOE_STEPS},
+    "prefetch_ce_grid_132": {"peer": "ce", "programs": 132},
+    "prefetch_ce_grid_16": {"peer": "ce", "programs": 16},
+    "prefetch_ce_grid_16_after_attention": {"peer": "ce", "programs": 16, "start": "after_attention"},
+    "inline_real": {"real": True, "prefetch": False},
+    "prefetch_real": {"real": True, "prefetch": True},
+    "prefetch_real_late_peer": {"real": True, "prefetch": True, "late_peer_us": LATE_PEER_US},
+}
+CHILD_VARIANTS = ["none", "inline_ce", "prefetch_ce", "inline_real", "prefetch_real", "prefetch_real_late_peer"]
+
+
+def _stream(priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(priority=priority) if priority else torch.cuda.Stream()
+
+
+def local_copy_engine_group(arena: list[torch.Tensor], peer: list[torch.Tensor], late: bool = False) -> CopyEngineGroup:
+    """A rank-0-of-2 ``CopyEngineGroup`` whose peer is emulated: it pulls from ``peer`` (buffers of the
+    arena's shapes on this GPU) and finds the peer's ready and ack counters already past any call
+    (``late``: at 0, for the caller to raise)."""
+    g = CopyEngineGroup.__new__(CopyEngineGroup)
+    g.cpu_group, g.rank, g.size, g.device = None, 0, CP, arena[0].device
+    g._driver = driver()
+    g.signals = torch.zeros(2, CP, dtype=torch.int64, device=g.device)
+    g.signals[:, 1] = 0 if late else 1 << 62
+    g.outbox = torch.zeros(1, dtype=torch.int64, device=g.device)
+    g.buffers = [b.view(torch.uint8).view(-1) for b in arena]
+    g._sink = torch.zeros(2, CP, dtype=torch.int64, device=g.device)  # the peer's signal slots
+    g._peer_signals = {1: g._sink.data_ptr()}
+    g._peer_buffers = {1: [b.data_ptr() for b in peer]}
+    g._opened, g.calls, g._pull_cache = [], 0, {}
+    return g
+
+
+def latent_pages(n: int, device) -> torch.Tensor:
+    """``n`` latent pages of valid 656-B fp8 rows (one random page, repeated)."""
+    page = quantize_mla_fp8(torch.randn(PS, 512), torch.randn(PS, 64)).view(1, -1).to(device)
+    return page.expand(n, -1).contiguous()
+
+
+def index_pages(n: int, device) -> torch.Tensor:
+    return torch.randint(0, 256, (n, INDEX_PAGE), dtype=torch.uint8, device=device)
+
+
+class Context:
+    """One context's buffers: a pool of this rank's pages per layer, two view sets, the peer's part."""
+
+    def __init__(self, context: int, layers: int, device: torch.device, seed: int = 0):
+        torch.manual_seed(seed)
+        self.context, self.layers, self.device = context, layers, device
+        pages = context // PS
+        self.slots = pages // CP  # pages per rank's block
+        s = self.slots
+        # Pool per layer: 2 * S pages, this rank's S at random page ids among them.
+        self.pool = [(latent_pages(2 * s, device), index_pages(2 * s, device)) for _ in range(layers + 1)]
+        self.own_pages = torch.randperm(2 * s, device=device)[:s].contiguous()
+        self.views = [
+            (
+                torch.empty(pages, LATENT_PAGE, dtype=torch.uint8, device=device),
+                torch.empty(pages, INDEX_PAGE, dtype=torch.uint8, device=device),
+            )
+            for _ in range(2)
+        ]
+        self.peer = (latent_pages(s, device), index_pages(s, device))
+        self.peer_ids = torch.arange(s, device=device)
+        self.d = driver()
+        for v in range(2):  # valid fp8 rows everywhere the attention may read
+            for part in self.view_build(0, v, peer="ce"):
+                part()
+        torch.cuda.synchronize()
+
+    def kv_rows(self, v: int) -> torch.Tensor:
+        return self.views[v][0].view(-1, MLA_FP8_ROW_BYTES)
+
+    def view_build(self, layer: int, v: int, peer="ce", own="sm", programs=None, pieces=1) -> list:
+        """Layer ``layer``'s view into set ``v`` as ``pieces`` callables (each queues its share on the current stream)."""
+        s, out = self.slots, self.views[v]
+        src = self.pool[layer]
+        parts = []
+        for j in range(pieces):
+            lo, hi = j * s // pieces, (j + 1) * s // pieces
+            ops = []
+            if own == "sm":
+                pairs = [word_pair(a, o[lo:hi]) for a, o in zip(src, out)]
+                ops.append(gather_launch(pairs, self.own_pages[lo:hi], programs=programs))
+            elif own == "ce":  # no SM: contiguous pool pages by copy engine (not the real gather)
+                ops += [self._ce(o[lo:hi], a[lo:hi]) for a, o in zip(src, out)]
+            if peer == "sm":
+                pairs = [word_pair(a, o[s + lo : s + hi]) for a, o in zip(self.peer, out)]
+                ops.append(gather_launch(pairs, self.peer_ids[lo:hi], programs=programs))
+            elif peer == "ce":
+                ops += [self._ce(o[s + lo : s + hi], a[lo:hi]) for a, o in zip(self.peer, out)]
+            parts.append(lambda ops=ops: [op() for op in ops])
+        return parts
+
+    def _ce(self, dst: torch.Tensor, src: torch.Tensor):
+        d, n = self.d, dst.numel()
+
+        def op():
+            stream = torch.cuda.current_stream().cuda_stream
+            d.check(d.copy(dst.data_ptr(), src.data_ptr(), n, stream), "cuMemcpyDtoDAsync")
+
+        return op
+
+
+def _synthetic_forward(ctx: Context, attn: AttentionStep, moe_steps: list, cfg: dict, side, layers: int):
+    """Queue one forward of ``layers`` layers; returns (start, end) events around layers 1..L-1."""
+    main = torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    peer, own = cfg.get("peer", "ce"), cfg.get("own", "sm")
+    programs, pieces = cfg.get("programs"), cfg.get("pieces", 1)
+    building = "peer" in cfg
+    prefetch = building and not cfg.get("inline")
+    # Piece k of a prefetched view starts with step gate[k] of the layer (0: attention, 1..: MoE steps).
+    gate = list(range(pieces)) if pieces > 1 else [1 if cfg.get("start") == "after_attention" else 0]
+    ready = None
+    if prefetch:  # layer 0's view, built before the forward as the previous forward's prefetch would
+        for part in ctx.view_build(0, 0, peer, own, programs):
+            part()
+    for layer in range(layers):
+        v = layer % 2
+        if layer == 1:
+            start.record(main)
+        if building and not prefetch:
+            for part in ctx.view_build(layer, v, peer, own, programs):
+                part()
+        parts = []
+        if prefetch:
+            if ready is not None:
+                main.wait_event(ready)
+            parts = ctx.view_build(layer + 1, 1 - v, peer, own, programs, pieces)
+        for j, step in enumerate([lambda v=v: attn(ctx.kv_rows(v)), *moe_steps]):
+            for k, part in enumerate(parts):
+                if gate[k] == j:  # the side stream starts this piece when the layer reaches step j
+                    fork = torch.cuda.Event()
+                    fork.record(main)
+                    side.wait_event(fork)
+                    with torch.cuda.stream(side):
+                        part()
+                    if k == len(parts) - 1:
+                        ready = torch.cuda.Event()
+                        ready.record(side)
+            step()
+    end.record(main)
+    if ready is not None:
+        main.wait_event(ready)
+    return start, end
+
+
+class RealPipeline:
+    """The wired path's materializer over an emulated peer (see the module docstring)."""
+
+    def __init__(self, ctx: Context, prefetch: bool, late_peer_us: int = 0):
+        self.ctx, self.late_peer_us = ctx, late_peer_us
+        device, c, layers = ctx.device, ctx.context, ctx.layers
+        pages = c // PS
+        own = PageOwnership(CP, PS)
+        # Logical pages 1..2 * pages (page 0: trash); the request's pages rotate owners by position.
+        evens = np.random.default_rng(1).permutation(np.arange(2, 2 * pages + 1, 2))[: pages // 2]
+        odds = np.random.default_rng(2).permutation(np.arange(1, 2 * pages + 1, 2))[: pages // 2]
+        table = np.empty(pages, dtype=np.int64)
+        table[0::2], table[1::2] = evens, odds
+        self.table = torch.from_numpy(table).to(device=device, dtype=torch.int32).unsqueeze(0)
+        logical = 2 * pages + 1
+        latent = [latent_pages(logical, device) for _ in range(layers + 1)]
+        index = [index_pages(logical, device) for _ in range(layers + 1)]
+        self.pool = PageBuffers(own, 0, MLA_FP8_ROW_BYTES, latent, index)
+        # Two contexts of prefix, as the plugin's arena (ARENA_CONTEXTS): two view sets fit.
+        self.arena = allocate_arena(2 * c, 0, PS, MLA_FP8_ROW_BYTES, True, device, prefetch=True)
+        self.arena["latent"].copy_(latent_pages(self.arena["latent"].shape[0], device))
+        self.peer = [
+            latent_pages(self.arena["latent"].shape[0], device),
+            index_pages(self.arena["index"].shape[0], device),
+        ]
+        self.group = local_copy_engine_group(list(self.arena.values()), self.peer, late=bool(late_peer_us))
+        self.peer_stream = torch.cuda.Stream()
+        self.mat = ViewMaterializer(self.pool, self.group, prefetch=prefetch, arena=self.arena, pipeline_chunk_tokens=0)
+        self.begin()
+        self.mat.drain()
+        torch.cuda.synchronize()
+
+    def begin(self):
+        lens = [self.ctx.context]
+        return self.mat.begin_batch(self.table, lens, lens, extra_pages=1)
+
+    def peer_signals(self, delay_us: int, target: int) -> None:
+        """The emulated peer sets its ready and ack counters to ``target`` ``delay_us`` after the compute
+        stream reaches this point (it enters the layer that much later than this rank)."""
+        fork = torch.cuda.Event()
+        fork.record()
+        self.peer_stream.wait_event(fork)
+        d, stream = self.group._driver, self.peer_stream.cuda_stream
+        with torch.cuda.stream(self.peer_stream):
+            if delay_us:
+                torch.cuda._sleep(int(delay_us * 1e-6 * CLOCK_HZ))
+        for which in (0, 1):
+            d.check(d.write64(stream, self.group.signals[which, 1].data_ptr(), target, 0), "cuStreamWriteValue64")
+
+    def before_layer(self, layer: int) -> None:
+        """Late peer: the counters of the all-gathers ``layer_view(layer)`` issues (its own layer's in line
+        when not prefetched, the next one's ahead), late by ``late_peer_us``."""
+        if not self.late_peer_us:
+            return
+        calls = (1 if layer == 0 or not self.mat.prefetch else 0) + (1 if self.mat.prefetch else 0)
+        self.peer_signals(self.late_peer_us, self.group.calls + calls)
+
+
+def _real_forward(rp: RealPipeline, attn: AttentionStep, moe_steps: list, layers: int):
+    main = torch.cuda.current_stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rp.begin()
+    for layer in range(layers):
+        if layer == 1:
+            start.record(main)
+        rp.before_layer(layer)
+        view = rp.mat.layer_view(layer)
+        attn(view.kv_rows)
+        for step in moe_steps:
+            step()
+    end.record(main)
+    rp.mat.drain()
+    return start, end
+
+
+def run_context(context: int, names: list[str], layers: int, reps: int, log) -> dict:
+    device = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.time()
+    ctx = Context(context, layers, device)
+    q, idx, seqlens = attention_inputs(QUERIES, context, context, device=device)
+    attn = AttentionStep(q, idx, seqlens, use_kernel=True)
+    moe = MoEStandIn(QUERIES, device=device)
+    moe_steps = moe.steps(MOE_STEPS)
+    sides = {p: _stream(p) for p in (materialize.HIGHEST_STREAM_PRIORITY, 0)}
+    reals = {}
+    for name in names:
+        cfg = VARIANTS[name]
+        if cfg.get("real"):
+            reals[name] = RealPipeline(ctx, cfg["prefetch"], cfg.get("late_peer_us", 0))
+    log(f"context {context}: setup {time.time() - t0:.1f}s")
+
+    def forward(name):
+        cfg = VARIANTS[name]
+        if cfg.get("real"):
+            return _real_forward(reals[name], attn, moe_steps, layers)
+        side = sides[cfg.get("priority", materialize.HIGHEST_STREAM_PRIORITY)]
+        return _synthetic_forward(ctx, attn, moe_steps, cfg, side, layers)
+
+    times = {n: [] for n in names}
+    errors = {}
+    for rep in range(reps + 1):  # the first round warms up
+        for name in names:
+            if name in errors:
+                continue
+            try:
+                start, end = forward(name)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - record and go on with the other variants
+                errors[name] = f"{type(e).__name__}: {e}"
+                log(f"  {name}: {errors[name]}")
+                torch.cuda.synchronize()
+                continue
+            if rep:
+                times[name].append(start.elapsed_time(end) * 1000.0 / (layers - 1))
+    # The view alone, no compute: what building it costs (the exposed fractions' denominators).
+    alone = {}
+    for key, peer in (("ce", "ce"), ("sm", "sm")):
+        parts = ctx.view_build(1, 0, peer=peer)
+        alone[key] = _time_us(lambda parts=parts: [p() for p in parts], reps=max(reps, 5))
+    real = reals.get("inline_real")
+    if real is not None:
+        real.begin()
+        alone["real"] = _time_us(lambda: real.mat._gather(1, 0), reps=max(reps, 5))
+    row = {
+        "context_tokens": context,
+        "cp_size": CP,
+        "view_pages": 2 * ctx.slots,
+        "view_bytes": 2 * ctx.slots * (LATENT_PAGE + INDEX_PAGE),
+        "peer_bytes": ctx.slots * (LATENT_PAGE + INDEX_PAGE),
+        "view_alone_us": {k: round(v, 1) for k, v in alone.items()},
+        "per_layer_us": {n: _stats(t) for n, t in times.items() if t},
+        "errors": errors,
+    }
+    log(f"context {context}: done in {time.time() - t0:.1f}s: " + json.dumps(row["per_layer_us"]))
+    return row
+
+
+def _time_us(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1000.0)
+    return statistics.median(out)
+
+
+def _stats(t: list[float]) -> dict:
+    t = sorted(t)
+    return {
+        "median": round(statistics.median(t), 1),
+        "min": round(t[0], 1),
+        "max": round(t[-1], 1),
+        "reps": len(t),
+    }
+
+
+def derive(row: dict) -> dict:
+    """Per variant: overhead vs no view, and the exposed fraction of the view's in-line cost."""
+    per = row["per_layer_us"]
+    if "none" not in per:
+        return {}
+    none = per["none"]["median"]
+    out = {}
+    for name, s in per.items():
+        if name == "none":
+            continue
+        cfg = VARIANTS[name]
+        base = "inline_real" if cfg.get("real") else ("inline_sm" if cfg.get("peer") == "sm" else "inline_ce")
+        view = per[base]["median"] - none if base in per else None
+        d = {"overhead_vs_none": round(s["median"] / none - 1, 4), "exposed_us": round(s["median"] - none, 1)}
+        if view is not None and not cfg.get("inline") and cfg.get("prefetch", True):
+            d["exposed_fraction"] = round((s["median"] - none) / view, 3) if view > 0 else None
+        out[name] = d
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--connections", type=int, nargs="*", default=[1, 32], help="CUDA_DEVICE_MAX_CONNECTIONS children")
+    ap.add_argument("--connection-contexts", type=int, nargs="+", default=[131072], help="contexts of the children")
+    ap.add_argument("--connection-reps", type=int, default=4)
+    ap.add_argument("--out", default="docs/benchmarks/overlap_1gpu.json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    out = Path(args.out)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    doc = {
+        "name": "overlap_1gpu",
+        "command": command_line(),
+        "environment": environment(),
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)"),
+        "layer": {
+            "attention": AttentionStep(*attention_inputs(8, 64, 64, device="cuda")).describe(),
+            "moe": moe_shape(QUERIES),
+            "queries": QUERIES,
+            "layers_per_forward": args.layers,
+            "timed": "layers 1..L-1 of each forward (CUDA events), reps round-robin over variants",
+        },
+        "variants": {n: VARIANTS[n] for n in args.variants},
+        "rows": [],
+    }
+    for c in args.contexts:
+        try:
+            row = run_context(c, args.variants, args.layers, args.reps, log)
+        except Exception as e:  # noqa: BLE001 - one context failing leaves the others
+            row = {"context_tokens": c, "error": f"{type(e).__name__}: {e}"}
+            log(f"context {c}: {row['error']}")
+            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
+        row["derived"] = derive(row) if "per_layer_us" in row else {}
+        doc["rows"].append(row)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    if not args.child:
+        doc["connections"] = {}
+        for n in args.connections:
+            child_out = out.with_name(f"{out.stem}_conn{n}.json")
+            cmd = [sys.executable, "-m", "benchmark.cp_shared_kv.bench_overlap", "--child", "--out", str(child_out)]
+            cmd += ["--contexts", *map(str, args.connection_contexts), "--layers", str(args.layers)]
+            cmd += ["--reps", str(args.connection_reps)]
+            cmd += ["--variants", *[v for v in CHILD_VARIANTS if v in args.variants]]
+            env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS=str(n))
+            log(f"child CUDA_DEVICE_MAX_CONNECTIONS={n}")
+            r = subprocess.run(cmd, env=env, timeout=1200)
+            if r.returncode == 0 and child_out.exists():
+                child = json.loads(child_out.read_text())
+                doc["connections"][str(n)] = [
+                    {k: row.get(k) for k in ("context_tokens", "per_layer_us", "derived", "error")}
+                    for row in child["rows"]
+                ]
+                child_out.unlink()
+            else:
+                doc["connections"][str(n)] = {"error": f"child exited {r.returncode}"}
+        doc["summary"] = summarize(doc)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    log(f"wrote {out}")
+
+
+def summarize(doc: dict) -> dict:
+    """The headline keys: the wired path's prefetch against the layer, per context."""
+    fraction, overhead = {}, {}
+    for row in doc["rows"]:
+        d = row.get("derived", {}).get("prefetch_real")
+        if d:
+            key = str(row["context_tokens"])
+            fraction[key], overhead[key] = d.get("exposed_fraction"), d["overhead_vs_none"]
+    return {
+        "prefetch_exposed_fraction_real_layer": fraction,
+        "prefetch_layer_overhead_real_layer": overhead,
+        "cause": None,  # written from the numbers, in docs/design.md and here
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -86,6 +86,8 @@ def test_prefetch_needs_the_current_chunk():
     mat.begin_batch(torch.zeros((1, 2), dtype=torch.int32), [20], [16])
     with pytest.raises(ValueError, match="current_kv_rows"):
         mat.layer_view(0)
+    with pytest.raises(ValueError, match="prefetch_gather must be one of"):
+        ViewMaterializer(_filled_pool(), None, prefetch=True, prefetch_gather="elsewhere")
 
 
 def test_pipeline_chunk_size_comes_from_the_argument_or_the_environment(monkeypatch):

@@ -109,13 +109,15 @@ class BatchCounters:
 
 
 HIGHEST_STREAM_PRIORITY = -(1 << 10)  # torch maps a priority past the device's range to its end
+# Where a prefetched layer's owned-page gather runs: on the side stream with its transfer ("side"), or
+# on the compute stream, in line, before the side stream takes over the transfer ("compute").
+PREFETCH_GATHER_PLACES = ("side", "compute")
 
 
-def prefetch_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream a layer-ahead gather runs on, at the device's highest priority: the attention
-    it hides behind holds the SMs, and the block scheduler then starts the gather's blocks as soon
-    as any of the attention's retire instead of after all of them."""
-    return torch.cuda.Stream(device, priority=HIGHEST_STREAM_PRIORITY)
+def prefetch_stream(device: torch.device, priority: int = HIGHEST_STREAM_PRIORITY) -> torch.cuda.Stream:
+    """The side stream a layer-ahead view is built on (by default at the device's highest priority:
+    the block scheduler then starts its kernels' blocks ahead of the compute stream's next ones)."""
+    return torch.cuda.Stream(device, priority=priority)
 
 
 @dataclass
@@ -260,8 +262,12 @@ class ViewMaterializer:
         pipeline_chunk_tokens: int | None = None,
         arena: dict[str, torch.Tensor] | None = None,
         stage_current: bool = False,
+        prefetch_gather: str = "side",
+        prefetch_priority: int = HIGHEST_STREAM_PRIORITY,
     ):
         n = pool.ownership.cp_size
+        if prefetch_gather not in PREFETCH_GATHER_PLACES:
+            raise ValueError(f"prefetch_gather must be one of {PREFETCH_GATHER_PLACES}, got {prefetch_gather!r}")
         if group is None and n != 1:
             raise ValueError(f"group is required for a pool sharded over {n} ranks")
         if group is not None and (group.size != n or group.rank != pool.rank):
@@ -278,6 +284,8 @@ class ViewMaterializer:
         self.stage_current = stage_current
         self._slot_table: torch.Tensor | None = None  # the kernels' page table (plan's, or with staged pages)
         self.prefetch = prefetch
+        self.prefetch_gather = prefetch_gather
+        self.prefetch_priority = prefetch_priority
         self.use_triton = use_triton
         self.pipeline_chunk_tokens = pipeline_chunk_tokens
         self.plan: SlotPlan | None = None
@@ -294,6 +302,7 @@ class ViewMaterializer:
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched: torch.cuda.Event | None = None
         self._fork: torch.cuda.Event | None = None
+        self._gathered: torch.cuda.Event | None = None
         self.overflow = OverflowCheck()
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -505,12 +514,14 @@ class ViewMaterializer:
         return self.pool.with_indexer and self.pool.index[layer].shape[0] > 0
 
     # -- the gather, now or ahead --
-    def _gather(self, layer: int, slot: int) -> None:
+    def _gather(self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None) -> None:
         """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, chunk by chunk.
 
         On CUDA each chunk's all-gather (latent and indexer views in one NCCL group) is queued on
         NCCL's stream behind that chunk's gather, while the next chunk's gather runs on this
         stream; the stream then waits for them all. On gloo every call completes in order.
+        With ``transfer_stream`` the gathers run on the current stream and the all-gathers on
+        ``transfer_stream``, each after its gather (one event), which ends holding them all.
         """
         plan, group = self.plan, self.group
         steps, page_bytes = self._prepare_gather(layer, slot)
@@ -518,7 +529,14 @@ class ViewMaterializer:
         for launch, whole, mine in steps:
             launch()
             if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
-                in_flight.append(group.all_gather_into_many(whole, mine, async_op=True))
+                if transfer_stream is None:
+                    in_flight.append(group.all_gather_into_many(whole, mine, async_op=True))
+                    continue
+                gathered = self._gathered
+                gathered.record(torch.cuda.current_stream(self.pool.device))
+                transfer_stream.wait_event(gathered)
+                with torch.cuda.stream(transfer_stream):
+                    group.all_gather_into_many(whole, mine, async_op=True).wait()
         for pending in in_flight:
             pending.wait()
         counters = self.counters
@@ -558,19 +576,25 @@ class ViewMaterializer:
         if device.type == "cuda":
             side = self._side_stream
             if side is None:
-                side = self._side_stream = prefetch_stream(device)
+                side = self._side_stream = prefetch_stream(device, self.prefetch_priority)
                 self._fork, self._prefetched = torch.cuda.Event(), torch.cuda.Event()
-            # The side stream starts after everything queued so far: the previous batch's pool
-            # writes, and the kernels still reading this buffer set's previous layer. One event
-            # each way serves every layer: each wait is queued before the event is recorded again.
+                self._gathered = torch.cuda.Event()
             main = torch.cuda.current_stream(device)
-            self._fork.record(main)
-            side.wait_event(self._fork)
-            torch.cuda.set_stream(side)
-            try:
-                self._gather(layer, slot)
-            finally:
-                torch.cuda.set_stream(main)
+            if self.prefetch_gather == "compute":
+                # The gather in line here (its blocks get the SMs between the compute stream's
+                # kernels), the transfer on the side stream behind it.
+                self._gather(layer, slot, transfer_stream=side)
+            else:
+                # The side stream starts after everything queued so far: the previous batch's pool
+                # writes, and the kernels still reading this buffer set's previous layer. One event
+                # each way serves every layer: each wait is queued before the event is recorded again.
+                self._fork.record(main)
+                side.wait_event(self._fork)
+                torch.cuda.set_stream(side)
+                try:
+                    self._gather(layer, slot)
+                finally:
+                    torch.cuda.set_stream(main)
             event = self._prefetched
             event.record(side)
         else:

@@ -355,7 +355,7 @@ def run_context(context: int, names: list[str], layers: int, reps: int, log, pai
         side = sides[cfg.get("priority", materialize.HIGHEST_STREAM_PRIORITY)]
         return _synthetic_forward(ctx, attn, steps, cfg, side, layers)
 
-    paired_rows = _paired(forward, paired, pairs, log) if paired else {}
+    paired_rows = _paired(forward, paired, pairs, layers, log) if paired else {}
     diagnosis = _side_vs_attention(ctx, attn, sides[materialize.HIGHEST_STREAM_PRIORITY], max(reps, 5))
 
     times = {n: [] for n in names}
@@ -399,7 +399,7 @@ def run_context(context: int, names: list[str], layers: int, reps: int, log, pai
     return row
 
 
-def _paired(forward, names: list[str], pairs: int, log) -> dict:
+def _paired(forward, names: list[str], pairs: int, layers: int, log) -> dict:
     """Each variant against its layer without a view (``none`` or ``none_attention_only``), run back to
     back ``pairs`` times, the order alternating: the GPU's clock state, which moves the layer by up to
     ~10% between forwards here, cancels in each pair's ratio."""
@@ -423,7 +423,6 @@ def _paired(forward, names: list[str], pairs: int, log) -> dict:
                 continue
             if r:
                 raw[name].append((got[name], got[base]))
-    layers = None
     out = {}
     for name, pairs_ in raw.items():
         if not pairs_:
@@ -437,11 +436,10 @@ def _paired(forward, names: list[str], pairs: int, log) -> dict:
             "ratio_median": round(statistics.median(ratios), 4),
             "ratio_q1": round(ratios[q], 4),
             "ratio_q3": round(ratios[-1 - q], 4),
-            "forward_diff_us_median": round(statistics.median(diffs), 1),
-            "forward_us_median": round(statistics.median(v for v, _ in pairs_), 1),
-            "base_forward_us_median": round(statistics.median(b for _, b in pairs_), 1),
+            "layer_us_median": round(statistics.median(v for v, _ in pairs_) / (layers - 1), 1),
+            "base_layer_us_median": round(statistics.median(b for _, b in pairs_) / (layers - 1), 1),
+            "layer_diff_us_median": round(statistics.median(diffs) / (layers - 1), 1),
         }
-    del layers
     return {"variants": out, "errors": errors}
 
 

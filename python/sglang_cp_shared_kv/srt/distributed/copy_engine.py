@@ -349,7 +349,7 @@ def view_group(
 
     Collective: every rank of ``group`` calls it, and all of them decide alike (each says whether the
     driver entry points load here and which host it is on; copy engines only if all can, on one host).
-    CPU buffers always use ``group``.
+    CPU buffers always use ``group``. Under ``auto``, falling back to ``group`` is a WARNING with its reason.
     """
     setting = setting or transport_setting()
     if setting not in TRANSPORTS:
@@ -368,16 +368,36 @@ def view_group(
     if len({h for h, _ in votes}) != 1:
         reasons.append(f"CP ranks on {len({h for h, _ in votes})} hosts")
     if reasons:
-        if setting == "copy_engine":
-            raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {'; '.join(reasons)}")
-        logger.info("CP-shared KV: views all-gathered by the CP group (%s), not copy engines", "; ".join(reasons))
-        return group
+        return fall_back(group, setting, "; ".join(reasons))
     try:
         ce = CopyEngineGroup(group, buffers)
     except CopyEngineUnavailable as e:  # raised on every rank alike
-        if setting == "copy_engine":
-            raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {e}") from e
-        logger.info("CP-shared KV: views all-gathered by the CP group (%s), not copy engines", e)
-        return group
+        return fall_back(group, setting, str(e))
     logger.info("CP-shared KV: views all-gathered by the copy engines (%d ranks on one node)", group.size)
     return ce
+
+
+def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
+    """``group`` in place of the copy engines, which cannot run (``why``): an error when they were required
+    (``setting`` ``copy_engine``), else one WARNING saying why and what it costs."""
+    if setting == "copy_engine":
+        raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {why}")
+    logger.warning(
+        "CP-shared KV: copy engines unavailable (%s): views all-gathered by the CP group's %s collectives "
+        "instead%s",
+        why,
+        group.backend,
+        ", which run on SMs, with no layer-ahead prefetch" if group.backend == "nccl" else "",
+    )
+    return group
+
+
+def prefetch_on(group: CPGroup | CopyEngineGroup | None, requested: bool) -> bool:
+    """Whether views all-gathered by ``group`` (the transport ``view_group`` chose) are prefetched a layer
+    ahead, when ``requested``: not over NCCL, whose prefetch was slower than building each view in line
+    (its kernels wait for the SMs the layer holds: ``docs/benchmarks.md``, cp2_e2e); on the copy
+    engines (no SMs) and elsewhere (gloo, a single rank) yes."""
+    if requested and getattr(group, "backend", None) == "nccl":
+        logger.info("CP-shared KV: layer-ahead prefetch of the views off: they are all-gathered by NCCL")
+        return False
+    return requested

@@ -57,7 +57,7 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.srt.distributed.copy_engine import view_group
+from sglang_cp_shared_kv.srt.distributed.copy_engine import prefetch_on, view_group
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
@@ -301,7 +301,11 @@ class BatchReadState:
             # bound SGLang's admission keeps (N * sum_i ceil(prefix_pages_i / N) pages).
             chunk_tokens = 0 if self.arena is not None else None
             self.views = ViewMaterializer(
-                self.source, group, arena=self.arena, prefetch=self.prefetch, pipeline_chunk_tokens=chunk_tokens
+                self.source,
+                group,
+                arena=self.arena,
+                prefetch=prefetch_on(group, self.prefetch),  # follows the transport chosen
+                pipeline_chunk_tokens=chunk_tokens,
             )
         ps = self.page_size
         pages = pages_for_lens(seq_lens, ps)

@@ -13,7 +13,8 @@ sees shrinks by exactly the arena.
 Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``,
 default ``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times the bytes of one
 token's latent row and indexer record. With one-layer-ahead prefetch (``$SGLANG_CP_SHARED_KV_PREFETCH``,
-on unless the transport is set to ``nccl``) a second chunk and page: a batch whose views fit the
+on unless the transport is set to ``nccl``; it runs only if the transport chosen is not NCCL) a second
+chunk and page: a batch whose views fit the
 arena twice (at most half the prefix budget: the usual batch) is prefetched, a larger one is read
 layer by layer; admission stays the same. SGLang's page-interleave scratch keeps eight contexts,
 twice (double-buffered for its layer-ahead gather)::
@@ -43,9 +44,10 @@ def arena_contexts() -> int:
 
 
 def prefetch_enabled() -> bool:
-    """One-layer-ahead prefetch of the views: ``$SGLANG_CP_SHARED_KV_PREFETCH`` (1 or 0). Unset: on unless
-    ``SGLANG_CP_SHARED_KV_TRANSPORT=nccl`` (a prefetch whose gather needs SMs hides nothing behind the
-    attention; the copy engines' pull needs none)."""
+    """Whether the arena makes room for one-layer-ahead prefetch of the views: ``$SGLANG_CP_SHARED_KV_PREFETCH``
+    (1 or 0). Unset: on unless ``SGLANG_CP_SHARED_KV_TRANSPORT=nccl``. The transport is chosen at the
+    first prefix batch; the prefetch then runs only where it is not NCCL (``copy_engine.prefetch_on``:
+    NCCL's prefetch lost to building each view in line)."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
 
     default = 0 if transport_setting() == "nccl" else 1

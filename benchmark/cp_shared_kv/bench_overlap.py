@@ -49,9 +49,9 @@ from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup, dri
 from sglang_cp_shared_kv.srt.layers.attention.nsa import materialize
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_launch, word_pair
+from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES, quantize_mla_fp8
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.sglang_wiring.read_state import PageBuffers
 
 PS = 64
 CP = 2

@@ -323,7 +323,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import shared_prefix_from_paths
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import shared_prefix_from_paths
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
     scale = SCALES[args["scale"]]

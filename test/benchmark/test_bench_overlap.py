@@ -8,9 +8,9 @@ import torch
 from benchmark.cp_shared_kv.bench_overlap import CP, INDEX_PAGE, LATENT_PAGE, PS, local_copy_engine_group
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
+from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import MLA_FP8_ROW_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-from sglang_cp_shared_kv.srt.sglang_wiring.read_state import PageBuffers
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, local_page, page_owner
 
 cp_sizes = st.sampled_from([1, 2, 3, 4, 8])
 page_sizes = st.sampled_from([1, 2, 16, 64])
@@ -27,6 +27,27 @@ def test_loc_map_is_a_bijection(n, ps, dtype, locs):
     lp = locs_t // ps
     assert torch.equal(owner, lp % n)
     assert torch.equal(row, (lp // n) * ps + locs_t % ps)
+
+
+@pytest.mark.sglang
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.sampled_from([2, 3, 4, 8]), ps=st.sampled_from([1, 16, 64]), locs=st.lists(st.integers(0, 2**20), max_size=200)
+)
+def test_ownership_is_sglangs_page_interleave_placement(n, ps, locs):
+    """``page_owner`` / ``local_page`` (and the pool's row map built on them) agree with SGLang's own
+    ``PageInterleavePlacement`` on every loc, so SGLang's allocator, sender and decode see our store's pages."""
+    from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
+
+    spec = PageShardSpec(shard_rank=0, shard_size=n, page_size=ps, max_prefix_tokens=0, chunk_tokens=0)
+    theirs = PageInterleavePlacement(spec)
+    locs_t = torch.tensor(locs, dtype=torch.int64)
+    lp = locs_t // ps
+    assert torch.equal(page_owner(lp, n), theirs.owner_of(locs_t))
+    assert torch.equal(local_page(lp, n) * ps + locs_t % ps, theirs.local_index(locs_t))
+    own = PageOwnership(n, ps)
+    assert torch.equal(own.loc_owner(locs_t), theirs.owner_of(locs_t))
+    assert torch.equal(own.phys_row(locs_t), theirs.local_index(locs_t))
 
 
 @settings(max_examples=60, deadline=None)

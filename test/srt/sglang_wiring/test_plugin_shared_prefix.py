@@ -233,8 +233,8 @@ def _rank(rank: int, world: int) -> dict:
     from test_plugin_sharded_pool import _chunk, _dsa_kwargs, _Layer
 
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import SharedPrefixError
     from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import SharedPrefixHint, name_batch_requests
-    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import SharedPrefixError
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
     kwargs = _dsa_kwargs(1, fp8=False)

@@ -41,6 +41,24 @@ def debug_enabled() -> bool:
 TRASH_PAGE = 0  # physical page of every rank that foreign rows of a masked store land in
 
 
+def page_owner(pages, cp_size: int):
+    """The CP rank that holds logical page(s) ``pages`` (an int, a numpy array or a tensor): ``pages % cp_size``.
+
+    The one ownership rule: the pool's masked store, the prefill sender's share check, the
+    decode side's manifest check and the slot plan all use it. It equals SGLang 0.5.23's
+    ``PageInterleavePlacement.owner_of`` (token loc ``loc`` on rank ``(loc % (N * ps)) // ps``)
+    applied to page ``loc // ps``, so SGLang's own allocator, sender and decode agree with our
+    store on every page (``test_placement`` checks both maps against SGLang's class).
+    """
+    return pages % cp_size
+
+
+def local_page(pages, cp_size: int):
+    """The physical page of logical page(s) ``pages`` on their owner: ``pages // cp_size`` (the page of
+    SGLang's ``PageInterleavePlacement.local_index``)."""
+    return pages // cp_size
+
+
 def _check_int_tensor(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -84,11 +102,11 @@ class PageOwnership:
     # -- pages --
     def owner(self, logical_pages: torch.Tensor) -> torch.Tensor:
         self._check_locs("logical_pages", logical_pages, self.logical_pages)
-        return logical_pages % self.cp_size
+        return page_owner(logical_pages, self.cp_size)
 
     def phys_page(self, logical_pages: torch.Tensor) -> torch.Tensor:
         self._check_locs("logical_pages", logical_pages, self.logical_pages)
-        return logical_pages // self.cp_size
+        return local_page(logical_pages, self.cp_size)
 
     def logical_page(self, owner: torch.Tensor | int, phys_pages: torch.Tensor) -> torch.Tensor:
         """Inverse of (owner, phys_page)."""
@@ -100,13 +118,13 @@ class PageOwnership:
     # -- tokens --
     def loc_owner(self, locs: torch.Tensor) -> torch.Tensor:
         self._check_locs("locs", locs, self._loc_limit())
-        return (locs >> self._shift) % self.cp_size
+        return page_owner(locs >> self._shift, self.cp_size)
 
     def phys_row(self, locs: torch.Tensor) -> torch.Tensor:
         """Physical row of each loc on its owner."""
         self._check_locs("locs", locs, self._loc_limit())
         offset = locs & (self.page_size - 1)
-        return ((locs >> self._shift) // self.cp_size) * self.page_size + offset
+        return local_page(locs >> self._shift, self.cp_size) * self.page_size + offset
 
     def logical_loc(self, owner: torch.Tensor | int, phys_rows: torch.Tensor) -> torch.Tensor:
         """Inverse of (loc_owner, phys_row)."""

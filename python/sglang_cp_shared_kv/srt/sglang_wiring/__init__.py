@@ -7,7 +7,7 @@
   shared-prefix hint (from the scheduler's radix tree) handed to the pool's read state.
 - ``view_arena``: the read buffer's size, charged to the KV budget, and SGLang's batch admission
   held to it.
-- ``sharded_kv_pool`` + ``read_state``: the masked write path and the kv-shard read contract
+- ``sharded_kv_pool`` (with ``layers.attention.nsa.read_state``): the masked write path and the kv-shard read contract
   (current-reuse / materialized view) that SGLang's DSA backend, indexer and FA3 call.
 - ``transfer``: SGLang's Mooncake sender in sharded mode (owned pages at their positions), and
   each prefill rank's manifest on its Success status.

@@ -40,17 +40,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import builds_cp_shared_pool, prefetch_enabled, spec_for
 
 logger = logging.getLogger(__name__)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-
-
-def _active(configurator) -> bool:
-    from sglang.srt.runtime_context import get_disagg
-
-    # On a decode server the flag only checks manifests (``decode_manifest``): its pool stays stock.
-    return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
 
 
 def _check_built(pool) -> None:
@@ -65,7 +59,7 @@ def _check_built(pool) -> None:
 
 def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_class: str):
     """Run SGLang's pool builder, with ``sharded_kv_pool.<pool_class>`` as its ``class_arg`` when the flag is on."""
-    if not _active(configurator):
+    if not builds_cp_shared_pool(configurator):
         return original(configurator, **kwargs)
     from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
@@ -92,7 +86,6 @@ def build_allocator(original, configurator, **kwargs):
     from sglang.srt.runtime_context import get_disagg
 
     from sglang_cp_shared_kv.srt.sglang_wiring.transfer import enable_sharded_transfer
-    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import prefetch_enabled, spec_for
 
     spec = spec_for(configurator)
     allocator = PageInterleavePoolAllocator(
@@ -122,7 +115,7 @@ def build_allocator(original, configurator, **kwargs):
 
 def check_built_pools(result, configurator, **_kwargs):
     """AFTER hook on ``_init_pools``: the flag's pool and allocator, and every hook, or a refusal."""
-    if not _active(configurator):
+    if not builds_cp_shared_pool(configurator):
         return result
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
@@ -198,7 +191,10 @@ def batch_shared_prefix(
     """The hint of a ``ScheduleBatch`` whose ForwardBatch has these ``rids`` and ``prefix_lens`` (same requests,
     same order), from its requests' ``last_node`` s in its ``tree_cache``; ``None`` when no two requests
     share a whole prefix page. Host objects only."""
-    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import shared_prefix_from_nodes, shared_prefix_from_paths
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import (
+        shared_prefix_from_nodes,
+        shared_prefix_from_paths,
+    )
 
     reqs = batch.reqs
     if rids is None or prefix_lens is None or not len(reqs) == len(rids) == len(prefix_lens):

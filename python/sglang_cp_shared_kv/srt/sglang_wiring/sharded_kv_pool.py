@@ -36,9 +36,9 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool,
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers, TensorMemo
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import CPSharedSpec
-from sglang_cp_shared_kv.srt.sglang_wiring.read_state import BatchReadState, PageBuffers, TensorMemo
 
 logger = logging.getLogger(__name__)
 

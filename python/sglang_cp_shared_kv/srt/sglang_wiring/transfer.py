@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
-from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
+from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled, local_page, page_owner
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
 
 logger = logging.getLogger(__name__)
@@ -68,10 +68,10 @@ class SendShareError(AssertionError):
 _SENT: dict[int, tuple[list[int], list[int]]] = {}
 
 
-def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
     """What rank ``rank`` must send of a chunk: (local pages, positions) of the pages it owns."""
-    owned = pages % size == rank
-    return pages[owned] // size, positions[owned]
+    owned = page_owner(pages, cp_size) == rank
+    return local_page(pages[owned], cp_size), positions[owned]
 
 
 def check_send_indices(result, sender, kv_indices, state_indices=None):
@@ -83,13 +83,13 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
     if not (debug_enabled() and runtime_enabled()):
         return None
     mgr = sender.kv_mgr
-    rank, size = mgr.kv_shard_rank, mgr.kv_shard_size
-    if size <= 1:
-        raise SendShareError(f"{FLAG}: the KV manager is not in sharded mode (kv_shard_size={size})")
+    rank, cp_size = mgr.kv_shard_rank, mgr.kv_shard_size
+    if cp_size <= 1:
+        raise SendShareError(f"{FLAG}: the KV manager is not in sharded mode (kv_shard_size={cp_size})")
     local, positions, is_last, skip = result
     pages = np.asarray(kv_indices, dtype=np.int64)
     start = sender.curr_idx - len(pages)
-    want_local, want_pos = owned_share(pages, np.arange(start, start + len(pages)), rank, size)
+    want_local, want_pos = owned_share(pages, np.arange(start, start + len(pages)), rank, cp_size)
     got_pos = np.arange(positions.start, positions.stop) if isinstance(positions, slice) else np.asarray(positions)
     if not (np.array_equal(np.asarray(local, dtype=np.int64), want_local) and np.array_equal(got_pos, want_pos)):
         raise SendShareError(
@@ -100,7 +100,7 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
     sent.extend(want_pos.tolist())
     if is_last:
         _SENT.pop(sender.bootstrap_room, None)
-        expected = [p for p, lp in enumerate(seen) if lp % size == rank]
+        expected = [p for p, lp in enumerate(seen) if page_owner(lp, cp_size) == rank]
         if sent != expected:
             raise SendShareError(f"{FLAG}: rank {rank} sent positions {sent}, owns {expected}")
         logger.info("%s: room %s rank %d sent %d of %d pages", FLAG, sender.bootstrap_room, rank, len(sent), len(seen))

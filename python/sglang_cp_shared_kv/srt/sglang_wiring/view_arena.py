@@ -28,7 +28,7 @@ import logging
 from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions, ceil_align
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
 from sglang_cp_shared_kv.srt.utils import check_int, env_int
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,15 @@ logger = logging.getLogger(__name__)
 ARENA_CONTEXTS = 2
 ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
 PREFETCH_ENV = "SGLANG_CP_SHARED_KV_PREFETCH"
+
+
+def builds_cp_shared_pool(configurator: Any) -> bool:
+    """Whether this KV cache configurator builds a CP-shared pool: the flag is on, the server is a prefill
+    (on a decode server the flag only checks manifests, ``decode_manifest``: its pool stays stock), and the
+    pool is the target model's, not a draft's."""
+    from sglang.srt.runtime_context import get_disagg
+
+    return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
 
 
 def arena_contexts() -> int:
@@ -108,9 +117,7 @@ def spec_for(configurator: Any) -> Any:
 
 def charge_arena(original, kvc, **kwargs):
     """AROUND hook on ``pool_configurator.compute_page_shard_scratch_bytes``: our arena's bytes when the flag is on."""
-    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import _active
-
-    if not _active(kvc):
+    if not builds_cp_shared_pool(kvc):
         return original(kvc, **kwargs)
     from sglang.srt.mem_cache import page_interleave
 

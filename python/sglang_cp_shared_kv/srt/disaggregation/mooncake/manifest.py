@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import Manifest
+from sglang_cp_shared_kv.srt.mem_cache.placement import page_owner
 from sglang_cp_shared_kv.srt.utils import check_int
 
 
@@ -85,7 +86,7 @@ class ManifestCollector:
             raise ManifestError(
                 f"request {rid}: position {int(pos[self._covered[pos]][0])} was already reported by another rank"
             )
-        owners = table % self.cp_size
+        owners = page_owner(table, self.cp_size)
         foreign = pos[owners[pos] != rank]
         if foreign.size:
             p = int(foreign[0])

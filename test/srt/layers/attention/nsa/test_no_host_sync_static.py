@@ -26,10 +26,13 @@ NSA_DIR = Path(nsa.__file__).parent
 # whose collectives it calls, the SGLang pools' write path and their read state, and the
 # ownership arithmetic of every store.
 CHECKED = (
-    [NSA_DIR / n for n in ("slot_plan.py", "materialize_kernels.py", "materialize.py", "current_reuse.py")]
+    [
+        NSA_DIR / n
+        for n in ("slot_plan.py", "materialize_kernels.py", "materialize.py", "current_reuse.py", "read_state.py")
+    ]
     + [NSA_DIR / "page_source.py"]
     + [Path(distributed.__file__).parent / n for n in ("cp_group.py", "copy_engine.py")]
-    + [Path(sglang_wiring.__file__).parent / n for n in ("read_state.py", "sharded_kv_pool.py")]
+    + [Path(sglang_wiring.__file__).parent / "sharded_kv_pool.py"]
     + [Path(mem_cache.__file__).parent / "placement.py"]
 )
 

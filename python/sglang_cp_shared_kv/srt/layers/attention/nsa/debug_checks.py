@@ -14,6 +14,7 @@ import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotPlan
+from sglang_cp_shared_kv.srt.mem_cache.placement import page_owner
 
 
 class CPSharedKVDebugError(RuntimeError):
@@ -36,7 +37,7 @@ def check_plan_local(plan: SlotPlan) -> None:
     n, s = plan.cp_size, plan.slots_per_rank
     logical = plan.logical_pages.cpu()
     slots = plan.slots.cpu()
-    owner = logical % n
+    owner = page_owner(logical, n)
     counts = torch.zeros(n, dtype=torch.int64).index_add_(0, owner, torch.ones_like(owner))
     if counts.numel() and int(counts.max()) > s:
         o = int(counts.argmax())

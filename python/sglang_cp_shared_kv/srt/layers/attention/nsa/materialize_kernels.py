@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 from sglang_cp_shared_kv.srt.utils import check_int, current_stream_handle
 
 try:
@@ -431,7 +432,7 @@ def assign_slots_ref(
     n, sc, s = cp_size, max(chunk_slots, 1), slots_per_rank
     device = page_table.device
     logical = page_table.reshape(-1).index_select(0, positions_flat).long()
-    owner = logical % n
+    owner = page_owner(logical, n)
     # Rank among same-owner positions: a cumsum over a one-hot [N, M], scanned along the inner
     # dimension (along the outer one CUDA scans each of the N columns serially).
     one_hot = (torch.arange(n, device=device).unsqueeze(1) == owner.unsqueeze(0)).to(torch.int32)
@@ -447,7 +448,7 @@ def assign_slots_ref(
     slots = torch.where(rank < s, slots, trash_slot)
     target = torch.where(rank < s, owner * s + rank, torch.full_like(rank, n * s))  # n * s: a dump entry
     slot_phys = torch.full((n * s + 1,), trash_page, dtype=torch.int64, device=device)
-    slot_phys.scatter_(0, target, logical // n)
+    slot_phys.scatter_(0, target, local_page(logical, n))
     status = torch.cat([(counts.amax() > s).to(torch.int64).reshape(1), counts])
     batch, max_pages = page_table.shape
     table = build_slot_table(slots, cu_pages, positions_flat, batch, max_pages, pad=pad, use_triton=use_triton)

@@ -26,9 +26,9 @@ PS, LAYERS, ROW, INDEX_ROW, PHYS = 16, 2, 64, 132, 9
 
 def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> dict:
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
     from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
-    from sglang_cp_shared_kv.srt.sglang_wiring.read_state import BatchReadState, PageBuffers
 
     ownership = PageOwnership(world, PS, logical_pages=world * PHYS)
     g = torch.Generator().manual_seed(11)
@@ -185,7 +185,7 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
     if device == "cpu":  # a shared_prefix hint that is wrong: debug mode's translation check, then the flag
         import os
 
-        from sglang_cp_shared_kv.srt.sglang_wiring.read_state import SharedPrefixError
+        from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import SharedPrefixError
 
         os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
         try:

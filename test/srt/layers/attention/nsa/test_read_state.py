@@ -2,7 +2,7 @@
 
 import torch
 
-from sglang_cp_shared_kv.srt.sglang_wiring.read_state import TensorMemo
+from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import TensorMemo
 
 
 def test_memo_returns_the_first_result_for_the_same_unmodified_tensor():

@@ -1,10 +1,16 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# One place for the version: the package's __version__.
+VERSION = re.search(r'^__version__ = "([^"]+)"', Path("python/sglang_cp_shared_kv/__init__.py").read_text(), re.M)[1]
 
 setup(
     name="sglang-cp-shared-kv",
-    version="0.1.0",
+    version=VERSION,
     description="Shard the MLA + NSA/DSA KV cache across SGLang prefill context-parallel ranks",
-    long_description=open("README.md").read(),
+    long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     package_dir={"": "python"},
@@ -22,6 +28,7 @@ setup(
             "pytest-timeout==2.4.0",
             "hypothesis==6.170.17",
             "matplotlib==3.11.2",
+            "build==1.6.1",
         ],
         "mooncake": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
         "sglang": ["sglang==0.5.23"],

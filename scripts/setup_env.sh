@@ -6,6 +6,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CP_SHARED_KV_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.cp_shared_kv_stamp"
+TORCH_CPU_INDEX="${CP_SHARED_KV_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 WANT="$(cat "$ROOT"/requirements/*.txt "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" "$ROOT/scripts/torchvision_cpu_shim.py" | sha1sum | cut -d' ' -f1)"
 
 # Mooncake's engine links libibverbs even without RDMA hardware. The check reads ldconfig's whole
@@ -39,6 +40,17 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   SETUP_T0=$SECONDS
   setup_step() { echo "[setup] $1 (at $((SECONDS - SETUP_T0)) s)"; }
   setup_step "1/4 torch (CPU), triton, pytest, matplotlib, Mooncake"
+  # Without a GPU, torch's CPU wheel (~200 MB) rather than the default index's CUDA build (~5 GB of
+  # NVIDIA wheels); where PyTorch's CPU index cannot be reached, the default index's torch.
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    TORCH_PIN="$(grep -E '^torch==' "$ROOT/requirements/test.txt")"
+    if "$VENV/bin/python" -c "import urllib.request as u; u.urlopen('$TORCH_CPU_INDEX/torch/', timeout=15)" >/dev/null 2>&1 \
+      && "$VENV/bin/pip" install -q --disable-pip-version-check --index-url "$TORCH_CPU_INDEX" "$TORCH_PIN"; then
+      echo "[setup] $TORCH_PIN from $TORCH_CPU_INDEX (no nvidia-smi here)"
+    else
+      echo "[setup] $TORCH_CPU_INDEX cannot be reached: torch from the default index"
+    fi
+  fi
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/test.txt" 2>&1 | grep -v "^WARNING: Location" || true
   setup_step "2/4 what sglang needs to import on CPU"
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/sglang.txt" 2>&1 | grep -v "^WARNING: Location" || true

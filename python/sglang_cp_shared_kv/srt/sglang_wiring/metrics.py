@@ -3,7 +3,7 @@
 **Startup line** (INFO, every prefill CP rank, once its pool and allocator are built): the CP size,
 the KV token slots this rank holds against the logical tokens the group caches (and what a
 replicated pool would hold in the same memory), the view arena, the transport setting and whether
-views are prefetched.
+views are prefetched (the transport, and with it the prefetch, is settled at the first prefix batch).
 
 **Metrics** (only with SGLang's ``--enable-metrics``). SGLang serves ``/metrics`` from
 prometheus_client's multiprocess directory (``$PROMETHEUS_MULTIPROC_DIR``, set by its launcher
@@ -200,7 +200,7 @@ def startup_line(pool: Any, allocator: Any) -> str:
         f"{FLAG}: CP rank {spec.cp_rank} of {n}: holds 1/{n} of every KV page, {pool.size} token slots for "
         f"{allocator.size} logical tokens over the CP group (a replicated pool in this memory: about {replicated} "
         f"tokens); view arena {arena / 2**20:.1f} MiB; view transport {transport_setting()} ({TRANSPORT_ENV}); "
-        f"prefetch {'on' if pool.read.prefetch else 'off'}"
+        f"prefetch {'on unless the views go over NCCL' if pool.read.prefetch else 'off'}"
     )
 
 

@@ -22,11 +22,14 @@ pages overflow an owner's block reads the trash page there; ``begin_batch`` rais
 current-chunk rows must be in the pool before its ``layer_view`` (the write path stores them),
 and a view stays valid until the next ``layer_view`` call (the buffers are reused).
 
-Optional one-layer-ahead prefetch (``prefetch=True``) gathers layer ``l + 1`` on a side CUDA
-stream (``prefetch_stream``, the highest priority) while layer ``l`` computes. It is bit-exact
-(tests on gloo, NCCL and copy engines). On 2 x H200 behind FlashMLA sparse prefill it hides the
-view at 32K tokens, not at 128K-512K (``docs/benchmarks.md``; ``docs/design.md`` names the
-suspected causes). Off by default here; the SGLang path turns it on with copy engines.
+Optional one-layer-ahead prefetch (``prefetch=True``): ``layer_view(l)`` also gathers layer
+``l + 1``'s owned pages (on the compute stream by default, ``prefetch_gather``) and all-gathers
+them on a side CUDA stream (``prefetch_stream``, the highest priority) while layer ``l`` computes.
+It is bit-exact (tests on gloo, NCCL and copy engines). On one H200 behind a layer of FlashMLA's fp8
+attention and a MoE stand-in it costs the layer what building the view in line costs: below the
+noise at 32K-128K tokens, about 1% at 512K, where the view's bytes compete with the attention for
+HBM bandwidth (``docs/design.md``). Off by default here; the SGLang path turns it on unless the views
+go through NCCL (``copy_engine.prefetch_on``).
 """
 
 from __future__ import annotations
@@ -109,9 +112,10 @@ class BatchCounters:
 
 
 HIGHEST_STREAM_PRIORITY = -(1 << 10)  # torch maps a priority past the device's range to its end
-# Where a prefetched layer's owned-page gather runs: on the side stream with its transfer ("side"), or
-# on the compute stream, in line, before the side stream takes over the transfer ("compute").
-PREFETCH_GATHER_PLACES = ("side", "compute")
+# Where a prefetched layer's owned-page gather runs: on the compute stream, in line, before the side
+# stream takes over the transfer ("compute", the default: no SM work of the view runs beside the
+# layer's kernels), or on the side stream with its transfer ("side").
+PREFETCH_GATHER_PLACES = ("compute", "side")
 
 
 def prefetch_stream(device: torch.device, priority: int = HIGHEST_STREAM_PRIORITY) -> torch.cuda.Stream:
@@ -225,9 +229,10 @@ class ViewMaterializer:
     ``group`` is the CP group whose ranks own the pool's pages (``None`` only for a single-rank
     pool). Every batch is materialized; current-reuse is decided by the caller.
 
-    With ``prefetch``, ``layer_view(l)`` also starts gathering layer ``l + 1`` (on a side CUDA
-    stream on GPU; at once on CPU), before the caller has written layer ``l + 1``'s current
-    chunk to the pool. Every rank holds that chunk, so ``layer_view(l + 1)`` then copies it
+    With ``prefetch``, ``layer_view(l)`` also starts building layer ``l + 1``'s view (on GPU its
+    gather on the compute stream, or with ``prefetch_gather="side"`` on the side stream, and its
+    all-gather on the side stream at ``prefetch_priority``; at once on CPU), before the caller has
+    written layer ``l + 1``'s current chunk to the pool. Every rank holds that chunk, so ``layer_view(l + 1)`` then copies it
     into its view rows: the view is byte-for-byte the one a gather after the write gives.
 
     A view of at least two ``pipeline_chunk_tokens`` tokens per rank is built in chunks of at
@@ -262,7 +267,7 @@ class ViewMaterializer:
         pipeline_chunk_tokens: int | None = None,
         arena: dict[str, torch.Tensor] | None = None,
         stage_current: bool = False,
-        prefetch_gather: str = "side",
+        prefetch_gather: str = "compute",
         prefetch_priority: int = HIGHEST_STREAM_PRIORITY,
     ):
         n = pool.ownership.cp_size

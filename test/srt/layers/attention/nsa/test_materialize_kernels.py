@@ -230,7 +230,7 @@ def _assign_case(pages, cp_size, chunks, seed, dtype=torch.int64, pad=0, strided
 
 
 @needs_triton
-@pytest.mark.parametrize("cp_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("cp_size", [2, 3, 8])  # one rank: test_slot_plan (shared prefixes)
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_fused_plan_equals_reference(cp_size, chunks):
     flags = []

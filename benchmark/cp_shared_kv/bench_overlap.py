@@ -7,9 +7,13 @@ followed by its MoE stand-in (fp8 GEMMs of DeepSeek-V3.2's routed + shared exper
 gather kernel (``materialize_kernels``, 656-B latent rows + 132-B indexer records per token), and
 ``C / 2`` of the peer, pulled from another buffer of the same bytes on this GPU (the peer's arena).
 
-Per context, every variant runs ``--layers`` layers per forward and is timed with CUDA events from the
-end of layer 0 to the end of the last (steady state: each layer's view was prefetched during the layer
-before), ``--reps`` times round-robin with the others; the JSON holds per-layer medians and spreads:
+Per context, a variant runs ``--layers`` layers per forward, timed with CUDA events from the end of
+layer 0 to the end of the last (steady state: each layer's view was prefetched during the layer
+before). Two ways, both in the JSON: ``--paired`` variants each ``--pairs`` times back to back with the
+same layer without a view, the order alternating, reported as the median and quartiles of the pairs'
+ratios (the GPU's clock state moves a forward by up to ~15% here; a pair shares it); ``--variants``
+``--reps`` times round-robin, per-layer medians and spreads. ``summary`` (``--resummarize`` recomputes
+it from the rows) takes the paired variant running ``ViewMaterializer``'s default options. Variants:
 
 - ``none``: the layer alone (every layer reads a view built before timing);
 - ``inline_*``: the view built on the compute stream before the layer's attention;
@@ -20,7 +24,11 @@ before), ``--reps`` times round-robin with the others; the JSON holds per-layer 
   with one step of the layer; the gather kernel's grid (one program per page, or a capped count);
   only the copy engines, or only the gather kernel;
 - ``*_real``: the wired path's ``ViewMaterializer`` (arena, copy-engine transport, its side stream
-  and event waits and host launches) over a pool of this rank's pages. Its peer is emulated: the
+  and event waits and host launches) over a pool of this rank's pages, with its prefetch options
+  (gather on the compute or the side stream, side-stream priority); ``*_attention_only``: the layer
+  without its MoE, one FlashMLA kernel (as ``bench_cp2_e2e`` times it). Beside them,
+  ``side_vs_attention``: when a gather or a copy-engine copy queued on the side stream finishes
+  beside one attention kernel. Its peer is emulated: the
   ``CopyEngineGroup`` it drives pulls from a local buffer of the peer's arena shape and its peer's
   signals are already set (the waits never block), so it issues every driver call of the real
   transport, but the bytes come from this GPU's memory instead of over NVLink (read and written on one

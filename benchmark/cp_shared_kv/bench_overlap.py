@@ -31,8 +31,8 @@ it from the rows) takes the paired variant running ``ViewMaterializer``'s defaul
   beside one attention kernel. Its peer is emulated: the
   ``CopyEngineGroup`` it drives pulls from a local buffer of the peer's arena shape and its peer's
   signals are already set (the waits never block), so it issues every driver call of the real
-  transport, but the bytes come from this GPU's memory instead of over NVLink (read and written on one
-  HBM: twice the local traffic of a real pull) and no peer is ever late.
+  transport, but the bytes come from this GPU's memory instead of over NVLink (on two GPUs each HBM
+  serves the peer's read of its part instead: the same traffic per GPU) and no peer is ever late.
 
 ``CUDA_DEVICE_MAX_CONNECTIONS`` is set per process: ``--connections`` runs a child per value.
 """
@@ -660,8 +660,9 @@ CAUSE = (
     "32K-128K the view, in line or ahead, costs the real layer nothing measurable; at 512K FlashMLA reads "
     "its 413 MB view from HBM and the view's bytes cost the layer about 1% whether moved beside it or "
     "before it, so the prefetch hides little there. A normal-priority side stream cost 2.8% at 32K (the "
-    "highest priority stays); the unpaired switches (split copies, the gather's grid, "
-    "CUDA_DEVICE_MAX_CONNECTIONS) moved nothing beyond their noise. The wired default gathers on the "
+    "highest priority stays); unpaired, the view behind the MoE and CUDA_DEVICE_MAX_CONNECTIONS 1 or 32 "
+    "moved nothing beyond their noise, split copies and a gather capped at 16 programs did worse. The "
+    "wired default gathers on the "
     "compute stream and pulls on the side stream (+0.9% at 512K, +1.2% with both on the side stream, "
     "within the pairs' spread)."
 )

@@ -57,14 +57,12 @@ def _worker(model_dir: str, yaml_dir: str) -> None:
 
     out["pickle_roundtrip"] = pickle.loads(pickle.dumps(server_args)).enable_cp_shared_kv
     out["is_server_args"] = isinstance(server_args, ServerArgs)
+    out.update(_resolved_flag_off(model_dir))
     print("RESULT:" + json.dumps(out))
 
 
-def _resolved_dict_worker(model_dir: str) -> None:
-    """Resolve a flag-off configuration and dump the resolved values (run with and without the plugin)."""
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
+def _resolved_flag_off(model_dir: str) -> dict:
+    """A flag-off configuration's resolved values and the hooked targets of this process (plugins loaded)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import prepare_server_args
 
@@ -87,7 +85,15 @@ def _resolved_dict_worker(model_dir: str) -> None:
     server_args = prepare_server_args(argv)
     server_args.resolve_once()
     resolved = {k: repr(v) for k, v in server_args.resolved_dict().items()}
-    print("RESULT:" + json.dumps({"resolved": resolved, "hooked_targets": sorted(HookRegistry._patched)}))
+    return {"resolved": resolved, "hooked_targets": sorted(HookRegistry._patched)}
+
+
+def _resolved_dict_worker(model_dir: str) -> None:
+    """``_resolved_flag_off`` in a process that loads plugins as SGLang does (run without ours: stock)."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    print("RESULT:" + json.dumps(_resolved_flag_off(model_dir)))
 
 
 def _run(*args: str, env: dict | None = None) -> dict:
@@ -144,9 +150,9 @@ def test_survives_pickling_into_spawned_child(worker_results):
     assert worker_results["pickle_roundtrip"] is True
 
 
-def test_flag_off_resolves_exactly_as_stock(model_dir):
+def test_flag_off_resolves_exactly_as_stock(model_dir, worker_results):
     """The same flag-off configuration resolves to the same values with the plugin loaded and without it."""
-    with_plugin = _run("resolved", model_dir)
+    with_plugin = worker_results
     stock = _run("resolved", model_dir, env={**_ENV, "SGLANG_PLUGINS": "no-such-plugin"})
     assert stock["hooked_targets"] == []
     assert "sglang.srt.server_args.ServerArgs.add_cli_args" in with_plugin["hooked_targets"]

@@ -13,18 +13,18 @@ names ``sglang:cp_shared_kv_*``, labels ``model_name``, ``engine_type``, ``tp_ra
 ``--extra-metric-labels``) and ``cp_rank``: every CP rank reports its own shard (SGLang's own
 scheduler metrics come from CP rank 0 only).
 
-================================================  =========  ===========================================
-``sglang:cp_shared_kv_held_tokens``               gauge      KV token slots this rank's pool holds
-``sglang:cp_shared_kv_logical_capacity_tokens``   gauge      logical tokens the CP group caches (N x)
-``sglang:cp_shared_kv_view_arena_bytes``          gauge      the view arena, allocated once
-``sglang:cp_shared_kv_view_arena_peak_used_bytes`` gauge     the most of it one batch has used
-``sglang:cp_shared_kv_view_bytes_received_per_batch`` histogram  bytes one batch's views received
-``sglang:cp_shared_kv_view_bytes_received_total`` counter    the same, summed over batches
-``sglang:cp_shared_kv_arena_deferrals_total``     counter    times admission held a request back
-``sglang:cp_shared_kv_view_transport``            gauge      1 on the transport the views use
-``sglang:cp_shared_kv_slot_overflows_total``      counter    batches failed by a slot overflow
-``sglang:cp_shared_kv_manifest_rejections_total`` counter    requests a decode server refused
-================================================  =========  ===========================================
+=====================================================  =========  ========================================
+``sglang:cp_shared_kv_held_tokens``                    gauge      KV token slots this rank's pool holds
+``sglang:cp_shared_kv_logical_capacity_tokens``        gauge      logical tokens the CP group caches (N x)
+``sglang:cp_shared_kv_view_arena_bytes``               gauge      the view arena, allocated once
+``sglang:cp_shared_kv_view_arena_peak_used_bytes``     gauge      the most of it one batch has used
+``sglang:cp_shared_kv_view_bytes_received_per_batch``  histogram  bytes one batch's views received
+``sglang:cp_shared_kv_view_bytes_received_total``      counter    the same, summed over batches
+``sglang:cp_shared_kv_arena_deferrals_total``          counter    times admission held a request back
+``sglang:cp_shared_kv_view_transport``                 gauge      1 on the transport the views use
+``sglang:cp_shared_kv_slot_overflows_total``           counter    batches failed by a slot overflow
+``sglang:cp_shared_kv_manifest_rejections_total``      counter    requests a decode server refused
+=====================================================  =========  ========================================
 
 Every value is one the host already has: sizes from the pool and allocator, per-batch byte counts
 that the read path sums from host lengths (``BatchCounters``), the arena share from the shapes of

@@ -1,9 +1,11 @@
 """scripts/setup_env.sh's libibverbs check: no SIGPIPE race, and never a password prompt.
 
 Each test sources the real script with stand-ins for ``ldconfig``, ``apt-get``, ``sudo`` (and ``id``)
-first on PATH; the virtualenv step only checks, as the environment is already built.
+first on PATH; the virtualenv step only checks, as the environment is already built (from this
+checkout's setup files: the tests skip where it was not, rather than reinstall it).
 """
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -15,8 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "setup_env.sh"
 LIB_LINE = "\tlibibverbs.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libibverbs.so.1"
 
+
+def _built_from_this_checkout() -> bool:
+    """Whether setup_env.sh built this environment from this checkout's setup files (its stamp): otherwise
+    sourcing the script would reinstall the environment the tests run in."""
+    stamp = Path(sys.prefix) / ".cp_shared_kv_stamp"
+    files = [*sorted((ROOT / "requirements").glob("*.txt")), ROOT / "setup.py", SCRIPT]
+    files.append(ROOT / "scripts" / "torchvision_cpu_shim.py")
+    want = hashlib.sha1(b"".join(f.read_bytes() for f in files)).hexdigest()
+    return stamp.exists() and stamp.read_text().strip() == want
+
+
 pytestmark = pytest.mark.skipif(
-    not (Path(sys.prefix) / ".cp_shared_kv_stamp").exists(), reason="needs the environment setup_env.sh built"
+    not _built_from_this_checkout(), reason="needs the environment setup_env.sh built from this checkout"
 )
 
 

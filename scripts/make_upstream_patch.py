@@ -1,0 +1,1008 @@
+"""Write the CP-shared KV cache as a ``git format-patch`` series against SGLang 0.5.23, from the plugin.
+
+    python scripts/make_upstream_patch.py            # -> dist/upstream/*.patch
+    python scripts/make_upstream_patch.py --stat     # also print the series' diff stat
+
+The plugin is the one source: this script reads its current ``srt/`` modules and tests, puts each
+module where SGLang keeps its kind (``HOMES``), rewrites our imports to those homes, and turns every
+hook the plugin registers (``sglang_wiring.hook_tables()``, ``startup_checks.RESOLUTION_HOOKS``) into a
+direct edit at its place in SGLang's source (``SITES``). A hook added, renamed or moved in the plugin
+without a site here, or a site whose SGLang text no longer matches, stops the script with one line.
+
+The base tree is the SGLang the environment has installed (the 0.5.23 wheel's Python sources, laid
+out as ``python/sglang/...`` as in SGLang's repository); only the files the series edits are copied
+into the temporary base repository, which leaves the patches the same as against the whole tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = "sglang_cp_shared_kv"
+SRC = ROOT / "python" / PKG
+SGLANG_VERSION = "0.5.23"
+DEFAULT_OUT = ROOT / "dist" / "upstream"
+
+# Where each of our modules lives in SGLang: (our module or package prefix, SGLang's), first match
+# wins. A package prefix ends with "." and maps every module under it.
+HOMES: list[tuple[str, str]] = [
+    ("srt.sglang_wiring.flag", "srt.arg_groups.cp_shared_kv_flag"),
+    ("srt.sglang_wiring.startup_checks", "srt.arg_groups.cp_shared_kv_hook"),
+    ("srt.sglang_wiring.sharded_kv_pool", "srt.mem_cache.cp_shared_kv.sharded_kv_pool"),
+    ("srt.sglang_wiring.pool_hooks", "srt.mem_cache.cp_shared_kv.pool_selection"),
+    ("srt.sglang_wiring.view_arena", "srt.mem_cache.cp_shared_kv.view_arena"),
+    ("srt.sglang_wiring.read_state", "srt.layers.attention.dsa.cp_shared_kv.read_state"),
+    ("srt.sglang_wiring.transfer", "srt.disaggregation.mooncake.cp_shared_kv.transfer"),
+    ("srt.sglang_wiring.decode_manifest", "srt.disaggregation.mooncake.cp_shared_kv.decode_manifest"),
+    ("srt.utils", "srt.mem_cache.cp_shared_kv.utils"),
+    ("srt.mem_cache.", "srt.mem_cache.cp_shared_kv."),
+    ("srt.distributed.", "srt.distributed.cp_shared_kv."),
+    ("srt.layers.attention.nsa.", "srt.layers.attention.dsa.cp_shared_kv."),
+    ("srt.disaggregation.mooncake.", "srt.disaggregation.mooncake.cp_shared_kv."),
+]
+# The plugin's own machinery (entry point, hook registration, the flag's argparse hook) and empty
+# namespace packages: not part of the series.
+PLUGIN_ONLY = {
+    "srt",
+    "srt.plugin",
+    "srt.sglang_wiring",
+    "srt.sglang_wiring.server_args_hook",
+    "srt.layers",
+    "srt.layers.attention",
+    "srt.disaggregation",
+}
+# Our other top-level packages (the benchmark harness's stacks, etc.) are not part of the series.
+SHIPPED_ROOT = "srt"
+
+# The docstring of each new SGLang package.
+PACKAGE_DOCS = {
+    "srt.mem_cache.cp_shared_kv": "CP-shared KV cache (``--enable-cp-shared-kv``): page ownership, the sharded MLA/DSA "
+    "pools and their view arena.",
+    "srt.distributed.cp_shared_kv": "CP-shared KV cache: the CP group's collectives for the view all-gather.",
+    "srt.layers.attention.dsa.cp_shared_kv": "CP-shared KV cache: the per-batch slot plan, the materialized views "
+    "and their Triton kernels, and the read state the DSA backend consumes.",
+    "srt.disaggregation.mooncake.cp_shared_kv": "CP-shared KV cache over Mooncake PD: each prefill rank's page "
+    "manifest, and the decode side's check of it.",
+}
+
+# Plugin-only parts of shipped modules: the check that SGLang installed the plugin's hooks (and the
+# SGLang version they wrap), and the command-line excepthook of the flag's argparse action. In SGLang
+# itself the wiring is direct edits: there is nothing to have failed to install.
+DROP: dict[str, list[str]] = {
+    "srt.sglang_wiring.startup_checks": [
+        "SGLANG_VERSIONS",
+        "ANY_SGLANG_ENV",
+        "_version_warned",
+        "sglang_version_rejections",
+        "hook_rejections",
+        "install_clean_exit",
+    ],
+}
+# Text edits of shipped modules that go with DROP: (our module, old, new), each old found exactly once.
+SUBST: list[tuple[str, str, str]] = [
+    ("srt.sglang_wiring.startup_checks", "_raise(hook_rejections() + flag_rejections(", "_raise(flag_rejections("),
+    (
+        "srt.sglang_wiring.pool_hooks",
+        "import CPSharedKVStartupError, hook_rejections\n",
+        "import CPSharedKVStartupError\n",
+    ),
+    ("srt.sglang_wiring.pool_hooks", "    lines = hook_rejections()\n", "    lines = []\n"),
+]
+
+
+@dataclass
+class Commit:
+    key: str
+    subject: str
+    body: str
+    homes: tuple[str, ...] = ()  # SGLang module prefixes whose new files go in this commit
+
+
+COMMITS = [
+    Commit(
+        "ownership",
+        "[CP shared KV] page ownership, KV row formats and the CP group's collectives",
+        """\
+Prefill context parallelism over N ranks stores every page of the persistent MLA latent and DSA
+indexer KV on all N ranks. These modules hold what sharding it needs below the pools: page lp is
+owned by rank lp % N (the arithmetic of the page-interleave allocator), the fp8 and bf16 row formats
+and the indexer's page layout, the view arena's sizes, and the gloo/NCCL collectives that all-gather
+a batch's views across the CP group. Nothing calls them yet.""",
+        ("srt.mem_cache.cp_shared_kv.", "srt.distributed.cp_shared_kv."),
+    ),
+    Commit(
+        "views",
+        "[CP shared KV] per-batch slot plan, materialized views and their Triton kernels",
+        """\
+The stock DSA/MLA kernels read a dense page table. Per batch, a sync-free slot plan (static shapes,
+host-known sizes from seq_lens_cpu) gives each of the batch's page positions a slot in an owner-major
+view; per layer, each rank gathers its owned pages into its block and the CP group all-gathers the
+blocks, so the kernels run unchanged on the view. A batch that reads only its current chunk reuses the
+gathered current tensors and moves nothing. Every kernel has a plain-torch reference beside it.""",
+        ("srt.layers.attention.dsa.cp_shared_kv.",),
+    ),
+    Commit(
+        "pools",
+        "[CP shared KV] sharded MLA/DSA pools behind the kv-shard contract, read state in the backend",
+        """\
+The CP-shared pools subclass MLATokenToKVPool / DSATokenToKVPool with the same constructor arguments,
+write only the rows their rank owns (a masked store), and serve the kv-shard contract the DSA backend,
+its indexer and FA3 already call for --enable-kv-cache-sharding (translated page tables,
+get_key_buffer, logical indexer pages) from the batch's read state: the current-reuse path or the
+materialized view. The configurator builds them and SGLang's owner-rotating PageInterleavePoolAllocator
+over them when the flag is on, charges the view arena to the KV budget in place of the sharding
+scratch, and batch admission stays inside the arena. Each extend batch's shared-prefix hint comes
+from the radix tree through ForwardBatch.init_new.""",
+        (
+            "srt.layers.attention.dsa.cp_shared_kv.read_state",
+            "srt.mem_cache.cp_shared_kv.sharded_kv_pool",
+            "srt.mem_cache.cp_shared_kv.pool_selection",
+            "srt.mem_cache.cp_shared_kv.view_arena",
+        ),
+    ),
+    Commit(
+        "flag",
+        "[CP shared KV] --enable-cp-shared-kv and its startup checks",
+        """\
+The flag joins the parallel argument group next to --enable-kv-cache-sharding. Its checks run at two
+resolution steps: flag-only checks with validate_prefill_cp_platform, model and resolved-value checks
+with handle_kv_cache_sharding (twice, idempotent). Every rejection is one line naming the flag and
+the fix; prefill CUDA graphs are declared off (the read plan runs eagerly). With the flag off both
+steps run as before.""",
+        ("srt.arg_groups.cp_shared_kv",),
+    ),
+    Commit(
+        "pd",
+        "[CP shared KV] PD over Mooncake: each prefill rank's page manifest, checked on the decode",
+        """\
+Each prefill CP rank sends only its owned pages through the sharded sender, each at its logical page
+position, and its Success status carries a manifest of those positions. The non-CP decode server
+collects every rank's manifest before a request is ready and fails it with the reason if they do not
+cover its pages exactly once.""",
+        ("srt.disaggregation.mooncake.cp_shared_kv.",),
+    ),
+    Commit(
+        "tests",
+        "[CP shared KV] tests",
+        """\
+CPU tests of the wiring against SGLang's real classes: the sharded pools store exactly the owned rows
+and serve the same reads as the replicated pool, the read state's memo, the view arena's sizes and
+its charge to the KV budget, the flag on the parser and the startup checks' rejections.""",
+    ),
+]
+
+
+@dataclass
+class Site:
+    """One hook of the plugin as a direct edit of SGLang's source.
+
+    ``covers``: the plugin's ``(target, hook name)`` pairs (or ``("resolution:<step>", check name)``)
+    this edit stands for. ``old`` must occur ``count`` times in ``path``; ``{import:name}`` in ``new``
+    becomes ``from <home of name's module> import name`` (so a hook that moves between our modules
+    moves here with it).
+    """
+
+    commit: str
+    path: str  # under python/sglang/
+    old: str
+    new: str
+    covers: list[tuple[str, str]] = field(default_factory=list)
+    count: int = 1
+
+
+_CFG = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_COMMON = "sglang.srt.disaggregation.common.conn"
+
+SITES: list[Site] = [
+    # -- the pools and the allocator, where the configurator builds them
+    Site(
+        "pools",
+        "srt/mem_cache/kv_cache_configurator.py",
+        """\
+            token_to_kv_pool = self._build_dsa_kv_pool(
+                max_total_num_tokens""",
+        """\
+            {import:build_dsa_kv_pool}
+
+            # --enable-cp-shared-kv: the same builder, with the CP-shared pool class.
+            token_to_kv_pool = build_dsa_kv_pool(
+                type(self)._build_dsa_kv_pool,
+                self,
+                max_total_num_tokens""",
+        [(f"{_CFG}._build_dsa_kv_pool", "build_dsa_kv_pool")],
+    ),
+    Site(
+        "pools",
+        "srt/mem_cache/kv_cache_configurator.py",
+        """\
+                token_to_kv_pool = self._build_mla_kv_pool(
+                    max_total_num_tokens""",
+        """\
+                {import:build_mla_kv_pool}
+
+                token_to_kv_pool = build_mla_kv_pool(
+                    type(self)._build_mla_kv_pool,
+                    self,
+                    max_total_num_tokens""",
+        [(f"{_CFG}._build_mla_kv_pool", "build_mla_kv_pool")],
+    ),
+    Site(
+        "pools",
+        "srt/mem_cache/kv_cache_configurator.py",
+        """\
+        token_to_kv_pool_allocator = self._build_token_to_kv_pool_allocator(
+            sizes=sizes,""",
+        """\
+        {import:build_allocator}
+
+        # Over a CP-shared pool: the owner-rotating allocator, admission held to the view arena.
+        token_to_kv_pool_allocator = build_allocator(
+            type(self)._build_token_to_kv_pool_allocator,
+            self,
+            sizes=sizes,""",
+        [(f"{_CFG}._build_token_to_kv_pool_allocator", "build_allocator")],
+    ),
+    Site(
+        "pools",
+        "srt/mem_cache/kv_cache_configurator.py",
+        """\
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+        )
+""",
+        """\
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+        )
+        {import:check_built_pools}
+
+        pools = check_built_pools(pools, self)
+""",
+        [(f"{_CFG}._init_pools", "check_built_pools")],
+    ),
+    Site(
+        "pools",
+        "srt/model_executor/pool_configurator.py",
+        """\
+        self._fixed_overhead_bytes = compute_page_shard_scratch_bytes(
+            kvc,""",
+        """\
+        {import:charge_arena}
+
+        # --enable-cp-shared-kv charges its view arena instead.
+        self._fixed_overhead_bytes = charge_arena(
+            compute_page_shard_scratch_bytes,
+            kvc,""",
+        [("sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes", "charge_arena")],
+    ),
+    Site(
+        "pools",
+        "srt/managers/schedule_policy.py",
+        """\
+                    "assembly scratch"
+                )
+            return False
+""",
+        """\
+                    "assembly scratch"
+                )
+            {import:log_deferred}
+
+            return log_deferred(False, self, prefix_len, extend_len)
+""",
+        [("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", "log_deferred")],
+    ),
+    Site(
+        "pools",
+        "srt/model_executor/forward_batch_info.py",
+        """\
+        return ret
+
+    def _maybe_init_non_generation_fields""",
+        """\
+        {import:hint_shared_prefix}
+
+        # The shared-prefix hint of an extend batch, for a CP-shared pool's read plan.
+        return hint_shared_prefix(ret, cls, batch, model_runner)
+
+    def _maybe_init_non_generation_fields""",
+        [("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "hint_shared_prefix")],
+    ),
+    Site(
+        "pools",
+        "srt/layers/attention/kv_shard_hooks.py",
+        """\
+def prepare_kv_shard_forward(
+    pool: PageInterleaveKVPoolMixin,
+    req_to_token: torch.Tensor,
+    forward_batch: ForwardBatch,
+) -> bool:
+    \"\"\"Update the pool's gather plan and report whether this is an extend.\"\"\"
+""",
+        """\
+def prepare_kv_shard_forward(
+    pool: PageInterleaveKVPoolMixin,
+    req_to_token: torch.Tensor,
+    forward_batch: ForwardBatch,
+) -> bool:
+    \"\"\"Update the pool's gather plan and report whether this is an extend.
+
+    A CP-shared pool first takes the batch's request ids and shared-prefix hint.
+    \"\"\"
+    {import:name_batch_requests}
+
+    return name_batch_requests(_prepare_kv_shard_forward, pool, req_to_token, forward_batch)
+
+
+def _prepare_kv_shard_forward(
+    pool: PageInterleaveKVPoolMixin,
+    req_to_token: torch.Tensor,
+    forward_batch: ForwardBatch,
+) -> bool:
+""",
+        [("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", "name_batch_requests")],
+    ),
+    # -- the flag's checks, at their resolution steps (every invocation of each step)
+    Site(
+        "flag",
+        "srt/arg_groups/pipeline.py",
+        "    run_hook(validate_prefill_cp_platform, server_args)\n",
+        """\
+    {import:early_check}
+
+    early_check(server_args, lambda args: run_hook(validate_prefill_cp_platform, args))
+""",
+        [("resolution:validate_prefill_cp_platform", "early_check")],
+    ),
+    Site(
+        "flag",
+        "srt/arg_groups/parallel_hook.py",
+        "    run_hook(validate_prefill_cp_platform, server_args)\n",
+        """\
+    {import:early_check}
+
+    early_check(server_args, lambda args: run_hook(validate_prefill_cp_platform, args))
+""",
+        [("resolution:validate_prefill_cp_platform", "early_check")],
+    ),
+    Site(
+        "flag",
+        "srt/arg_groups/pipeline.py",
+        "    run_hook(handle_kv_cache_sharding, server_args)\n",
+        """\
+    {import:resolved_check}
+
+    resolved_check(server_args, lambda args: run_hook(handle_kv_cache_sharding, args))
+""",
+        [("resolution:handle_kv_cache_sharding", "resolved_check")],
+        count=2,
+    ),
+    # -- PD: the prefill ranks' manifests, and the decode's check
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        """\
+        kv_indices, index_slice, is_last_chunk, should_skip = (
+            self._prepare_send_indices(kv_indices, state_indices)
+        )
+""",
+        """\
+        prepared = self._prepare_send_indices(kv_indices, state_indices)
+        {import:check_send_indices}
+        {import:record_sent_share}
+
+        check_send_indices(prepared, self, kv_indices, state_indices)
+        record_sent_share(prepared, self, kv_indices, state_indices)
+        kv_indices, index_slice, is_last_chunk, should_skip = prepared
+""",
+        [
+            (f"{_COMMON}.CommonKVSender._prepare_send_indices", "check_send_indices"),
+            (f"{_COMMON}.CommonKVSender._prepare_send_indices", "record_sent_share"),
+        ],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        """\
+        parts = self._encode_kv_status_message(
+            bootstrap_room=bootstrap_room,
+            status=status,
+            failure_reason=failure_reason,
+        )
+""",
+        """\
+        parts = self._encode_kv_status_message(
+            bootstrap_room=bootstrap_room,
+            status=status,
+            failure_reason=failure_reason,
+        )
+        {import:attach_manifest}
+
+        # A CP-shared prefill rank's Success carries its page manifest.
+        with_manifest = attach_manifest(
+            parts, self, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason
+        )
+        if with_manifest is not None:
+            parts = with_manifest
+""",
+        [(f"{_COMMON}.CommonKVManager._encode_kv_status_message", "attach_manifest")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        """\
+    def clear(self) -> None:
+        notification = None
+""",
+        """\
+    def clear(self) -> None:
+        self._clear_room()
+        {import:drop_unsent_share}
+
+        drop_unsent_share(None, self)
+
+    def _clear_room(self) -> None:
+        notification = None
+""",
+        [(f"{_COMMON}.CommonKVSender.clear", "drop_unsent_share")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        """\
+    def send_metadata(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: Optional[int] = None,
+""",
+        """\
+    def send_metadata(self, kv_indices: npt.NDArray[np.int32], *args, **kwargs):
+        \"\"\"Arm the CP-shared KV manifest check of this request (decode, flag on), then send its metadata.\"\"\"
+        {import:arm_manifest_check}
+
+        return arm_manifest_check(CommonKVReceiver._send_metadata, self, kv_indices, *args, **kwargs)
+
+    def _send_metadata(
+        self,
+        kv_indices: npt.NDArray[np.int32],
+        aux_index: Optional[int] = None,
+""",
+        [(f"{_COMMON}.CommonKVReceiver.send_metadata", "arm_manifest_check")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        """\
+    def clear(self) -> None:
+        with self._lifecycle_lock:
+            self._clear()
+""",
+        """\
+    def clear(self) -> None:
+        with self._lifecycle_lock:
+            self._clear()
+        {import:forget_room}
+
+        forget_room(None, self)
+""",
+        [(f"{_COMMON}.CommonKVReceiver.clear", "forget_room")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/mooncake/conn.py",
+        "                parsed = self.parse_kv_status_message(msg)\n",
+        """\
+                {import:check_status_message}
+
+                # With --enable-cp-shared-kv, a Success waits for every prefill rank's manifest.
+                parsed = check_status_message(type(self).parse_kv_status_message, self, msg)
+""",
+        [(f"{_COMMON}.CommonKVManager.parse_kv_status_message", "check_status_message")],
+    ),
+]
+
+# The flag itself, in SGLang's parallel argument group (replaces the plugin's add_cli_args /
+# from_cli_args hooks: a field of ServerArgs is parsed, copied and pickled like any other).
+FLAG_SITES_COVER = [
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "add_flag"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", "copy_flag"),
+]
+
+# Our tests that run against the patched tree as they run against the plugin: (our path, SGLang's).
+TESTS: list[tuple[str, str]] = [
+    ("test/srt/sglang_wiring/test_read_state.py", "test/srt/cp_shared_kv/test_read_state.py"),
+    ("test/srt/sglang_wiring/test_view_arena.py", "test/srt/cp_shared_kv/test_view_arena.py"),
+    ("test/srt/mem_cache/test_placement.py", "test/srt/cp_shared_kv/test_placement.py"),
+    ("test/srt/mem_cache/test_view_arena_size.py", "test/srt/cp_shared_kv/test_view_arena_size.py"),
+]
+
+
+class GenerationError(RuntimeError):
+    """The plugin and this script's tables disagree, or SGLang's source is not the one the sites expect."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Our modules and their homes
+
+
+def our_modules() -> dict[str, Path]:
+    """Every module of ``sglang_cp_shared_kv.srt`` now in the checkout: ``srt.a.b`` -> its file."""
+    out = {}
+    for path in sorted((SRC / SHIPPED_ROOT).rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def home(mod: str) -> str:
+    """SGLang's module path (``srt.x.y``) of our module ``mod``."""
+    for ours, theirs in HOMES:
+        if ours.endswith("."):
+            if mod + "." == ours:
+                return theirs[:-1]
+            if mod.startswith(ours):
+                return theirs + mod[len(ours) :]
+        elif mod == ours:
+            return theirs
+    raise GenerationError(f"{PKG}.{mod} has no home in SGLang: add it to HOMES in {Path(__file__).name}")
+
+
+def shipped_modules() -> dict[str, Path]:
+    mods = {m: p for m, p in our_modules().items() if m not in PLUGIN_ONLY}
+    homes: dict[str, str] = {}
+    for mod in mods:
+        h = home(mod)
+        if h in homes:
+            raise GenerationError(f"{PKG}.{mod} and {PKG}.{homes[h]} both map to sglang.{h}")
+        homes[h] = mod
+    return mods
+
+
+def home_file(sglang_mod: str, is_package: bool) -> str:
+    rel = sglang_mod.replace(".", "/")
+    return f"python/sglang/{rel}/__init__.py" if is_package else f"python/sglang/{rel}.py"
+
+
+_FROM_RE = re.compile(
+    rf"^(?P<indent>[ \t]*)from {PKG}\.(?P<mod>[\w.]+) import (?P<names>\([^)]*\)|[^\n]+)$", re.MULTILINE
+)
+
+
+def rewrite_imports(text: str, modules: dict[str, Path], where: str) -> str:
+    """``from sglang_cp_shared_kv.srt.X import a, b`` -> the same names from ``sglang.srt.<home of X>``.
+
+    A name that is itself one of our modules is imported from its own home's package (as its old name).
+    """
+
+    def one(m: re.Match) -> str:
+        indent, mod = m["indent"], m["mod"]
+        names = [n.strip() for n in m["names"].strip("()").replace("\n", " ").split(",") if n.strip()]
+        plain: list[str] = []
+        lines: list[str] = []
+        for item in names:
+            name, _, alias = item.partition(" as ")
+            sub = f"{mod}.{name.strip()}"
+            if sub in modules and sub not in PLUGIN_ONLY:
+                parent, _, base = home(sub).rpartition(".")
+                local = alias.strip() or name.strip()
+                lines.append(f"from sglang.{parent} import {base}" + (f" as {local}" if local != base else ""))
+            else:
+                if mod in PLUGIN_ONLY:
+                    raise GenerationError(f"{where}: imports {name!r} from the plugin-only {PKG}.{mod}")
+                plain.append(item)
+        if plain:
+            stmt = f"from sglang.{home(mod)} import {', '.join(plain)}"
+            if len(indent) + len(stmt) > 120:
+                stmt = f"from sglang.{home(mod)} import (\n" + "".join(f"{indent}    {n},\n" for n in plain) + f"{indent})"
+            lines.insert(0, stmt)
+        return "\n".join(indent + line if i else indent + line for i, line in enumerate(lines))
+
+    out = _FROM_RE.sub(one, text)
+    if re.search(rf"\b{PKG}\.", out) or re.search(rf"^\s*import {PKG}\b", out, re.MULTILINE):
+        raise GenerationError(f"{where}: a reference to {PKG} the import rewriter does not handle")
+    return out
+
+
+def drop_definitions(text: str, names: list[str], where: str) -> str:
+    """Remove top-level definitions/assignments named ``names`` (with the comment lines just above them),
+    then top-level ``import X`` lines nothing else uses."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    spans = []
+    found = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            name = node.name
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name = node.target.id
+        else:
+            continue
+        if name not in names:
+            continue
+        found.add(name)
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
+        while start > 0 and lines[start - 1].lstrip().startswith("#"):
+            start -= 1
+        end = node.end_lineno
+        while end < len(lines) and not lines[end].strip():  # the blank lines after it
+            end += 1
+        spans.append((start, end))
+    missing = set(names) - found
+    if missing:
+        raise GenerationError(f"{where}: no top-level {', '.join(sorted(missing))} to drop (update DROP)")
+    for start, end in sorted(spans, reverse=True):
+        del lines[start:end]
+    out = "".join(lines)
+    for node in ast.parse(out).body:  # imports only the dropped code used
+        if isinstance(node, ast.Import) and len(node.names) == 1 and node.names[0].asname is None:
+            name = node.names[0].name
+            rest = out.replace(f"import {name}\n", "", 1)
+            if not re.search(rf"\b{re.escape(name)}\.", rest):
+                out = rest
+    return out
+
+
+def module_text(mod: str, path: Path, modules: dict[str, Path]) -> str:
+    text = path.read_text()
+    for where, old, new in SUBST:
+        if where == mod:
+            if text.count(old) != 1:
+                raise GenerationError(f"{PKG}.{mod}: {old.strip()!r} found {text.count(old)} times (update SUBST)")
+            text = text.replace(old, new)
+    if mod in DROP:
+        text = drop_definitions(text, DROP[mod], f"{PKG}.{mod}")
+    if path.name == "__init__.py" and not text.strip():
+        doc = PACKAGE_DOCS.get(home(mod))
+        if doc is None:
+            raise GenerationError(f"sglang.{home(mod)} is a new package without a docstring in PACKAGE_DOCS")
+        text = '"""' + "\n".join(textwrap.wrap(doc, 100)) + '"""\n'
+    return rewrite_imports(text, modules, f"{PKG}.{mod}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The hook sites
+
+
+def plugin_hooks() -> dict[tuple[str, str], object]:
+    """The plugin's current hooks: ``(target, hook name)`` -> hook (resolution checks as ``resolution:<step>``)."""
+    sys.path.insert(0, str(ROOT / "python"))
+    wiring = importlib.import_module(f"{PKG}.srt.sglang_wiring")
+    checks = importlib.import_module(f"{PKG}.srt.sglang_wiring.startup_checks")
+    hooks = {(t, h.__name__): h for t, h, _ in wiring.hook_tables()}
+    hooks.update({(f"resolution:{step}", c.__name__): c for step, c in checks.RESOLUTION_HOOKS})
+    return hooks
+
+
+def our_module_of(fn: object) -> str:
+    name = fn.__module__
+    if not name.startswith(PKG + "."):
+        raise GenerationError(f"hook {fn!r} is not one of ours")
+    return name[len(PKG) + 1 :]
+
+
+def check_coverage(hooks: dict[tuple[str, str], object]) -> None:
+    covered = {c for s in SITES for c in s.covers} | set(FLAG_SITES_COVER)
+    missing = sorted(set(hooks) - covered)
+    stale = sorted(covered - set(hooks))
+    if missing:
+        raise GenerationError(f"plugin hooks without a site in SITES: {missing}")
+    if stale:
+        raise GenerationError(f"SITES for hooks the plugin no longer registers: {stale}")
+
+
+def site_text(site: Site, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
+    by_name = {name: fn for (_, name), fn in hooks.items()}
+
+    def imp(m: re.Match) -> str:
+        fn = by_name[m[1]]
+        mod = our_module_of(fn)
+        if mod not in modules or mod in PLUGIN_ONLY:
+            raise GenerationError(f"hook {m[1]} lives in {PKG}.{mod}, which the series does not ship")
+        return f"from sglang.{home(mod)} import {m[1]}"
+
+    return re.sub(r"\{import:(\w+)\}", imp, site.new)
+
+
+def apply_sites(tree: Path, commit: str, hooks, modules) -> list[str]:
+    """Apply this commit's sites to ``tree``; the SGLang files it changed."""
+    changed = []
+    for site in SITES:
+        if site.commit != commit:
+            continue
+        path = tree / "python" / "sglang" / site.path
+        text = path.read_text()
+        n = text.count(site.old)
+        if n != site.count:
+            first = site.old.strip().splitlines()[0]
+            raise GenerationError(f"sglang/{site.path}: {first!r} found {n} times, expected {site.count}")
+        path.write_text(text.replace(site.old, site_text(site, hooks, modules)))
+        changed.append(site.path)
+    return changed
+
+
+def flag_field(modules: dict[str, Path]) -> str:
+    """The flag as a field of SGLang's parallel argument group, its help from the plugin's."""
+    sys.path.insert(0, str(ROOT / "python"))
+    flag = importlib.import_module(f"{PKG}.srt.sglang_wiring.flag")
+    hook = importlib.import_module(f"{PKG}.srt.sglang_wiring.server_args_hook")
+    help_text = re.sub(r"\s*\(sglang-cp-shared-kv plugin\)", "", hook._HELP).replace("%%", "%")
+    chunks = textwrap.wrap(help_text, 88, drop_whitespace=False)
+    lines = "".join(f"        {c!r}\n" for c in chunks)
+    return f"    {flag.ATTR}: A[\n        bool,\n{lines}    ] = False\n"
+
+
+def apply_flag(tree: Path, modules: dict[str, Path]) -> None:
+    fields = tree / "python/sglang/srt/arg_groups/fields/parallel.py"
+    text = fields.read_text()
+    anchor = '        "disaggregation only.",\n    ] = False\n'
+    if text.count(anchor) != 1:
+        raise GenerationError("sglang/srt/arg_groups/fields/parallel.py: the enable_kv_cache_sharding field changed")
+    fields.write_text(text.replace(anchor, anchor + flag_field(modules)))
+    order = tree / "python/sglang/srt/arg_groups/field_order.py"
+    text = order.read_text()
+    end = '    "return_aux_hidden_state_layer_ids",\n)\n'
+    if text.count(end) != 1:
+        raise GenerationError("sglang/srt/arg_groups/field_order.py: the end of POSITIONAL_FIELD_ORDER changed")
+    order.write_text(text.replace(end, end[:-2] + '    "enable_cp_shared_kv",\n)\n'))
+
+
+FLAG_FILES = ("srt/arg_groups/fields/parallel.py", "srt/arg_groups/field_order.py")
+
+# ---------------------------------------------------------------------------------------------------
+# The series
+
+
+def installed_sglang() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise GenerationError("sglang is not importable here: run with the environment that has SGLang 0.5.23")
+    path = Path(list(spec.submodule_search_locations)[0])
+    version = importlib.metadata.version("sglang")
+    if version != SGLANG_VERSION:
+        raise GenerationError(f"the series is against SGLang {SGLANG_VERSION}; {path} is SGLang {version}")
+    return path
+
+
+def _git(repo: Path, *args: str, **kw) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "sglang-cp-shared-kv",
+        "GIT_AUTHOR_EMAIL": "cp-shared-kv@users.noreply.github.com",
+        "GIT_COMMITTER_NAME": "sglang-cp-shared-kv",
+        "GIT_COMMITTER_EMAIL": "cp-shared-kv@users.noreply.github.com",
+        "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
+        "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z",
+    }
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env, **kw).stdout
+
+
+def base_files() -> list[str]:
+    return sorted({s.path for s in SITES} | set(FLAG_FILES))
+
+
+def build_series(out: Path) -> list[Path]:
+    """Write the series into ``out`` (emptied first); the patch files in order."""
+    sglang = installed_sglang()
+    modules = shipped_modules()
+    hooks = plugin_hooks()
+    check_coverage(hooks)
+    new_files: dict[str, str] = {}  # repo path -> text
+    for mod, path in modules.items():
+        new_files[home_file(home(mod), path.name == "__init__.py")] = module_text(mod, path, modules)
+    for ours, theirs in TESTS:
+        src = ROOT / ours
+        if not src.is_file():
+            raise GenerationError(f"{ours} is gone: update TESTS in {Path(__file__).name}")
+        new_files[theirs] = rewrite_imports(src.read_text(), our_modules(), ours)
+
+    with tempfile.TemporaryDirectory(prefix="cp_shared_kv_upstream_") as tmp:
+        repo = Path(tmp)
+        for rel in base_files():
+            dst = repo / "python" / "sglang" / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(sglang / rel, dst)
+        _git(repo, "init", "-q", "-b", "main")
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", f"SGLang {SGLANG_VERSION} (the wheel's Python sources)")
+        placed: set[str] = set()
+        for commit in COMMITS:
+            if commit.key == "tests":
+                mine = [p for p in new_files if p.startswith("test/")]
+            else:
+                mine = [p for p in new_files if p.startswith("python/") and _commit_of(p) == commit.key]
+            for rel in mine:
+                dst = repo / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_text(new_files[rel])
+                placed.add(rel)
+            apply_sites(repo, commit.key, hooks, modules)
+            if commit.key == "flag":
+                apply_flag(repo, modules)
+            _git(repo, "add", "-A")
+            _git(repo, "commit", "-q", "-m", f"{commit.subject}\n\n{commit.body}\n")
+        unplaced = sorted(set(new_files) - placed)
+        if unplaced:
+            raise GenerationError(f"files in no commit (update COMMITS' homes): {unplaced}")
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True)
+        _git(repo, "format-patch", "-q", "--no-signature", "-o", str(out), "main~" + str(len(COMMITS)))
+        (out / "stat.txt").write_text(_git(repo, "diff", "--stat=100", f"main~{len(COMMITS)}", "main"))
+    return sorted(out.glob("*.patch"))
+
+
+def _commit_of(repo_path: str) -> str:
+    mod = repo_path[len("python/sglang/") :].removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    best, key = "", None
+    for commit in COMMITS:
+        for prefix in commit.homes:
+            if (mod == prefix.rstrip(".") or mod.startswith(prefix)) and len(prefix) > len(best):
+                best, key = prefix, commit.key
+    if key is None:
+        raise GenerationError(f"{repo_path} belongs to no commit: add its home to COMMITS")
+    return key
+
+
+# ---------------------------------------------------------------------------------------------------
+# The series applied: a patched copy of the installed SGLang, and an environment without the plugin
+
+
+def patch_paths(patch: Path) -> list[str]:
+    """The files a patch changes that exist before it (its new files excluded)."""
+    text = patch.read_text()
+    return [m[1] for m in re.finditer(r"^--- a/(\S+)$", text, re.MULTILINE)]
+
+
+def apply_series(patches: list[Path], tree: Path) -> None:
+    """Lay out the installed SGLang as ``tree/python/sglang`` and apply ``patches`` there, each checked first.
+
+    Unchanged files are symlinks to the installed ones (bytecode is never written: see ``patched_env``);
+    every file a patch changes is a copy first, so nothing is written into the installed tree.
+    """
+    sglang = installed_sglang()
+    dst_root = tree / "python" / "sglang"
+    for dirpath, dirnames, filenames in os.walk(sglang):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = Path(dirpath).relative_to(sglang)
+        (dst_root / rel).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            os.symlink(Path(dirpath) / name, dst_root / rel / name)
+    for patch in patches:
+        for rel in patch_paths(patch):
+            path = tree / rel
+            if path.is_symlink():
+                target = path.resolve()
+                path.unlink()
+                shutil.copyfile(target, path)
+        for args in (["--check"], []):
+            proc = subprocess.run(["git", "apply", *args, str(patch)], cwd=tree, capture_output=True, text=True)
+            if proc.returncode:
+                what = "does not apply" if args else "failed to apply"
+                raise GenerationError(f"{patch.name} {what}: {proc.stderr.strip()}")
+
+
+_SITECUSTOMIZE = """\
+# Written by make_upstream_patch.py: this interpreter runs the patched SGLang without the plugin.
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+
+_ROOT = "sglang_cp_shared_kv"
+_HOMES = {homes!r}  # our srt module -> the patched SGLang module the series put it in
+_ORACLES = {oracles!r}  # our test-oracle packages (not the plugin), loaded from the checkout
+
+sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", _ROOT))]
+
+
+class _Alias(importlib.abc.Loader):
+    def __init__(self, target):
+        self.target = target
+
+    def create_module(self, spec):
+        if self.target is None:  # a package the series has no module for: empty, its children resolve here
+            module = types.ModuleType(spec.name)
+            module.__path__ = []
+            return module
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module):
+        pass
+
+
+class _PatchedSGLangFinder(importlib.abc.MetaPathFinder):
+    \"\"\"Our module names resolve to the patched SGLang's modules; the plugin itself is not importable.\"\"\"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _ROOT and not fullname.startswith(_ROOT + "."):
+            return None
+        rest = fullname[len(_ROOT) + 1 :]
+        top = rest.split(".")[0]
+        if top in _ORACLES:
+            return importlib.machinery.PathFinder.find_spec(fullname, path or [os.path.join(_ORACLES[top], "..")])
+        if rest in _HOMES:
+            is_pkg = _HOMES[rest][1]
+            return importlib.util.spec_from_loader(fullname, _Alias("sglang." + _HOMES[rest][0]), is_package=is_pkg)
+        if rest == "" or any(h.startswith(rest + ".") for h in _HOMES):
+            return importlib.util.spec_from_loader(fullname, _Alias(None), is_package=True)
+        raise ModuleNotFoundError(f"{{fullname}} is plugin-only: not part of the patched SGLang", name=fullname)
+
+
+sys.meta_path.insert(0, _PatchedSGLangFinder())
+"""
+
+
+def patched_env(tree: Path, oracles: tuple[str, ...] = ("reference",)) -> dict[str, str]:
+    """The environment of a Python that imports SGLang from ``tree`` (the series applied) and never the plugin.
+
+    ``sglang_cp_shared_kv.srt.X`` names resolve to the patched SGLang modules the series put X in, so the
+    project's tests run unchanged against the patched tree; the plugin's entry point, hook registration and
+    argparse hook are not importable. Test oracles (``oracles``, e.g. the standalone reference) load from
+    the checkout. Subprocesses inherit it.
+    """
+    modules = shipped_modules()
+    homes = {m: (home(m), p.name == "__init__.py") for m, p in modules.items()}
+    site = tree / "_site"
+    site.mkdir(exist_ok=True)
+    oracle_dirs = {o: str(SRC / o) for o in oracles if (SRC / o).is_dir()}
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(homes=homes, oracles=oracle_dirs))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(
+        PYTHONPATH=f"{site}{os.pathsep}{tree / 'python'}",
+        PYTHONDONTWRITEBYTECODE="1",
+        SGLANG_PLUGINS="none",  # no entry point is loaded: the flag comes from the patched SGLang
+    )
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the series (emptied first)")
+    parser.add_argument("--stat", action="store_true", help="print the series' diff stat")
+    parser.add_argument(
+        "--apply-to",
+        type=Path,
+        metavar="DIR",
+        help="also apply the series to a copy of the installed SGLang in DIR (new) and print the environment "
+        "that runs it without the plugin",
+    )
+    args = parser.parse_args(argv)
+    try:
+        patches = build_series(args.out)
+        if args.apply_to:
+            apply_series(patches, args.apply_to)
+            env = patched_env(args.apply_to)
+    except GenerationError as e:
+        print(f"make_upstream_patch: {e}", file=sys.stderr)
+        return 1
+    for p in patches:
+        print(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p)
+    if args.stat:
+        print((args.out / "stat.txt").read_text(), end="")
+    if args.apply_to:
+        keys = ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "SGLANG_PLUGINS")
+        print(" ".join(f"{k}={env[k]}" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

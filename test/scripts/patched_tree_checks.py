@@ -1,0 +1,60 @@
+"""Checks run inside the patched SGLang tree (``test_upstream_patch.py`` runs them there, never directly).
+
+They hold only where ``make_upstream_patch.patched_env`` set up the interpreter: SGLang imported from
+the patched copy, the plugin not importable, the flag from SGLang's own argument group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+TREE = os.environ["CP_SHARED_KV_PATCHED_TREE"]
+
+
+def test_sglang_is_the_patched_copy_and_the_plugin_is_not_importable():
+    import sglang
+
+    assert os.path.dirname(sglang.__file__) == os.path.join(TREE, "python", "sglang")
+    with pytest.raises(ModuleNotFoundError, match="plugin-only"):
+        import sglang_cp_shared_kv.srt.plugin  # noqa: F401
+    with pytest.raises(ModuleNotFoundError, match="plugin-only"):
+        import sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook  # noqa: F401
+    assert not [p for p in sys.path if os.path.isdir(os.path.join(p or ".", "sglang_cp_shared_kv"))]
+
+
+def test_the_flag_is_a_server_args_field():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert "--enable-cp-shared-kv" in parser._option_string_actions
+    on = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m", "--enable-cp-shared-kv"]))
+    off = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m"]))
+    assert on.enable_cp_shared_kv is True and off.enable_cp_shared_kv is False
+    assert not HookRegistry._patched  # nothing was hooked: the wiring is in SGLang's source
+
+
+def test_the_sites_call_the_patched_modules():
+    """Each edited SGLang module imports, and the modules the series added are the ones our names resolve to."""
+    import importlib
+
+    for mod in (
+        "sglang.srt.mem_cache.kv_cache_configurator",
+        "sglang.srt.model_executor.pool_configurator",
+        "sglang.srt.model_executor.forward_batch_info",
+        "sglang.srt.managers.schedule_policy",
+        "sglang.srt.layers.attention.kv_shard_hooks",
+        "sglang.srt.arg_groups.pipeline",
+        "sglang.srt.disaggregation.mooncake.conn",
+    ):
+        importlib.import_module(mod)
+    from sglang.srt.layers.attention import kv_shard_hooks
+    from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
+
+    assert sharded_kv_pool.__name__ == "sglang.srt.mem_cache.cp_shared_kv.sharded_kv_pool"
+    assert "name_batch_requests" in kv_shard_hooks.prepare_kv_shard_forward.__code__.co_names

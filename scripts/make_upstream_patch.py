@@ -46,7 +46,8 @@ HOMES: list[tuple[str, str]] = [
     ("srt.sglang_wiring.sharded_kv_pool", "srt.mem_cache.cp_shared_kv.sharded_kv_pool"),
     ("srt.sglang_wiring.pool_hooks", "srt.mem_cache.cp_shared_kv.pool_selection"),
     ("srt.sglang_wiring.view_arena", "srt.mem_cache.cp_shared_kv.view_arena"),
-    ("srt.sglang_wiring.read_state", "srt.layers.attention.dsa.cp_shared_kv.read_state"),
+    ("srt.sglang_wiring.metrics", "srt.mem_cache.cp_shared_kv.metrics"),
+    ("srt.sglang_wiring.connector_bounds", "srt.disaggregation.mooncake.cp_shared_kv.connector_bounds"),
     ("srt.sglang_wiring.transfer", "srt.disaggregation.mooncake.cp_shared_kv.transfer"),
     ("srt.sglang_wiring.decode_manifest", "srt.disaggregation.mooncake.cp_shared_kv.decode_manifest"),
     ("srt.utils", "srt.mem_cache.cp_shared_kv.utils"),
@@ -174,6 +175,7 @@ scratch, and batch admission stays inside the arena. Each extend batch's shared-
 from the radix tree through ForwardBatch.init_new.""",
         (
             "srt.layers.attention.dsa.cp_shared_kv.read_state",
+            "srt.mem_cache.cp_shared_kv.metrics",
             "srt.mem_cache.cp_shared_kv.sharded_kv_pool",
             "srt.mem_cache.cp_shared_kv.pool_selection",
             "srt.mem_cache.cp_shared_kv.view_arena",
@@ -292,10 +294,12 @@ SITES: list[Site] = [
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
         )
         {import:check_built_pools}
+        {import:report_pools}
 
-        pools = check_built_pools(pools, self)
+        # --enable-cp-shared-kv: refuse a pool or allocator other than ours, then the startup line.
+        pools = report_pools(check_built_pools(pools, self), self)
 """,
-        [(f"{_CFG}._init_pools", "check_built_pools")],
+        [(f"{_CFG}._init_pools", "check_built_pools"), (f"{_CFG}._init_pools", "report_pools")],
     ),
     Site(
         "pools",
@@ -324,10 +328,15 @@ SITES: list[Site] = [
                     "assembly scratch"
                 )
             {import:log_deferred}
+            {import:count_deferral}
 
-            return log_deferred(False, self, prefix_len, extend_len)
+            # --enable-cp-shared-kv: say why the request waits, and count it.
+            return count_deferral(log_deferred(False, self, prefix_len, extend_len), self, prefix_len, extend_len)
 """,
-        [("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", "log_deferred")],
+        [
+            ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", "log_deferred"),
+            ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", "count_deferral"),
+        ],
     ),
     Site(
         "pools",
@@ -364,11 +373,16 @@ def prepare_kv_shard_forward(
 ) -> bool:
     \"\"\"Update the pool's gather plan and report whether this is an extend.
 
-    A CP-shared pool first takes the batch's request ids and shared-prefix hint.
+    A CP-shared pool first takes the batch's request ids and shared-prefix hint; its metrics see
+    the batch.
     \"\"\"
-    {import:name_batch_requests}
+    from functools import partial
 
-    return name_batch_requests(_prepare_kv_shard_forward, pool, req_to_token, forward_batch)
+    {import:name_batch_requests}
+    {import:observe_batch}
+
+    named = partial(name_batch_requests, _prepare_kv_shard_forward)
+    return observe_batch(named, pool, req_to_token, forward_batch)
 
 
 def _prepare_kv_shard_forward(
@@ -377,7 +391,10 @@ def _prepare_kv_shard_forward(
     forward_batch: ForwardBatch,
 ) -> bool:
 """,
-        [("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", "name_batch_requests")],
+        [
+            ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", "name_batch_requests"),
+            ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", "observe_batch"),
+        ],
     ),
     # -- the flag's checks, at their resolution steps (every invocation of each step)
     Site(
@@ -441,6 +458,25 @@ def _prepare_kv_shard_forward(
         "pd",
         "srt/disaggregation/common/conn.py",
         """\
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        current = self.request_status.get(bootstrap_room)
+""",
+        """\
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        \"\"\"With --enable-cp-shared-kv on a prefill, destinations that reach a cleared room are dropped.\"\"\"
+        {import:guard_update_status}
+
+        return guard_update_status(CommonKVManager._update_room_status, self, bootstrap_room, status)
+
+    def _update_room_status(self, bootstrap_room: int, status: KVPoll):
+        current = self.request_status.get(bootstrap_room)
+""",
+        [(f"{_COMMON}.CommonKVManager.update_status", "guard_update_status")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        """\
         parts = self._encode_kv_status_message(
             bootstrap_room=bootstrap_room,
             status=status,
@@ -473,15 +509,17 @@ def _prepare_kv_shard_forward(
 """,
         """\
     def clear(self) -> None:
-        self._clear_room()
+        {import:close_room}
         {import:drop_unsent_share}
 
+        # --enable-cp-shared-kv: the room stays closed to late destinations; an unsent share is dropped.
+        close_room(CommonKVSender._clear_room, self)
         drop_unsent_share(None, self)
 
     def _clear_room(self) -> None:
         notification = None
 """,
-        [(f"{_COMMON}.CommonKVSender.clear", "drop_unsent_share")],
+        [(f"{_COMMON}.CommonKVSender.clear", "drop_unsent_share"), (f"{_COMMON}.CommonKVSender.clear", "close_room")],
     ),
     Site(
         "pd",
@@ -545,12 +583,13 @@ FLAG_SITES_COVER = [
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "copy_flag"),
 ]
 
-# Our tests that run against the patched tree as they run against the plugin: (our path, SGLang's).
+# Our tests that need nothing but SGLang, carried by the series' last commit: (our test file's name,
+# found anywhere under test/, the name it gets in SGLang's test/srt/cp_shared_kv/).
 TESTS: list[tuple[str, str]] = [
-    ("test/srt/sglang_wiring/test_read_state.py", "test/srt/cp_shared_kv/test_read_state.py"),
-    ("test/srt/sglang_wiring/test_view_arena.py", "test/srt/cp_shared_kv/test_view_arena.py"),
-    ("test/srt/mem_cache/test_placement.py", "test/srt/cp_shared_kv/test_placement.py"),
-    ("test/srt/mem_cache/test_view_arena_size.py", "test/srt/cp_shared_kv/test_view_arena_size.py"),
+    ("test_read_state.py", "test_read_state.py"),
+    ("test_view_arena.py", "test_view_arena.py"),
+    ("test_placement.py", "test_placement.py"),
+    ("test_view_arena_size.py", "test_view_arena_size.py"),
 ]
 
 
@@ -836,6 +875,14 @@ def _git(repo: Path, *args: str, **kw) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env, **kw).stdout
 
 
+def find_test(name: str) -> Path:
+    """Our test file called ``name``, wherever under ``test/`` it now is (exactly one)."""
+    found = sorted((ROOT / "test").rglob(name))
+    if len(found) != 1:
+        raise GenerationError(f"{len(found)} test files named {name} under test/: update TESTS in {Path(__file__).name}")
+    return found[0]
+
+
 def base_files() -> list[str]:
     return sorted({s.path for s in SITES} | set(FLAG_FILES))
 
@@ -850,10 +897,8 @@ def build_series(out: Path) -> list[Path]:
     for mod, path in modules.items():
         new_files[home_file(home(mod), path.name == "__init__.py")] = module_text(mod, path, modules)
     for ours, theirs in TESTS:
-        src = ROOT / ours
-        if not src.is_file():
-            raise GenerationError(f"{ours} is gone: update TESTS in {Path(__file__).name}")
-        new_files[theirs] = rewrite_imports(src.read_text(), our_modules(), ours)
+        src = find_test(ours)
+        new_files[f"test/srt/cp_shared_kv/{theirs}"] = rewrite_imports(src.read_text(), our_modules(), ours)
 
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_upstream_") as tmp:
         repo = Path(tmp)

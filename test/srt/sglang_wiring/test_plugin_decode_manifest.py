@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
 PS = 64
 N = 2
+FUZZ_EXAMPLES = int(os.environ.get("CP_SHARED_KV_FUZZ_EXAMPLES", "300"))  # hostile requests through SGLang
 FLAG = "--enable-cp-shared-kv"
 TARGETS = [
     "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices",
@@ -519,6 +520,61 @@ def _worker(model_dir: str) -> None:
         checks.pop(room)
         d_mgr.request_status.pop(room)
     out["forged"] = parsed
+
+    # -- hostile manifests at scale: test_manifest_fuzz's requests (N ranks, any of them hostile)
+    # through the hooked parser and SGLang's apply_prefill_status, the decode pool watched --
+    import hashlib
+    from collections import Counter
+
+    from hypothesis import HealthCheck, given, settings
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(tests, "disaggregation", "mooncake"))
+    from test_manifest_fuzz import request_messages
+
+    def pool_digest() -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for buf in [*decode.kv_buffer, *decode.index_k_with_scale_buffer]:
+            h.update(buf.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    before = pool_digest()
+    tally: Counter = Counter()
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(case=request_messages())
+    def hostile_request(case):
+        room, cp_size, table, pb, hostile, messages = case
+        d_mgr.request_status[room] = KVPoll.WaitingForInput  # what the receiver's send_metadata leaves
+        d_mgr.prefill_response_tracker[room] = set()
+        d_mgr.required_prefill_response_num_table[room] = cp_size
+        checks[room] = RoomCheck(ManifestCollector(str(room), len(table), cp_size, pb), senders=cp_size)
+        try:
+            for _, msg in messages:
+                got = d_mgr.parse_kv_status_message(msg)
+                if got is not None:
+                    r, status_, prank, reason = got
+                    d_mgr.apply_prefill_status(
+                        bootstrap_room=r, status=status_, prefill_rank=prank, failure_reason=reason
+                    )
+            final = d_mgr.request_status[room]
+            reason = d_mgr.failure_records.get(room, "")
+            if hostile:
+                ok = final == KVPoll.Failed and reason.startswith(f"{FLAG}: manifest check failed: request {room}")
+                ok = ok and "\n" not in reason
+            else:
+                ok = final == KVPoll.Success and not reason
+            tally["hostile_failed" if hostile and ok else "honest_served" if ok else "wrong"] += 1
+            if not ok:
+                tally[f"wrong: {sorted(hostile.values())} {final} {reason[:120]}"] += 1
+        finally:  # what the receiver's clear does, and the plugin's forget_room
+            for table_ in (d_mgr.request_status, d_mgr.prefill_response_tracker, d_mgr.failure_records):
+                table_.pop(room, None)
+            d_mgr.required_prefill_response_num_table.pop(room, None)
+            checks.pop(room, None)
+
+    hostile_request()
+    out["hostile"] = {"tally": dict(tally), "pool_unchanged": pool_digest() == before, "checks_left": len(checks)}
     out["manifest_frame"] = transfer.MANIFEST_FRAME.decode()
     print("RESULT:" + json.dumps(out))
     sys.stdout.flush()
@@ -622,6 +678,15 @@ def test_a_forged_status_is_held_then_fails(results, case, phrase):
     room, status, rank, reason = got["last"]
     assert status == FAILED and rank == 0
     assert reason.startswith(f"{FLAG}: manifest check failed: request {room}: ") and phrase in reason, reason
+
+
+def test_hostile_manifests_fail_their_request_in_sglang_and_write_nothing(results):
+    """Requests with any prefill rank hostile (``test_manifest_fuzz``'s generator) end ``Failed`` in SGLang's
+    decode manager with the one-line reason; all-honest ones end ``Success``; the decode pool is unchanged."""
+    h = results["hostile"]
+    assert set(h["tally"]) <= {"hostile_failed", "honest_served"}, h["tally"]
+    assert h["tally"].get("hostile_failed", 0) >= FUZZ_EXAMPLES // 4, h["tally"]
+    assert h["pool_unchanged"] and h["checks_left"] == 0
 
 
 @pytest.mark.parametrize("case,extra,expected", STARTUP, ids=[c[0] for c in STARTUP])

@@ -13,9 +13,10 @@ Property tests (hypothesis) over the product path:
   does: a request with a hostile rank never completes and carries one one-line error naming the
   request; an honest request completes; nothing raises.
 
-The check only reads frames: nothing in it writes to the decode pool. That a failed check ends the
-request Failed in SGLang's decode manager (never ready, its pages released as for any failed
-transfer) is shown with SGLang's connector by ``test_plugin_decode_manifest``.
+``test_plugin_decode_manifest`` feeds this file's requests to SGLang's decode manager (the hooked
+``parse_kv_status_message``, then SGLang's ``apply_prefill_status``): a request with a hostile rank
+ends ``Failed`` with the one-line reason (SGLang then fails it and releases its pages as for any
+failed transfer), an honest one ``Success``, and the decode pool's bytes are unchanged.
 
 ``CP_SHARED_KV_FUZZ_EXAMPLES`` sets the examples per property (CI: 300; the long run: 20000).
 """
@@ -37,7 +38,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[Hea
 
 # The frames of a status message after SGLang's (room, status, prefill rank, reason).
 MANIFEST_FRAME = b"CP_SHARED_KV_MANIFEST"
-SUCCESS = b"2"  # KVPoll.Success
+SUCCESS = b"4"  # int(KVPoll.Success) in SGLang 0.5.23 (test_plugin_decode_manifest feeds these to SGLang)
 
 MUTATIONS = [
     "truncate",

@@ -56,7 +56,9 @@ SOAK_SECTION = """\
 
 `CP_SHARED_KV_SOAK_REQUESTS=320 CP_SHARED_KV_SOAK_REPORT=docs/benchmarks/pd_soak.json python -m pytest -q -m soak --timeout 3600 test/srt/sglang_wiring/test_pd_soak.py`
 (CPU, 2 shared cores, 2026-12-01): **18 passed in 133 s**. Figures in [`benchmarks/pd_soak.json`](benchmarks/pd_soak.json).
-CI runs the same test with 40 requests per config (the default; about 50 s for both).
+It runs with `CP_SHARED_KV_SOAK_RANKS=2,4` only; CI runs the 2-rank soak across two network namespaces instead
+(`test_pd_faults.py`, 40 requests, next section). This run predates the plugin's connector bounds
+(`connector_bounds`), which now drop the rooms it shows SGLang keeping below.
 
 SGLang 0.5.23's `MooncakeKVManager`/`MooncakeKVSender` on each prefill CP rank (the plugin's CP-shared DSA pool and
 allocator, one real Mooncake engine per rank) and `MooncakeKVManager`/`MooncakeKVReceiver` in a decode process (stock
@@ -155,6 +157,13 @@ def _pd_faults() -> list[str]:
         "|---|---|",
     ]
     lines += [f"| {k} | {v} |" for k, v in rows] + [""]
+    lines += [
+        "Transfer time is a request's time at the prefill, from admission to its senders' conclusion: the CPU-bound",
+        "stand-in forward, the wait for the decode's destinations, the transfer and the statuses. The p99 holds the",
+        "requests the router's loop held while the killed decode restarted and those spanning the partition. No",
+        "transfer time under delay: there is no delay without `sch_netem`. In CI the same test runs 40 requests.",
+        "",
+    ]
     return lines
 
 

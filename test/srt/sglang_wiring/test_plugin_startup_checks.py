@@ -6,7 +6,8 @@ SGLang's ``load_plugins()``, then for every case either runs the real
 ``ServerArgs.resolve_once()`` pipeline ("pipeline") or, where that pipeline
 cannot run on a CPU machine (DSA resolution reads the CUDA device
 capability), calls the late check on a record carrying the resolved values
-explicitly ("resolved").
+explicitly ("resolved"); "other_version" runs the pipeline while SGLang's
+version module reports another release.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ CASES = [
         "--chunked-prefill-size -1 turns chunked prefill off",
     ),
     ("dummy_model", "dummy", "pipeline", GOOD, "--model-path dummy"),
+    # -- an SGLang that reports another version: one line naming both, the override's variable too --
+    ("other_sglang_version", "dsa", "other_version", GOOD, "SGLang 0.5.24 is installed, and the plugin's hooks"),
     # -- rejections by the late hook, through the real pipeline (these models resolve on CPU) --
     ("not_mla", "gqa", "pipeline", GOOD + ["--device", "cpu"], "is not an MLA model"),
     ("cpu_device", "mla", "pipeline", GOOD + ["--device", "cpu"], "--device cpu"),
@@ -175,6 +178,7 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
+    import sglang.version
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, resolved_rejections
@@ -182,9 +186,12 @@ def _worker(model_dir: str) -> None:
     results = {}
     for case_id, model, mode, argv, _ in CASES:
         path = model if model == "dummy" else os.path.join(model_dir, model)
-        server_args = prepare_server_args(["--model-path", path] + argv)
+        real_version = sglang.version.__version__
+        if mode == "other_version":  # what the checks read: SGLang's own version module
+            sglang.version.__version__ = "0.5.24"
         try:
-            if mode == "pipeline":
+            server_args = prepare_server_args(["--model-path", path] + argv)
+            if mode in ("pipeline", "other_version"):
                 server_args.resolve_once()
             else:
                 lines = resolved_rejections(server_args)
@@ -193,6 +200,8 @@ def _worker(model_dir: str) -> None:
             results[case_id] = {"accepted": True, "flag_on": bool(getattr(server_args, "enable_cp_shared_kv", False))}
         except Exception as e:  # the case table says which ones must fail
             results[case_id] = {"accepted": False, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            sglang.version.__version__ = real_version
     print("RESULT:" + json.dumps(results))
 
 
@@ -225,6 +234,12 @@ def test_each_rejection_is_alone_in_its_case(results):
             continue
         lines = results[case_id]["error"].split("\n")
         assert len(lines) == 1, (case_id, lines)
+
+
+def test_another_sglang_version_names_both_versions_and_the_override(results):
+    error = results["other_sglang_version"]["error"]
+    assert "SGLang 0.5.24 is installed" in error and "private functions of SGLang 0.5.23 only" in error, error
+    assert "install sglang==0.5.23, or set SGLANG_CP_SHARED_KV_ANY_SGLANG=1" in error, error
 
 
 if __name__ == "__main__":

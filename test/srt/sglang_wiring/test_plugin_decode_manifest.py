@@ -30,6 +30,8 @@ import sys
 import pytest
 from plugin_models import build_pool_and_allocator, prefill_cp_argv, run_worker, stock_dsa_pools, write_model_dirs
 
+from sglang_cp_shared_kv.demo.sglang_parts import kv_args, mooncake_manager, prefill_info
+
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
 PS = 64
@@ -82,86 +84,11 @@ def _deadline_wait(cond, what: str, timeout_s: float = 30.0) -> None:
 
 
 def _kv_args(pool, aux, engine_rank: int, ps: int = PS):
-    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
-
-    a = KVArgs()
-    a.engine_rank, a.pp_rank, a.system_dp_rank, a.page_size = engine_rank, 0, 0, ps
-    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
-    a.kv_layer_ids, a.kv_cache_dtype_str, a.kv_layout = [], "bfloat16", None
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [aux[0].nbytes]
-    ptrs, lens, item_lens = pool.get_state_buf_infos()
-    a.state_types = [StateType.DSA]
-    a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [list(ptrs)], [list(lens)], [list(item_lens)]
-    a.state_layer_ids, a.state_dim_per_tensor, a.state_slice_outer_counts = [[]], [[]], [[]]
-    a.state_conv_shard_groups, a.is_hybrid_mla_backend, a.mla_compression_ratios = [[]], False, None
-    a.num_draft_entries, a.prefill_start_layer, a.prefill_end_layer = 0, 0, None
-    return a
+    return kv_args(pool, aux, engine_rank, ps)
 
 
-def _manager(mode, engine, kv_args, rank: int, shard_size: int, host: str = "127.0.0.1"):
-    """SGLang's Mooncake KV manager with the attributes its connector methods read, its socket on ``host``."""
-    import threading
-    import types
-    from collections import defaultdict
-
-    import requests
-    import zmq
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang.srt.utils.network import get_zmq_socket_on_host
-
-    m = object.__new__(MooncakeKVManager)
-    m.kv_args, m.engine, m.disaggregation_mode = kv_args, engine, mode
-    m.server_args = types.SimpleNamespace(enable_pd_role_switch=False)
-    m.is_mla_backend, m.is_hybrid_mla_backend = True, False
-    m.kv_cache_dtype_str, m.kv_layout, m.dsv41_spec_layout = "bfloat16", None, None
-    m.kv_item_lens_sum = sum(kv_args.kv_item_lens)
-    m.state_item_lens_sum = sum(x for comp in kv_args.state_item_lens for x in comp)
-    m._kv_replica_factor = None
-    m.attn_tp_size, m.attn_tp_rank, m.pp_size, m.pp_rank, m.dcp_size, m.dcp_rank = 1, 0, 1, 0, 1, 0
-    m.attn_cp_size, m.attn_cp_rank = shard_size, rank
-    m.attn_dp_size, m.attn_dp_rank, m.system_dp_size, m.system_dp_rank = 1, 0, 1, 0
-    m.kv_shard_rank, m.kv_shard_size = rank, shard_size  # what __init__ derives from the CP group
-    m.enable_all_cp_ranks_for_transfer, m.is_dummy_cp_rank = shard_size > 1, False
-    m.local_ip = host
-    m._zmq_ctx = zmq.Context()
-    m.rank_port, m.server_socket = get_zmq_socket_on_host(m._zmq_ctx, zmq.PULL, host=host)
-    m.request_status, m.failure_records, m.failure_lock = {}, {}, threading.Lock()
-    m._socket_cache, m._monitor_cache, m._socket_send_locks, m._socket_lock = {}, {}, {}, threading.Lock()
-    m._staging_outstanding, m._deferred_ack_targets, m._deferred_ack_poisoned_rooms = defaultdict(int), {}, set()
-    m.defer_decode_allocation, m.deferred_bootstrap, m.enable_deferred_decode_kv_release = False, None, False
-    m.enable_staging, m._staging_handler, m.enable_trace = False, None, False
-    m._stopped, m._worker_threads, m._dcp_pack_buffers, m._dcp_pack_max_tokens = False, [], None, None
-    m.enable_custom_mem_pool, m.custom_mem_pool_type, m.max_transfer_batch_indices = False, None, 0
-    m.session_lock, m.state_strides_validated, m.state_layout_rejections = threading.Lock(), set(), {}
-    m.failed_sessions, m.session_failures, m.failed_session_probes = set(), defaultdict(int), {}
-    if mode == DisaggregationMode.PREFILL:
-        m.transfer_infos, m.req_to_decode_prefix_len, m.decode_kv_args_table = {}, {}, {}
-        m.bootstrap_timeout, m.bootstrap_port = 300, 1
-    else:
-        m.connection_pool, m.connection_lock, m.prefill_info_table = {}, threading.Lock(), {}
-        m.required_prefill_response_num_table, m.prefill_response_tracker = {}, {}
-        m.heartbeat_failures, m.session_pool, m.session_pool_lock = {}, defaultdict(requests.Session), threading.Lock()
-        m.addr_to_rooms_tracker, m._deferred_abort_ack_tracker, m._deferred_abort_generation = defaultdict(set), {}, 0
-        m.heartbeat_interval, m.max_failures, m._heartbeat_shutdown = 3600.0, 3, threading.Event()
-        m.waiting_timeout = 300
-    return m
-
-
-def _prefill_info(cp_size: int, ps: int):
-    """What a decode server learns of a prefill server with ``cp_size`` CP ranks and sharded KV (SGLang's record)."""
-    from sglang.srt.disaggregation.common.conn import PrefillServerInfo
-
-    return PrefillServerInfo(
-        attn_tp_size=1,
-        attn_cp_size=cp_size,
-        dp_size=1,
-        pp_size=1,
-        page_size=ps,
-        kv_cache_dtype="bfloat16",
-        follow_bootstrap_room=False,
-        enable_kv_cache_sharding=True,
-    )
+_manager = mooncake_manager  # SGLang's Mooncake KV manager with the attributes its connector methods read
+_prefill_info = prefill_info
 
 
 def _configurator_build(model_config, tokens: int, ps: int = PS):
@@ -487,7 +414,7 @@ def _worker(model_dir: str) -> None:
     out["frames"] = frames
 
     # -- status messages a faulty or foreign prefill could send, straight into the hooked parser --
-    from sglang_cp_shared_kv.reference.mooncake import control_messages as cm
+    from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
     from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector
     from sglang_cp_shared_kv.srt.sglang_wiring.decode_manifest import RoomCheck
 

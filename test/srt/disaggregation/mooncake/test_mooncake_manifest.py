@@ -2,8 +2,8 @@
 
 import pytest
 
-from sglang_cp_shared_kv.reference.mooncake.control_messages import Manifest
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
+from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import Manifest
 
 PAGE_BYTES = 100
 

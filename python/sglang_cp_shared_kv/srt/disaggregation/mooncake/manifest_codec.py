@@ -7,9 +7,6 @@ exact field set and every field's type and range, and raises ``ControlMessageErr
 ``ValueError``) with one line naming the offending field; it never returns a partly valid
 message. Checks that need request state (a position within the request, the owner of a page)
 belong to the collector, not here.
-
-The envelope and the field validators are shared: the standalone stack's control protocol
-(``reference.mooncake.control_messages``) builds its other messages on them.
 """
 
 from __future__ import annotations

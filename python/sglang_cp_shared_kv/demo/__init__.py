@@ -1,0 +1,5 @@
+"""The demo (``scripts/demo.sh``): the plugin's prefill CP path through SGLang's own classes on CPU.
+
+``run``: the command; ``tiny_model``: the DSA layers it runs over SGLang's pools; ``sglang_parts``:
+SGLang's configurator, pools and Mooncake connector set up without a server (also used by the tests).
+"""

@@ -1,0 +1,3 @@
+from sglang_cp_shared_kv.demo.run import main
+
+main()

@@ -1,0 +1,659 @@
+"""The demo: SGLang's prefill CP path with ``--enable-cp-shared-kv``, prefill to decode, on CPU.
+
+1. ``--cp-size`` prefill CP ranks (spawned processes, gloo) each resolve a prefill server's
+   arguments with the flag, and SGLang's KV cache configurator builds their pool and allocator
+   through the plugin's hooks (as ``launch_server --enable-cp-shared-kv`` does): the CP-shared
+   DSA pool, SGLang's owner-rotating ``PageInterleavePoolAllocator``, the view arena.
+2. Each rank runs chunked prefill of a few requests through SGLang's ``prepare_kv_shard_forward``
+   and the pool calls of the DSA backend (a tiny DSA model's math, ``tiny_model``), and the same
+   batches through SGLang's stock replicated ``DSATokenToKVPool``: every indexer read, top-k and
+   hidden state must be equal, bit for bit.
+3. Each rank sends its owned pages of every request to a decode (this process) through SGLang's
+   Mooncake connector (``MooncakeKVSender`` / ``MooncakeKVReceiver``, the real transfer engine on
+   127.0.0.1) with the plugin's manifest; the decode checks the manifests, then its rebuilt KV and
+   one decode step against the replicated pool, byte for byte.
+
+SGLang's own ``--enable-kv-cache-sharding`` pool gathers through a CUDA communicator, so on CPU its
+column shows what SGLang sizes for it (its scratch by its own constants), not a run.
+
+    scripts/demo.sh [--cp-size 2] [--requests 3] [--request-len 320] [--chunk 128] ...   (--help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import resource
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+PROG = os.environ.get("CP_SHARED_KV_DEMO_PROG", "python -m sglang_cp_shared_kv.demo")
+ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP request is made)
+AUX_SLOTS = 16
+LAYERS = 2  # the tiny model's layers (its config)
+WAIT_S = 300.0
+
+
+class DemoError(RuntimeError):
+    """A rank failed or went quiet; the message says which and why."""
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def schedule(lengths: list[int], chunk: int, page_size: int) -> list[list[tuple[int, int, int]]]:
+    """Chunked prefill as SGLang's scheduler issues it over a sharded pool: batches of ``(request, prefix_len,
+    seq_len)`` with at most ``chunk`` new tokens; a request that ends mid-batch leaves the rest of the budget to
+    the next, whose chunk is floored to whole pages unless it ends the request (sharded extends start on a page)."""
+    batches, cur, budget = [], [], chunk
+    for req, length in enumerate(lengths):
+        done = 0
+        while done < length:
+            take = min(budget, length - done)
+            if done + take < length:
+                take -= take % page_size
+            if take == 0:
+                batches.append(cur)
+                cur, budget = [], chunk
+                continue
+            cur.append((req, done, done + take))
+            done, budget = done + take, budget - take
+            if budget == 0 or done < length:
+                batches.append(cur)
+                cur, budget = [], chunk
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# ------------------------------------------------------------------------------------------ prefill rank
+def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
+    """One prefill CP rank: SGLang's pools through the plugin, chunked prefill, then its share sent to the decode."""
+    import concurrent.futures
+    import threading
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake.conn import FastQueue, MooncakeKVSender
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
+    from sglang.srt.mem_cache import page_interleave
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cp_shared_kv.demo import sglang_parts as sp
+    from sglang_cp_shared_kv.demo.tiny_model import TinyDSA
+    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import upstream_scratch_bytes
+
+    _quiet()
+    load_plugins()  # SGLANG_PLUGINS=cp_shared_kv: the hooks launch_server installs
+    ps, lengths, chunk = cfg["page_size"], cfg["lengths"], cfg["chunk"]
+    argv = sp.prefill_cp_argv(cfg["model_dir"], ps, cp_size) + ["--chunked-prefill-size", str(chunk)]
+    argv += ["--context-length", str(cfg["context_len"])]
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    server_args.__dict__["enable_cp_shared_kv"] = True  # the record as the launcher passes it (CPU cannot resolve it)
+    publish(server_args, role="scheduler")
+    model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(cfg["model_dir"], "dsa")]))
+    model_config.context_len = cfg["context_len"]
+    pages_per_rank = -(-sum(-(-n // ps) for n in lengths) // cp_size) + 2
+    pool, allocator = sp.build_pool_and_allocator(model_config, pages_per_rank * ps, len(lengths), ps, (rank, cp_size))
+    pool.read.group = CPGroup()  # the CP group's communicator (on a server: SGLang's attention-CP group)
+    (stock,) = sp.stock_dsa_pools([cp_size * pool.phys_pages * ps - ps], ps)  # the replicated pool of today
+    arena = sum(t.numel() * t.element_size() for t in pool.read.arena.values())  # allocated once, by the hook
+    token_bytes = pool.kv_buffer[0][0].nbytes + INDEX_TOKEN_BYTES  # one layer's row + indexer record
+    theirs = upstream_scratch_bytes(allocator.shard_spec, token_bytes, cfg["context_len"])
+    classes = {
+        "pool": type(pool).__name__,
+        "pool_sglang_bases": [c.__name__ for c in type(pool).__mro__ if c.__module__.startswith("sglang.srt")][:2],
+        "allocator": type(allocator).__name__,
+        "stock": type(stock).__name__,
+        "upstream_constant": f"page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS={page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS}",
+    }
+    model = TinyDSA(LAYERS, topk=cfg["topk"])
+    g = torch.Generator().manual_seed(7)
+    tokens = [torch.randint(0, 1024, (n,), generator=g) for n in lengths]
+    max_len = -(-max(lengths) // ps) * ps
+    req_to_token = torch.zeros((len(lengths), max_len), dtype=torch.int32)
+    rows, mismatches = [], []
+    batches = schedule(lengths, chunk, ps)
+    with sp.no_dcp():
+        for bi, batch in enumerate(batches):
+            for req, prefix, seq in batch:  # SGLang's allocator: the same logical pages on every rank
+                t = lambda v: torch.tensor([v])  # noqa: E731
+                last = int(req_to_token[req, prefix - 1]) if prefix else 0
+                locs = allocator.alloc_extend(
+                    t(prefix), t(prefix), t(seq), t(seq), t(last), seq - prefix, rotation_bases=[None]
+                )
+                if locs is None:
+                    raise MemoryError(f"SGLang's allocator is out of pages at request {req}")
+                req_to_token[req, prefix:seq] = locs.to(torch.int32)
+            new = torch.cat([tokens[r][p:n] for r, p, n in batch])
+            fb = SimpleNamespace(
+                forward_mode=ForwardMode.EXTEND,
+                req_pool_indices=torch.tensor([r for r, _, _ in batch]),
+                extend_prefix_lens_cpu=[p for _, p, _ in batch],
+                seq_lens_cpu=[n for _, _, n in batch],
+                rids=[f"req{r}" for r, _, _ in batch],
+            )
+            pool.shared_prefix_hint = None
+            prepare_kv_shard_forward(pool, req_to_token, fb)  # SGLang's batch start (the plugin's hook names rids)
+            mode = pool.read.mode
+            ours = model.forward(pool, new, batch, req_to_token, sharded=True)
+            received = int(pool.read.counters.bytes_received) if pool.read.counters is not None else 0
+            pool.end_shard_extend()
+            ref = model.forward(stock, new, batch, req_to_token, sharded=False)
+            equal = all(torch.equal(a, b) for mine, theirs_ in zip(ours, ref) for a, b in zip(mine, theirs_))
+            if not equal:
+                mismatches.append(bi + 1)
+            rows.append(
+                {
+                    "batch": bi + 1,
+                    "requests": [[r, p, n] for r, p, n in batch],
+                    "read": mode,
+                    "bytes_received": received,
+                    "equal": equal,
+                }
+            )
+            if rank == 0:
+                kind = "prefix view" if mode == "materialized" else "current chunk only"
+                print(
+                    f"prefill: batch {bi + 1}/{len(batches)}: {sum(n - p for _, p, n in batch)} new tokens, "
+                    f"{kind}, {_fmt_bytes(received)} received by rank 0, "
+                    f"{'equal' if equal else 'DIFFERENT'} to the replicated pool",
+                    flush=True,
+                )
+
+    # -- SGLang's Mooncake connector: this rank's manager, engine, bootstrap thread and transfer worker --
+    engine = _engine()
+    aux = torch.full((AUX_SLOTS, 64), rank, dtype=torch.uint8)
+    for buf in [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]:
+        engine.register(buf.data_ptr(), buf.nbytes)
+    sent = [0]
+    inner = engine.batch_transfer_sync
+
+    def counted(session_id, src, dst, lens):  # the bytes this rank's transfer worker writes, as it writes them
+        sent[0] += int(sum(lens))
+        return inner(session_id, src, dst, lens)
+
+    engine.batch_transfer_sync = counted
+    mgr = sp.mooncake_manager(DisaggregationMode.PREFILL, engine, sp.kv_args(pool, aux, rank, ps), rank, cp_size)
+    mgr.transfer_queues = [FastQueue()]
+    mgr.start_prefill_thread()
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    threading.Thread(target=mgr.transfer_worker, args=(mgr.transfer_queues[0], executor), daemon=True).start()
+    pages = [(req_to_token[r, : lengths[r] : ps].long() // ps).numpy().astype(np.int32) for r in range(len(lengths))]
+    senders = []
+    for r, lp in enumerate(pages):
+        s = MooncakeKVSender(mgr, ADDR, 1000 + r)
+        s.init(len(lp), aux_index=r % AUX_SLOTS)
+        senders.append(s)
+    reply = {
+        "rank": rank,
+        "port": mgr.rank_port,
+        "pages": [p.tolist() for p in pages],
+        "rows": rows,
+        "mismatches": mismatches,
+        "kv_held": sum(b.nbytes for b in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]),
+        "stock_held": sum(b.nbytes for b in [*stock.kv_buffer, *stock.index_k_with_scale_buffer]),
+        "arena": arena,
+        "upstream_scratch": theirs,
+        "classes": classes,
+    }
+    if rank == 0:  # what the decode must rebuild: the replicated pool's pages, and a decode step over them
+        reply["expected"] = [
+            [
+                (
+                    stock.kv_buffer[layer].view(-1, ps, stock.kv_buffer[layer].shape[-1])[lp].clone(),
+                    stock.index_k_with_scale_buffer[layer][lp].clone(),
+                )
+                for layer in range(LAYERS)
+            ]
+            for lp in (torch.from_numpy(p).long() for p in pages)
+        ]
+        reply["decode"] = [
+            model.decode_step(stock, torch.from_numpy(p).long(), lengths[r], 1 + r) for r, p in enumerate(pages)
+        ]
+    to_driver.put(("prefilled", rank, reply))
+    op = inbox.get(timeout=WAIT_S)  # the decode registered and sent every request's destination pages
+    assert op == "send", op
+    for s, lp in zip(senders, pages):
+        _wait(lambda s=s: s.poll() == KVPoll.WaitingForInput, "the decode's destination pages")
+        s.send(lp, [lp.copy()])  # the request's pages (SGLang's filter keeps this rank's), then the manifest
+    for s in senders:
+        _wait(lambda s=s: s.poll() in (KVPoll.Success, KVPoll.Failed), "the transfer worker")
+    to_driver.put(("sent", rank, {"bytes_sent": sent[0], "ok": all(s.poll() == KVPoll.Success for s in senders)}))
+    inbox.get(timeout=WAIT_S)  # stay up until the decode has read everything
+    to_driver.put(("rss", rank, _peak_rss()))
+    dist.barrier()
+
+
+def _quiet() -> None:
+    """SGLang's and the Mooncake engine's start-up logs off this process's output: the demo prints its own."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+
+
+def _engine():
+    """SGLang's ``MooncakeTransferEngine`` on 127.0.0.1 (TCP); the engine's glog start-up lines kept off stderr."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        return MooncakeTransferEngine("127.0.0.1")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def _rank_main(rank: int, cp_size: int, port: int, cfg: dict, to_driver, inbox) -> None:
+    """A spawned rank: gloo on 127.0.0.1, then ``_prefill_rank``. Ctrl-C ends it quietly (the driver reports)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    _quiet()
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp_size)
+        _prefill_rank(rank, cp_size, cfg, to_driver, inbox)
+        to_driver.put(("done", rank, None))
+    except KeyboardInterrupt:
+        os._exit(130)
+    except BaseException:  # noqa: BLE001 - every failure goes to the driver, which names the rank
+        to_driver.put(("error", rank, traceback.format_exc()))
+    to_driver.close()
+    to_driver.join_thread()  # the queue's feeder thread delivers what was put
+    sys.stdout.flush()
+    os._exit(0)  # SGLang's connector threads block on their sockets: leave without joining them
+
+
+# ------------------------------------------------------------------------------------------ decode (driver)
+class _Ranks:
+    """The spawned prefill ranks and their queues."""
+
+    def __init__(self, cp_size: int, cfg: dict):
+        from sglang_cp_shared_kv.reference.spawn import free_port
+
+        ctx = mp.get_context("spawn")
+        self.to_driver = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(cp_size)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_rank_main, args=(r, cp_size, port, cfg, self.to_driver, self.inboxes[r]), daemon=True)
+            for r in range(cp_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def collect(self, kind: str) -> dict[int, object]:
+        """One ``kind`` message from every rank; a rank's error or death raises ``DemoError``."""
+        got: dict[int, object] = {}
+        end = time.monotonic() + WAIT_S
+        while len(got) < len(self.procs):
+            try:
+                k, rank, body = self.to_driver.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in got]
+                if dead:
+                    raise DemoError(f"prefill rank {dead[0]} exited (code {self.procs[dead[0]].exitcode})") from None
+                if time.monotonic() > end:
+                    raise DemoError(
+                        f"prefill ranks {sorted(set(range(len(self.procs))) - set(got))} went quiet"
+                    ) from None
+                continue
+            if k == "error":
+                raise DemoError(f"prefill rank {rank} failed:\n{body}")
+            if k == kind:
+                got[rank] = body
+        return got
+
+    def tell(self, op: str) -> None:
+        for q in self.inboxes:
+            q.put(op)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
+    """The decode server: SGLang's stock pool and Mooncake receivers with the plugin's manifest check."""
+    import numpy as np
+    import torch
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cp_shared_kv.demo import sglang_parts as sp
+    from sglang_cp_shared_kv.demo.tiny_model import TinyDSA
+
+    _quiet()
+    load_plugins()
+    ps, cp_size = args.page_size, args.cp_size
+    decode_args = prepare_server_args(sp.decode_argv(model_dir, ps) + ["--enable-cp-shared-kv"])
+    decode_args.resolve_once()
+    publish(decode_args, role="scheduler")
+    model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
+    lengths = [args.request_len + 7 * i for i in range(args.requests)]
+    decode_pages = sum(-(-n // ps) for n in lengths) + 2
+    with sp.no_dcp():
+        pool, allocator = sp.build_pool_and_allocator(model_config, decode_pages * ps, args.requests, ps)
+    aux = torch.zeros(AUX_SLOTS, 64, dtype=torch.uint8)
+    engine = _engine()
+    for buf in [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]:
+        engine.register(buf.data_ptr(), buf.nbytes)
+    mgr = sp.mooncake_manager(DisaggregationMode.DECODE, engine, sp.kv_args(pool, aux, 0, ps), 0, 1)
+    mgr.start_decode_thread()
+
+    prefilled = ranks.collect("prefilled")
+    info = sp.prefill_info(cp_size, ps)
+    mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every prefill CP rank
+    mgr.prefill_info_table[ADDR] = info
+    for cp in info.target_cp_ranks:
+        mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
+            {"rank_ip": "127.0.0.1", "rank_port": prefilled[cp]["port"], "is_dummy": False}
+        ]
+    page_tables = prefilled[0]["pages"]
+    receivers, dst = [], []
+    for r, lp in enumerate(page_tables):
+        locs = allocator.alloc(len(lp) * ps)
+        d = (locs[::ps] // ps).numpy().astype(np.int32)
+        rcv = MooncakeKVReceiver(mgr, ADDR, 1000 + r)
+        rcv.init(0)
+        if r == 0:
+            assert rcv._register_kv_args()  # the decode's KV registration, once, as SGLang sends it
+        rcv.send_metadata(d, r % AUX_SLOTS, [d.copy()], 0)
+        receivers.append(rcv)
+        dst.append(d)
+    ranks.tell("send")
+    sent = ranks.collect("sent")
+    polls, reasons = [], []
+    for rcv in receivers:
+        _wait(lambda rcv=rcv: rcv.poll() in (KVPoll.Success, KVPoll.Failed), "the prefill ranks' transfers", WAIT_S)
+        polls.append(rcv.poll() == KVPoll.Success)
+        if rcv.poll() == KVPoll.Failed:
+            try:
+                rcv.failure_exception()
+            except KVTransferError as e:
+                reasons.append(e.failure_reason)
+    expected, dec_ref = prefilled[0]["expected"], prefilled[0]["decode"]
+    kv_equal, step_equal = [], []
+    model = TinyDSA(LAYERS, topk=args.topk)
+    for r, d in enumerate(dst):
+        d_t = torch.from_numpy(d).long()
+        same = True
+        for layer in range(LAYERS):
+            latent = pool.kv_buffer[layer].view(-1, ps, pool.kv_buffer[layer].shape[-1])[d_t]
+            same &= torch.equal(latent, expected[r][layer][0])
+            same &= torch.equal(pool.index_k_with_scale_buffer[layer][d_t], expected[r][layer][1])
+        kv_equal.append(bool(same))
+        step_equal.append(torch.equal(model.decode_step(pool, d_t, lengths[r], 1 + r), dec_ref[r]))
+    ranks.tell("exit")
+    rss = ranks.collect("rss")
+    return {
+        "prefilled": prefilled,
+        "sent": sent,
+        "transfer_ok": all(polls) and all(s["ok"] for s in sent.values()),
+        "reasons": reasons,
+        "kv_equal": kv_equal,
+        "decode_equal": step_equal,
+        "rss": rss,
+        "decode_pool": type(pool).__name__,
+        "decode_allocator": type(allocator).__name__,
+    }
+
+
+# ------------------------------------------------------------------------------------------ report
+def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
+    pre = res["prefilled"]
+    n = args.cp_size
+    r0 = pre[0]
+    checks = [
+        (
+            "prefill",
+            not any(pre[r]["mismatches"] for r in pre),
+            f"every batch's indexer reads, top-k and hidden states on every rank equal the replicated pool's "
+            f"({len(r0['rows'])} batches x {n} ranks)",
+        ),
+        (
+            "transfer",
+            res["transfer_ok"],
+            "SGLang's Mooncake senders and receivers report Success; the plugin's manifest check passed"
+            + (f" ({res['reasons'][0]})" if res["reasons"] else ""),
+        ),
+        ("rebuilt KV", all(res["kv_equal"]), "the decode pool's pages equal the replicated pool's, byte for byte"),
+        ("decode step", all(res["decode_equal"]), "a decode step over them equals one over the replicated pool"),
+    ]
+    ok = all(c[1] for c in checks)
+    lines = [
+        f"{args.requests} requests of {args.request_len}+ tokens, chunked prefill of {args.chunk} tokens per batch, "
+        f"page size {args.page_size}, {n} prefill CP ranks (gloo) and one decode (Mooncake on 127.0.0.1)",
+        "SGLang classes run: KVCacheConfigurator (pool and allocator builders, with the plugin's hooks), "
+        f"{r0['classes']['pool']} (the plugin's, over SGLang's {' + '.join(r0['classes']['pool_sglang_bases'])}), "
+        f"{r0['classes']['allocator']}, prepare_kv_shard_forward; "
+        f"stock {r0['classes']['stock']}; MooncakeKVManager, MooncakeKVSender, MooncakeKVReceiver, "
+        f"MooncakeTransferEngine; decode {res['decode_pool']} + {res['decode_allocator']}",
+        "",
+        f"{'per prefill rank':<34}{'stock (replicated)':>20}{'kv-cache-sharding':>20}{'cp-shared-kv (ours)':>22}",
+        f"{'  KV held':<34}{_fmt_bytes(r0['stock_held']):>20}{_fmt_bytes(r0['kv_held']):>20}"
+        f"{_fmt_bytes(r0['kv_held']):>22}",
+        f"{'  view / scratch buffers':<34}{'0 B':>20}"
+        f"{(_fmt_bytes(r0['upstream_scratch']) if r0['upstream_scratch'] else 'n/a'):>20}"
+        f"{_fmt_bytes(r0['arena']):>22}",
+        "  (kv-cache-sharding on CPU: SGLang's sizing for its pool, not a run: its gather needs CUDA)",
+        "",
+        f"{'batch':<7}{'requests (id:prefix->len)':<44}{'read':<20}"
+        + "".join(f"{'rank ' + str(r) + ' recv':>12}" for r in range(min(n, 4))),
+    ]
+    for i, row in enumerate(r0["rows"]):
+        reqs = " ".join(f"{r}:{p}->{s}" for r, p, s in row["requests"])
+        read = "prefix view" if row["read"] == "materialized" else "current chunk only"
+        recv = "".join(f"{_fmt_bytes(pre[r]['rows'][i]['bytes_received']):>12}" for r in range(min(n, 4)))
+        lines.append(f"{row['batch']:<7}{reqs[:43]:<44}{read:<20}{recv}")
+    lines.append("  (stock: nothing received, every rank holds every page)")
+    lines.append("")
+    sent = "  ".join(f"rank {r}: {_fmt_bytes(res['sent'][r]['bytes_sent'])}" for r in sorted(res["sent"]))
+    lines.append(f"KV written to the decode by each prefill rank (its owned pages): {sent}")
+    peak = "  ".join(f"rank {r}: {_fmt_bytes(res['rss'][r])}" for r in sorted(res["rss"]))
+    lines.append(f"peak memory per process: {peak}  decode: {_fmt_bytes(_peak_rss())}")
+    lines.append(f"wall time {seconds:.0f} s")
+    lines.append("")
+    for name, passed, what in checks:
+        lines.append(f"{'PASS' if passed else 'FAIL'} {name}: {what}")
+    numbers = {
+        "options": vars(args),
+        "passed": ok,
+        "checks": {name: passed for name, passed, _ in checks},
+        "per_rank": {
+            str(r): {
+                "kv_held_bytes": pre[r]["kv_held"],
+                "stock_kv_held_bytes": pre[r]["stock_held"],
+                "view_arena_bytes": pre[r]["arena"],
+                "upstream_scratch_bytes_by_sglang_sizing": pre[r]["upstream_scratch"],
+                "bytes_received_per_batch": [row["bytes_received"] for row in pre[r]["rows"]],
+                "bytes_sent_to_decode": res["sent"][r]["bytes_sent"],
+                "peak_rss_bytes": res["rss"][r],
+            }
+            for r in sorted(pre)
+        },
+        "batches": r0["rows"],
+        "classes": r0["classes"],
+        "wall_s": round(seconds, 1),
+    }
+    return lines, numbers, ok
+
+
+def _plot(path: Path, numbers: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = numbers["per_rank"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["stock (replicated)", "kv-cache-sharding (sizing)", "cp-shared-kv (ours)"]
+    r0 = ranks["0"]
+    held = [r0["stock_kv_held_bytes"], r0["kv_held_bytes"], r0["kv_held_bytes"]]
+    scratch = [0, r0["upstream_scratch_bytes_by_sglang_sizing"] or 0, r0["view_arena_bytes"]]
+    x = range(3)
+    a.bar(x, [h / 2**20 for h in held], label="KV held")
+    a.bar(x, [s / 2**20 for s in scratch], bottom=[h / 2**20 for h in held], label="view / scratch")
+    a.set_xticks(list(x), names, fontsize=8)
+    a.set_ylabel("MiB per prefill rank")
+    a.legend()
+    for r, v in ranks.items():
+        b.plot(
+            range(1, len(v["bytes_received_per_batch"]) + 1),
+            [y / 2**10 for y in v["bytes_received_per_batch"]],
+            marker="o",
+            label=f"rank {r}",
+        )
+    b.set_xlabel("prefill batch")
+    b.set_ylabel("KiB received (ours; stock: 0)")
+    b.legend()
+    fig.suptitle("CP shared KV through SGLang's pools, per prefill rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=PROG,
+        description="SGLang's prefill CP path with --enable-cp-shared-kv on CPU ranks: chunked prefill through "
+        "SGLang's pools, Mooncake transfer to a decode, every result checked against the replicated pool.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--cp-size", type=int, default=2, help="prefill context-parallel ranks (processes), 2 or more")
+    ap.add_argument("--requests", type=int, default=3, help="requests, prefilled in order")
+    ap.add_argument("--request-len", type=int, default=320, help="prompt tokens of the first request (+7 per next)")
+    ap.add_argument("--chunk", type=int, default=128, help="chunked prefill: new tokens per batch (whole pages)")
+    ap.add_argument("--page-size", type=int, default=64, help="tokens per KV page, a power of two")
+    ap.add_argument("--topk", type=int, default=64, help="keys each query attends to (the DSA indexer's top-k)")
+    ap.add_argument("--out", default="demo_out", help="directory for cp_shared_kv_demo.json and .png")
+    return ap
+
+
+def _check(ap: argparse.ArgumentParser, args) -> None:
+    from sglang_cp_shared_kv.srt.mem_cache.placement import check_page_size
+
+    if args.cp_size < 2:
+        ap.error(f"--cp-size must be >= 2 (a CP-shared pool spans ranks), got {args.cp_size}")
+    for name in ("requests", "request_len", "chunk", "topk"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        check_page_size(args.page_size)
+    except ValueError:
+        ap.error(f"--page-size must be a power of two, got {args.page_size}")
+    if args.chunk % args.page_size:
+        ap.error(f"--chunk must be a multiple of --page-size {args.page_size}, got {args.chunk}")
+    if args.request_len + 7 * (args.requests - 1) > 4096:
+        ap.error("--request-len plus 7 per further request must fit the tiny model's 4096-token context")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        ap.error(f"--out {out} is not writable: it is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {out} is not writable: {e.strerror}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check(ap, args)
+    _quiet()
+    os.environ.setdefault("SGLANG_PLUGINS", "cp_shared_kv")
+    os.environ["PYTHONWARNINGS"] = "ignore"  # the ranks' (and multiprocessing's) import-time warnings
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU: SGLang's and our Triton kernels run interpreted
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    os.environ.update(MC_FORCE_TCP="1", MOONCAKE_PROTOCOL="tcp")
+    t0 = time.monotonic()
+    lengths = [args.request_len + 7 * i for i in range(args.requests)]
+    ranks = None
+    with tempfile.TemporaryDirectory(prefix="cp_shared_kv_demo_") as tmp:
+        try:
+            from sglang_cp_shared_kv.demo.sglang_parts import write_model_dirs
+
+            write_model_dirs(Path(tmp), ["mla", "dsa"])
+            context = -(-(max(lengths) + args.chunk) // 256) * 256
+            cfg = {"model_dir": tmp, "page_size": args.page_size, "lengths": lengths, "chunk": args.chunk}
+            cfg.update(context_len=context, topk=args.topk)
+            print(f"starting {args.cp_size} prefill CP ranks and the decode (SGLang import: ~20 s)", flush=True)
+            ranks = _Ranks(args.cp_size, cfg)
+            res = _decode(args, ranks, tmp)
+        except KeyboardInterrupt:
+            if ranks is not None:
+                ranks.stop()
+            print("interrupted: the demo stopped every process; nothing was written", file=sys.stderr, flush=True)
+            os._exit(130)
+        except DemoError as e:
+            ranks.stop()
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
+    ranks.stop()
+    lines, numbers, ok = _report(args, res, time.monotonic() - t0)
+    out = Path(args.out).resolve()
+    (out / "cp_shared_kv_demo.json").write_text(json.dumps(numbers, indent=1, default=str))
+    print("\n".join(lines))
+    plot = out / "cp_shared_kv_demo.png"
+    _plot(plot, numbers)
+    print(f"output: {out / 'cp_shared_kv_demo.json'}")
+    print(f"plot: {plot}", flush=True)
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)  # SGLang's connector threads block on their sockets: leave without joining them
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main()

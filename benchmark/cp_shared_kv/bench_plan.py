@@ -20,14 +20,12 @@ import time
 import torch
 
 from benchmark.cp_shared_kv.bench_common import cuda_time_us, save_plot, write_result
-from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     FUSED_PLAN_MAX_POSITIONS,
     gather_page_buffers,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 PS = 64
 CP = 8  # plan for a CP=8 group; this GPU plays rank 0
@@ -61,15 +59,26 @@ def unique_plan(page_table: torch.Tensor, pages_per_req: list[int], cp_size: int
 def _workload(n_req: int, total_pages: int, shared_frac: float, phys_pages: int, device: str):
     """``n_req`` requests of equal length sharing their first ``shared_frac`` of pages (a common prompt).
 
-    Pages come from the balanced allocator, as in the server: each request's pages cycle through owners.
+    Each request's pages cycle through owners, as SGLang's page-interleave allocator hands them out
+    (each owner's physical pages from 1 up: page 0 is the trash page).
     """
     per_req = max(1, total_pages // n_req)
     shared = int(per_req * shared_frac) if n_req > 1 else 0
-    alloc = BalancedPageAllocator(PageOwnership(CP, PS), phys_pages)
-    common = alloc.alloc(shared, 0)
+    next_phys = [1] * CP
+
+    def alloc(n: int, first_owner: int) -> torch.Tensor:
+        owners = [(first_owner + i) % CP for i in range(n)]
+        pages = []
+        for o in owners:
+            pages.append(next_phys[o] * CP + o)
+            next_phys[o] += 1
+        assert max(next_phys) <= phys_pages, "pool too small"
+        return torch.tensor(pages, dtype=torch.int64)
+
+    common = alloc(shared, 0)
     table = torch.zeros(n_req, per_req, dtype=torch.int32)
     for i in range(n_req):
-        own = alloc.alloc(per_req - shared, shared % CP)
+        own = alloc(per_req - shared, shared % CP)
         table[i] = torch.cat([common, own]).to(torch.int32)
     return table.to(device), [per_req] * n_req, n_req * per_req - (n_req - 1) * shared
 

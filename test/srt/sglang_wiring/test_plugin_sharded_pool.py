@@ -2,8 +2,9 @@
 
 - Write path: N rank pools and one replicated stock pool receive the same chunks through
   SGLang's write entry points (its quantizers and Triton scatter, interpreted on CPU). Every
-  rank's storage, trash page aside, is bit-exact with ``ShardedMLAPool`` fed the stock bytes,
-  so exactly the owned rows were written.
+  rank's storage, trash page aside, is bit-exact with the stock bytes of the locs it owns placed at
+  their physical rows (``PageOwnership.phys_row``) and zeros elsewhere, so exactly the owned rows
+  were written.
 - Read path on N spawned gloo ranks: the kv-shard contract SGLang's DSA backend and indexer call
   (``begin_shard_extend``, ``translate_loc_to_scratch``, ``get_key_buffer``,
   ``get_index_k_scale_buffer`` with logical pages; ``get_mla_kv_buffer`` for plain MLA's
@@ -91,7 +92,7 @@ def _index_bytes(pool, layer: int, locs: torch.Tensor):
 def test_sglang_pools_store_exactly_the_owned_rows(kind):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
 
-    from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
+    from sglang_cp_shared_kv.srt.mem_cache.kv_formats import index_page_views
     from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import (
         CPSharedDSATokenToKVPool,
@@ -124,17 +125,20 @@ def test_sglang_pools_store_exactly_the_owned_rows(kind):
     stock_rows = replicated.kv_buffer[0][locs].view(torch.uint8).reshape(len(locs), row_bytes)
     for rank, pool in enumerate(pools):
         assert isinstance(pool, stock_cls) and pool.kv_buffer[0].shape[0] == size + PS  # stock shape per rank
-        reference = ShardedMLAPool(ownership, rank, phys, layers, "fp8" if dsa else "bf16", dsa, "cpu")
-        reference.set_latent(0, locs, stock_rows)
-        ours = pool.kv_buffer[0].view(torch.uint8).reshape(-1, row_bytes)
-        # Page 0 is the trash page of both: it holds whichever foreign row landed last.
-        assert torch.equal(ours[PS:], reference.latent[0][PS : phys * PS]), f"rank {rank} latent"
         owned = ownership.loc_owner(locs) == rank
         assert 0 < int(owned.sum()) < len(locs)
-        assert torch.equal(ours[ownership.phys_row(locs[owned])], stock_rows[owned])
+        at = ownership.phys_row(locs[owned])
+        expected = torch.zeros(phys * PS, row_bytes, dtype=torch.uint8)
+        expected[at] = stock_rows[owned]
+        ours = pool.kv_buffer[0].view(torch.uint8).reshape(-1, row_bytes)
+        # Page 0 is the trash page: it holds whichever foreign row landed last.
+        assert torch.equal(ours[PS:], expected[PS:]), f"rank {rank} latent"
         if dsa:
-            reference.set_index(0, locs, *_index_bytes(replicated, 0, locs))
-            assert torch.equal(pool.index_k_with_scale_buffer[0][1:], reference.index[0][1:phys]), f"rank {rank} index"
+            expected_index = torch.zeros(phys, PS * 132, dtype=torch.uint8)
+            k_part, scale_part = index_page_views(expected_index, PS)
+            k_bytes, scales = _index_bytes(replicated, 0, locs[owned])
+            k_part[at // PS, at % PS], scale_part[at // PS, at % PS] = k_bytes, scales
+            assert torch.equal(pool.index_k_with_scale_buffer[0][1:], expected_index[1:]), f"rank {rank} index"
 
 
 def test_trash_page_and_bad_configuration():

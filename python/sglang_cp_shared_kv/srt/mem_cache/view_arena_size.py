@@ -5,7 +5,7 @@ it once: ``contexts`` full contexts of prefix, each rounded up to whole rotation
 (the view all-gathers ``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefill
 budget in whole pages; one trash page follows (SGLang's ``PageShardSpec.scratch_rows``). These are
 the ``max_prefix_tokens`` and ``chunk_tokens`` that ``sglang_wiring.view_arena.make_arena_spec``
-hands SGLang's admission, and the sizes the standalone stack's ``ReadPath.attach_arena`` takes.
+hands SGLang's admission.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ import dataclasses
 import os
 
 import pytest
+from page_fixtures import TestPool, page_table
 
-from sglang_cp_shared_kv.reference.dsa_stack import page_table_from_pages
-from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import (
@@ -25,7 +24,7 @@ PAGES = [[0, 1, 2], [3, 4, 5, 6, 7]]
 
 
 def _plan(pages, n=2, chunks=1):
-    table = page_table_from_pages(pages)
+    table = page_table(pages)
     return build_slot_plan(table, [len(p) for p in pages], n, PS, trash_page=99, use_triton=False, chunks=chunks)
 
 
@@ -64,13 +63,13 @@ def test_corrupted_plan_is_inconsistent(field, chunks):
 def _rank_corrupt(rank, world_size, debug):
     """Every rank runs the same batch except rank 1, whose page table differs (same owner, other page)."""
     os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1" if debug else "0"
-    pool = ShardedMLAPool(PageOwnership(world_size, PS), rank, 8, 1, "fp8")
+    pool = TestPool(PageOwnership(world_size, PS), rank, 8, 1, "fp8")
     mat = ViewMaterializer(pool, CPGroup(), use_triton=False)
     pages = [list(p) for p in PAGES]
     if rank == 1:
         pages[1][4] += 2 * world_size  # locally consistent, different from the peers
     try:
-        mat.begin_batch(page_table_from_pages(pages), [PS * len(p) for p in pages], [PS] * len(pages))
+        mat.begin_batch(page_table(pages), [PS * len(p) for p in pages], [PS] * len(pages))
         mat.layer_view(0)
     except CPSharedKVDebugError as e:
         return str(e)

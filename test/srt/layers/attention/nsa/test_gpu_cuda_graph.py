@@ -7,9 +7,8 @@ tables and new top-k positions, the graph must give what the eager path gives.
 
 import pytest
 import torch
+from page_fixtures import RotatingPages, TestPool
 
-from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
-from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
@@ -23,7 +22,7 @@ T, K = 96, 64
 
 def _table(seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    alloc = BalancedPageAllocator(PageOwnership(CP, PS), PHYS)
+    alloc = RotatingPages(CP, PHYS)
     alloc.alloc(int(torch.randint(0, 40, (1,), generator=g)), 0)  # shift where the batch's pages start
     table = torch.zeros(len(PAGES), max(PAGES), dtype=torch.int32)
     for b, n in enumerate(PAGES):
@@ -43,7 +42,7 @@ def _topk(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
 def test_materialize_graph_replays_equal_eager(kv_format):
     dev = torch.device("cuda")
-    pool = ShardedMLAPool(PageOwnership(CP, PS), RANK, PHYS, 1, kv_format, device=dev)
+    pool = TestPool(PageOwnership(CP, PS), RANK, PHYS, 1, kv_format, device=dev)
     pool.latent[0].random_(0, 256)
     pool.index[0].random_(0, 256)
     srcs = [pool.latent_pages(0), pool.index[0]]

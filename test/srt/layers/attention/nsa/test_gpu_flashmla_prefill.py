@@ -3,19 +3,17 @@
 CP=2 on two GPUs (NCCL): every rank holds its half of a bf16 pool; a mixed batch (requests with and
 without prefixes, two of them sharing prefix pages) is planned, gathered and all-gathered into the
 dense view, the NSA top-k positions are remapped through the plan, and ``flash_mla_sparse_fwd``
-runs on the view. A current-only batch hands the kernel the current chunk through current-reuse.
-Output and LSE must be bit-identical to the same kernel over the replicated pool.
+runs on the view. Output and LSE must be bit-identical to the same kernel over the replicated pool.
 """
 
 import pytest
 import torch
+from page_fixtures import RotatingPages, TestPool
 
-from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
 from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
-from sglang_cp_shared_kv.reference.read_path import ReadPath, pool_view
-from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import LayerView, ViewMaterializer
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import pack_mla_bf16
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
@@ -59,9 +57,9 @@ def run_rank(rank, world, kernel_name="flash_mla"):
     group = CPGroup()
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     own = PageOwnership(world, PS)
-    alloc = BalancedPageAllocator(own, 64)
-    repl = ShardedMLAPool(PageOwnership(1, PS), 0, 64 * world, 1, "bf16", with_indexer=False, device=dev)
-    mine = ShardedMLAPool(own, rank, 64, 1, "bf16", with_indexer=False, device=dev)
+    alloc = RotatingPages(own.cp_size, 64)
+    repl = TestPool(PageOwnership(1, PS), 0, 64 * world, 1, "bf16", with_indexer=False, device=dev)
+    mine = TestPool(own, rank, 64, 1, "bf16", with_indexer=False, device=dev)
     g = torch.Generator().manual_seed(0)  # same data on every rank: the chunk after prefill CP's all-gather
 
     lens = [11 * PS + 20, 9 * PS + 3, 3 * PS + 40, 2 * PS + 5]
@@ -71,7 +69,6 @@ def run_rank(rank, world, kernel_name="flash_mla"):
         pages[0][:shared] + alloc.alloc(-(-lens[1] // PS) - shared, alloc.next_owner(pages[0][shared - 1])).tolist()
     )
     pages.append(alloc.alloc(-(-lens[2] // PS), 1).tolist())
-    pages.append(alloc.alloc(-(-lens[3] // PS), 0).tolist())
     rows_of = {}
     for b, (n, pg) in enumerate(zip(lens, pages)):
         start = shared * PS if b == 1 else 0
@@ -87,7 +84,6 @@ def run_rank(rank, world, kernel_name="flash_mla"):
     for name, reqs, prefix in (
         ("mixed", [0, 1, 2], [lens[0] - 70, lens[1] - 130, 0]),
         ("history", [0, 1], [lens[0] - 30, shared * PS]),
-        ("current", [2, 3], [0, 0]),
     ):
         table = torch.zeros(len(reqs), width, dtype=torch.int32)
         for i, b in enumerate(reqs):
@@ -96,18 +92,13 @@ def run_rank(rank, world, kernel_name="flash_mla"):
         seq_lens = [lens[b] for b in reqs]
         q_req, q_pos, positions = _batch_positions(seq_lens, prefix, dev, seed=len(name))
         q = (torch.randn(len(q_req), HEADS, 576, generator=g) / 4).to(torch.bfloat16).to(dev)
-        mat = ReadPath(mine, group)
+        mat = ViewMaterializer(mine, group)
         counters = mat.begin_batch(table, seq_lens, prefix)
-        current = torch.cat([rows_of[b] for b in reqs]) if name == "current" else None
-        view = mat.layer_view(0, current, None)
+        view = mat.layer_view(0)
         out_v, lse_v = kernel(q, view.kv_rows, view.rows(positions, q_req))
-        ref = pool_view(repl, 0, table)
+        ref = LayerView(repl.latent[0], None, table, PS)  # the replicated pool as it is
         out_r, lse_r = kernel(q, ref.kv_rows, ref.rows(positions, q_req))
-        results[name] = (
-            torch.equal(out_v, out_r) and torch.equal(lse_v, lse_r),
-            counters.bytes_materialized,
-            counters.current_reuse_hits,
-        )
+        results[name] = (torch.equal(out_v, out_r) and torch.equal(lse_v, lse_r), counters.bytes_materialized)
     return results
 
 
@@ -116,6 +107,5 @@ def run_rank(rank, world, kernel_name="flash_mla"):
 def test_flashmla_sparse_prefill_over_view_equals_replicated_cp2():
     pytest.importorskip("flash_mla")
     for res in spawn_ranks(run_rank, 2, backend="nccl", timeout_s=300):
-        assert res["mixed"][0] and res["history"][0] and res["current"][0], res
-        assert res["current"][1:] == (0, 1)  # current-reuse: nothing materialized
+        assert res["mixed"][0] and res["history"][0], res
         assert res["mixed"][1] > 0 and res["history"][1] > 0

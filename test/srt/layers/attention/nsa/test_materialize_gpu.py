@@ -1,26 +1,17 @@
-"""On CUDA: the read path never synchronizes with the host, its compiled kernels equal the CPU
-references, and the NCCL-gathered view gives the replicated results bit for bit, in one piece or
-in pipeline chunks (each chunk's gather overlapping the previous chunk's all-gather)."""
+"""On CUDA: the views never synchronize with the host, their compiled kernels equal the CPU
+references, and the NCCL-gathered view holds the replicated pages bit for bit, in one piece or
+in pipeline chunks (each chunk's gather overlapping the previous chunk's all-gather). The wired
+read state on GPUs: ``test_read_state_ranks.py``."""
 
-import os
 import random
 
 import pytest
 import torch
+from page_fixtures import RotatingPages, TestPool, pack_index_records, page_table
 
-from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
-from sglang_cp_shared_kv.reference.dsa_stack import (
-    RequestSpec,
-    StackConfig,
-    first_mismatch,
-    page_table_from_pages,
-    run_chunked_prefill,
-)
-from sglang_cp_shared_kv.reference.read_path import ReadPath, pack_index_records
-from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import PIPELINE_CHUNK_TOKENS_ENV
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     _COMPILED,
     _no_launch_hooks,
@@ -39,9 +30,9 @@ PS = 64
 
 def _batch(n: int, requests: int, seed: int):
     rng = random.Random(seed)
-    alloc = BalancedPageAllocator(PageOwnership(n, PS), 4096)
+    alloc = RotatingPages(n, 4096)
     pages = [alloc.alloc(rng.randint(1, 80), rng.randrange(n)).tolist() for _ in range(requests)]
-    return pages, page_table_from_pages(pages), alloc.phys_pages_per_rank
+    return pages, page_table(pages), alloc.phys_pages_per_rank
 
 
 def test_plan_gather_and_remap_do_not_sync_and_equal_cpu():
@@ -71,14 +62,14 @@ def test_plan_gather_and_remap_do_not_sync_and_equal_cpu():
 
 def test_materializer_does_not_sync():
     dev = torch.device("cuda")
-    pool = ShardedMLAPool(PageOwnership(1, PS), 0, 64, 2, "fp8", device=dev)
+    pool = TestPool(PageOwnership(1, PS), 0, 64, 2, "fp8", device=dev)
     table = torch.tensor([[5, 9, 2], [7, 1, 0]], dtype=torch.int32, device=dev)
     rows = torch.zeros((4 * PS, pool.row_bytes), dtype=torch.uint8, device=dev)
     records = pack_index_records(torch.zeros((4 * PS, 128), dtype=torch.uint8), torch.ones(4 * PS)).to(dev)
     positions = torch.tensor([[0, 65, -1]], dtype=torch.int32, device=dev)
     q_req = torch.zeros(1, dtype=torch.int64, device=dev)
-    mat = ReadPath(pool, None)
-    ahead = ReadPath(pool, None, prefetch=True)
+    mat = ViewMaterializer(pool, None)
+    ahead = ViewMaterializer(pool, None, prefetch=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -88,41 +79,10 @@ def test_materializer_does_not_sync():
         ahead.begin_batch(table, [3 * PS, 2 * PS], [PS, 0])
         for layer in range(2):
             ahead.layer_view(layer, rows, records)  # 2 * PS + 2 * PS current tokens
-        mat.begin_batch(table, [2 * PS, PS], [0, 0])
-        cur = mat.layer_view(0, rows[: 3 * PS], records[: 3 * PS])
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert not mat.plan and cur.page_size == 1
     s0, s1 = int(hist.page_table[0, 0]), int(hist.page_table[0, 1])
     assert hist_rows.tolist() == [[s0 * PS, s1 * PS + 1, -1]]
-
-
-def _rank_nccl_prefill(rank, world_size, kv_format, prefetch, chunk_tokens):
-    os.environ[PIPELINE_CHUNK_TOKENS_ENV] = str(chunk_tokens)  # 0: views in one piece
-    dev = torch.device("cuda", torch.cuda.current_device())
-    requests = [RequestSpec(160), RequestSpec(96), RequestSpec(208, 0, 128), RequestSpec(256)]
-    kw = {"chunk_size": 256, "page_size": PS, "kv_format": kv_format, "device": dev}
-    kw["config"] = StackConfig(num_layers=3, heads=16, topk=64)
-    replicated = run_chunked_prefill(requests, cp_size=world_size, **kw)
-    sharded = run_chunked_prefill(requests, group=CPGroup(), prefetch=prefetch, **kw)
-    return first_mismatch(replicated, sharded), [b.counters for b in sharded.batches]
-
-
-@pytest.mark.multirank
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize(
-    ("kv_format", "prefetch", "chunk_tokens"),
-    [("fp8", False, 0), ("bf16", False, 0), ("fp8", True, 0), ("fp8", False, PS), ("bf16", True, PS)],
-)
-def test_nccl_sharded_prefill_equals_replicated(kv_format, prefetch, chunk_tokens):
-    """With prefetch the next layer's gather and all-gather run on a side stream; with chunk_tokens
-    one page per rank, every view page is its own pipeline chunk."""
-    n = min(torch.cuda.device_count(), 8)
-    per_rank = spawn_ranks(_rank_nccl_prefill, n, kv_format, prefetch, chunk_tokens, backend="nccl", timeout_s=300)
-    for mismatch, counters in per_rank:
-        assert mismatch is None, mismatch
-        assert [c.kind for c in counters] == ["current", "mixed", "history"]
-        assert counters[0].bytes_materialized == 0 and counters[1].bytes_materialized > 0
 
 
 def _rank_nccl_views(rank, world_size, chunk_tokens):
@@ -132,13 +92,13 @@ def _rank_nccl_views(rank, world_size, chunk_tokens):
     group = CPGroup()
     own = PageOwnership(world_size, PS)
     rng = random.Random(5)
-    alloc = BalancedPageAllocator(own, 1800 // world_size + 16)
+    alloc = RotatingPages(world_size, 1800 // world_size + 16)
     pages = [alloc.alloc(rng.randint(1, 300), rng.randrange(world_size)).tolist() for _ in range(6)]
-    table = page_table_from_pages(pages).to(dev)
+    table = page_table(pages).to(dev)
     lens = [len(p) * PS - rng.randrange(PS) for p in pages]
     phys = alloc.phys_pages_per_rank
-    sharded = ShardedMLAPool(own, rank, phys, 1, "fp8", device=dev)
-    replicated = ShardedMLAPool(PageOwnership(1, PS), 0, phys * world_size, 1, "fp8", device=dev)
+    sharded = TestPool(own, rank, phys, 1, "fp8", device=dev)
+    replicated = TestPool(PageOwnership(1, PS), 0, phys * world_size, 1, "fp8", device=dev)
     g = torch.Generator().manual_seed(3)  # the same rows on every rank
     locs = torch.arange(phys * world_size * PS)
     rows = torch.randint(0, 256, (len(locs), sharded.row_bytes), dtype=torch.uint8, generator=g).to(dev)
@@ -147,7 +107,7 @@ def _rank_nccl_views(rank, world_size, chunk_tokens):
     for pool in (sharded, replicated):
         pool.set_latent(0, locs.to(dev), rows)
         pool.set_index(0, locs.to(dev), k_u8, scale)
-    mat = ReadPath(sharded, group, pipeline_chunk_tokens=chunk_tokens)
+    mat = ViewMaterializer(sharded, group, pipeline_chunk_tokens=chunk_tokens)
     prefix = [PS] * len(lens)
     mat.begin_batch(table, lens, prefix)
     mat.layer_view(0)  # warm-up: Triton compiles, NCCL communicators

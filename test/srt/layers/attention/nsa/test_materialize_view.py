@@ -1,12 +1,11 @@
 """ViewMaterializer in one process: what it hands the kernels, prefetch, pipeline chunks and shared plans.
-(Current-reuse and bad input: test/reference/test_read_path.py; multi-rank: test_materialize_multirank.py.)"""
+(Multi-rank: test_materialize_multirank.py; the wired read state: test_read_state_ranks.py.)"""
 
 import pytest
 import torch
-from pool_workload import filled_pool as _filled_pool
+from page_fixtures import TestPool, pack_index_records
+from page_fixtures import filled_pool as _filled_pool
 
-from sglang_cp_shared_kv.reference.read_path import pack_index_records
-from sglang_cp_shared_kv.reference.sharded_pool import ShardedMLAPool
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     PIPELINE_CHUNK_TOKENS,
@@ -120,6 +119,6 @@ def test_a_plan_built_by_one_materializer_serves_another_of_the_same_batch():
     assert torch.equal(a.kv_rows, b.kv_rows) and torch.equal(a.index_pages, b.index_pages)
     with pytest.raises(ValueError, match="plan was built for another batch"):
         second.begin_batch(table, [3 * PS, 3 * PS], prefix, plan=first.plan)  # other lengths
-    other = ShardedMLAPool(PageOwnership(1, 2 * PS), 0, 12, 2, "fp8")  # another page size (the trash page is 0 in all)
+    other = TestPool(PageOwnership(1, 2 * PS), 0, 12, 2, "fp8")  # another page size (the trash page is 0 in all)
     with pytest.raises(ValueError, match="plan was built for another batch"):
         ViewMaterializer(other, None, use_triton=False).begin_batch(table, seq, prefix, plan=first.plan)

@@ -7,9 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from page_fixtures import RotatingPages, page_table
 
-from sglang_cp_shared_kv.reference.balanced_allocator import BalancedPageAllocator
-from sglang_cp_shared_kv.reference.dsa_stack import page_table_from_pages
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages_ref, triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     build_slot_plan,
@@ -20,13 +19,12 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     predicted_view_pages,
     slots_per_rank,
 )
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
 def _batch_pages(cp_size: int, page_counts: list[int], share: list[int | None], seed: int) -> list[list[int]]:
-    """Logical pages of each request from the balanced allocator; ``share[i] = j`` reuses request j's first pages."""
+    """Owner-rotating logical pages of each request; ``share[i] = j`` reuses request j's first pages."""
     rng = random.Random(seed)
-    alloc = BalancedPageAllocator(PageOwnership(cp_size, 16), 4 + sum(page_counts))
+    alloc = RotatingPages(cp_size)
     pages: list[list[int]] = []
     for i, n in enumerate(page_counts):
         src = share[i]
@@ -39,7 +37,7 @@ def _batch_pages(cp_size: int, page_counts: list[int], share: list[int | None], 
 
 def _page_table(pages: list[list[int]], pad: int = 0) -> torch.Tensor:
     width = max((len(p) for p in pages), default=0) + 1  # a spare column: kernels must not depend on the width
-    return page_table_from_pages(pages, width, pad)
+    return page_table(pages, width, pad)
 
 
 # The plan's paths: the torch formulation, and the Triton kernels where they run (interpreter or CUDA).

@@ -3,10 +3,9 @@
 After prefill CP's all-gather every rank holds the whole current chunk: the latent rows and the
 indexer K records it is about to write to the pool. When no request in the batch has a prefix
 (decided from host metadata alone), those tensors *are* every key the batch can see, so nothing
-needs to be gathered or all-gathered. ``batch_kind`` is that decision; the SGLang path
-(``sglang_wiring.read_state``) stages the chunk page-aligned, the standalone stack
-(``reference.read_path``) reads it through a compact table. Batches with any history use the
-materialized view, always.
+needs to be gathered or all-gathered. ``batch_kind`` is that decision; the read state
+(``layers.attention.nsa.read_state``) then stages the chunk page-aligned as it is written. Batches
+with any history use the materialized view, always.
 """
 
 from __future__ import annotations

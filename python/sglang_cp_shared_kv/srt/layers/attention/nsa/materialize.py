@@ -5,8 +5,7 @@ this module gives them one, per forward batch:
 
 1. ``begin_batch`` plans once (``slot_plan``): every page position of the batch gets a slot of
    a view of ``N * S`` pages, owner-major (chunk by chunk when pipelined). Whether a batch needs
-   a view at all (current-reuse) is the caller's choice: ``sglang_wiring.read_state`` on the
-   SGLang path, ``reference.read_path`` in the standalone stack.
+   a view at all (current-reuse) is the caller's choice (``layers.attention.nsa.read_state``).
 2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, straight
    into its part of the dense views (Triton ``gather_page_buffers``: latent and indexer pages in
    one launch; padding slots read the trash page), and the CP group all-gathers the parts in
@@ -65,7 +64,7 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.utils import check_int, env_int
 
 # Pipeline chunk of a view, in tokens sent per rank (0: one piece). Each chunk hides the next one's
-# gather but adds one NCCL call's fixed cost. On 2 x H200 (bench_cp2_e2e's chunk sweep) every chunk
+# gather but adds one NCCL call's fixed cost. On 2 x H200 (a chunk sweep of the view benchmark) every chunk
 # size tried, 16K to 128K tokens, was slower than one piece at 32K-512K-token views: the gather and
 # the NCCL kernels contend for the same SMs and HBM. So pipelining is off by default.
 PIPELINE_CHUNK_TOKENS = 0
@@ -95,8 +94,8 @@ class BatchCounters:
       ``(N - 1) / N`` of it.
     - ``current_chunk_bytes_gathered``: the part of ``bytes_materialized`` that holds pages of the
       current chunk (pages past each request's page-aligned prefix): every rank already holds
-      them, so a path that stages the chunk locally (the wired path) keeps this at 0; a view
-      planned over whole ``seq_len`` s (the standalone stack) gathers them again.
+      them, so a path that stages the chunk locally (the read state) keeps this at 0; a view
+      planned over whole ``seq_len`` s gathers them again.
     - ``pages_staged``: current-chunk pages staged locally next to the view (not gathered).
     """
 

@@ -1,8 +1,7 @@
 """What the view materializer reads from a pool: page-major per-layer buffers and their layout.
 
-SGLang's wired pools (``sglang_wiring.read_state.PageBuffers``, one for the latent rows and one
-for the indexer pages) and the standalone stack's ``reference.sharded_pool.ShardedMLAPool``
-both implement it; ``materialize`` imports no pool class.
+SGLang's wired pools implement it (``layers.attention.nsa.read_state.PageBuffers``, one for the latent
+rows and one for the indexer pages); ``materialize`` imports no pool class.
 """
 
 from __future__ import annotations

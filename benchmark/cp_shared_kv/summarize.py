@@ -224,7 +224,7 @@ def _overlap() -> list[str]:
         "attention; `ahead`: the wired prefetch (gather on the compute stream, pull on the side stream),",
         "`ahead, side gather`: gather and pull on the side stream (the former default), `normal priority`: that",
         "with a normal-priority side stream; `attention only`: the same without the MoE (one FlashMLA",
-        "kernel per layer, as `bench_cp2_e2e` timed it).",
+        "kernel per layer).",
         "",
         "| context | view MB | in line | ahead | ahead, side gather | normal priority | attention only: in line | attention only: ahead |",
         "|---|---|---|---|---|---|---|---|",
@@ -322,9 +322,8 @@ def _side_by_side() -> list[str]:
             "inside the pool's calls while the forward is queued. The 40 µs host goal (plan and per-layer",
             "read) is not met by either sharded pool; the stock pool's own calls take 15 and 92 µs.",
             "`ours_vs_upstream_layer_time` is below its 1.2 goal; `upstream_wins_on` names any key where",
-            "SGLang's page-interleave pool wins. Only the 32K scale ran: the 128K scale (31 batches) needs",
-            "about 9 minutes of the 2 GPUs, more than the session had left; `--batches FIRST:LAST` and `--merge`",
-            "(the module's docstring) run it in pieces that fit one device call each.",
+            "SGLang's page-interleave pool wins. Only the 32K scale has run: the 128K scale (31 batches, about",
+            "9 minutes of the 2 GPUs) runs in pieces with `--batches FIRST:LAST` and `--merge` (the module's docstring).",
         ],
         pending="`source .sgw/setup.sh; python3 -m benchmark.cp_shared_kv.bench_vs_upstream` on 2 GPUs (copy engines "
         "and prefetch by default; `SGLANG_CP_SHARED_KV_TRANSPORT=nccl` for our NCCL figures)",
@@ -355,8 +354,7 @@ def _side_by_side() -> list[str]:
                 "slice) and are left out. SGLang's page-interleave pool is absent: it builds a NCCL communicator,",
                 "which needs one GPU per rank. The shared-prefix batch reads request 0's prefix once, through the",
                 "hint the plugin's `ForwardBatch.init_new` hook computes from the radix paths (the harness hands it",
-                "over as the hook does): 51,642,368 B received, against 103,284,736 B for the same batch without the",
-                "hint (the previous commit's run of this file), still bit-identical.",
+                "over as the hook does), bit-identical.",
                 "",
                 "Host columns: host time spent inside the pool's calls while the forward is queued, no sync in",
                 "between (`plan`: `prepare_kv_shard_forward` + the batch's translation; `read`: a layer's indexer",
@@ -369,21 +367,12 @@ def _side_by_side() -> list[str]:
     return lines
 
 
-# The host-cost runs of the wired path on one H200: (result file, commit it ran, what it shows).
-HOST_COST_RUNS = [
-    ("vs_upstream_1gpu_host_65ef8ce", "65ef8ce", "before: every launch through Triton's JIT"),
-    ("vs_upstream_1gpu_host_19a61fa", "19a61fa", "launch cache, copy-engine pulls computed once, raw stream handles"),
-    ("vs_upstream_1gpu_host", "cdd6d0a", "and the layer gathers built without per-call checks (another machine)"),
-]
-
-
 def _host_cost() -> list[str]:
-    """Per-call host costs, and the wired path's plan and per-layer read host time before and after trims."""
+    """Per-call host costs of the launches and driver calls the SGLang-wired read path makes."""
     calls = _load("host_calls")
-    runs = [(_load(name), name, commit, what) for name, commit, what in HOST_COST_RUNS]
-    if calls is None or any(d is None for d, *_ in runs):
+    if calls is None:
         return []
-    lines = ["## Host cost of the SGLang-wired read path (1 x H200)", ""]
+    lines = ["## Host cost of the calls on the SGLang-wired read path (1 x H200)", ""]
     lines += [f"`{SGW_PREFIX}{calls['command']}` ({_env(calls)})", ""]
     by_call: dict[str, dict] = {}
     for r in calls["rows"]:
@@ -400,65 +389,8 @@ def _host_cost() -> list[str]:
         "host a Triton launch through the JIT costs several torch ops; the same launch handed to the compiled",
         "kernel's launcher (`PreparedLaunch`, `triton_gather_prepared`) about one. `torch.cuda.current_stream`",
         "builds a Python object; the raw handle (`current_stream_handle`) does not. Each driver call of the",
-        "copy-engine all-gather (`driver_*`, through ctypes) costs less than a torch op.",
-        "[`benchmarks/host_calls_staging_ring.json`](benchmarks/host_calls_staging_ring.json): the same command",
-        "earlier that day on another machine (every call slower there), with a ring of reused pinned buffers",
-        "for the plan's host-to-device copies, since dropped: `pinned_staging_copy` 55 µs against",
-        "`pin_memory_copy` 25 µs (its event and stream calls cost more than the pinned allocation saved).",
-        "",
-    ]
-    rows = []
-    for d, name, commit, what in runs:
-        s = d["summary"]
-        rows.append(
-            {
-                "commit": commit,
-                "what": what,
-                "date": d["environment"]["date_utc"],
-                "ours_plan": s["ours_plan_host_us"],
-                "stock_plan": s["stock_plan_host_us"],
-                "ours_read": s["ours_read_host_us_per_layer"],
-                "stock_read": s["stock_read_host_us_per_layer"],
-                "read_ratio": round(s["ours_read_host_us_per_layer"] / s["stock_read_host_us_per_layer"], 2),
-                "correct": s["correct_all"],
-                "file": f"[`{name}.json`](benchmarks/{name}.json)",
-            }
-        )
-    lines += [f"`{SGW_PREFIX}{runs[-1][0]['command']}`, at each commit:", ""]
-    lines += _table(
-        rows,
-        [
-            ("commit", "commit"),
-            ("what", "change"),
-            ("date", "run (UTC)"),
-            ("ours_plan", "ours plan host µs"),
-            ("stock_plan", "stock plan host µs"),
-            ("ours_read", "ours read host µs/layer"),
-            ("stock_read", "stock read host µs/layer"),
-            ("read_ratio", "ours / stock read"),
-            ("correct", "correct_all"),
-            ("file", "result"),
-        ],
-    )
-    lines += [
-        "",
-        "The side-by-side harness on one GPU (both CP ranks share it, copy engines between the two",
-        "processes, prefetch on; 17 batches x 4 layers at 32K), host time inside the pool's calls while the",
-        "forward is queued: `plan` is `prepare_kv_shard_forward` and the batch's translation, `read` a",
-        "layer's indexer and latent reads with our view gather and its transfer. The first two rows ran on",
-        "one machine minutes apart (the first from a checkout of 65ef8ce); the third on another machine,",
-        "whose stock calls were slower, so compare it through the stock pool of its own run (`ours / stock",
-        "read`). Medians over batches. The 40 µs goal (plan and per-layer read) is **not met**: the stock",
-        "pool's own calls take 13-18 µs and 76-123 µs here, and ours add a gather launch, the copy-engine",
-        "calls and the prefetch's stream switches per layer, and some twenty torch ops and three launches",
-        "per plan. Where the rest goes, from cProfile of the third row's code (rank 0, inflated by the",
-        "profiler): [`benchmarks/vs_upstream_1gpu_profiled_host_profile.txt`](benchmarks/vs_upstream_1gpu_profiled_host_profile.txt)",
-        "(`--profile-host`, [`json`](benchmarks/vs_upstream_1gpu_profiled.json)). The GPU tests of the changed",
-        "code (`source .sgw/setup.sh; python3 -m pytest -q --timeout 120 test/srt/distributed/test_copy_engine_gpu.py",
-        "test/srt/layers/attention/nsa/test_read_state_ranks.py test/srt/layers/attention/nsa/test_materialize_gpu.py",
-        "test/srt/layers/attention/nsa/test_slot_overflow_gpu.py test/srt/layers/attention/nsa/test_gpu_cuda_graph.py",
-        "test/srt/layers/attention/nsa/test_materialize_staged.py`, 17 passed, the 2-GPU ones skipped) ran in the",
-        "same call: [`log`](benchmarks/gpu_tests_1gpu_host_cost.txt).",
+        "copy-engine all-gather (`driver_*`, through ctypes) costs less than a torch op. The plan and per-layer",
+        "read host time of the whole path are in the side-by-side sections above (goal 40 µs each, not met).",
         "",
     ]
     return lines
@@ -473,37 +405,18 @@ def render() -> str:
         "use the working tree with `PYTHONPATH=python:.` and the FlashMLA wheel `sgl-flash-mla==1.0.0`.",
         "Ratios compare two paths in the same run; nothing here is a timed test.",
         "",
-        "The GPU tests (marker `gpu`) ran in the same session on 2 x H200:",
-        "`PYTHONPATH=<flash_mla wheel dir>:python:. python3 -m pytest test/srt/layers test/srt/mem_cache -m gpu -v`;",
-        "their log is [`benchmarks/gpu_tests.txt`](benchmarks/gpu_tests.txt). A later run of the whole `gpu` marker",
-        "on one H200 (`source .sgw/setup.sh; python3 -m pytest -q -m gpu -rs test`; the 2-GPU tests skip there) is",
-        "[`benchmarks/gpu_tests_1gpu.txt`](benchmarks/gpu_tests_1gpu.txt). On 2 x H200, with the copy engines' final",
-        "form: `source .sgw/setup.sh; python3 -m pytest -q -m gpu --timeout 60 test/srt/distributed/test_copy_engine_gpu.py",
-        "test/srt/layers/attention/nsa/test_read_state_ranks.py` ([`log`](benchmarks/gpu_tests_2gpu_copy_engine.txt), 6 passed)",
-        "and `test_read_state_ranks.py` again after the prefetch stream's priority changed",
-        "([`log`](benchmarks/gpu_tests_2gpu_read_state.txt), 2 passed). The rest of the `gpu` marker passed on 2 x H200",
-        "earlier the same session (22 tests) before the copy-engine fixes, which they do not import: `python3 -m",
-        "pytest -q -m gpu -rs test`, cut off by its 170 s limit while the 25th test hung on the unfixed copy",
-        "engines, so its [`log`](benchmarks/gpu_tests_2gpu_first_run.txt) holds only the progress line (the two",
-        "copy-engine failures, then 22 passes in collection order).",
-        "",
-        "Earlier runs of the same session stay beside these for the figures quoted from them:",
-        "[`benchmarks/vs_upstream_before_gate.json`](benchmarks/vs_upstream_before_gate.json) and its",
-        "[`log`](benchmarks/vs_upstream_before_gate_log.txt) (`bench_vs_upstream --scale 32k 128k` before timed",
-        "sections started on both ranks together: rows of 0.1-0.8 s where one rank timed its wait for the other;",
-        "the 128K scale reached batch 12 of 31, every one bit-exact, when the call's time ran out),",
-        "[`benchmarks/cp2_e2e_before_ipc_fix.json`](benchmarks/cp2_e2e_before_ipc_fix.json) (`bench_cp2_e2e --world-size 2",
-        "--no-chunk-sweep` before each rank opened its peers' IPC handles itself: the bf16 512K view took 10934 µs",
-        "of device time, each rank pulling half of 673,185,792 B, about 31 GB/s) and",
-        "[`benchmarks/vs_upstream_host_profile.txt`](benchmarks/vs_upstream_host_profile.txt) (`bench_vs_upstream",
-        "--scale 32k --profile-host`: cProfile of our forward's host work on rank 0; its timings are inflated",
-        "by the profiler and are not the side-by-side figures).",
+        "GPU test logs (marker `gpu`): 2 x H200,",
+        "`PYTHONPATH=<flash_mla wheel dir>:python:. python3 -m pytest test/srt/layers test/srt/mem_cache -m gpu -v`",
+        "([`log`](benchmarks/gpu_tests.txt)); one H200, `source .sgw/setup.sh; python3 -m pytest -q -m gpu -rs test`",
+        "(the 2-GPU tests skip; [`log`](benchmarks/gpu_tests_1gpu.txt)); 2 x H200, `source .sgw/setup.sh; python3 -m",
+        "pytest -q -m gpu --timeout 60 test/srt/distributed/test_copy_engine_gpu.py",
+        "test/srt/layers/attention/nsa/test_read_state_ranks.py` ([`log`](benchmarks/gpu_tests_2gpu_copy_engine.txt),",
+        "6 passed) and `test_read_state_ranks.py` alone ([`log`](benchmarks/gpu_tests_2gpu_read_state.txt), 2 passed).",
+        "Each log names the test files of its run.",
         "",
         "Wall times on 2 x H200 (each command after `source .sgw/setup.sh`, about 40 s): the two test files",
-        "above 23-54 s, `bench_cp2_e2e --world-size 2 --no-chunk-sweep` 23-30 s, `bench_vs_upstream --scale",
-        "32k` 158 s (with the untimed warm pass). The 128K scale is 31 batches of about 20 s each before the",
-        "warm pass (12 in the first run's last 4 minutes), so more with it: run it as",
-        "`--batches` pieces and `--merge` them (see the side-by-side section).",
+        "above 23-54 s, `bench_vs_upstream --scale 32k` 158 s (with the untimed warm pass). The 128K scale is",
+        "31 batches of about 20 s each: run it as `--batches` pieces and `--merge` them (the side-by-side section).",
         "",
     ]
     gather = _load("gather")
@@ -557,83 +470,6 @@ def render() -> str:
         ],
         GPU_PREFIX,
         plan_notes,
-    )
-    for name in sorted(p.stem for p in RESULTS.glob("cp*_e2e.json")):
-        e2e = _load(name)
-        n = e2e.get("world_size", "?")
-        lines += _section(
-            f"CP={n} end to end: plan + gather + all-gather (NCCL or copy engines) vs raw NCCL all-gather ({n} x H200)",
-            e2e,
-            [
-                ("kv_format", "format"),
-                ("context_tokens", "context tokens"),
-                ("view_bytes", "view bytes"),
-                ("layer_view_us", "layer view µs"),
-                ("raw_all_gather_us", "raw all-gather µs"),
-                ("layer_view_vs_raw_all_gather", "ratio"),
-                ("layer_view_device_us", "layer view device µs"),
-                ("raw_all_gather_device_us", "raw device µs"),
-                ("layer_view_vs_raw_all_gather_device", "device ratio"),
-                ("layer_view_copy_engine_us", "CE layer view µs"),
-                ("layer_view_copy_engine_vs_raw_all_gather", "CE ratio"),
-                ("layer_view_copy_engine_device_us", "CE device µs"),
-                ("layer_view_copy_engine_vs_raw_all_gather_device", "CE device ratio"),
-                ("sparse_prefill_us", "FlashMLA prefill µs"),
-                ("prefetch_exposed_per_layer_us", "prefetch exposed µs/layer (NCCL)"),
-                ("prefetch_exposed_per_layer_us_copy_engine", "prefetch exposed µs/layer (CE)"),
-                ("prefetch_exposed_fraction_copy_engine", "exposed fraction (CE)"),
-            ],
-            SGW_PREFIX,
-            [
-                "`layer view`: this rank's owned-page gather plus the all-gather of latent and indexer pages for",
-                "one layer, timed from an idle host (`ratio`, includes Python launch cost) and as GPU time with",
-                "the host queued ahead (`device ratio`, what a forward pass whose host runs ahead sees). `CE`: the",
-                "same view with the peers' parts pulled by the copy engines (`copy_engine.CopyEngineGroup`), each",
-                "ratio against the same raw NCCL all-gather.",
-                "`prefetch exposed`: per-layer time above FlashMLA's sparse prefill (bf16 views; q 4096 x 128,",
-                "top-k 2048) when the next layer's view is built on the high-priority side stream during this",
-                "layer's attention; `exposed fraction`: that over the view's own time when nothing overlaps",
-                "(empty where the overlap was faster than the attention alone). The goal (<= 0.10) is met at",
-                "32K tokens only here; the one-H200 proxy below (a real layer, paired timing) finds the view not",
-                "waiting for the attention's SMs and does not reproduce the 2.5x. Caveat: this run timed the",
-                "attention alone apart from the forwards (which ran 6 times each, from an idle host); at 32K the",
-                "forward with views built in line came out faster than the attention alone, so differences of",
-                "a few hundred µs per layer are within its noise. The benchmark now times the three forwards",
-                "alike (`forward_times_us`); that version has not run yet. fp8 views are not timed",
-                "behind attention (FlashMLA's sparse prefill reads bf16). The JSON's `chunk_sweep` (earlier",
-                "runs; `--no-chunk-sweep` here) found no pipelined chunk size faster than one piece.",
-            ],
-        )
-    lines += _section(
-        "Current-reuse vs materialize for current-only chunks (2 x H200)",
-        _load("current_reuse"),
-        [
-            ("kv_format", "format"),
-            ("chunk_tokens", "chunk tokens"),
-            ("current_reuse_us", "current-reuse µs"),
-            ("current_reuse_bytes_materialized", "bytes"),
-            ("materialize_us", "materialize µs"),
-            ("materialize_bytes_materialized", "bytes"),
-            ("reuse_speedup", "speedup"),
-        ],
-        SGW_PREFIX,
-        [],
-    )
-    lines += _section(
-        "PD transfer over Mooncake: N owned-page senders vs one raw-engine writer (CPU, TCP loopback)",
-        _load("pd_transfer"),
-        [
-            ("n", "N"),
-            ("kv_format", "format"),
-            ("page_size", "page"),
-            ("tokens", "tokens"),
-            ("raw_engine_gbps", "raw GB/s"),
-            ("sharded_gbps", "sharded GB/s"),
-            ("sharded_vs_raw_engine", "ratio"),
-            ("bytes_per_rank_fraction", "bytes/rank"),
-        ],
-        "",
-        ["Run on the 2-core CPU machine (loopback TCP); shared host, so ratios move by about ±30% between runs."],
     )
     lines += _overlap()
     lines += _side_by_side()

@@ -584,7 +584,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(ap: argparse.ArgumentParser, args) -> None:
-    from sglang_cp_shared_kv.srt.mem_cache.placement import check_page_size
+    from sglang_cp_shared_kv.srt.utils import check_page_size  # torch-free: errors come before any import
 
     if args.cp_size < 2:
         ap.error(f"--cp-size must be >= 2 (a CP-shared pool spans ranks), got {args.cp_size}")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_cp_shared_kv.srt.utils import check_int
+from sglang_cp_shared_kv.srt.utils import check_int, check_page_size
 
 _DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 
@@ -178,11 +178,6 @@ class PageOwnership:
         """How many of ``n_pages`` consecutive-owner pages starting at ``first_owner`` land on ``rank``."""
         k = (rank - first_owner) % self.cp_size
         return 0 if k >= n_pages else (n_pages - 1 - k) // self.cp_size + 1
-
-
-def check_page_size(page_size: object) -> None:
-    if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two, got {page_size!r}")
 
 
 @dataclass(frozen=True)

@@ -169,16 +169,6 @@ class PageOwnership:
         if not bool(torch.equal(torch.where(mine, back, locs), locs)):
             raise AssertionError("a stored row does not map back to its logical loc on this rank")
 
-    # -- capacity --
-    def logical_capacity_pages(self, phys_pages_per_rank: int) -> int:
-        """Logical page space is ``cp_size`` times one rank's physical pages."""
-        return phys_pages_per_rank * self.cp_size
-
-    def owned_page_count(self, n_pages: int, first_owner: int, rank: int) -> int:
-        """How many of ``n_pages`` consecutive-owner pages starting at ``first_owner`` land on ``rank``."""
-        k = (rank - first_owner) % self.cp_size
-        return 0 if k >= n_pages else (n_pages - 1 - k) // self.cp_size + 1
-
 
 @dataclass(frozen=True)
 class CPSharedSpec:
@@ -214,6 +204,6 @@ class CPSharedSpec:
         """The logical page space: ``cp_size`` times this rank's pages (``[0, cp_size)`` reserved)."""
         return self.cp_size * self.phys_pages
 
-    def ownership(self, bounded: bool = True) -> PageOwnership:
-        """The page map; ``bounded`` lets debug mode reject locs past the logical page space."""
-        return PageOwnership(self.cp_size, self.page_size, self.logical_pages if bounded else None)
+    def ownership(self) -> PageOwnership:
+        """The page map, bounded by the logical page space (debug mode rejects locs past it)."""
+        return PageOwnership(self.cp_size, self.page_size, self.logical_pages)

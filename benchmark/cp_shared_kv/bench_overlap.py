@@ -26,7 +26,7 @@ it from the rows) takes the paired variant running ``ViewMaterializer``'s defaul
 - ``*_real``: the wired path's ``ViewMaterializer`` (arena, copy-engine transport, its side stream
   and event waits and host launches) over a pool of this rank's pages, with its prefetch options
   (gather on the compute or the side stream, side-stream priority); ``*_attention_only``: the layer
-  without its MoE, one FlashMLA kernel (as ``bench_cp2_e2e`` times it). Beside them,
+  without its MoE, one FlashMLA kernel. Beside them,
   ``side_vs_attention``: when a gather or a copy-engine copy queued on the side stream finishes
   beside one attention kernel. Its peer is emulated: the
   ``CopyEngineGroup`` it drives pulls from a local buffer of the peer's arena shape and its peer's
@@ -91,7 +91,7 @@ VARIANTS = {
     "prefetch_real_late_peer": {"real": True, "prefetch": True, "late_peer_us": LATE_PEER_US},
     "prefetch_real_normal_priority": {"real": True, "prefetch": True, "priority": 0},
     "prefetch_real_gather_compute": {"real": True, "prefetch": True, "gather": "compute"},
-    # The layer without its MoE: one attention kernel holding every SM, as bench_cp2_e2e times it.
+    # The layer without its MoE: one attention kernel holding every SM.
     "none_attention_only": {"attention_only": True},
     "inline_real_attention_only": {"real": True, "prefetch": False, "attention_only": True},
     "prefetch_real_attention_only": {"real": True, "prefetch": True, "attention_only": True},

@@ -474,6 +474,31 @@ def render() -> str:
     lines += _overlap()
     lines += _side_by_side()
     lines += _host_cost()
+    lines += _section(
+        "PD transfer through SGLang's Mooncake connector: the plugin's sharded send vs SGLang's stock send (CPU, TCP loopback)",
+        _load("pd_transfer"),
+        [
+            ("cp_size", "prefill CP ranks"),
+            ("path", "path"),
+            ("repeat", "repeat"),
+            ("requests", "requests"),
+            ("pages_per_request", "pages each"),
+            ("bytes", "bytes"),
+            ("bytes_per_rank", "bytes per prefill rank"),
+            ("seconds", "s"),
+            ("gbps", "GB/s"),
+            ("exact", "byte-exact"),
+        ],
+        "PYTHONPATH=python:. ",
+        [
+            "`sharded`: every prefill CP rank's `MooncakeKVSender` in SGLang's sharded mode sends the pages it owns of",
+            "the plugin's CP-shared pool, with the plugin's manifest, and the decode checks the manifests; `stock`: one",
+            "prefill rank with SGLang's replicated pool sends every page (flag off). Same KV, same decode, one process,",
+            "the real engine over TCP on 127.0.0.1; timed from the first `send` to the last receiver's Success. On a",
+            "shared 2-core host: ratios move between runs.",
+        ],
+        pending="`python -m benchmark.cp_shared_kv.bench_pd_transfer`",
+    )
     lines += SOAK_SECTION.splitlines() + [""]
     lines += _pd_faults()
     return "\n".join(lines).rstrip() + "\n"

@@ -241,12 +241,6 @@ class ViewMaterializer:
 
     ``pool`` is a ``page_source.PageSource``.
 
-    With ``stage_current`` the view covers each request's prefix pages only (``ceil(prefix / ps)``:
-    a page the prefix shares with the current chunk is gathered) and the pages past them are staged
-    from the current chunk the caller passes to ``layer_view``, into pages that follow the view:
-    nothing of the chunk beyond that shared page is gathered or all-gathered. The page table
-    handed to the kernels then covers both (``LayerView.page_table``).
-
     ``arena`` (optional): buffers allocated once by the caller (``"latent"`` and, with an indexer,
     ``"index"``, uint8 ``[pages, page bytes]``, ``allocate_arena``); every batch's views are its leading
     pages instead of fresh allocations, and a batch whose views would not fit raises
@@ -265,7 +259,6 @@ class ViewMaterializer:
         use_triton: bool | None = None,
         pipeline_chunk_tokens: int | None = None,
         arena: dict[str, torch.Tensor] | None = None,
-        stage_current: bool = False,
         prefetch_gather: str = "compute",
         prefetch_priority: int = HIGHEST_STREAM_PRIORITY,
     ):
@@ -285,8 +278,7 @@ class ViewMaterializer:
         self.pool = pool
         self.group = group
         self.arena = arena
-        self.stage_current = stage_current
-        self._slot_table: torch.Tensor | None = None  # the kernels' page table (plan's, or with staged pages)
+        self._slot_table: torch.Tensor | None = None  # the kernels' page table (the plan's)
         self.prefetch = prefetch
         self.prefetch_gather = prefetch_gather
         self.prefetch_priority = prefetch_priority
@@ -358,16 +350,11 @@ class ViewMaterializer:
         pool = self.pool
         n = pool.ownership.cp_size
         all_pages = pages_for_lens(seq_lens, pool.page_size)
-        # Pages past each request's (page-rounded) prefix: the current chunk, gathered again here
-        # unless staged.
+        # Pages past each request's (page-rounded) prefix: the current chunk, gathered with the view
+        # (a caller that stages the chunk plans the prefixes alone: ``seq_lens = prefix_lens``).
         prefix_pages = pages_for_lens(prefix_lens, pool.page_size)
-        staged = sum(p - q for p, q in zip(all_pages, prefix_pages))
-        pages = prefix_pages if self.stage_current else all_pages
-        self._current_pages = 0 if self.stage_current else staged
-        if self.stage_current:
-            if plan is not None:
-                raise ValueError("a shared plan cannot be combined with stage_current")
-            extra_pages += staged
+        pages = all_pages
+        self._current_pages = sum(p - q for p, q in zip(all_pages, prefix_pages))
         chunks = 1
         if self.group is not None and n > 1 and self.pipeline_chunk_tokens:
             chunks = pipeline_chunks(slots_per_rank(pages, n), pool.page_size, self.pipeline_chunk_tokens)
@@ -392,28 +379,10 @@ class ViewMaterializer:
             copies = arena_sets(self.arena, self.plan.view_pages + extra_pages, copies)
         self._allocate(self.plan, copies, extra_pages)
         self._slot_table = plan.slot_table
-        if self.stage_current:
-            self._slot_table = self._staged_slot_table(plan, all_pages, prefix_pages)
-            self.counters.pages_staged = staged
         self._current_rows = None
-        if (self.prefetch or self.stage_current) and self._num_tokens:
+        if self.prefetch and self._num_tokens:
             self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
         return self.counters
-
-    def _staged_slot_table(self, plan: SlotPlan, pages: list[int], prefix_pages: list[int]) -> torch.Tensor:
-        """The plan's slot table with request ``b``'s pages ``[prefix_pages_b, pages_b)`` on the staged
-        pages ``N * S + (rank among the batch's staged pages)``: host-known, one non-blocking copy."""
-        table = plan.slot_table
-        width = table.shape[1]
-        cols = np.arange(width, dtype=np.int64)
-        pages_a, prefix_a = np.asarray(pages, dtype=np.int64), np.asarray(prefix_pages, dtype=np.int64)
-        starts = np.cumsum(pages_a - prefix_a) - (pages_a - prefix_a)
-        staged = (cols >= prefix_a[:, None]) & (cols < pages_a[:, None])
-        values = plan.view_pages + starts[:, None] + cols - prefix_a[:, None]
-        host = np.where(staged, values, -1).reshape(-1)
-        (flat,) = host_to_device([host], table.device)
-        staged_t = flat.view(table.shape)
-        return torch.where(staged_t >= 0, staged_t.to(table.dtype), table)
 
     def _allocate(self, plan: SlotPlan, copies: int, extra_pages: int = 0) -> None:
         """The view buffers, and the slices each gather step writes and all-gathers (built once per batch).
@@ -478,7 +447,7 @@ class ViewMaterializer:
         counters = self.counters
         # A view planned over the prefixes only (``seq_lens = prefix_lens``: the caller stages the chunk
         # past it) holds nothing of the current chunk: nothing to copy in.
-        copy_current = (self.prefetch or self.stage_current) and self._num_tokens > 0
+        copy_current = self.prefetch and self._num_tokens > 0
         if copy_current:
             check_current_chunk(
                 current_kv_rows, current_index_records, self._num_tokens, pool.row_bytes, pool.with_indexer
@@ -490,7 +459,7 @@ class ViewMaterializer:
         ahead = pending is not None and pending[:2] == (layer, slot)  # gathered before the pool held the chunk
         if not ahead:
             self._gather(layer, slot)
-        if copy_current and (ahead or self.stage_current):  # staged: the chunk's pages past the prefix
+        if copy_current and ahead:
             self._copy_current(self._views[slot], current_kv_rows, current_index_records)
         if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))

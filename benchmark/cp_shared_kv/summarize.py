@@ -494,8 +494,10 @@ def render() -> str:
             "`sharded`: every prefill CP rank's `MooncakeKVSender` in SGLang's sharded mode sends the pages it owns of",
             "the plugin's CP-shared pool, with the plugin's manifest, and the decode checks the manifests; `stock`: one",
             "prefill rank with SGLang's replicated pool sends every page (flag off). Same KV, same decode, one process,",
-            "the real engine over TCP on 127.0.0.1; timed from the first `send` to the last receiver's Success. On a",
-            "shared 2-core host: ratios move between runs.",
+            "the real engine over TCP on 127.0.0.1; timed from the first `send` to the last receiver's Success.",
+            "SGLang's stock send wins here (`sharded_vs_stock` about 0.5): on one 2-core host the N engines and transfer",
+            "workers of the sharded send share the same two cores and loopback, while each prefill rank moves 1/N of the",
+            "bytes; across hosts (one NIC per rank) it has not been measured. A shared host: ratios move between runs.",
         ],
         pending="`python -m benchmark.cp_shared_kv.bench_pd_transfer`",
     )

@@ -119,14 +119,10 @@ def _sglang_cli() -> str:
     return os.path.join(os.path.dirname(sys.executable), "sglang")
 
 
-def test_sglang_serve_help_omits_plugin_flags_but_serve_takes_the_flag(model_dir):
-    """Documented 0.5.23 behaviour: ``sglang serve --help`` prints before plugins load; ``sglang serve`` itself
-    loads them before parsing, so the flag is accepted and the startup checks run (here they reject)."""
-    help_proc = subprocess.run(
-        [_sglang_cli(), "serve", "--help"], capture_output=True, text=True, timeout=240, env=_ENV
-    )
-    assert help_proc.returncode == 0, help_proc.stderr[-3000:]
-    assert "--enable-prefill-cp" in help_proc.stdout and "--enable-cp-shared-kv" not in help_proc.stdout
+def test_sglang_serve_takes_the_flag(model_dir):
+    """``sglang serve`` loads plugins before parsing (its ``--help`` prints before they load, so it does not
+    list the flag: pinned 0.5.23 behaviour, documented), so the flag is accepted and the startup checks run
+    (here they reject)."""
     argv = [_sglang_cli(), "serve", "--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
     serve = subprocess.run(argv + ["--enable-cp-shared-kv"], capture_output=True, text=True, timeout=240, env=_ENV)
     assert serve.returncode != 0

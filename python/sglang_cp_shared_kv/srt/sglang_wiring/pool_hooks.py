@@ -101,7 +101,7 @@ def build_allocator(original, configurator, **kwargs):
     allocator.cp_shared_arena = True
     # The read buffers, once: the bytes view_arena charged to the budget.
     pool.attach_view_arena(spec, prefetch_enabled())
-    logger.info(
+    logger.debug(  # the rank's one INFO line: metrics.startup_line
         "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
         FLAG,
         allocator.size,

@@ -119,7 +119,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         # ``ForwardBatch.init_new`` for its ``begin`` (through ``prepare_kv_shard_forward``).
         self.shared_prefix_hint = None
         self._shard_extend_active = False
-        logger.info(
+        logger.debug(  # the rank's one INFO line: metrics.startup_line
             "CP-shared KV pool: rank %d of %d, %d physical pages per rank (page 0 reserved), page size %d, "
             "%d B latent rows%s",
             spec.cp_rank,
@@ -144,7 +144,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
                 f"(page size {self.page_size}, {self.spec.cp_size} ranks)"
             )
         nbytes = self.read.attach_arena(spec.max_prefix_tokens, spec.chunk_tokens, prefetch)
-        logger.info(
+        logger.debug(
             "CP-shared KV pool: view arena allocated once, %.1f MiB (%d prefix + %s%d chunk tokens + a page%s)",
             nbytes / 2**20,
             spec.max_prefix_tokens,

@@ -46,7 +46,7 @@ def page_table(pages: list[list[int]], width: int | None = None, pad: int = 0) -
     return table
 
 
-class TestPool(PageBuffers):
+class PagePool(PageBuffers):
     """One rank's page buffers (``PageBuffers``, what the views read) written with the CP-shared pools' masked
     store: every rank writes the whole chunk, owned locs to their physical rows, the others to the trash page.
     With ``ownership.cp_size == 1`` it is a replicated pool indexed by logical loc.
@@ -95,10 +95,10 @@ def pack_index_records(k_u8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.cat([k_u8, scale.contiguous().view(torch.uint8).view(-1, 4)], dim=1)
 
 
-def filled_pool(kv_format: str = "fp8", with_indexer: bool = True, page_size: int = 16) -> TestPool:
+def filled_pool(kv_format: str = "fp8", with_indexer: bool = True, page_size: int = 16) -> PagePool:
     """A replicated pool (10 pages, 2 layers) of random latent rows and indexer K + scale."""
     ps = page_size
-    pool = TestPool(PageOwnership(1, ps), 0, 10, 2, kv_format, with_indexer=with_indexer)
+    pool = PagePool(PageOwnership(1, ps), 0, 10, 2, kv_format, with_indexer=with_indexer)
     g = torch.Generator().manual_seed(3)
     locs = torch.arange(10 * ps)
     for layer in range(2):

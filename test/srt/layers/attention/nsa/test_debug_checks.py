@@ -4,7 +4,7 @@ import dataclasses
 import os
 
 import pytest
-from page_fixtures import TestPool, page_table
+from page_fixtures import PagePool, page_table
 
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
@@ -63,7 +63,7 @@ def test_corrupted_plan_is_inconsistent(field, chunks):
 def _rank_corrupt(rank, world_size, debug):
     """Every rank runs the same batch except rank 1, whose page table differs (same owner, other page)."""
     os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1" if debug else "0"
-    pool = TestPool(PageOwnership(world_size, PS), rank, 8, 1, "fp8")
+    pool = PagePool(PageOwnership(world_size, PS), rank, 8, 1, "fp8")
     mat = ViewMaterializer(pool, CPGroup(), use_triton=False)
     pages = [list(p) for p in PAGES]
     if rank == 1:

@@ -7,7 +7,7 @@ tables and new top-k positions, the graph must give what the eager path gives.
 
 import pytest
 import torch
-from page_fixtures import RotatingPages, TestPool
+from page_fixtures import PagePool, RotatingPages
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
@@ -42,7 +42,7 @@ def _topk(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
 def test_materialize_graph_replays_equal_eager(kv_format):
     dev = torch.device("cuda")
-    pool = TestPool(PageOwnership(CP, PS), RANK, PHYS, 1, kv_format, device=dev)
+    pool = PagePool(PageOwnership(CP, PS), RANK, PHYS, 1, kv_format, device=dev)
     pool.latent[0].random_(0, 256)
     pool.index[0].random_(0, 256)
     srcs = [pool.latent_pages(0), pool.index[0]]

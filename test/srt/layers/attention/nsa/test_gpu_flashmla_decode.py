@@ -9,7 +9,7 @@ dequantized reference: the kernel reads our 656-B rows and page layout as we wri
 
 import pytest
 import torch
-from page_fixtures import RotatingPages, TestPool
+from page_fixtures import PagePool, RotatingPages
 
 from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import quantize_mla_fp8
@@ -43,8 +43,8 @@ def test_fp8_sparse_decode_over_rebuilt_pool_equals_replicated(cp_size):
     lens = [9 * PS + 17, 4 * PS + 1, 13 * PS]
     own = PageOwnership(cp_size, PS)
     alloc = RotatingPages(own.cp_size, 16)
-    replicated = TestPool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device=dev)
-    ranks = [TestPool(own, r, 16, 1, "fp8", with_indexer=False, device=dev) for r in range(cp_size)]
+    replicated = PagePool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device=dev)
+    ranks = [PagePool(own, r, 16, 1, "fp8", with_indexer=False, device=dev) for r in range(cp_size)]
     req_pages = []
     for n in lens:
         pages = alloc.alloc(-(-n // PS), 0).to(dev)
@@ -58,7 +58,7 @@ def test_fp8_sparse_decode_over_rebuilt_pool_equals_replicated(cp_size):
 
     # Decode-side rebuild: page position p of a request lands in destination page dst[p].
     total_pages = sum(len(p) for p in req_pages)
-    decode = TestPool(PageOwnership(1, PS), 0, total_pages, 1, "fp8", with_indexer=False, device=dev)
+    decode = PagePool(PageOwnership(1, PS), 0, total_pages, 1, "fp8", with_indexer=False, device=dev)
     dst_of_req, next_dst = [], 0
     dst_view = decode.latent_pages(0)
     for pages in req_pages:

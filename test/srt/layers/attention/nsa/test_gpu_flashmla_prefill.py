@@ -8,7 +8,7 @@ runs on the view. Output and LSE must be bit-identical to the same kernel over t
 
 import pytest
 import torch
-from page_fixtures import RotatingPages, TestPool
+from page_fixtures import PagePool, RotatingPages
 
 from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
@@ -58,8 +58,8 @@ def run_rank(rank, world, kernel_name="flash_mla"):
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     own = PageOwnership(world, PS)
     alloc = RotatingPages(own.cp_size, 64)
-    repl = TestPool(PageOwnership(1, PS), 0, 64 * world, 1, "bf16", with_indexer=False, device=dev)
-    mine = TestPool(own, rank, 64, 1, "bf16", with_indexer=False, device=dev)
+    repl = PagePool(PageOwnership(1, PS), 0, 64 * world, 1, "bf16", with_indexer=False, device=dev)
+    mine = PagePool(own, rank, 64, 1, "bf16", with_indexer=False, device=dev)
     g = torch.Generator().manual_seed(0)  # same data on every rank: the chunk after prefill CP's all-gather
 
     lens = [11 * PS + 20, 9 * PS + 3, 3 * PS + 40, 2 * PS + 5]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from page_fixtures import RotatingPages, TestPool, pack_index_records, page_table
+from page_fixtures import PagePool, RotatingPages, pack_index_records, page_table
 
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
@@ -62,7 +62,7 @@ def test_plan_gather_and_remap_do_not_sync_and_equal_cpu():
 
 def test_materializer_does_not_sync():
     dev = torch.device("cuda")
-    pool = TestPool(PageOwnership(1, PS), 0, 64, 2, "fp8", device=dev)
+    pool = PagePool(PageOwnership(1, PS), 0, 64, 2, "fp8", device=dev)
     table = torch.tensor([[5, 9, 2], [7, 1, 0]], dtype=torch.int32, device=dev)
     rows = torch.zeros((4 * PS, pool.row_bytes), dtype=torch.uint8, device=dev)
     records = pack_index_records(torch.zeros((4 * PS, 128), dtype=torch.uint8), torch.ones(4 * PS)).to(dev)
@@ -97,8 +97,8 @@ def _rank_nccl_views(rank, world_size, chunk_tokens):
     table = page_table(pages).to(dev)
     lens = [len(p) * PS - rng.randrange(PS) for p in pages]
     phys = alloc.phys_pages_per_rank
-    sharded = TestPool(own, rank, phys, 1, "fp8", device=dev)
-    replicated = TestPool(PageOwnership(1, PS), 0, phys * world_size, 1, "fp8", device=dev)
+    sharded = PagePool(own, rank, phys, 1, "fp8", device=dev)
+    replicated = PagePool(PageOwnership(1, PS), 0, phys * world_size, 1, "fp8", device=dev)
     g = torch.Generator().manual_seed(3)  # the same rows on every rank
     locs = torch.arange(phys * world_size * PS)
     rows = torch.randint(0, 256, (len(locs), sharded.row_bytes), dtype=torch.uint8, generator=g).to(dev)

@@ -8,7 +8,7 @@ SGLang's pools: ``test_read_state_ranks.py`` and ``sglang_wiring/test_plugin_sha
 
 import pytest
 import torch
-from page_fixtures import RotatingPages, TestPool, page_table
+from page_fixtures import PagePool, RotatingPages, page_table
 
 from sglang_cp_shared_kv.reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
@@ -37,8 +37,8 @@ def _rank_views(rank, world_size, ps, kv_format, chunk_tokens):
         pages.append(shared + alloc.alloc(-(-n // ps) - len(shared), first).tolist())
     table = page_table(pages)
     phys = alloc.phys_pages_per_rank
-    sharded = TestPool(own, rank, phys, 1, kv_format)
-    replicated = TestPool(PageOwnership(1, ps), 0, phys * world_size, 1, kv_format)
+    sharded = PagePool(own, rank, phys, 1, kv_format)
+    replicated = PagePool(PageOwnership(1, ps), 0, phys * world_size, 1, kv_format)
     locs = torch.arange(phys * world_size * ps)
     rows = torch.randint(0, 256, (len(locs), mla_row_bytes(kv_format)), dtype=torch.uint8, generator=g)
     k_u8 = torch.randint(0, 256, (len(locs), 128), dtype=torch.uint8, generator=g)

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from page_fixtures import TestPool, pack_index_records
+from page_fixtures import PagePool, pack_index_records
 from page_fixtures import filled_pool as _filled_pool
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
@@ -119,6 +119,6 @@ def test_a_plan_built_by_one_materializer_serves_another_of_the_same_batch():
     assert torch.equal(a.kv_rows, b.kv_rows) and torch.equal(a.index_pages, b.index_pages)
     with pytest.raises(ValueError, match="plan was built for another batch"):
         second.begin_batch(table, [3 * PS, 3 * PS], prefix, plan=first.plan)  # other lengths
-    other = TestPool(PageOwnership(1, 2 * PS), 0, 12, 2, "fp8")  # another page size (the trash page is 0 in all)
+    other = PagePool(PageOwnership(1, 2 * PS), 0, 12, 2, "fp8")  # another page size (the trash page is 0 in all)
     with pytest.raises(ValueError, match="plan was built for another batch"):
         ViewMaterializer(other, None, use_triton=False).begin_batch(table, seq, prefix, plan=first.plan)

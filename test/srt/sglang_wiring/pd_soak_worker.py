@@ -222,11 +222,27 @@ def decode_main(cfg: dict) -> None:
     mgr.start_decode_thread()
     info = _prefill_info(n, ps)
     mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every CP rank
-    mgr.prefill_info_table[ADDR] = info
-    for cp in info.target_cp_ranks:
-        mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
-            {"rank_ip": cfg["prefill_ip"], "rank_port": cfg["prefill_ports"][cp], "is_dummy": False}
-        ]
+    reseeded = [0]
+
+    def bootstrap_answers() -> None:
+        """What SGLang's bootstrap server would answer, where the receiver looks it up first.
+
+        A receiver whose transfer failed drops the cached entries (``invalidate_cached_bootstrap_infos``)
+        and the next one asks the bootstrap server over HTTP; there is none here, so they are put back.
+        """
+        if ADDR in mgr.prefill_info_table and all(
+            f"{ADDR}_0_{cp}_{info.target_tp_rank}" in mgr.connection_pool for cp in info.target_cp_ranks
+        ):
+            return
+        reseeded[0] += int(ADDR in mgr.prefill_info_table)
+        with mgr.connection_lock:
+            mgr.prefill_info_table[ADDR] = info
+            for cp in info.target_cp_ranks:
+                mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
+                    {"rank_ip": cfg["prefill_ip"], "rank_port": cfg["prefill_ports"][cp], "is_dummy": False}
+                ]
+
+    bootstrap_answers()
     free_at_start = int(alloc.available_size())
     aux_free = list(range(N_AUX))
     release_timeout = float(cfg["release_timeout_s"])
@@ -292,6 +308,7 @@ def decode_main(cfg: dict) -> None:
                     _emit({"op": "done", "room": room, "status": "rejected", "reason": "decode out of pages"})
                     continue
                 dst = (locs[::ps] // ps).numpy().astype(np.int32)
+                bootstrap_answers()
                 receiver = MooncakeKVReceiver(mgr, ADDR, room)
                 receiver.init(0)
                 if not registered:  # the decode's KV registration, once, as SGLang sends it
@@ -366,6 +383,7 @@ def decode_main(cfg: dict) -> None:
         "free_pages_start": free_at_start // ps,
         "free_pages_end": int(alloc.available_size()) // ps,
         "aux_free_end": len(aux_free),
+        "bootstrap_answers_put_back": reseeded[0],
         "tables": {
             "request_status": len(mgr.request_status),
             "required_prefill_response_num_table": len(mgr.required_prefill_response_num_table),
@@ -500,6 +518,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     from sglang.srt.disaggregation.mooncake.conn import FastQueue, MooncakeKVSender
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
+    from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
 
@@ -593,6 +612,13 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         m.bootstrap_timeout = cfg["bootstrap_timeout_s"]
         m.transfer_queues = [FastQueue()]
         m.start_prefill_thread()
+        # SGLang's failed-session probe, as MooncakeKVManager.__init__ starts it: a decode session
+        # blacklisted after a failed transfer is probed and taken back once it answers.
+        m.failed_session_probe_interval = envs.SGLANG_FAILED_SESSION_PROBE_INTERVAL_S.get()
+        m.failed_session_probe_max_interval = envs.SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S.get()
+        m.failed_session_idle_timeout = envs.SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S.get()
+        m._failed_session_probe_shutdown = threading.Event()
+        threading.Thread(target=m._failed_session_probe_loop, daemon=True).start()
         threading.Thread(target=m.transfer_worker, args=(m.transfer_queues[0], executor), daemon=True).start()
         mgrs.append(m)
         auxes.append(aux)

@@ -206,6 +206,7 @@ def run_soak(cfg: dict, root: Path, prefix: tuple[str, ...] = (), name: str = ""
     # The timeouts SGLang reads from its environment, as the decode is configured (both sides alike).
     env["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(cfg["waiting_timeout_s"])
     env["SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT"] = str(cfg["release_timeout_s"])
+    env.update(cfg.get("sglang_env", {}))
     proc = subprocess.run(
         [*prefix, sys.executable, str(HERE / "pd_soak_worker.py"), "prefill", json.dumps(cfg)],
         capture_output=True,

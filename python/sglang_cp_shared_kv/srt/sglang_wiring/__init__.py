@@ -16,6 +16,8 @@
   ``/metrics`` (``--enable-metrics``).
 - ``connector_bounds``: on a prefill server, the connector's per-room tables bounded (rooms that
   SGLang 0.5.23 would keep after their request ended are dropped).
+- ``connector_sockets``: the connector's status sockets reconnect after a connect made while the
+  peer was unreachable.
 
 Each module lists its hooks in a table (``HOOKS``: target, hook, ``"after"`` or ``"around"``;
 ``startup_checks.RESOLUTION_HOOKS``: resolution step, check); ``register`` installs them all.
@@ -29,6 +31,7 @@ def hook_tables() -> list[tuple[str, object, str]]:
     """Every (target, hook, kind) the plugin registers with SGLang's ``HookRegistry``, in order."""
     from sglang_cp_shared_kv.srt.sglang_wiring import (
         connector_bounds,
+        connector_sockets,
         decode_manifest,
         metrics,
         pool_hooks,
@@ -45,6 +48,7 @@ def hook_tables() -> list[tuple[str, object, str]]:
         *decode_manifest.HOOKS,
         *metrics.HOOKS,
         *connector_bounds.HOOKS,
+        *connector_sockets.HOOKS,
     ]
 
 

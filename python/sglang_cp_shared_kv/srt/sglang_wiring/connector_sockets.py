@@ -1,0 +1,46 @@
+"""A KV manager's status sockets that connect once the peer is reachable again.
+
+SGLang 0.5.23's ``CommonKVManager._connect`` caches one ZMQ PUSH socket per peer endpoint (a
+prefill rank's channel to a decode for status messages and abort acknowledgements), made with
+``RECONNECT_IVL = -1`` (never reconnect) and a monitor for ``EVENT_DISCONNECTED``: on a disconnect
+the next send drops the socket and makes a new one. A socket made while the peer's network is down
+(a partition: the connect fails at once, "network unreachable") reports ``EVENT_CLOSED``, which that
+monitor does not watch, and never tries again: it takes every later message and delivers none, so
+every later request to that decode waits for the decode's waiting timeout, for as long as the
+prefill runs (``test_pd_faults`` found it; a bare ZMQ PUSH behind a downed veth shows the same).
+
+``reconnect_new_sockets`` (AROUND ``CommonKVManager._connect``, flag on) gives each socket SGLang
+has just made ZMQ's reconnect (every 100 ms) before anything is sent on it: the first connect is
+dropped and made again with reconnect on. A socket made during a partition then connects when the
+link comes back and delivers what was queued; a disconnect still drops the socket as SGLang does.
+"""
+
+from __future__ import annotations
+
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import runtime_enabled
+
+RECONNECT_MS = 100
+
+
+def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
+    """AROUND ``CommonKVManager._connect``: a socket SGLang made just now reconnects until it is connected."""
+    if not runtime_enabled():
+        return original(mgr, endpoint, is_ipv6=is_ipv6)
+    import zmq
+
+    before = mgr._socket_cache.get(endpoint)
+    sock = original(mgr, endpoint, is_ipv6=is_ipv6)
+    if sock is not before:  # made (and connected once, without reconnect) by this call; nothing sent yet
+        with mgr._socket_send_locks[endpoint]:
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+            try:
+                sock.disconnect(endpoint)
+            except zmq.ZMQError:  # the failed connect is already gone
+                pass
+            sock.connect(endpoint)
+    return sock
+
+
+_COMMON = "sglang.srt.disaggregation.common.conn"
+# (target, hook, kind) for ``sglang_wiring.register``.
+HOOKS = [(f"{_COMMON}.CommonKVManager._connect", reconnect_new_sockets, "around")]

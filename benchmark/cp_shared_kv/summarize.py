@@ -144,7 +144,7 @@ def _pd_faults() -> list[str]:
         ("run wall time", f"{s['wall_s']} s"),
     ]
     figures = "Figures in [`benchmarks/pd_faults.json`](benchmarks/pd_faults.json)."
-    lines = [title, "", f"`{d['command']}`", f"(CPU, 2 shared cores, {d['date_utc']}). {figures}", ""]
+    lines = [title, "", f"`{d['command']}`", f"(as root; CPU, 2 shared cores, {d['date_utc']}). {figures}", ""]
     lines += [
         "The soak's processes (2 prefill CP ranks: SGLang's Mooncake manager and sender over the plugin's pool, one real",
         "Mooncake engine per rank; the decode: SGLang's manager and receiver with the plugin's manifest check) in two",

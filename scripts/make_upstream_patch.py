@@ -20,8 +20,8 @@ import argparse
 import ast
 import importlib
 import importlib.metadata
-import json
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -672,9 +672,11 @@ def rewrite_imports(text: str, modules: dict[str, Path], where: str) -> str:
         if plain:
             stmt = f"from sglang.{home(mod)} import {', '.join(plain)}"
             if len(indent) + len(stmt) > 120:
-                stmt = f"from sglang.{home(mod)} import (\n" + "".join(f"{indent}    {n},\n" for n in plain) + f"{indent})"
+                stmt = (
+                    f"from sglang.{home(mod)} import (\n" + "".join(f"{indent}    {n},\n" for n in plain) + f"{indent})"
+                )
             lines.insert(0, stmt)
-        return "\n".join(indent + line if i else indent + line for i, line in enumerate(lines))
+        return "\n".join(indent + line for line in lines)
 
     out = _FROM_RE.sub(one, text)
     if re.search(rf"\b{PKG}\.", out) or re.search(rf"^\s*import {PKG}\b", out, re.MULTILINE):
@@ -872,14 +874,18 @@ def _git(repo: Path, *args: str, **kw) -> str:
         "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
         "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z",
     }
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env, **kw).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env, **kw
+    ).stdout
 
 
 def find_test(name: str) -> Path:
     """Our test file called ``name``, wherever under ``test/`` it now is (exactly one)."""
     found = sorted((ROOT / "test").rglob(name))
     if len(found) != 1:
-        raise GenerationError(f"{len(found)} test files named {name} under test/: update TESTS in {Path(__file__).name}")
+        raise GenerationError(
+            f"{len(found)} test files named {name} under test/: update TESTS in {Path(__file__).name}"
+        )
     return found[0]
 
 
@@ -1109,11 +1115,11 @@ Replaced, behind the new flag (`--enable-kv-cache-sharding` itself is untouched)
 - **the pool's read side.** The CP-shared pools subclass `MLATokenToKVPool` / `DSATokenToKVPool`
   with the same constructor arguments, store each row on its owner with a masked store, and answer
   the contract from a per-batch read state: a slot plan computed on the device with host-known sizes
-  (no host sync; SGLang's sharded pool syncs ten times per forward in the side-by-side run below), a
+  (no host sync; SGLang's sharded pool syncs {upstream_syncs} times per forward in `{run}` below), a
   per-layer gather into an owner-major view shared by the CP group (copy engines inside a node, NCCL
   otherwise, one layer ahead), and current-reuse for batches without history;
 - **the scratch.** A view arena sized from the context length and the chunk, charged to the KV budget
-  in place of the sharding scratch (0.15x its bytes in the run below), and the prefill batch admission
+  in place of the sharding scratch ({scratch_ratio}x its bytes in `{run}`), and the prefill batch admission
   held to it;
 - **the manifest.** Each prefill rank's Success status carries the positions it sent; the decode
   collects all N and fails a request whose pages are not covered exactly once.
@@ -1122,6 +1128,15 @@ Why a new flag rather than a mode of the old one: the old flag shards what the a
 group replicates for any model and keeps its own gather scratch; this one is MLA + DSA/NSA under
 interleaved prefill CP only, with a different read path, scratch and transfer check, and its startup
 checks refuse every combination it does not honour. Both read the same allocator and contract.
+
+## Keeping the series current
+
+The generator reads the plugin's modules and hook tables when it runs. A new module needs a home
+(`HOMES` in `scripts/make_upstream_patch.py`), a new hook a site (`SITES`: the SGLang file, the
+exact text there, the direct call that replaces it); a site whose text SGLang no longer has, a
+hook without a site or a site for a hook that is gone each stop it with one line, and so does
+`test/scripts/test_upstream_patch.py`. `python scripts/make_upstream_patch.py --docs` regenerates
+this page (the tables and the diff stat below).
 
 ## Where each plugin hook went
 
@@ -1230,7 +1245,9 @@ def _measurement_rows() -> list[str]:
             + " |"
         )
         commands.append(f"- `{path.name}`: `{d.get('command', '?')}`")
-    tail = ["", f"Superseded, not shown (`docs/benchmarks.md` says why): {', '.join(superseded)}."] if superseded else []
+    tail = (
+        ["", f"Superseded, not shown (`docs/benchmarks.md` says why): {', '.join(superseded)}."] if superseded else []
+    )
     return rows + ["", "Commands:", "", *commands, *tail]
 
 
@@ -1238,8 +1255,13 @@ def render_doc(stat: str) -> str:
     modules = shipped_modules()
     hooks = plugin_hooks()
     check_coverage(hooks)
+    main_run = json.loads((BENCH / "vs_upstream.json").read_text())["summary"]
     parts = [
-        _DOC_HEAD,
+        _DOC_HEAD.format(
+            run="vs_upstream.json",
+            upstream_syncs=main_run["host_syncs_upstream_per_forward"],
+            scratch_ratio=main_run["peak_scratch_ratio"],
+        ),
         *_site_rows(hooks),
         "",
         "Where each module of the plugin sits in SGLang (`HOMES`; imports rewritten to match):",

@@ -54,6 +54,7 @@ def test_the_sites_call_the_patched_modules():
     ):
         importlib.import_module(mod)
     from sglang.srt.layers.attention import kv_shard_hooks
+
     from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
     assert sharded_kv_pool.__name__ == "sglang.srt.mem_cache.cp_shared_kv.sharded_kv_pool"

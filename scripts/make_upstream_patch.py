@@ -826,8 +826,9 @@ def flag_field(modules: dict[str, Path]) -> str:
     sys.path.insert(0, str(ROOT / "python"))
     flag = importlib.import_module(f"{PKG}.srt.sglang_wiring.flag")
     hook = importlib.import_module(f"{PKG}.srt.sglang_wiring.server_args_hook")
-    help_text = re.sub(r"\s*\(sglang-cp-shared-kv plugin\)", "", hook._HELP).replace("%%", "%")
-    chunks = textwrap.wrap(help_text, 88, drop_whitespace=False)
+    # argparse %-formats help strings: the plugin's ``%%`` stays as it is.
+    help_text = re.sub(r"\s*\(sglang-cp-shared-kv plugin\)", "", hook._HELP)
+    chunks = textwrap.wrap(help_text, 88, drop_whitespace=False, break_on_hyphens=False)
     lines = "".join(f"        {c!r}\n" for c in chunks)
     return f"    {flag.ATTR}: A[\n        bool,\n{lines}    ] = False\n"
 
@@ -1045,19 +1046,21 @@ sys.meta_path.insert(0, _PatchedSGLangFinder())
 """
 
 
-def patched_env(tree: Path, oracles: tuple[str, ...] = ("reference",)) -> dict[str, str]:
+def patched_env(tree: Path) -> dict[str, str]:
     """The environment of a Python that imports SGLang from ``tree`` (the series applied) and never the plugin.
 
     ``sglang_cp_shared_kv.srt.X`` names resolve to the patched SGLang modules the series put X in, so the
     project's tests run unchanged against the patched tree; the plugin's entry point, hook registration and
-    argparse hook are not importable. Test oracles (``oracles``, e.g. the standalone reference) load from
-    the checkout. Subprocesses inherit it.
+    argparse hook are not importable. Our other packages (the standalone reference stack, test oracles
+    that SGLang never loads) import from the checkout. Subprocesses inherit it.
     """
     modules = shipped_modules()
     homes = {m: (home(m), p.name == "__init__.py") for m, p in modules.items()}
     site = tree / "_site"
     site.mkdir(exist_ok=True)
-    oracle_dirs = {o: str(SRC / o) for o in oracles if (SRC / o).is_dir()}
+    oracle_dirs = {
+        d.name: str(d) for d in SRC.iterdir() if d.is_dir() and d.name != SHIPPED_ROOT and (d / "__init__.py").exists()
+    }
     (site / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(homes=homes, oracles=oracle_dirs))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(

@@ -33,6 +33,8 @@ def test_the_flag_is_a_server_args_field():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     assert "--enable-cp-shared-kv" in parser._option_string_actions
+    help_text = "".join(parser.format_help().split())  # argparse wraps lines, also at hyphens
+    assert "storedonce,onrank(page%attn-cp-size)" in help_text  # the plugin's help, %-formatted by argparse
     on = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m", "--enable-cp-shared-kv"]))
     off = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "m"]))
     assert on.enable_cp_shared_kv is True and off.enable_cp_shared_kv is False

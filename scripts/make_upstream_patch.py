@@ -48,6 +48,7 @@ HOMES: list[tuple[str, str]] = [
     ("srt.sglang_wiring.view_arena", "srt.mem_cache.cp_shared_kv.view_arena"),
     ("srt.sglang_wiring.metrics", "srt.mem_cache.cp_shared_kv.metrics"),
     ("srt.sglang_wiring.connector_bounds", "srt.disaggregation.mooncake.cp_shared_kv.connector_bounds"),
+    ("srt.sglang_wiring.connector_sockets", "srt.disaggregation.mooncake.cp_shared_kv.connector_sockets"),
     ("srt.sglang_wiring.transfer", "srt.disaggregation.mooncake.cp_shared_kv.transfer"),
     ("srt.sglang_wiring.decode_manifest", "srt.disaggregation.mooncake.cp_shared_kv.decode_manifest"),
     ("srt.utils", "srt.mem_cache.cp_shared_kv.utils"),
@@ -561,6 +562,18 @@ def _prepare_kv_shard_forward(
         forget_room(None, self)
 """,
         [(f"{_COMMON}.CommonKVReceiver.clear", "forget_room")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        "        sock = self._connect(endpoint, is_ipv6=is_ipv6)\n",
+        """\
+        {import:reconnect_new_sockets}
+
+        # --enable-cp-shared-kv: a socket made during a partition connects once the peer is back.
+        sock = reconnect_new_sockets(type(self)._connect, self, endpoint, is_ipv6=is_ipv6)
+""",
+        [(f"{_COMMON}.CommonKVManager._connect", "reconnect_new_sockets")],
     ),
     Site(
         "pd",

@@ -61,6 +61,9 @@ class CPSharedKVMetrics:
         def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
             return Gauge(PREFIX + name, doc, [*names, *extra], multiprocess_mode="mostrecent")
 
+        def counter(name: str, doc: str) -> Any:
+            return Counter(PREFIX + name, doc, names)
+
         self.held_tokens = gauge("held_tokens", "KV token slots this CP rank's pool holds (1/N of every page).")
         self.logical_capacity_tokens = gauge(
             "logical_capacity_tokens",
@@ -79,21 +82,18 @@ class CPSharedKVMetrics:
             names,
             buckets=BYTES_BUCKETS,
         )
-        self.view_bytes_received_total = Counter(
-            PREFIX + "view_bytes_received_total", "Bytes of prefix pages the views received from other CP ranks.", names
+        self.view_bytes_received_total = counter(
+            "view_bytes_received_total", "Bytes of prefix pages the views received from other CP ranks."
         )
-        self.arena_deferrals = Counter(
-            PREFIX + "arena_deferrals_total",
+        self.arena_deferrals = counter(
+            "arena_deferrals_total",
             "Times SGLang's admission held a request back because the batch's views would not fit the view arena.",
-            names,
         )
-        self.slot_overflows = Counter(
-            PREFIX + "slot_overflows_total", "Batches failed because their pages did not rotate owners.", names
+        self.slot_overflows = counter(
+            "slot_overflows_total", "Batches failed because their pages did not rotate owners."
         )
-        self.manifest_rejections = Counter(
-            PREFIX + "manifest_rejections_total",
-            "Requests whose prefill page manifests the decode server refused.",
-            names,
+        self.manifest_rejections = counter(
+            "manifest_rejections_total", "Requests whose prefill page manifests the decode server refused."
         )
         self._peak_used = 0
         self._recorded = None  # the last BatchCounters recorded (a batch is recorded once)

@@ -23,8 +23,8 @@ import sglang_cp_shared_kv.srt.sglang_wiring as sglang_wiring
 
 NSA_DIR = Path(nsa.__file__).parent
 # Per batch or per layer on the wired path: the plan, the kernels, the materializer, the CP group
-# whose collectives it calls, the SGLang pools' write path and their read state, and the
-# ownership arithmetic of every store.
+# whose collectives it calls, the SGLang pools' write path and their read state, the metrics
+# recorded around each batch, and the ownership arithmetic of every store.
 CHECKED = (
     [
         NSA_DIR / n
@@ -32,7 +32,7 @@ CHECKED = (
     ]
     + [NSA_DIR / "page_source.py"]
     + [Path(distributed.__file__).parent / n for n in ("cp_group.py", "copy_engine.py")]
-    + [Path(sglang_wiring.__file__).parent / "sharded_kv_pool.py"]
+    + [Path(sglang_wiring.__file__).parent / n for n in ("sharded_kv_pool.py", "metrics.py")]
     + [Path(mem_cache.__file__).parent / "placement.py"]
 )
 

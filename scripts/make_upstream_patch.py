@@ -1205,15 +1205,14 @@ _DOC_EXTENSION_POINTS = """\
 
 def _site_rows(hooks: dict[tuple[str, str], object]) -> list[str]:
     rows = ["| plugin hook | hook function (plugin module) | edit in the series |", "|---|---|---|"]
-    by_cover = {c: s for s in SITES for c in s.covers}
     for (target, name), fn in sorted(hooks.items(), key=lambda kv: kv[0]):
         mod = our_module_of(fn)
         if (target, name) in FLAG_SITES_COVER:
             where = "a field of `arg_groups/fields/parallel.py` (the parallel group), its help the plugin's"
         else:
-            site = by_cover[(target, name)]
-            times = f" ({site.count} call sites)" if site.count > 1 else ""
-            where = f"`{site.path}`{times}, calling `sglang.{home(mod)}.{name}`"
+            sites = [s for s in SITES if (target, name) in s.covers]
+            paths = ", ".join(f"`{s.path}`" + (f" ({s.count} call sites)" if s.count > 1 else "") for s in sites)
+            where = f"{paths}, calling `sglang.{home(mod)}.{name}`"
         shown = target.replace("resolution:", "resolution step ").replace("sglang.srt.", "")
         rows.append(f"| `{shown}` | `{name}` (`{mod}`) | {where} |")
     return rows

@@ -1171,7 +1171,8 @@ _DOC_TESTS = """\
   project's own tests of the sharded pools (the owned rows equal the replicated SGLang pool's and an
   independent reference's), the read state and the view arena, their `sglang_cp_shared_kv.srt` names
   resolved to the modules the series put in SGLang. `CP_SHARED_KV_UPSTREAM_FULL=1` adds the startup
-  checks through SGLang's real resolution pipeline and the multi-rank read-contract equivalence.
+  checks through SGLang's real resolution pipeline, the multi-rank read-contract equivalence and the
+  series' own test copies.
 - The series' last commit carries the CPU tests that need nothing but SGLang (`test/srt/cp_shared_kv/`).
 - On GPUs, the plugin's GPU tests and the side-by-side harness run the same modules; the series adds no
   code path of its own except the edits at the sites above.
@@ -1194,6 +1195,12 @@ _DOC_EXTENSION_POINTS = """\
    wraps `_prepare_send_indices`, `_encode_kv_status_message`, `parse_kv_status_message`,
    `send_metadata` and both `clear`s): an optional per-request payload on Success and a decode-side
    validator that can hold or fail a request.
+8. Metrics a pool class can register with the scheduler's (the plugin's `metrics` wraps `_init_pools`,
+   `prepare_kv_shard_forward` and `_kv_shard_reserve_scratch` to observe sizes, bytes and deferrals).
+9. Two fixes rather than extension points, after which `connector_sockets` and `connector_bounds` go:
+   `CommonKVManager._connect` makes sockets that never reconnect (a socket made during a partition
+   delivers nothing, ever), and `CommonKVManager.update_status` lets destinations that arrive after a
+   room was cleared open it again, with nothing left to clear it.
 6. Plugin fields on `ServerArgs` (the plugin wraps `add_cli_args` / `from_cli_args`, so
    `Engine(enable_cp_shared_kv=True)` and `sglang serve --help` do not see the flag): an API that adds a
    typed field to an argument group.

@@ -1195,18 +1195,18 @@ _DOC_EXTENSION_POINTS = """\
    wraps `_prepare_send_indices`, `_encode_kv_status_message`, `parse_kv_status_message`,
    `send_metadata` and both `clear`s): an optional per-request payload on Success and a decode-side
    validator that can hold or fail a request.
-8. Metrics a pool class can register with the scheduler's (the plugin's `metrics` wraps `_init_pools`,
-   `prepare_kv_shard_forward` and `_kv_shard_reserve_scratch` to observe sizes, bytes and deferrals).
-9. Two fixes rather than extension points, after which `connector_sockets` and `connector_bounds` go:
-   `CommonKVManager._connect` makes sockets that never reconnect (a socket made during a partition
-   delivers nothing, ever), and `CommonKVManager.update_status` lets destinations that arrive after a
-   room was cleared open it again, with nothing left to clear it.
 6. Plugin fields on `ServerArgs` (the plugin wraps `add_cli_args` / `from_cli_args`, so
    `Engine(enable_cp_shared_kv=True)` and `sglang serve --help` do not see the flag): an API that adds a
    typed field to an argument group.
 7. A way to know a registered hook was installed (the plugin walks the wrapper's closure cells, since
    `HookRegistry.apply_hooks` logs a failed target and goes on): `apply_hooks` returning, or raising on,
    the targets it could not patch.
+8. Metrics a pool class can register with the scheduler's (the plugin's `metrics` wraps `_init_pools`,
+   `prepare_kv_shard_forward` and `_kv_shard_reserve_scratch` to observe sizes, bytes and deferrals).
+9. Two fixes rather than extension points, after which `connector_sockets` and `connector_bounds` go:
+   `CommonKVManager._connect` makes sockets that never reconnect (a socket made during a partition
+   delivers nothing, ever), and `CommonKVManager.update_status` lets destinations that arrive after a
+   room was cleared open it again, with nothing left to clear it.
 """
 
 

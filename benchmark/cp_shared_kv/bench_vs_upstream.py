@@ -1,51 +1,44 @@
-"""Side by side on the same batches: SGLang's stock replicated DSA pool, SGLang 0.5.23's own
-``--enable-kv-cache-sharding`` (the page-interleave pool), and ours (``--enable-cp-shared-kv``).
+"""Side by side on the same batches, through SGLang's own DSA attention backend: SGLang's stock
+replicated DSA pool, SGLang 0.5.23's two sharded pools, and ours (``--enable-cp-shared-kv``).
 
-Two CP ranks (NCCL on GPUs, gloo on CPU). Every path is SGLang's own class with its own tensors:
+Two CP ranks (NCCL on GPUs, gloo on CPU or with both ranks on one GPU). Every path is SGLang's
+``DeepseekSparseAttnBackend`` (``vs_upstream_backend``) over SGLang's or our pool class:
 
 - ``stock``: ``DSATokenToKVPool`` over the whole logical space (what every CP rank holds today);
-- ``upstream``: ``PageInterleaveDSATokenToKVPool`` with the ``PageShardSpec`` that
-  ``page_interleave.make_page_shard_spec`` computes for these server limits (eight contexts of
-  prefix scratch plus the chunk, double-buffered), its own gather communicator and side stream
-  (CUDA only: it builds a ``PyNcclCommunicator``);
+- ``upstream``: ``PageInterleaveDSATokenToKVPool`` (``--enable-kv-cache-sharding``) with the
+  ``PageShardSpec`` SGLang computes for these server limits (eight contexts of prefix scratch plus the
+  chunk, double-buffered), its own NCCL gather communicator and side stream (one GPU per rank);
+- ``layersplit``: ``LayerSplitDSATokenToKVPool`` (``--enable-dsa-cache-layer-split``): each rank keeps
+  whole layers and the owner broadcasts a layer into the others' remote buffer, the next layer's
+  broadcast started after attention as SGLang's decoder layer does (NCCL with one GPU per rank; its
+  ``torch.distributed`` fallback on gloo);
 - ``ours``: ``CPSharedDSATokenToKVPool`` (the class the plugin's pool hook installs).
 
-Logical pages come from one ``PageInterleavePoolAllocator`` (SGLang's owner-rotating allocator,
-with per-request rotation bases, as the scheduler drives it), so the three paths see the same
-``req_to_token``. The workload is chunked prefill as the scheduler issues it: four requests in
-chunks of ``chunk`` new tokens per batch (a later chunk of one request beside the first chunk of
-the next makes the mixed batches), then a second turn in which four requests reuse first-turn
-prefixes from the radix cache (two of them the same one: ours reads it once, through the hint the
-plugin's ``ForwardBatch.init_new`` hook derives from the radix paths, handed to the pool as that hook does).
+Per batch and path, one forward as SGLang's model runs it: ``init_forward_metadata`` (the sharded
+pools' batch plan inside it), then per layer the indexer's pool calls (index K store, then
+``get_index_k_scale_buffer`` over the logical page table, DeepGEMM's ``fp8_mqa_logits`` and
+``metadata.topk_transform``, which reaches sgl_kernel's fused top-k), ``forward_extend`` (latent write,
+``get_key_buffer``, the prefill impl SGLang picks: ``flashmla_kv`` on H200 with an fp8 cache, i.e.
+FlashMLA's fp8 paged kernel with sparse indices over the pool's own buffer), and a MoE layer's GEMMs
+(``layer_compute.MoEStandIn``). The ops that cannot load where this runs have stand-ins
+(``vs_upstream_stand_ins``), the same for every path, each timed and listed in the result. Not run:
+the indexer's projections and norms (model weights; the same for every path).
 
-Per batch: SGLang's ``prepare_kv_shard_forward`` (``kv_shard_hooks``) with a stand-in forward
-batch holding the four fields it reads. ``DSABackend.init_forward_metadata`` needs a model
-runner and reaches sgl_kernel ops, so it is not called; the pool calls it makes are driven in
-its order instead. Per layer: the indexer K write and read (``set_index_k_scale_buffer``,
-``get_index_k_scale_buffer`` with logical pages), then the latent write (``set_mla_kv_buffer``)
-and read (``translate_loc_to_scratch`` of the page table, ``get_key_buffer``).
-
-Correctness (every batch and layer): indexer reads equal byte for byte across the paths; the
-indexer top-k of sampled queries (plain-torch reference over those reads) is identical; sparse
-MLA over each path's buffer and translated rows (FlashMLA sparse prefill on GPU, our torch
-reference on CPU) gives bit-identical output and LSE.
-
-Measured per batch, in the same run: the read path's host-inclusive and device time per layer
-(the plan amortized over the layers plus that layer's reads, after its writes), the whole forward
-(every layer's writes, reads and sparse prefill back to back, upstream's layer-ahead gather in
-flight), bytes received per rank, peak view / scratch memory, and host syncs per forward
-(``torch.cuda.set_sync_debug_mode``), ours and upstream's apart.
+Each forward runs twice (the first warms compiles and registrations); the second is timed: wall
+clock and CUDA events for the forward, and events around each pool read call (the read path: the
+plan, each layer's index and latent reads) and each stand-in. Its outputs (attention output per layer,
+index K reads) are kept and compared across the paths after timing, by exact digests. Bytes are the
+transports' own counts (ours: the transport's byte counter; SGLang's: its NCCL calls' sizes).
 
     python -m benchmark.cp_shared_kv.bench_vs_upstream                 # 2 GPUs, writes vs_upstream.json
     python -m benchmark.cp_shared_kv.bench_vs_upstream --device cpu --scale smoke --out vs_upstream_cpu
 
 A scale too long for one sitting runs in pieces (``--batches FIRST:LAST``: the batches before FIRST
-are written into every pool, planned and ended, nothing read or timed), and ``--merge`` joins the
-pieces' rows into one result with the summary over all of them:
+are written into every pool, nothing read or timed), and ``--merge`` joins the pieces' rows:
 
     python -m benchmark.cp_shared_kv.bench_vs_upstream --scale 128k --batches 1:16 --out vs_upstream_128k_a
     python -m benchmark.cp_shared_kv.bench_vs_upstream --scale 128k --batches 17:31 --out vs_upstream_128k_b
-    python -m benchmark.cp_shared_kv.bench_vs_upstream --merge vs_upstream_32k vs_upstream_128k_a \
+    python -m benchmark.cp_shared_kv.bench_vs_upstream --merge vs_upstream_32k vs_upstream_128k_a \\
         vs_upstream_128k_b --out vs_upstream
 """
 
@@ -59,18 +52,21 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from benchmark.cp_shared_kv.bench_common import save_plot, write_result
 
-PATHS = ("stock", "upstream", "ours")
+PATHS = ("stock", "upstream", "layersplit", "ours")
+SHARDED = ("upstream", "ours")  # the page-interleave pools SGLang's backend plans per batch
 
 
 @dataclass(frozen=True)
 class Scale:
-    """Sizes of one run: request lengths, new tokens per batch, second-turn new tokens, context."""
+    """One workload: first-turn request lengths, new tokens per batch, second-turn new tokens per
+    request, context length, layers, top-k, attention heads per rank, and the second turn's shape:
+    ``shared`` (four requests continue requests 0, 0, 1, 2; the first turn measured too) or
+    ``continue`` (every request continues its own cached prefix; the first turn only written)."""
 
     lengths: tuple[int, ...]
     chunk: int
@@ -78,15 +74,20 @@ class Scale:
     context_len: int
     layers: int
     topk: int
-    sample_queries: int
+    heads: int
+    turn2: str = "shared"
 
 
 SCALES = {
-    # 4 requests growing to 32K in 8K chunks, and to 128K in 16K chunks.
-    "32k": Scale((32768, 30720, 28672, 26624), 8192, 1024, 34816, 4, 2048, 64),
-    "128k": Scale((131072, 122880, 114688, 106496), 16384, 1024, 133120, 4, 2048, 64),
+    # 4 requests growing to 32K in 8K chunks, and to 128K in 16K chunks; a second turn on their prefixes.
+    "32k": Scale((32768, 30720, 28672, 26624), 8192, 1024, 34816, 4, 2048, 128),
+    "128k": Scale((131072, 122880, 114688, 106496), 16384, 1024, 133120, 4, 2048, 128),
+    # Multi-turn with 90% of each prompt cached (as SGLang PR #35309 measures): 8 requests of 100K
+    # tokens, 90K of them a cached prefix, in 8K chunks.
+    "prefix90": Scale((92160,) * 8, 8192, 10240, 103424, 4, 2048, 128, "continue"),
     # CPU smoke: the same shapes of batches, small.
-    "smoke": Scale((640, 576, 512, 448), 256, 64, 1024, 2, 64, 8),
+    "smoke": Scale((640, 576, 512, 448), 256, 64, 1024, 2, 64, 4),
+    "smoke_prefix90": Scale((576,) * 4, 128, 64, 1024, 2, 64, 4, "continue"),
     # CI: one layer, a few pages; still current, mixed, history and shared-prefix batches.
     "tiny": Scale((320, 256, 192, 128), 192, 64, 512, 1, 64, 4),
 }
@@ -97,15 +98,23 @@ SCALES = {
 # ----------------------------------------------------------------------------------------------
 
 
+def turn2_sources(scale: Scale) -> dict[int, int]:
+    """Second-turn request slot -> the first-turn request whose cached prefix it continues."""
+    n = len(scale.lengths)
+    if scale.turn2 == "continue":
+        return {n + i: i for i in range(n)}
+    return dict(zip(range(n, n + 4), (0, 0, 1, 2)))
+
+
 def schedule(scale: Scale, ps: int, cp_size: int = 2) -> list[list[tuple[int, int, int]]]:
     """Batches of ``(request slot, prefix_len, seq_len)``.
 
-    Turn 1: requests 0..3 in order, ``chunk`` new tokens per batch; a request that finishes
-    mid-batch leaves the rest of the budget to the next one. Turn 2 (one batch): slots 4..7
-    continue requests 0, 0, 1, 2 from their cached (page-aligned) prefixes with ``turn2_new`` tokens,
-    batched as SGLang's prefill admission (``PrefillAdder._kv_shard_reserve_scratch``) would against
-    our view arena's spec (the allocator's): ``cp_size * sum_i ceil(prefix_pages_i / cp_size)`` pages
-    of prefix per batch at most. SGLang's own scratch (eight contexts) admits every such batch too.
+    Turn 1: the requests in order, ``chunk`` new tokens per batch; a request that finishes mid-batch
+    leaves the rest of the budget to the next one. Turn 2: each ``turn2_sources`` request continues
+    from its source's cached (page-aligned) prefix with ``turn2_new`` tokens, in chunks of the same
+    budget, batched as SGLang's prefill admission (``PrefillAdder._kv_shard_reserve_scratch``) would
+    against our view arena's spec: ``cp_size * sum_i ceil(prefix_pages_i / cp_size)`` pages of prefix
+    per batch at most. SGLang's own scratch (eight contexts) admits every such batch too.
     """
     batches, cur = [], []
     budget = scale.chunk
@@ -125,20 +134,34 @@ def schedule(scale: Scale, ps: int, cp_size: int = 2) -> list[list[tuple[int, in
     from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts
 
     max_prefix_pages = arena_regions(cp_size, ps, scale.context_len, scale.chunk, arena_contexts())[0] // ps
-    cur, block = [], 0
-    for slot, src in zip(range(4, 8), (0, 0, 1, 2)):
-        prefix = scale.lengths[src] // ps * ps
-        need = -(-(prefix // ps) // cp_size)
-        if cur and cp_size * (block + need) > max_prefix_pages:
-            batches.append(cur)
-            cur, block = [], 0
-        cur.append((slot, prefix, prefix + scale.turn2_new))
-        block += need
+    cur, block, budget = [], 0, scale.chunk
+    for slot, src in turn2_sources(scale).items():
+        prefix, done = scale.lengths[src] // ps * ps, 0
+        while done < scale.turn2_new:
+            pages = -(-(prefix + done) // ps)
+            need = -(-pages // cp_size)
+            if cur and (budget == 0 or cp_size * (block + need) > max_prefix_pages):
+                batches.append(cur)
+                cur, block, budget = [], 0, scale.chunk
+            take = min(budget, scale.turn2_new - done)
+            cur.append((slot, prefix + done, prefix + done + take))
+            block += need
+            budget -= take
+            done += take
     batches.append(cur)
     return batches
 
 
-SHARED_PREFIX_SLOTS = (4, 5)  # turn-2 requests that both continue request 0
+def written_only(scale: Scale, batches) -> int:
+    """How many leading batches are only written (the cached first turn of a ``continue`` workload)."""
+    n = len(scale.lengths)
+    return sum(all(s < n for s, _, _ in b) for b in batches) if scale.turn2 == "continue" else 0
+
+
+def shared_prefix_slots(scale: Scale) -> tuple[int, ...]:
+    """Second-turn slots that continue the same request (``shared``: the first two)."""
+    n = len(scale.lengths)
+    return (n, n + 1) if scale.turn2 == "shared" else ()
 
 
 def batch_kind(batch) -> str:
@@ -151,15 +174,10 @@ def batch_kind(batch) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-class _Layer:
-    def __init__(self, layer_id: int):
-        self.layer_id = layer_id
-
-
-def _no_dcp():
+def _no_dcp(**extra):
     from sglang.srt.runtime_context import get_parallel
 
-    return get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False)
+    return get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False, **extra)
 
 
 def _dsa_kwargs(ps: int, layers: int, device: torch.device, fp8: bool) -> dict:
@@ -177,13 +195,15 @@ def _dsa_kwargs(ps: int, layers: int, device: torch.device, fp8: bool) -> dict:
 
 
 class _ShardGroup:
-    """What SGLang's page-interleave pool reads of its ``GroupCoordinator``: size, rank, a CPU group, the device."""
+    """What SGLang's sharded pools read of their ``GroupCoordinator``: size, rank, a CPU group, the
+    device, and (layer split) the group's NCCL communicator, which SGLang's own CP group has on CUDA."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, cpu_group):
+    def __init__(self, rank: int, world: int, device: torch.device, cpu_group, pynccl_comm=None):
         self.world_size = world
         self.rank_in_group = rank
         self.cpu_group = cpu_group
         self.device = device
+        self.pynccl_comm = pynccl_comm
 
 
 def upstream_spec(rank: int, world: int, ps: int, context_len: int, chunked_prefill_size: int):
@@ -201,26 +221,13 @@ def upstream_spec(rank: int, world: int, ps: int, context_len: int, chunked_pref
     )
 
 
-def _chunk_tensors(tokens: int, seed: int, device: torch.device):
-    g = torch.Generator().manual_seed(seed)
-    nope = torch.randn(tokens, 1, 512, generator=g).to(torch.bfloat16)
-    rope = torch.randn(tokens, 1, 64, generator=g).to(torch.bfloat16)
-    k = (torch.randn(tokens, 128, generator=g) * 4).to(torch.float8_e4m3fn)
-    scale = torch.rand(tokens, 1, generator=g) + 0.5
-    return [t.to(device) for t in (nope, rope, k, scale)]
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 class _Gate:
-    """Start a timed section on every rank together: the device drained, then a gloo barrier.
-
-    Without it a rank that finished its untimed work (the correctness checks) first would time its
-    wait for the other inside the next section's first collective.
-    """
+    """Start a timed section on every rank together: the device drained, then a gloo barrier."""
 
     def __init__(self, device: torch.device, cpu_group):
         self.device = device
@@ -231,16 +238,6 @@ class _Gate:
 
         _sync(self.device)
         dist.barrier(group=self.group)
-
-
-def _begin_batch(name: str, pool, hint, req_to_token: torch.Tensor, fb) -> None:
-    """A sharded pool's batch start as SGLang makes it: for ours, the shared-prefix hint the plugin's
-    ``ForwardBatch.init_new`` hook hands the batch; then ``prepare_kv_shard_forward``."""
-    from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
-
-    if name == "ours":
-        pool.read.shared_prefix = hint
-    prepare_kv_shard_forward(pool, req_to_token, fb)
 
 
 class _SyncCounter:
@@ -266,42 +263,525 @@ class _SyncCounter:
         return False
 
 
-def _sparse_attention(q, kv_rows, rows, kv_format: str, device: torch.device):
-    """Sparse MLA over a whole buffer and its row ids: FlashMLA on GPU, the torch reference on CPU."""
-    from sglang_cp_shared_kv.srt.mem_cache.kv_formats import decode_mla_rows
-
-    sm_scale = 576**-0.5
-    if device.type == "cuda":
-        import flash_mla
-
-        kv = decode_mla_rows(kv_rows, kv_format).to(torch.bfloat16).unsqueeze(1)
-        out, _, lse = flash_mla.flash_mla_sparse_fwd(q, kv, rows.int().unsqueeze(1), sm_scale, 512, use_legacy=True)
-        return out, lse
-    from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
-
-    # The reference reads row 0 for invalid (-1) slots and masks them; a buffer's row 0 may be a
-    # never-written trash row, so hand it only the rows the queries select (row 0: a valid one).
-    valid = rows >= 0
-    picked = kv_rows[rows.clamp(min=0).reshape(-1)]
-    local = torch.arange(picked.shape[0], device=rows.device).view_as(rows)
-    return sparse_mla(q, picked, kv_format, torch.where(valid, local, -1), sm_scale)
+# The pool calls timed as the read path (the plan, then each layer's reads) and as writes.
+PLAN_CALLS = ("begin_shard_extend", "translate_loc_to_scratch")
+READ_CALLS = ("get_index_k_scale_buffer", "get_key_buffer", "prefetch_kv_buffer")
+WRITE_CALLS = ("set_index_k_scale_buffer", "set_mla_kv_buffer")
 
 
-def _topk_positions(k_u8, k_scale, q_u8, q_scale, weights, key_lens: list[int], q_req, q_pos, topk: int):
-    """Top-k visible key positions per sampled query (score desc, position asc), -1 padded; plain torch."""
-    from sglang_cp_shared_kv.reference.dsa_reference import indexer_scores
+class _PoolProbe:
+    """Wraps a pool instance's read and write calls (the backend finds them on the instance): host
+    time per call class and, on CUDA, events around each call (the stream time the call's work takes
+    where it is queued). Off between timed forwards."""
 
-    starts = [0]
-    for n in key_lens[:-1]:
-        starts.append(starts[-1] + n)
-    out = torch.full((len(q_req), topk), -1, dtype=torch.int64, device=k_u8.device)
-    for t, (b, pos) in enumerate(zip(q_req, q_pos)):
-        keys = k_u8[starts[b] : starts[b] + pos + 1].unsqueeze(0)
-        scales = k_scale.reshape(-1)[starts[b] : starts[b] + pos + 1].unsqueeze(0)
-        s = indexer_scores(q_u8[t : t + 1], q_scale[t : t + 1], weights[t : t + 1], keys, scales)[0]
-        order = torch.sort(-s, stable=True).indices[:topk]
-        out[t, : order.numel()] = order
-    return out
+    def __init__(self, pool, device: torch.device):
+        self.device, self.active = device, False
+        self.reset()
+        for kind, names in (("plan", PLAN_CALLS), ("read", READ_CALLS), ("write", WRITE_CALLS)):
+            for name in names:
+                fn = getattr(pool, name, None)
+                if fn is not None:
+                    setattr(pool, name, self._wrap(kind, fn))
+
+    def reset(self) -> None:
+        self.host = {"plan": 0.0, "read": 0.0, "write": 0.0}
+        self.events: dict[str, list] = {"plan": [], "read": []}
+
+    def _wrap(self, kind: str, fn):
+        def call(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
+            ev = None
+            if self.device.type == "cuda" and kind != "write":
+                ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev[0].record()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.host[kind] += time.perf_counter() - t0
+            if ev is not None:
+                ev[1].record()
+                self.events[kind].append(ev)
+            return out
+
+        return call
+
+    def device_us(self, kind: str) -> float:
+        if self.device.type != "cuda":
+            return self.host[kind] * 1e6
+        return sum(a.elapsed_time(b) for a, b in self.events[kind]) * 1e3
+
+
+def _count_bytes(name: str, pool, rank: int, box: list) -> None:
+    """Count what SGLang's sharded pools receive, at their communication calls: the page-interleave
+    pool's in-place NCCL all-gather (the output less this rank's part), the layer-split pool's
+    owner broadcast (the whole buffer, on every rank but the owner)."""
+    if name == "upstream":
+        comm = pool.kv_gather_comm
+        gather = comm.all_gather
+
+        def counted_all_gather(out, send, *a, **k):
+            box[0] += out.numel() * out.element_size() - send.numel() * send.element_size()
+            return gather(out, send, *a, **k)
+
+        comm.all_gather = counted_all_gather
+    elif name == "layersplit":
+        bcast = pool._broadcast_tensor_from_owner
+
+        def counted_broadcast(tensor, layer_id, *a, **k):
+            if pool._get_layer_owner_rank(layer_id) != rank:
+                box[0] += tensor.numel() * tensor.element_size()
+            return bcast(tensor, layer_id, *a, **k)
+
+        pool._broadcast_tensor_from_owner = counted_broadcast
+
+
+def _store_index_k(pool, layer: int, locs, k, scale) -> None:
+    """The indexer's index-K store as SGLang's ``Indexer`` makes it: a layer-split pool drops its cached
+    remote copy of the layer on every rank, and only the layer's owner writes."""
+    if hasattr(pool, "invalidate_index_buffer_for_layer"):
+        pool.invalidate_index_buffer_for_layer(layer)
+    if hasattr(pool, "_is_layer_owned") and not pool._is_layer_owned(layer):
+        return
+    pool.set_index_k_scale_buffer(layer, locs, k, scale)
+
+
+def _digest(t: torch.Tensor) -> tuple[int, int]:
+    """Exact digest of a tensor's bytes: the sum of its 32-bit words and their position-weighted sum
+    (integer sums wrap alike in any order, so equal bytes give equal digests on every device)."""
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-b.numel()) % 4
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    w = b.view(torch.int32)
+    s1 = s2 = 0
+    step = 1 << 26
+    for i in range(0, w.numel(), step):
+        x = w[i : i + step].to(torch.int64)
+        pos = torch.arange(i, i + x.numel(), device=x.device, dtype=torch.int64) % 65521 + 1
+        s1 += int(x.sum())
+        s2 += int((x * pos).sum())
+    return s1, s2
+
+
+def _path_pool(name, rank, world, size, kwargs, group, scale, ps, device, cpu_group):
+    """One path's pool (inside ``_no_dcp``); ours with its view arena attached. -> (pool, arena bytes)."""
+    if name == "ours":
+        from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+        from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts, make_arena_spec, prefetch_enabled
+
+        pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
+        arena = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, arena_contexts())
+        return pool, pool.attach_view_arena(arena, prefetch_enabled())
+    if name == "upstream":
+        from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
+
+        spec = upstream_spec(rank, world, ps, scale.context_len, scale.chunk)
+        shard_group = _ShardGroup(rank, world, device, cpu_group)
+        return PageInterleaveDSATokenToKVPool(size, shard_spec=spec, shard_group=shard_group, **kwargs), 0
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    logical = world * (size // ps + 1) * ps - ps  # the same logical space, unsharded
+    if name == "layersplit":
+        from sglang.srt.mem_cache.dsa_cache_layer_split import LayerSplitDSATokenToKVPool
+
+        return LayerSplitDSATokenToKVPool(logical, layer_shard_rank=rank, layer_shard_size=world, **kwargs), 0
+    pool = DSATokenToKVPool(logical, **kwargs)
+    pool.dcp_replicated = True
+    return pool, 0
+
+
+def _rank(rank: int, world: int, args: dict) -> dict:
+    import numpy as np
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    from benchmark.cp_shared_kv import vs_upstream_backend as sgl
+    from benchmark.cp_shared_kv.vs_upstream_stand_ins import MOE, MoEForBatch, StandIns
+    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import shared_prefix_from_paths
+
+    scale = SCALES[args["scale"]]
+    ps, kv_format = args["page_size"], args["kv_format"]
+    fp8 = kv_format == "fp8"
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if args["device"] == "cuda" else torch.device("cpu")
+    nccl = dist.get_backend() == "nccl"
+    paths = [p for p in args["paths"] if p != "upstream" or nccl]
+    layers = scale.layers
+    n_req = len(scale.lengths)
+    # Pool capacity per rank: every request's tokens (page-padded), over the ranks, plus slack.
+    total_tokens = sum(-(-n // ps) * ps for n in scale.lengths) + len(turn2_sources(scale)) * (scale.turn2_new + ps)
+    size = (-(-total_tokens // (world * ps)) + 2 * world) * ps
+    kwargs = _dsa_kwargs(ps, layers, device, fp8)
+
+    published = sgl.publish_dsa(kv_format, scale.heads, scale.topk, scale.context_len, ps, device)
+    stand_ins = StandIns(device)
+    stand_ins.heads = scale.heads
+    stand_ins.install()
+    group = CPGroup()
+    cpu_group = dist.new_group(backend="gloo")  # the timing gate's barriers, SGLang's sharded pools' CPU group
+    gate = _Gate(device, cpu_group)
+    layer_split_group = None
+    if "layersplit" in paths:
+        comm = None
+        if nccl:
+            from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+            comm = PyNcclCommunicator(group=cpu_group, device=device)
+        layer_split_group = _ShardGroup(rank, world, device, cpu_group, comm)
+
+    def ctx(name):
+        """The parallel context a path runs in: the layer-split pool reads SGLang's attention-CP group."""
+        if name != "layersplit":
+            return _no_dcp()
+        return _no_dcp(attn_cp_group=layer_split_group, attn_cp_size=world, tp_size=world, moe_tp_size=world)
+
+    pools, arena_bytes_default = {}, 0
+    for name in paths + ["stock"] * ("stock" not in paths):
+        with ctx(name):
+            pools[name], arena = _path_pool(name, rank, world, size, kwargs, group, scale, ps, device, cpu_group)
+        arena_bytes_default = arena_bytes_default or arena
+    max_len = max(scale.lengths) + scale.turn2_new + ps
+    req_to_token = torch.zeros(
+        (n_req + len(turn2_sources(scale)), -(-max_len // ps) * ps), dtype=torch.int32, device=device
+    )
+    backends = {}
+    for name in paths:
+        with ctx(name):
+            backends[name] = sgl.make_backend(
+                pools[name], req_to_token, published["config"], ps, scale.context_len, device
+            )
+    attn_layers = sgl.make_layers(layers, scale.heads)
+    probes = {name: _PoolProbe(pools[name], device) for name in paths}
+    sgl_bytes = {name: [0] for name in paths}
+    for name in ("upstream", "layersplit"):
+        if name in pools:
+            _count_bytes(name, pools[name], rank, sgl_bytes[name])
+
+    some_sharded = pools.get("ours") or pools.get("upstream")
+    allocator = PageInterleavePoolAllocator(
+        size,
+        physical_page_size=ps,
+        shard_size=world,
+        dtype=kwargs["dtype"],
+        device=str(device),
+        kvcache=some_sharded,
+        need_sort=True,
+    )
+    bases: dict[int, object] = {}
+
+    def alloc(slot: int, prefix: int, seq: int, src: int | None = None) -> None:
+        if src is not None and prefix and slot not in bases:  # a radix-cache hit: the source's pages and base
+            req_to_token[slot, :prefix] = req_to_token[src, :prefix]
+            bases[slot] = bases[src]
+        t = lambda v: torch.tensor([v], device=device)  # noqa: E731
+        last = int(req_to_token[slot, prefix - 1]) if prefix else 0
+        rb = [bases.get(slot)]
+        out = allocator.alloc_extend(t(prefix), t(prefix), t(seq), t(seq), t(last), seq - prefix, rotation_bases=rb)
+        if out is None:
+            raise RuntimeError(f"allocator out of pages for slot {slot} ({prefix} -> {seq})")
+        bases[slot] = rb[0]
+        req_to_token[slot, prefix:seq] = out.to(torch.int32)
+
+    batches = schedule(scale, ps, world)
+    turn2_src = turn2_sources(scale)
+    cached = written_only(scale, batches)
+    max_new = max(sum(n - p for _, p, n in b) for b in batches)
+    moe = MoEForBatch(-(-max_new // world), device)
+    rows_out, correct_all = [], True
+    profiler = None
+    if args.get("profile_host") and rank == 0:  # where our forward's host time goes (cProfile, rank 0)
+        import cProfile
+
+        profiler = cProfile.Profile()
+
+    def ours_transport():
+        """Our view transport (the CP group or the copy engines), built at the first batch with a prefix."""
+        views = pools["ours"].read.views
+        return views.group if views is not None else None
+
+    page_bytes = ps * (kwargs["kv_cache_dim"] + 132)
+
+    def received(name: str) -> int:
+        if name == "ours":
+            return int(getattr(ours_transport(), "bytes_received", 0))
+        return sgl_bytes[name][0]
+
+    static_env = {
+        "pool_tokens_per_rank": size,
+        "prefill_impl": published["prefill_impl"],
+        "decode_impl": published["decode_impl"],
+        "heads_per_rank": scale.heads,
+        "topk": scale.topk,
+        "layers": layers,
+        "written_only_batches": cached,
+        "moe": moe.base.shape,
+        "moe_tokens_per_rank": "ceil(new tokens / cp_size) per batch",
+        "stand_ins": stand_ins.describe(),
+        "paths": paths,
+    }
+    static_env.update(_scratch(rank, world, ps, scale, page_bytes, arena_bytes_default))
+    first, last = args.get("batches") or (1, len(batches))
+    first = max(first, cached + 1)
+    for bi, batch in enumerate(batches):
+        if bi + 1 > last:
+            break
+        for slot, prefix, seq in batch:
+            alloc(slot, prefix, seq, turn2_src.get(slot) if prefix and slot >= n_req else None)
+        slots = [s for s, _, _ in batch]
+        prefix_lens = [p for _, p, _ in batch]
+        seq_lens = [n for _, _, n in batch]
+        extend = [n - p for p, n in zip(prefix_lens, seq_lens)]
+        new_tokens = sum(extend)
+        req_idx = torch.tensor(slots, device=device)
+        new_locs = torch.cat([req_to_token[s, p:n].long() for s, p, n in batch])
+        g = torch.Generator(device).manual_seed(100 * bi)
+
+        def rand(*shape, scale=1.0, dtype=torch.bfloat16):
+            return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+        kv_new = [
+            [
+                rand(new_tokens, 1, 512, scale=0.25),
+                rand(new_tokens, 1, 64, scale=0.25),
+                rand(new_tokens, 128, scale=4.0, dtype=torch.float8_e4m3fn),
+                torch.rand(new_tokens, 1, generator=g, device=device) + 0.5,
+            ]
+            for _ in range(layers)
+        ]
+        fb = sgl.forward_batch(req_idx, prefix_lens, seq_lens, new_locs, device)
+        # The shared-prefix hint the plugin computes from the radix cache: a turn-2 request's prefix ends at
+        # the node of the request it continues (one node per source request), a turn-1 chunk's at its own.
+        radix = [[(turn2_src.get(s, s), p)] if p else [] for s, p, _ in batch]
+        hint = shared_prefix_from_paths(radix, prefix_lens, ps)
+        if bi + 1 < first:  # before the measured range: its KV in every pool, as the scheduler leaves it
+            with _no_dcp():
+                for name in pools:
+                    pool = pools[name]
+                    with ctx(name):
+                        if name in SHARDED:
+                            if name == "ours":
+                                pool.read.shared_prefix = hint
+                            from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
+
+                            prepare_kv_shard_forward(pool, req_to_token, fb)
+                        for layer in range(layers):
+                            nope, rope, k, kscale = kv_new[layer]
+                            _store_index_k(pool, layer, new_locs, k, kscale)
+                            pool.set_mla_kv_buffer(attn_layers[layer], new_locs, nope, rope)
+                        if name in SHARDED:
+                            pool.end_shard_extend()
+            continue
+
+        # Queries (one set per batch, every layer): absorbed MLA q, the indexer's fp8 q and head weights.
+        q_nope = rand(new_tokens, scale.heads, 512, scale=0.125)
+        q_rope = rand(new_tokens, scale.heads, 64, scale=0.125)
+        q_idx = rand(new_tokens, 64, 128, scale=2.0, dtype=torch.float8_e4m3fn)
+        w_idx = rand(new_tokens, 64, scale=1 / 64, dtype=torch.float32)
+        starts = np.cumsum([0] + seq_lens).tolist()
+        q_starts = np.cumsum([0] + extend).tolist()
+        spans = [(q_starts[b], q_starts[b + 1], starts[b], seq_lens[b]) for b in range(len(batch))]
+        sample = torch.linspace(0, new_tokens - 1, min(new_tokens, 32)).long().to(device)
+        row: dict = {"batch": bi + 1, "kind": batch_kind(batch), "new_tokens": new_tokens, "seq_tokens": sum(seq_lens)}
+        row["shared_prefix"] = bool(shared_prefix_slots(scale)) and set(shared_prefix_slots(scale)) <= set(slots)
+        row["prefix_pages_per_rank"] = sum(-(-(p // ps) // world) for p in prefix_lens)
+        digests: dict[str, list] = {}
+        samples: dict[str, list] = {}
+
+        def forward(name: str, timed: bool) -> None:
+            pool, backend, probe = pools[name], backends[name], probes[name]
+            stand_ins.spans = spans
+            stand_ins.take_us()
+            probe.reset()
+            probe.active = timed
+            counter = _SyncCounter(device)
+            outs, reads = [], []
+            gate()
+            if profiler is not None and name == "ours" and timed:
+                profiler.enable()
+            t0 = time.perf_counter()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+            if ev:
+                ev[0].record()
+            with ctx(name), counter:
+                h = time.perf_counter()
+                if name == "ours":  # the plugin's ForwardBatch.init_new hook hands the batch its hint
+                    pool.read.shared_prefix = hint
+                backend.init_forward_metadata(fb)
+                meta_host = time.perf_counter() - h
+                for layer in range(layers):
+                    nope, rope, k, kscale = kv_new[layer]
+                    # The indexer: store this chunk's index K (its owner only, under layer split), read the
+                    # batch's, logits, top-k (SGLang's _get_topk_ragged, minus the projections).
+                    _store_index_k(pool, layer, new_locs, k, kscale)
+                    md = backend.get_indexer_metadata(layer, fb)
+                    ks, ke = md.get_indexer_kvcache_range()
+                    lens_cpu = md.get_indexer_seq_len_cpu()
+                    k_fp8, k_scale = pool.get_index_k_scale_buffer(
+                        layer,
+                        md.get_indexer_seq_len(),
+                        md.get_logical_page_table(),
+                        int(lens_cpu.sum()),
+                        int(lens_cpu.max()),
+                    )
+                    k_scale_f = k_scale.view(torch.float32).squeeze(-1)
+                    logits = stand_ins.fp8_mqa_logits(
+                        q_idx, (k_fp8.view(torch.float8_e4m3fn), k_scale_f), w_idx, ks, ke
+                    )
+                    topk = md.topk_transform(logits, scale.topk, ks=ks)
+                    del logits
+                    out = backend.forward_extend(
+                        q_nope, nope, nope, attn_layers[layer], fb, q_rope=q_rope, k_rope=rope, topk_indices=topk
+                    )
+                    if name == "layersplit" and layer + 1 < layers:  # after attention, as DeepseekV2DecoderLayer
+                        pool.prefetch_kv_buffer(layer + 1)
+                    with stand_ins.timed(MOE):
+                        moe(-(-new_tokens // world))
+                    outs.append(out)
+                    reads.append((k_fp8, k_scale))
+                if name in SHARDED:
+                    pool.end_shard_extend()
+            if ev:
+                ev[1].record()
+            _sync(device)
+            wall = time.perf_counter() - t0
+            probe.active = False
+            if profiler is not None and name == "ours" and timed:
+                profiler.disable()
+            stand = stand_ins.take_us()
+            if not timed:
+                return
+            row[f"{name}_layer_time_us"] = round(wall * 1e6 / layers, 1)
+            row[f"{name}_layer_time_device_us"] = round(ev[0].elapsed_time(ev[1]) * 1e3 / layers, 1) if ev else None
+            row[f"{name}_read_time_us"] = round((probe.device_us("plan") + probe.device_us("read")) / layers, 1)
+            row[f"{name}_plan_time_us"] = round(probe.device_us("plan"), 1)
+            row[f"{name}_metadata_host_us"] = round(meta_host * 1e6, 1)
+            row[f"{name}_plan_host_us"] = round(probe.host["plan"] * 1e6, 1)
+            row[f"{name}_read_host_us_per_layer"] = round(probe.host["read"] * 1e6 / layers, 1)
+            row[f"{name}_write_host_us_per_layer"] = round(probe.host["write"] * 1e6 / layers, 1)
+            row[f"{name}_stand_ins_us"] = stand
+            sglang_ops = sum(v for k, v in stand.items() if k != MOE)  # the MoE is the layer's own compute
+            row[f"{name}_stand_ins_us_per_layer"] = round(sglang_ops / layers, 1)
+            row[f"{name}_forward_host_syncs"] = counter.count
+            # The timed forward's outputs: digests now, a few rows kept to bound any difference.
+            digests[name] = [(_digest(o), _digest(kf), _digest(kscl)) for o, (kf, kscl) in zip(outs, reads)]
+            samples[name] = [o.reshape(new_tokens, -1)[sample].float().cpu() for o in outs]
+
+        for name in paths:
+            # A warm-up forward of every batch (a server meets each Triton specialization once, at its
+            # first use: a timed forward must not pay it), then the timed one; bytes of the timed one.
+            if args.get("warmup", True):  # off in the CPU test, which times nothing
+                forward(name, False)
+            before = received(name)
+            forward(name, True)
+            row[f"{name}_bytes_received"] = received(name) - before
+
+        # -- correctness of the timed forwards, against the stock pool's --
+        ref = digests["stock"]
+        for name in paths:
+            if name == "stock":
+                continue
+            ok = digests[name] == ref
+            row[f"{name}_correct"] = ok
+            if not ok:
+                what = ("out", "index_k", "index_scale")
+                row[f"{name}_mismatch"] = [
+                    f"layer {li} {w}"
+                    for li, (mine, theirs) in enumerate(zip(digests[name], ref))
+                    for w, a, b in zip(what, mine, theirs)
+                    if a != b
+                ][:6]
+                row[f"{name}_out_max_abs_diff_sampled"] = max(
+                    float((a - b).abs().nan_to_num(float("inf")).max()) for a, b in zip(samples[name], samples["stock"])
+                )
+            correct_all &= ok
+        if "ours" in paths:
+            # The prefix pages ours must move (one owner's block per layer, latent + indexer): anything the
+            # transport received beyond it is current-chunk pages (staged locally, so it should be 0).
+            prefix_bytes = _prefix_bytes(batch, scale, ps, world, page_bytes, layers)
+            row["ours_prefix_bytes_expected"] = prefix_bytes
+            row["ours_current_chunk_bytes_gathered"] = row["ours_bytes_received"] - prefix_bytes
+        rows_out.append(row)
+        if rank == 0 and args.get("partial_out"):  # what a run cut short by its time limit still leaves
+            part = [dict(r, scale=args["scale"]) for r in rows_out]
+            env = dict(static_env, batches="partial")
+            _write(
+                args["partial_out"],
+                part,
+                {args["scale"]: summarize(part, env, correct_all)},
+                {args["scale"]: env},
+                correct_all,
+            )
+        print(
+            f"rank {rank} batch {bi + 1}/{len(batches)} {row['kind']}: "
+            + ", ".join(f"{k}={v}" for k, v in row.items() if k.endswith(("_layer_time_us", "_correct", "_mismatch"))),
+            flush=True,
+        )
+
+    env = dict(static_env)
+    if "ours" in pools:
+        env["ours_transport"] = type(ours_transport()).__name__
+        env["ours_prefetch"] = bool(pools["ours"].read.views is not None and pools["ours"].read.views.prefetch)
+    if "upstream" in pools:
+        from sglang.srt.environ import envs
+
+        up = pools["upstream"]
+        env["upstream_zero_sm_gather_setting"] = bool(envs.SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER.get())
+        env["upstream_zero_sm_gather_used"] = bool(up._use_symmetric_scratch)
+    if "layersplit" in pools:
+        env["layersplit_transport"] = (
+            "nccl" if layer_split_group.pynccl_comm is not None else "torch.distributed (gloo)"
+        )
+    if profiler is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats("sglang_cp_shared_kv", 60)  # our calls, inclusive
+        env["ours_forward_host_profile"] = _relative_paths(text.getvalue())
+    return {"rows": rows_out, "correct_all": correct_all, "env": env}
+
+
+def _prefix_bytes(batch, scale: Scale, ps: int, world: int, page_bytes: int, layers: int) -> int:
+    """Bytes of the prefix pages one rank receives for ``batch``: per request (a request reading the same
+    prefix as an earlier one in the batch reads it through that one's pages), its prefix pages owned by
+    the other ranks, latent + indexer rows, every layer."""
+    seen, pages = set(), 0
+    sources = turn2_sources(scale)
+    for slot, prefix, _ in batch:
+        key = (sources.get(slot, slot), prefix)
+        if prefix and key not in seen:
+            seen.add(key)
+            pages += -(-(prefix // ps) // world)
+    return (world - 1) * pages * page_bytes * layers
+
+
+def _scratch(rank: int, world: int, ps: int, scale: Scale, page_bytes: int, arena_default: int) -> dict:
+    """Fixed read memory of each sharded path, allocated at start-up and charged to the KV budget: our view
+    arena (the default contexts, and as many contexts as SGLang's scratch holds: equal admission) and
+    SGLang's double-buffered page-interleave scratch (its own rule)."""
+    from sglang.srt.mem_cache import page_interleave
+
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
+        arena_bytes,
+        arena_contexts,
+        make_arena_spec,
+        prefetch_enabled,
+        upstream_scratch_bytes,
+    )
+
+    token_bytes = page_bytes // ps
+    contexts = page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS
+    spec = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, arena_contexts())
+    equal = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, contexts)
+    return {
+        "ours_arena_contexts": arena_contexts(),
+        "ours_arena_bytes": arena_default or arena_bytes(spec, token_bytes, prefetch_enabled()),
+        "ours_arena_bytes_equal_admission": arena_bytes(equal, token_bytes, prefetch_enabled()),
+        "upstream_scratch_contexts": contexts,
+        "upstream_scratch_bytes": upstream_scratch_bytes(spec, token_bytes, scale.context_len),
+    }
 
 
 def _relative_paths(text: str) -> str:
@@ -316,356 +796,6 @@ def _relative_paths(text: str) -> str:
     return text.replace(root, "")
 
 
-def _rank(rank: int, world: int, args: dict) -> dict:
-    import numpy as np
-    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import shared_prefix_from_paths
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
-
-    scale = SCALES[args["scale"]]
-    ps, fp8 = args["page_size"], args["kv_format"] == "fp8"
-    kv_format = args["kv_format"]
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if args["device"] == "cuda" else torch.device("cpu")
-    paths = [p for p in args["paths"] if p != "upstream" or device.type == "cuda"]
-    layers = scale.layers
-    # Pool capacity per rank: every request's tokens (page-padded), over the ranks, plus slack.
-    total_tokens = sum(-(-n // ps) * ps for n in scale.lengths) + 4 * (scale.turn2_new + ps)
-    size = (-(-total_tokens // (world * ps)) + 2 * world) * ps
-    kwargs = _dsa_kwargs(ps, layers, device, fp8)
-    group = CPGroup()
-    import torch.distributed as dist
-
-    cpu_group = dist.new_group(backend="gloo")  # the timing gate's barriers, and SGLang's pool's CPU group
-    gate = _Gate(device, cpu_group)
-    pools: dict[str, object] = {}
-    with _no_dcp():
-        if "ours" in paths:
-            pools["ours"] = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
-            # The view arena the plugin's allocator hook attaches, sized from the same server limits.
-            from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
-                arena_contexts,
-                make_arena_spec,
-                prefetch_enabled,
-            )
-
-            arena = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, arena_contexts())
-            ours_arena_bytes = pools["ours"].attach_view_arena(arena, prefetch_enabled())
-        phys = size // ps + 1
-        if "upstream" in paths:
-            from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
-
-            spec = upstream_spec(rank, world, ps, scale.context_len, scale.chunk)
-            pools["upstream"] = PageInterleaveDSATokenToKVPool(
-                size, shard_spec=spec, shard_group=_ShardGroup(rank, world, device, cpu_group), **kwargs
-            )
-        stock = DSATokenToKVPool(world * phys * ps - ps, **kwargs)  # the same logical space, unsharded
-        pools["stock"] = stock
-    stock.dcp_replicated = True
-    some_sharded = pools.get("ours") or pools.get("upstream")
-    allocator = PageInterleavePoolAllocator(
-        size,
-        physical_page_size=ps,
-        shard_size=world,
-        dtype=kwargs["dtype"],
-        device=str(device),
-        kvcache=some_sharded,
-        need_sort=True,
-    )
-    max_len = max(scale.lengths) + scale.turn2_new + ps
-    req_to_token = torch.zeros((8, -(-max_len // ps) * ps), dtype=torch.int32, device=device)
-    bases: dict[int, object] = {}
-
-    def alloc(slot: int, prefix: int, seq: int, src: int | None = None) -> None:
-        if src is not None and prefix:  # a radix-cache hit: the source request's pages and base
-            req_to_token[slot, :prefix] = req_to_token[src, :prefix]
-            bases[slot] = bases[src]
-        t = lambda v: torch.tensor([v], device=device)  # noqa: E731
-        last = int(req_to_token[slot, prefix - 1]) if prefix else 0
-        rb = [bases.get(slot)]
-        out = allocator.alloc_extend(t(prefix), t(prefix), t(seq), t(seq), t(last), seq - prefix, rotation_bases=rb)
-        if out is None:
-            raise RuntimeError(f"allocator out of pages for slot {slot} ({prefix} -> {seq})")
-        bases[slot] = rb[0]
-        req_to_token[slot, prefix:seq] = out.to(torch.int32)
-
-    batches = schedule(scale, ps, world)
-    turn2_src = {4: 0, 5: 0, 6: 1, 7: 2}
-    gen = torch.Generator().manual_seed(1234)
-    rows_out, correct_all = [], True
-    profiler = None
-    if args.get("profile_host") and rank == 0:  # where our forward's host time goes (cProfile, rank 0)
-        import cProfile
-
-        profiler = cProfile.Profile()
-    up_scratch = 0
-    if "upstream" in pools:
-        up_scratch = sum(t.numel() * t.element_size() for s in pools["upstream"]._slots for t in s.tensors.values())
-    page_bytes = ps * (kwargs["kv_cache_dim"] + 132)
-
-    first, last = args.get("batches") or (1, len(batches))
-    for bi, batch in enumerate(batches):
-        if bi + 1 > last:
-            break
-        for slot, prefix, seq in batch:
-            alloc(slot, prefix, seq, turn2_src.get(slot) if prefix and slot >= 4 else None)
-        slots = [s for s, _, _ in batch]
-        prefix_lens = [p for _, p, _ in batch]
-        seq_lens = [n for _, _, n in batch]
-        extend = [n - p for p, n in zip(prefix_lens, seq_lens)]
-        new_tokens = sum(extend)
-        req_idx = torch.tensor(slots, device=device)
-        new_locs = torch.cat([req_to_token[s, p:n].long() for s, p, n in batch])
-        every = torch.cat([req_to_token[s, :n].long() for s, _, n in batch])
-        max_seq = max(seq_lens)
-        lens_t = torch.tensor(seq_lens, device=device)
-        table = req_to_token[req_idx, :max_seq].long()
-        logical_pages = req_to_token[req_idx, :max_seq:ps].long() // ps
-        chunks = [_chunk_tensors(new_tokens, 100 * bi + layer, device) for layer in range(layers)]
-        # Sampled queries (correctness) and all-query pseudo-random keys (the timed sparse prefill).
-        q_req = [b for b in range(len(batch)) for _ in range(extend[b])]
-        q_pos = [p + j for p, e in zip(prefix_lens, extend) for j in range(e)]
-        pick = sorted(set(np.linspace(0, new_tokens - 1, scale.sample_queries).astype(int).tolist()))
-        s_req, s_pos = [q_req[i] for i in pick], [q_pos[i] for i in pick]
-        q_idx = (torch.randint(0, 256, (len(pick), 64, 128), generator=gen, dtype=torch.uint8)).to(device)
-        q_scale = (torch.rand(len(pick), 64, generator=gen) + 0.5).to(device)
-        weights = torch.randn(len(pick), 64, generator=gen).to(device)
-        q_attn = (torch.randn(len(pick), 128, 576, generator=gen) * 0.5).to(torch.bfloat16).to(device)
-        q_starts = torch.tensor([sum(seq_lens[:b]) for b in range(len(batch))], device=device)
-        qr, qp = torch.tensor(q_req, device=device), torch.tensor(q_pos, device=device)
-        rand_pos = (torch.rand(new_tokens, scale.topk, generator=gen).to(device) * (qp + 1).unsqueeze(1)).long()
-        fwd_tokens = (q_starts[qr].unsqueeze(1) + rand_pos).reshape(-1)  # index into `every`
-        q_fwd = None
-        if device.type == "cuda":
-            q_fwd = (torch.randn(new_tokens, 128, 576, generator=gen) * 0.5).to(torch.bfloat16).to(device)
-        fb = SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND,
-            req_pool_indices=req_idx,
-            extend_prefix_lens_cpu=prefix_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        # The shared-prefix hint the plugin computes from the radix cache: a turn-2 request's prefix ends at
-        # the node of the request it continues (one node per source request), a turn-1 chunk's at its own.
-        radix = [[(turn2_src.get(s, s), p)] if p else [] for s, p, _ in batch]
-        hint = shared_prefix_from_paths(radix, prefix_lens, ps)
-        if bi + 1 < first:  # before the measured range: its KV in every pool, as the scheduler leaves it
-            with _no_dcp():
-                for name in paths:
-                    pool = pools[name]
-                    if name != "stock":
-                        _begin_batch(name, pool, hint, req_to_token, fb)
-                    for layer in range(layers):
-                        nope, rope, k, kscale = chunks[layer]
-                        pool.set_index_k_scale_buffer(layer, new_locs, k, kscale)
-                        pool.set_mla_kv_buffer(_Layer(layer), new_locs, nope, rope)
-                    if name != "stock":
-                        pool.end_shard_extend()
-            continue
-        row: dict = {"batch": bi + 1, "kind": batch_kind(batch), "new_tokens": new_tokens, "seq_tokens": sum(seq_lens)}
-        row["shared_prefix"] = set(SHARED_PREFIX_SLOTS) <= set(slots)
-        results: dict[str, list] = {}
-
-        for name in paths:
-            pool = pools[name]
-            sharded = name != "stock"
-            # -- correctness + read timing: each layer's writes, then its timed reads. Twice: the first
-            # pass warms what a server's warm-up would (Triton compiles per shape, the transport's
-            # registration), the second is what the row records. --
-            for _warm_then_timed in range(2):
-                begin_t = begin_dev = 0.0
-                gate()
-                counter = _SyncCounter(device)
-                t0 = time.perf_counter()
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
-                if ev:
-                    ev[0].record()
-                with _no_dcp(), counter:
-                    if sharded:
-                        _begin_batch(name, pool, hint, req_to_token, fb)
-                if ev:
-                    ev[1].record()
-                _sync(device)
-                begin_t = (time.perf_counter() - t0) * 1e6
-                begin_dev = ev[0].elapsed_time(ev[1]) * 1e3 if ev else 0.0
-                read_t, read_dev, per_layer = [], [], []
-                with _no_dcp():
-                    for layer in range(layers):
-                        nope, rope, k, kscale = chunks[layer]
-                        with counter:
-                            pool.set_index_k_scale_buffer(layer, new_locs, k, kscale)
-                        gate()
-                        t0 = time.perf_counter()
-                        if ev:
-                            ev[0].record()
-                        with counter:
-                            got_k, got_s = pool.get_index_k_scale_buffer(
-                                layer, lens_t, logical_pages, sum(seq_lens), max_seq
-                            )
-                        _sync(device)
-                        t_idx = time.perf_counter() - t0
-                        if ev:
-                            ev[1].record()
-                            ev[1].synchronize()
-                        d_idx = ev[0].elapsed_time(ev[1]) * 1e3 if ev else 0.0
-                        with counter:
-                            pool.set_mla_kv_buffer(_Layer(layer), new_locs, nope, rope)
-                        gate()
-                        t0 = time.perf_counter()
-                        if ev:
-                            ev[0].record()
-                        with counter:
-                            rows = pool.translate_loc_to_scratch(table) if sharded else table
-                            kv = pool.get_key_buffer(layer)
-                        if ev:
-                            ev[1].record()
-                        _sync(device)
-                        read_t.append(t_idx * 1e6 + (time.perf_counter() - t0) * 1e6)
-                        read_dev.append(d_idx + (ev[0].elapsed_time(ev[1]) * 1e3 if ev else 0.0))
-                        # The kernels' inputs: sampled queries' top-k, then sparse MLA over the buffer.
-                        kv_u8 = kv.view(torch.uint8).reshape(kv.shape[0], -1)
-                        topk = _topk_positions(
-                            got_k, got_s, q_idx, q_scale, weights, seq_lens, s_req, s_pos, scale.topk
-                        )
-                        valid = topk >= 0
-                        tok_rows = rows[torch.tensor(s_req, device=device).unsqueeze(1), topk.clamp(min=0)]
-                        tok_rows = torch.where(valid, tok_rows.long(), torch.full_like(tok_rows.long(), -1))
-                        out, lse = _sparse_attention(q_attn, kv_u8, tok_rows, kv_format, device)
-                        per_layer.append((got_k.cpu(), got_s.cpu(), topk.cpu(), out.cpu(), lse.cpu()))
-                results[name] = per_layer
-                if name == "ours" and device.type != "cuda":  # the view and staging buffers this batch holds
-                    r = pool.read
-                    views = []
-                    if r.views is not None and r.mode == "materialized":  # the staged pages live past the view
-                        views += [t for vs in r.views._views for t in vs.values()]
-                    else:
-                        views += [t for t in (r.stage_latent, r.stage_index) if t is not None]
-                    row["ours_peak_view_bytes"] = int(sum(t.numel() * t.element_size() for t in views))
-                if sharded:
-                    pool.end_shard_extend()
-                row[f"{name}_layer_time_us"] = round(begin_t / layers + sum(read_t) / layers, 1)
-                row[f"{name}_layer_time_device_us"] = round(begin_dev / layers + sum(read_dev) / layers, 1)
-                row[f"{name}_host_syncs"] = counter.count
-
-        # -- correctness across paths --
-        ref = results["stock"]
-        for name in paths:
-            if name == "stock":
-                continue
-            ok = all(all(torch.equal(a, b) for a, b in zip(mine, theirs)) for mine, theirs in zip(results[name], ref))
-            row[f"{name}_correct"] = ok
-            if not ok:
-                names = ("index_k", "index_scale", "topk", "out", "lse")
-                row[f"{name}_mismatch"] = [
-                    f"layer {li} {n}"
-                    for li, (mine, theirs) in enumerate(zip(results[name], ref))
-                    for n, a, b in zip(names, mine, theirs)
-                    if not torch.equal(a, b)
-                ][:6]
-            correct_all &= ok
-
-        # -- bytes received per rank --
-        if "ours" in pools:
-            c = pools["ours"].read.counters
-            row["ours_bytes_received"] = int(c.bytes_received) if c is not None else 0
-            # Bytes of the current chunk that went through the gather (staged locally instead: 0).
-            row["ours_current_chunk_bytes_gathered"] = int(c.current_chunk_bytes_gathered) if c is not None else 0
-        if "upstream" in pools:
-            block = pools["upstream"]._block_pages
-            row["upstream_bytes_received"] = (world - 1) * block * page_bytes * layers
-
-        # -- the whole forward, back to back, per path (GPU only: FlashMLA over every query) --
-        if device.type == "cuda":
-            for name in paths:
-                if profiler is not None and name == "ours":
-                    profiler.enable()
-                pool = pools[name]
-                sharded = name != "stock"
-                torch.cuda.reset_peak_memory_stats(device)
-                base_mem = torch.cuda.memory_allocated(device)
-                counter = _SyncCounter(device)
-                gate()
-                t0 = time.perf_counter()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                # Host time spent inside the pool's calls (no sync in between: what the host pays to
-                # queue them): the batch plan, then per layer the reads and the writes.
-                host = {"plan": 0.0, "read": 0.0, "write": 0.0}
-                with _no_dcp(), counter:
-                    h = time.perf_counter()
-                    if sharded:
-                        _begin_batch(name, pool, hint, req_to_token, fb)
-                    rows = pool.translate_loc_to_scratch(every) if sharded else every
-                    host["plan"] += time.perf_counter() - h
-                    fwd_rows = rows[fwd_tokens].reshape(new_tokens, scale.topk)
-                    for layer in range(layers):
-                        nope, rope, k, kscale = chunks[layer]
-                        h = time.perf_counter()
-                        pool.set_index_k_scale_buffer(layer, new_locs, k, kscale)
-                        h1 = time.perf_counter()
-                        pool.get_index_k_scale_buffer(layer, lens_t, logical_pages, sum(seq_lens), max_seq)
-                        h2 = time.perf_counter()
-                        pool.set_mla_kv_buffer(_Layer(layer), new_locs, nope, rope)
-                        h3 = time.perf_counter()
-                        kv = pool.get_key_buffer(layer)
-                        h4 = time.perf_counter()
-                        host["write"] += (h1 - h) + (h3 - h2)
-                        host["read"] += (h2 - h1) + (h4 - h3)
-                        kv_u8 = kv.view(torch.uint8).reshape(kv.shape[0], -1)
-                        _sparse_attention(q_fwd, kv_u8, fwd_rows, kv_format, device)
-                e1.record()
-                _sync(device)
-                row[f"{name}_forward_us"] = round((time.perf_counter() - t0) * 1e6, 1)
-                row[f"{name}_plan_host_us"] = round(host["plan"] * 1e6, 1)
-                row[f"{name}_read_host_us_per_layer"] = round(host["read"] * 1e6 / layers, 1)
-                row[f"{name}_write_host_us_per_layer"] = round(host["write"] * 1e6 / layers, 1)
-                row[f"{name}_forward_device_us"] = round(e0.elapsed_time(e1) * 1e3, 1)
-                row[f"{name}_forward_host_syncs"] = counter.count
-                if profiler is not None and name == "ours":
-                    profiler.disable()
-                if name == "ours":  # allocated beyond the pool and its arena during the forward
-                    row["ours_peak_extra_bytes"] = int(torch.cuda.max_memory_allocated(device) - base_mem)
-                if sharded:
-                    pool.end_shard_extend()
-        rows_out.append(row)
-        print(
-            f"rank {rank} batch {bi + 1}/{len(batches)} {row['kind']}: "
-            + ", ".join(f"{k}={v}" for k, v in row.items() if k.endswith(("_layer_time_us", "_correct", "_mismatch"))),
-            flush=True,
-        )
-
-    env = {"upstream_scratch_bytes": up_scratch, "pool_tokens_per_rank": size}
-    if "ours" in pools:
-        env["ours_arena_bytes"] = ours_arena_bytes
-        views = pools["ours"].read.views
-        env["ours_transport"] = getattr(views.group, "backend", None) if views is not None else None
-        env["ours_prefetch"] = bool(views is not None and views.prefetch)
-    if "upstream" in pools:
-        from sglang.srt.environ import envs
-
-        up = pools["upstream"]
-        env["upstream_zero_sm_gather_setting"] = bool(envs.SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER.get())
-        env["upstream_zero_sm_gather_used"] = bool(up._use_symmetric_scratch)
-        try:
-            from sglang.srt.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
-
-            env["nccl_version"] = NCCLLibrary().ncclGetRawVersion()
-        except Exception as e:  # noqa: BLE001 - recorded, not fatal
-            env["nccl_version"] = f"unknown: {e}"
-    if profiler is not None:
-        import io
-        import pstats
-
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(45)
-        stats.sort_stats("cumulative").print_stats("sglang_cp_shared_kv", 60)  # our calls, inclusive
-        env["ours_forward_host_profile"] = _relative_paths(text.getvalue())
-    return {"rows": rows_out, "correct_all": correct_all, "env": env}
-
-
 # ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
@@ -676,51 +806,87 @@ def _median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
+def _total(rows: list[dict], key: str, minus: str | None = None) -> float | None:
+    vals = [(r.get(key), r.get(minus, 0) if minus else 0) for r in rows]
+    if not vals or any(v is None for v, _ in vals):
+        return None
+    return sum(v - m for v, m in vals)
+
+
+GOALS = {  # key: (goal, "min" = at least, "max" = at most)
+    "ours_vs_stock_layer_time": (0.99, "min"),
+    "ours_vs_upstream_layer_time": (1.2, "min"),
+    "ours_vs_upstream_read_time": (1.2, "min"),
+    "ours_vs_layersplit_layer_time": (1.0, "min"),
+    "peak_scratch_ratio_equal_admission": (0.5, "max"),
+    "bytes_ratio": (1.0, "max"),
+}
+
+
 def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
+    """Ratios over the whole workload (total time of one path over another's: what a user waits for),
+    stock and each rival over ours, so above 1 means ours is faster; the per-batch median beside each."""
+
     def ratio(num, den):
         return round(num / den, 3) if num is not None and den else None
 
-    has_up = any("upstream_layer_time_us" in r for r in rows)
     s: dict = {"correct_all": correct_all}
+    paths = [p for p in PATHS if any(f"{p}_layer_time_us" in r for r in rows)]
+    if "ours" in paths:
+        for rival in (p for p in paths if p != "ours"):
+            for what in ("layer_time", "read_time"):
+                key = f"ours_vs_{rival}_{what}"
+                s[key] = ratio(_total(rows, f"{rival}_{what}_us"), _total(rows, f"ours_{what}_us"))
+                s[f"{key}_median_batch"] = _median([ratio(r[f"{rival}_{what}_us"], r[f"ours_{what}_us"]) for r in rows])
+            s[f"ours_vs_{rival}_layer_time_without_stand_ins"] = ratio(
+                _total(rows, f"{rival}_layer_time_us", f"{rival}_stand_ins_us_per_layer"),
+                _total(rows, "ours_layer_time_us", "ours_stand_ins_us_per_layer"),
+            )
+            s[f"ours_vs_{rival}_layer_time_device"] = ratio(
+                _total(rows, f"{rival}_layer_time_device_us"), _total(rows, "ours_layer_time_device_us")
+            )
+    for rival in ("upstream", "layersplit"):
+        if rival in paths and "ours" in paths:
+            key = "bytes_ratio" if rival == "upstream" else "bytes_ratio_vs_layersplit"
+            s[key] = ratio(_total(rows, "ours_bytes_received"), _total(rows, f"{rival}_bytes_received"))
+    if "ours" in paths:
+        s["ours_bytes_received"] = _total(rows, "ours_bytes_received")
+        s["current_chunk_bytes_gathered"] = _total(rows, "ours_current_chunk_bytes_gathered")
     s["ours_arena_bytes"] = env.get("ours_arena_bytes")
-    s["upstream_scratch_bytes"] = env.get("upstream_scratch_bytes") or None
-    s["current_chunk_bytes_gathered"] = sum(r.get("ours_current_chunk_bytes_gathered", 0) for r in rows)
-    if has_up:
-        s["ours_vs_upstream_layer_time"] = _median(
-            [ratio(r["upstream_layer_time_us"], r["ours_layer_time_us"]) for r in rows]
-        )
-        s["ours_vs_upstream_layer_time_device"] = _median(
-            [ratio(r["upstream_layer_time_device_us"], r["ours_layer_time_device_us"]) for r in rows]
-        )
-        fwd = [ratio(r.get("upstream_forward_us"), r.get("ours_forward_us")) for r in rows]
-        s["ours_vs_upstream_forward_time"] = _median(fwd)
-        ours_b = sum(r["ours_bytes_received"] for r in rows)
-        up_b = sum(r["upstream_bytes_received"] for r in rows)
-        s["bytes_ratio"] = ratio(ours_b, up_b)
-        shared = [r for r in rows if r.get("shared_prefix")]
-        s["bytes_ratio_shared_prefix_turn"] = ratio(
-            sum(r["ours_bytes_received"] for r in shared), sum(r["upstream_bytes_received"] for r in shared)
-        )
-        # Fixed read memory, both allocated at start-up and charged to the KV budget: our view arena
-        # against SGLang's double-buffered scratch.
-        s["peak_scratch_ratio"] = ratio(env.get("ours_arena_bytes"), env["upstream_scratch_bytes"])
-        s["host_syncs_upstream_per_forward"] = _median([r.get("upstream_forward_host_syncs") for r in rows])
-        s["upstream_zero_sm_gather_used"] = env.get("upstream_zero_sm_gather_used")
-    s["host_syncs_ours_per_forward"] = _median(
-        [r.get("ours_forward_host_syncs", r.get("ours_host_syncs")) for r in rows]
+    s["ours_arena_bytes_equal_admission"] = env.get("ours_arena_bytes_equal_admission")
+    s["upstream_scratch_bytes"] = env.get("upstream_scratch_bytes")
+    s["peak_scratch_ratio"] = ratio(env.get("ours_arena_bytes"), env.get("upstream_scratch_bytes"))
+    s["peak_scratch_ratio_equal_admission"] = ratio(
+        env.get("ours_arena_bytes_equal_admission"), env.get("upstream_scratch_bytes")
     )
-    s["host_syncs_sglang_metadata_per_forward"] = None  # init_forward_metadata not run: see the module docstring
-    # Host cost (GPU runs): what queuing the plan and each layer's reads costs the host, median over
-    # the batches that read a view (history and mixed), and SGLang's own for the same calls.
-    for name in ("ours", "upstream", "stock"):
-        for key in ("plan_host_us", "read_host_us_per_layer"):
+    for name in paths:
+        s[f"host_syncs_{name}_per_forward"] = _median([r.get(f"{name}_forward_host_syncs") for r in rows])
+    # Host cost: what queuing the plan and each layer's reads costs the host, median over the batches
+    # that read a prefix (history and mixed), and SGLang's whole init_forward_metadata beside it.
+    for name in paths:
+        for key in ("plan_host_us", "metadata_host_us", "read_host_us_per_layer"):
             vals = [r.get(f"{name}_{key}") for r in rows if r["kind"] != "current"]
             if any(v is not None for v in vals):
                 s[f"{name}_{key}"] = _median(vals)
-    if has_up:
-        wins = [k for k in ("ours_vs_upstream_layer_time", "ours_vs_upstream_forward_time") if (s[k] or 0) < 1.0]
-        wins += [k for k in ("bytes_ratio", "peak_scratch_ratio") if (s[k] or 0) > 1.0]
-        s["upstream_wins_on"] = wins
+    # Each stand-in's time per forward (median over the paths' timed forwards).
+    stand = {}
+    for r in rows:
+        for name in paths:
+            for op, us in (r.get(f"{name}_stand_ins_us") or {}).items():
+                stand.setdefault(op, []).append(us)
+    s["stand_ins"] = [
+        dict(item, us_per_forward_median=_median(stand.get(item["op"], [])))
+        for item in env.get("stand_ins", [])
+        if item["op"] in stand or not stand
+    ]
+    s["goals"] = {
+        k: {
+            "goal": f"{'>=' if how == 'min' else '<='} {goal}",
+            "value": s.get(k),
+            "met": None if s.get(k) is None else (s[k] >= goal if how == "min" else s[k] <= goal),
+        }
+        for k, (goal, how) in GOALS.items()
+    }
     return s
 
 
@@ -733,8 +899,8 @@ def _plot(name: str, rows: list[dict]) -> None:
                 ax.plot(xs, [r[key] for r in rows], marker="o", label=path)
         ax.set_yscale("log")
         ax.set_xlabel("batch (all scales in order)")
-        ax.set_ylabel("read path per layer, host-inclusive (µs)")
-        ax.set_title("read path per layer: stock / SGLang page-interleave / ours (CP=2)")
+        ax.set_ylabel("layer time with the MoE stand-in (µs)")
+        ax.set_title("DSA layer through SGLang's backend: stock / SGLang's sharded pools / ours (CP=2)")
         ax.legend()
 
     save_plot(name, draw)
@@ -781,12 +947,8 @@ def merge(names: list[str], out: str) -> None:
 
 
 def _write(name: str, rows: list[dict], summaries: dict[str, dict], envs: dict, ok: bool) -> None:
-    """The result file: every scale's summary, and their medians as the headline."""
-    first = next(iter(summaries.values()))
-    summary = {k: _median([s.get(k) for s in summaries.values()]) for k in first}
-    summary["current_chunk_bytes_gathered"] = sum(s["current_chunk_bytes_gathered"] for s in summaries.values())
-    summary["correct_all"] = ok
-    summary["upstream_wins_on"] = sorted({w for s in summaries.values() for w in s.get("upstream_wins_on", [])})
+    """The result file: every scale's summary; the headline is the first scale's (the others in by_scale)."""
+    summary = dict(next(iter(summaries.values())), correct_all=ok, headline_scale=next(iter(summaries)))
     write_result(name, rows, summary, {"by_scale": summaries, "run_environment": envs})
 
 
@@ -795,7 +957,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m benchmark.cp_shared_kv.bench_vs_upstream", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--scale", choices=sorted(SCALES), nargs="+", default=["32k", "128k"])
+    ap.add_argument("--scale", choices=sorted(SCALES), nargs="+", default=["32k", "prefix90", "128k"])
     ap.add_argument("--kv-format", choices=("fp8", "bf16"), default="fp8")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
@@ -836,6 +998,8 @@ def main(argv: list[str] | None = None) -> None:
     world = 2
     backend = a.backend or ("nccl" if a.device == "cuda" else "gloo")
     paths = [p for p in a.paths if p != "upstream" or backend == "nccl"]
+    if "stock" not in paths:
+        paths.insert(0, "stock")  # the reference every path is checked against
     if a.device == "cuda" and backend == "nccl" and torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -845,6 +1009,7 @@ def main(argv: list[str] | None = None) -> None:
         args = dict(device=a.device, scale=sc, kv_format=a.kv_format, page_size=a.page_size, paths=paths)
         args["profile_host"] = a.profile_host
         args["batches"] = a.batches
+        args["partial_out"] = f"{a.out}_partial"
         per_rank = spawn_ranks(_rank, world, args, backend=backend, timeout_s=a.timeout)
         r0 = per_rank[0]
         ok &= all(r["correct_all"] for r in per_rank)
@@ -859,6 +1024,9 @@ def main(argv: list[str] | None = None) -> None:
         envs[sc] = dict(r0["env"], batches="{}:{}".format(*a.batches) if a.batches else "all")
         # Written after every scale (a later scale that fails or times out keeps the earlier ones).
         _write(a.out, all_rows, summaries, envs, ok)
+        from benchmark.cp_shared_kv.bench_common import RESULTS_DIR
+
+        (RESULTS_DIR / f"{a.out}_partial.json").unlink(missing_ok=True)
 
     _plot(a.out, all_rows)
 

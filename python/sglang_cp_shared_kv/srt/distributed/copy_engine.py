@@ -215,6 +215,8 @@ class CopyEngineGroup:
             self.close()
             raise CopyEngineUnavailable("; ".join(failures))
         self.calls = 0
+        # Bytes this rank pulled from the others (a counter for benchmarks).
+        self.bytes_received = 0
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
 
     def close(self) -> None:
@@ -317,6 +319,7 @@ class CopyEngineGroup:
             d.check(d.wait64(stream, ready, k, WAIT_GEQ), "cuStreamWaitValue64")
             for dst, src, nbytes in copies:
                 d.check(d.copy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+                self.bytes_received += nbytes
         self._signal(stream, 1)  # done reading the peers' parts
         ack = self.size * self.signals.element_size()
         for ready, _ in pulls:

@@ -34,6 +34,8 @@ class CPGroup:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        # Bytes this rank received from the others through the all-gathers (a counter for benchmarks).
+        self.bytes_received = 0
 
     def __repr__(self) -> str:
         return f"CPGroup(rank={self.rank}, size={self.size}, backend={self.backend})"
@@ -46,6 +48,7 @@ class CPGroup:
         """
         out_b, local_b = self._byte_pair(out, local)
         self._all_gather_bytes(out_b, local_b)
+        self.bytes_received += out_b.numel() - local_b.numel()
         return out
 
     def all_gather_into_many(
@@ -66,6 +69,7 @@ class CPGroup:
         """
         check_pairs(outs, locals_)
         pairs = [self._byte_pair(out, local) for out, local in zip(outs, locals_)]
+        self.bytes_received += sum(out_b.numel() - local_b.numel() for out_b, local_b in pairs)
         if coalesce is None:
             coalesce = self.backend == "nccl"
         manager = getattr(dist, "_coalescing_manager", None)

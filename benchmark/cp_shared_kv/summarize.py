@@ -161,7 +161,10 @@ def _pd_faults() -> list[str]:
         "Transfer time is a request's time at the prefill, from admission to its senders' conclusion: the CPU-bound",
         "stand-in forward, the wait for the decode's destinations, the transfer and the statuses. The p99 holds the",
         "requests the router's loop held while the killed decode restarted and those spanning the partition. No",
-        "transfer time under delay: there is no delay without `sch_netem`. In CI the same test runs 40 requests.",
+        "transfer time under delay: there is no delay without `sch_netem`. Failures are counted by the cause in their",
+        "reason: a transfer error is a Mooncake batch that failed across the partition; after one, SGLang blacklists",
+        'the decode\'s session and fails the next requests to it at once ("decode session blacklisted") until its',
+        "probe (every 2 s here) takes the session back. In CI the same test runs 40 requests.",
         "",
     ]
     return lines

@@ -54,44 +54,45 @@ def _section(
 SOAK_SECTION = """\
 ## PD soak through SGLang's Mooncake connector: 2 and 4 prefill CP ranks to one decode, with faults (CPU, TCP loopback)
 
-`CP_SHARED_KV_SOAK_REQUESTS=320 CP_SHARED_KV_SOAK_REPORT=docs/benchmarks/pd_soak.json python -m pytest -q -m soak --timeout 3600 test/srt/sglang_wiring/test_pd_soak.py`
-(CPU, 2 shared cores, 2026-12-01): **18 passed in 133 s**. Figures in [`benchmarks/pd_soak.json`](benchmarks/pd_soak.json).
-It runs with `CP_SHARED_KV_SOAK_RANKS=2,4` only; CI runs the 2-rank soak across two network namespaces instead
-(`test_pd_faults.py`, 40 requests, next section). This run predates the plugin's connector bounds
-(`connector_bounds`), which now drop the rooms it shows SGLang keeping below.
+`CP_SHARED_KV_SOAK_RANKS=2,4 CP_SHARED_KV_SOAK_REQUESTS=320 CP_SHARED_KV_SOAK_REPORT=docs/benchmarks/pd_soak.json python -m pytest -q -m soak --timeout 1500 test/srt/sglang_wiring/test_pd_soak.py`
+(CPU, 2 shared cores, 2026-12-01): **22 passed in 234 s**. Figures in [`benchmarks/pd_soak.json`](benchmarks/pd_soak.json).
+It runs with `CP_SHARED_KV_SOAK_RANKS` only; CI runs the 2-rank soak across two network namespaces instead
+(`test_pd_faults.py`, 40 requests, next section).
 
 SGLang 0.5.23's `MooncakeKVManager`/`MooncakeKVSender` on each prefill CP rank (the plugin's CP-shared DSA pool and
 allocator, one real Mooncake engine per rank) and `MooncakeKVManager`/`MooncakeKVReceiver` in a decode process (stock
 pool and allocator, the plugin's manifest check, SGLang's deferred KV release for failed requests). Requests of 1 token
 to over 1024 pages (64 tokens each), sent in 1 to 3 chunks, at most 4 in flight; random client aborts (decode only or
-both sides; before the destinations arrive, between chunks, after the last chunk); the decode SIGKILLed and started
-again once, and SIGSTOPped for 2 s once, each with requests in flight.
+both sides; before the destinations arrive, between chunks, after the last chunk) and aborts at the prefill before the
+decode is told; the decode SIGKILLed (one request left sending to it) and started again once, and SIGSTOPped for 2 s
+once, each with requests in flight.
 
 | | 2 prefill ranks | 4 prefill ranks |
 |---|---|---|
-| requests (1 token ... pages max) | 320 (1 ... 1032) | 320 (1 ... 1047) |
-| served, byte-exact vs the replicated pool | 279 (6256 pages) | 268 (6324 pages) |
-| aborted (injected / failed by them) | 40 / 37 | 52 / 48 |
-| lost with the killed decode (router-aborted at the prefill) | 4 | 4 |
+| requests (1 token ... pages max) | 320 (1 ... 1051) | 320 (1 ... 1042) |
+| served, byte-exact vs the replicated pool | 274 (7265 pages) | 260 (6408 pages) |
+| aborted (injected / failed by them) | 47 / 44 | 62 / 57 |
+| lost with the killed decode | 2 | 3 |
 | other failures, corrupt pages | 0, 0 | 0, 0 |
-| decode releases after every rank's ABORT_ACK / after the 30 s timeout | 37 / 0 | 48 / 0 |
-| kill: requests in flight, decode back after | 4, 10.8 s | 4, 7.4 s |
-| SIGSTOP 2 s: requests in flight | 3 | 3 |
-| Mooncake batches, entries, largest batch | 1697, 29965, 1032 | 2767, 27222, 524 |
-| run wall time (worker loop) | 49 s | 66 s |
+| decode releases after every rank's ABORT_ACK / after the 30 s timeout | 44 / 0 | 57 / 0 |
+| kill: requests in flight, decode back after | 2, 14.0 s | 3, 12.2 s |
+| SIGSTOP 2 s: requests in flight | 4 | 4 |
+| Mooncake batches, entries, largest batch, failed | 1645, 29857, 1052, 2 | 2726, 27377, 522, 4 |
+| late destinations dropped per rank (`connector_bounds`) | 13 | 12 |
+| poisoned rooms released per rank (window ended) | 1 | 1 |
+| most rooms in a table above the requests in flight (sampled) | 0 | 0 |
+| connector table entries left (prefill, decode) | 0, 0 | 0, 0 |
+| decode registrations kept per prefill rank (one per decode start) | 2 | 2 |
+| run wall time (worker loop) | 96 s | 114 s |
 | free pages per prefill rank before → after | 1536 → 1536 | 1536 → 1536 |
 | decode free pages before → after (restarted decode) | 2048 → 2048 | 2048 → 2048 |
 | Mooncake regions per engine before → after, (de)registrations during the run | 5 → 5, 0 | 5 → 5, 0 |
 
-Every connector table of both sides is empty afterwards except for two SGLang behaviours the test allows only where it
-shows them: a decode's destinations reaching a prefill rank after that rank's sender was aborted and cleared make
-SGLang's bootstrap thread record the room again and nothing clears it (7 rooms per rank in each run, all aborted before
-their destinations arrived); and each decode session that ever registered stays in the prefill's
-`decode_kv_args_table` (2 per rank: the killed decode's and the restarted one's). One failed Mooncake batch (to the
-killed decode, 4 ranks) left one room in `_deferred_ack_poisoned_rooms`. KV pages are compared through a 16-byte BLAKE2b
-digest per page (every layer's latent rows and indexer page). The prefill forward writes the indexer keys with the
-torch formulation of SGLang's store kernel (checked byte-equal against the kernel at startup), since the Triton
-interpreter runs that kernel one Python program per token.
+The failed Mooncake batches are the kill's: the request left sending to the killed decode. The end of the run sweeps
+the rooms' windows as the first clear after them would (the 155 s window is not waited out). KV pages are compared
+through a 16-byte BLAKE2b digest per page (every layer's latent rows and indexer page). The prefill forward writes the
+indexer keys with the torch formulation of SGLang's store kernel (checked byte-equal against the kernel at startup),
+since the Triton interpreter runs that kernel one Python program per token.
 """
 
 

@@ -63,6 +63,20 @@ def test_sparse_mla_matches_loop(kv_format):
             assert torch.allclose(out[ti, hi].double(), ref, atol=1e-3)
 
 
+def test_sparse_mla_never_lets_an_unwritten_row_0_reach_the_output():
+    """An invalid slot must not read row 0's bytes into the result: a view's row 0 may hold NaN bits."""
+    torch.manual_seed(1)
+    rows_u8 = encode_mla_rows(torch.randn(8, 512), torch.randn(8, 64), "bf16")
+    poisoned = rows_u8.clone()
+    poisoned[0] = 0xFF  # bf16 NaN bits everywhere in row 0
+    q = torch.randn(2, 2, 576).to(torch.bfloat16)
+    idx = torch.tensor([[3, -1, 5], [-1, -1, -1]])
+    out, lse = sparse_mla(q, poisoned, "bf16", idx, 576**-0.5)
+    clean_out, clean_lse = sparse_mla(q, rows_u8, "bf16", idx, 576**-0.5)
+    assert torch.equal(out, clean_out) and torch.equal(lse, clean_lse)
+    assert not out.isnan().any()
+
+
 def test_indexer_topk_matches_loop_and_breaks_ties_by_position():
     torch.manual_seed(1)
     ps, h, topk = 4, 3, 5

@@ -204,6 +204,9 @@ def _sparse_mla_block(
     valid = rows >= 0
     safe = torch.where(valid, rows, torch.zeros_like(rows)).long()
     kv = decode_mla_rows(kv_rows_u8[safe.reshape(-1)], kv_format).reshape(*safe.shape, -1)  # [T, K, 576]
+    # An invalid slot reads row 0, which a view may never have written (NaN bits): zero it, or its
+    # zero probability times NaN would reach the output. The kernels never read such a slot at all.
+    kv = torch.where(valid.unsqueeze(-1), kv, torch.zeros_like(kv))
     logits = torch.einsum("thd,tkd->thk", q.float(), kv) * sm_scale
     logits = torch.where(valid.unsqueeze(1), logits, torch.full_like(logits, -math.inf))
     lse = torch.logsumexp(logits, dim=-1)

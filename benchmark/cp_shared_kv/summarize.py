@@ -467,7 +467,7 @@ def _side_by_side() -> list[str]:
             "(eight contexts, its own rule); `_equal_admission` sizes ours for eight contexts too: 0.514, just above",
             "the 0.5 goal.",
             "",
-            "Not run in this session (the one-H200 device time was spent): the prefix-90% workload in full",
+            "Not run yet on a GPU: the prefix-90% workload in full",
             "(`--scale prefix90`: 8 prompts of 100K tokens, 90K of each cached and only written, then 10K new",
             "tokens each in 8K chunks) and the 128K scale (`--scale 128k`, in pieces with `--batches` and `--merge`).",
             "The 2-GPU run (SGLang's page-interleave pool, the layer split on NCCL) is the next section's.",

@@ -103,7 +103,11 @@ SUBST: list[tuple[str, str, str]] = [
         "import CPSharedKVStartupError, hook_rejections\n",
         "import CPSharedKVStartupError\n",
     ),
-    ("srt.sglang_wiring.pool_hooks", "    lines = hook_rejections()\n", "    lines = []\n"),
+    (
+        "srt.sglang_wiring.pool_hooks",
+        "    lines = hook_rejections()  # as a plugin: a line if SGLang did not install one of its hooks\n",
+        "    lines = []\n",
+    ),
 ]
 # Regex edits of shipped modules' prose that describes the plugin's hook machinery: (our module or "*",
 # pattern, replacement, how many matches at least). A module-specific one that stops matching stops the
@@ -119,14 +123,16 @@ PROSE: list[tuple[str, str, str, int]] = [
     ),
     (
         "srt.sglang_wiring.startup_checks",
-        r"On a command line \(the flag's argparse action installs it\)\s+such an error prints as its lines alone, without a traceback\. ",
+        r"On a command line \(the flag's argparse action installs it\)\s+such an error prints as its lines alone, without a traceback\.\s+",
         "",
         1,
     ),
-    ("*", r'"""AFTER hook on ', '"""Runs after ', 0),
-    ("*", r'"""AROUND hook on ', '"""Wraps ', 0),
-    ("*", r'"""AROUND ', '"""Wraps ', 0),
 ]
+# Words of the plugin's hook machinery that no shipped module may say once the edits above are made
+# (its docstrings say what a function does at its SGLang call site, which holds in both forms).
+PLUGIN_PROSE = re.compile(
+    r"\bAROUND\b|\bAFTER hook|HookRegistry|register_resolution_hook|sglang_wiring|hook_rejections|plugin hook"
+)
 # Top-level names of every shipped module that only the plugin's registration reads.
 REGISTRATION_TABLES = ("HOOKS", "RESOLUTION_HOOKS")
 
@@ -765,12 +771,27 @@ def module_text(mod: str, path: Path, modules: dict[str, Path]) -> str:
     tables = [t for t in REGISTRATION_TABLES if re.search(rf"^{t}\b", text, re.MULTILINE)]
     if mod in DROP or tables:
         text = drop_definitions(text, DROP.get(mod, []) + tables, f"{PKG}.{mod}")
+    text = rename_in_prose(text, modules)
     if path.name == "__init__.py" and not text.strip():
         doc = PACKAGE_DOCS.get(home(mod))
         if doc is None:
             raise GenerationError(f"sglang.{home(mod)} is a new package without a docstring in PACKAGE_DOCS")
         text = '"""' + "\n".join(textwrap.wrap(doc, 100)) + '"""\n'
-    return rewrite_imports(text, modules, f"{PKG}.{mod}")
+    text = rewrite_imports(text, modules, f"{PKG}.{mod}")
+    said = PLUGIN_PROSE.search(text)
+    if said:
+        line = text.count("\n", 0, said.start()) + 1
+        raise GenerationError(f"{PKG}.{mod}:{line}: says {said.group()!r}, the plugin's hook machinery (reword it)")
+    return text
+
+
+def rename_in_prose(text: str, modules: dict[str, Path]) -> str:
+    """``name`` or ``name.attr`` of one of our modules named otherwise in SGLang, as its SGLang name."""
+    for mod in modules:
+        ours, theirs = mod.rsplit(".", 1)[-1], home(mod).rsplit(".", 1)[-1]
+        if ours != theirs:
+            text = re.sub(rf"``(?:sglang_wiring\.)?{re.escape(ours)}(?=[.`])", f"``{theirs}", text)
+    return text
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1151,7 +1172,9 @@ The generator reads the plugin's modules and hook tables when it runs. A new mod
 (`HOMES` in `scripts/make_upstream_patch.py`), a new hook a site (`SITES`: the SGLang file, the
 exact text there, the direct call that replaces it); a site whose text SGLang no longer has, a
 hook without a site or a site for a hook that is gone each stop it with one line, and so does
-`test/scripts/test_upstream_patch.py`. `python scripts/make_upstream_patch.py --docs` regenerates
+`test/scripts/test_upstream_patch.py`. So does a shipped module whose prose speaks of the plugin's
+hook machinery (`PLUGIN_PROSE`): its docstrings say what each function does at its SGLang call
+site, which holds in both forms. `python scripts/make_upstream_patch.py --docs` regenerates
 this page (the tables and the diff stat below).
 
 ## Where each plugin hook went

@@ -88,6 +88,19 @@ def test_a_hook_without_a_site_stops_the_generator(gen, monkeypatch, tmp_path):
         gen.build_series(tmp_path / "out")
 
 
+def test_plugin_prose_in_a_shipped_module_stops_the_generator(gen, tmp_path):
+    """A docstring that describes the plugin's hooks would be false in SGLang: the generator names its line."""
+    mod = "srt.sglang_wiring.connector_sockets"
+    source = (gen.SRC / "srt" / "sglang_wiring" / "connector_sockets.py").read_text()
+    assert gen.module_text(mod, gen.SRC / "srt" / "sglang_wiring" / "connector_sockets.py", gen.shipped_modules())
+    copy = tmp_path / "connector_sockets.py"
+    copy.write_text(
+        source.replace('"""Wraps ``CommonKVManager._connect``', '"""AROUND hook on ``CommonKVManager._connect``')
+    )
+    with pytest.raises(gen.GenerationError, match=r"connector_sockets:\d+: says 'AROUND'"):
+        gen.module_text(mod, copy, gen.shipped_modules())
+
+
 def test_docs_list_the_files_of_the_series(gen, series):
     """docs/upstream.md carries the series' diff stat; its file list must be the series' (regenerate with
     ``python scripts/make_upstream_patch.py --docs`` after a module moves)."""

@@ -1,4 +1,4 @@
-"""Argument checks and small helpers shared by the plugin, the demo and the benchmarks (imports without torch)."""
+"""Argument checks and small helpers shared by the CP-shared KV cache's modules (this module imports without torch)."""
 
 from __future__ import annotations
 

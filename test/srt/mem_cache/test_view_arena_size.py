@@ -1,5 +1,5 @@
 """The view arena's regions (``arena_regions``): hand-computed, and SGLang's ``PageShardSpec`` through
-``view_arena.make_arena_spec`` holds the very same sizes (the standalone stack sizes its arena as the plugin)."""
+``view_arena.make_arena_spec`` holds the very same sizes."""
 
 import pytest
 
@@ -21,7 +21,7 @@ def test_arena_regions_round_contexts_to_rotations_and_the_chunk_to_pages():
 @pytest.mark.parametrize(
     "cp, ps, context, chunk, contexts", [(2, 64, 131172, 16384, 2), (4, 16, 405, 256, 2), (3, 16, 174, 100, 3)]
 )
-def test_arena_regions_are_the_spec_the_plugin_hands_sglang(cp, ps, context, chunk, contexts):
+def test_arena_regions_are_the_spec_handed_to_sglang(cp, ps, context, chunk, contexts):
     from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import make_arena_spec
 
     spec = make_arena_spec(0, cp, ps, context, chunk, contexts)

@@ -4,7 +4,7 @@ A prefill batch's read buffer is ``[prefix view | current chunk | trash page]``.
 it once: ``contexts`` full contexts of prefix, each rounded up to whole rotations of ``N`` pages
 (the view all-gathers ``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefill
 budget in whole pages; one trash page follows (SGLang's ``PageShardSpec.scratch_rows``). These are
-the ``max_prefix_tokens`` and ``chunk_tokens`` that ``sglang_wiring.view_arena.make_arena_spec``
+the ``max_prefix_tokens`` and ``chunk_tokens`` that ``view_arena.make_arena_spec``
 hands SGLang's admission.
 """
 

@@ -16,12 +16,13 @@ Three of the manager's tables outlive the requests they describe:
   decode still relies on would fail every later transfer to it (SGLang's transfer worker reads
   it unguarded), and a decode re-registers only after its heartbeat declared the prefill dead.
 
-This module bounds the first two, per prefill manager, with what the plugin can see from hooks:
+This module bounds the first two, per prefill manager, from the two steps it wraps
+(``CommonKVManager.update_status`` and ``CommonKVSender.clear``):
 
 - a room is *live* from its sender's opening status (``update_status(room, Bootstrapping)``,
   called only by ``CommonKVSender.__init__`` on a prefill) until ``CommonKVSender.clear``;
 - a cleared room is *closed* for ``window_s``. Destinations that reach a closed room are dropped
-  at once (``update_status`` AROUND: the tables the bootstrap thread filled are popped and the
+  at once (in ``update_status``: the tables the bootstrap thread filled are popped and the
   room is not opened). Destinations for a room that is neither live nor closed open it as SGLang
   does (they may precede their sender) and are dropped if no sender opens it within ``window_s``;
 - when a closed room's window ends, its poison is dropped: by then the decode has released the
@@ -33,8 +34,8 @@ This module bounds the first two, per prefill manager, with what the plugin can 
 ``window_s`` is those two timeouts plus a margin, read from SGLang's environment as the decode
 reads them (a deployment sets them alike on both sides). Expired rooms are swept at every clear;
 closed rooms beyond ``MAX_CLOSED`` are forgotten oldest first keeping their poison (SGLang's
-behaviour), so the plugin's own state is bounded too. With the flag off, or on a decode, every
-hook calls SGLang's step and nothing else.
+behaviour), so this module's own state is bounded too. With the flag off, or on a decode, both
+wrappers call SGLang's step and nothing else.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def window_s() -> float:
 
 
 class RoomBounds:
-    """The plugin's view of one prefill manager's rooms: live, closed (until), unclaimed (until)."""
+    """This module's view of one prefill manager's rooms: live, closed (until), unclaimed (until)."""
 
     def __init__(self, window: float):
         self.window = window
@@ -109,7 +110,7 @@ def _forget_room(mgr: Any, room: int) -> None:
 
 
 def guard_update_status(original, mgr, bootstrap_room, status):
-    """AROUND ``CommonKVManager.update_status`` (prefill, flag on): track live rooms; drop late destinations."""
+    """Wraps ``CommonKVManager.update_status`` (prefill, flag on): track live rooms; drop late destinations."""
     if not _guarded_prefill(mgr):
         return original(mgr, bootstrap_room, status)
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -135,7 +136,7 @@ def guard_update_status(original, mgr, bootstrap_room, status):
 
 
 def close_room(original, sender):
-    """AROUND ``CommonKVSender.clear`` (prefill, flag on): the room closes, then expired rooms are swept."""
+    """Wraps ``CommonKVSender.clear`` (prefill, flag on): the room closes, then expired rooms are swept."""
     mgr = sender.kv_mgr
     if not _guarded_prefill(mgr):
         return original(sender)

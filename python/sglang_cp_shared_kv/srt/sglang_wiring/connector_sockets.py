@@ -9,7 +9,7 @@ monitor does not watch, and never tries again: it takes every later message and 
 every later request to that decode waits for the decode's waiting timeout, for as long as the
 prefill runs (``test_pd_faults`` found it; a bare ZMQ PUSH behind a downed veth shows the same).
 
-``reconnect_new_sockets`` (AROUND ``CommonKVManager._connect``, flag on) gives each socket SGLang
+``reconnect_new_sockets`` (wraps ``CommonKVManager._connect``, flag on) gives each socket SGLang
 has just made ZMQ's reconnect (every 100 ms) before anything is sent on it: the first connect is
 dropped and made again with reconnect on. A socket made during a partition then connects when the
 link comes back and delivers what was queued; a disconnect still drops the socket as SGLang does.
@@ -23,7 +23,7 @@ RECONNECT_MS = 100
 
 
 def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
-    """AROUND ``CommonKVManager._connect``: a socket SGLang made just now reconnects until it is connected."""
+    """Wraps ``CommonKVManager._connect``: a socket SGLang made just now reconnects until it is connected."""
     if not runtime_enabled():
         return original(mgr, endpoint, is_ipv6=is_ipv6)
     import zmq

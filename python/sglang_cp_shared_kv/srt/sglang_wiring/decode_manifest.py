@@ -2,13 +2,13 @@
 
 A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP;
 the flag means "expect CP shared-KV manifests". Each prefill CP rank appends its manifest to its
-Success status message (``transfer.attach_manifest``). Three hooks check them:
+Success status message (``transfer.attach_manifest``). Three functions at SGLang's receiver check them:
 
-- ``arm_manifest_check`` (AROUND ``CommonKVReceiver.send_metadata``): before the destination
+- ``arm_manifest_check`` (wraps ``CommonKVReceiver.send_metadata``): before the destination
   pages leave, the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages (the
   positions SGLang's prefill senders index), the prefill's CP size and the decode's per-page
   latent bytes; it expects as many senders as SGLang's own success count.
-- ``check_status_message`` (AROUND ``CommonKVManager.parse_kv_status_message``, on the decode
+- ``check_status_message`` (wraps ``CommonKVManager.parse_kv_status_message``, on the decode
   thread, before SGLang counts the status): a Success passes only if its manifest is accepted by
   the collector: the rank matches the status frame's sender, every rank lists the same page
   table, positions are in range, none twice, each claimed by the rank that owns its logical page
@@ -18,11 +18,11 @@ Success status message (``transfer.attach_manifest``). Three hooks check them:
   rank is still writing into the request's pages) it is turned into ``KVPoll.Failed`` with a
   one-line reason. SGLang's decode scheduler then fails that request and releases its pages as it
   does for any failed transfer; other requests are not touched.
-- ``forget_room`` (AFTER ``CommonKVReceiver.clear``) drops the request's collector.
+- ``forget_room`` (runs after ``CommonKVReceiver.clear``) drops the request's collector.
 
 A failure is logged when it is found; if a rank never reports, SGLang's waiting timeout fails
 the request instead. Other statuses (a prefill's own Failed) pass through unchanged. With the
-flag off, or in a prefill process, every hook calls SGLang's step and nothing else.
+flag off, or in a prefill process, each of them calls SGLang's step and nothing else.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _checking_decode(mgr: Any) -> bool:
 
 
 def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
-    """AROUND ``CommonKVReceiver.send_metadata``: open the request's collector first."""
+    """Wraps ``CommonKVReceiver.send_metadata``: open the request's collector first."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = receiver.kv_mgr
@@ -126,7 +126,7 @@ def _judge(check: RoomCheck, msg: list[bytes], room: int, prefill_rank: int) -> 
 
 
 def check_status_message(original, mgr, msg):
-    """AROUND ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on).
+    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on).
 
     Returns SGLang's parse for anything but a Success status of an armed request; for those, the
     parse itself if the manifest is accepted, ``None`` (not a status message: ignored) while a
@@ -167,7 +167,7 @@ def check_status_message(original, mgr, msg):
 
 
 def forget_room(_result, receiver) -> None:
-    """AFTER hook on ``CommonKVReceiver.clear``."""
+    """Runs after ``CommonKVReceiver.clear``: drop the request's collector."""
     checks = receiver.kv_mgr.__dict__.get(_CHECKS_ATTR)
     if checks:
         with _LOCK:

@@ -1,7 +1,7 @@
 """The ``--enable-cp-shared-kv`` flag: its name, and whether a server-args record (or this process) has it on.
 
-Every wiring module reads the flag through here; ``server_args_hook`` puts it on SGLang's parser
-and server-args record, ``startup_checks`` checks what it may be combined with.
+Every module reads the flag through here (SGLang's parser and server-args record carry it);
+``startup_checks`` checks what it may be combined with.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ BYTES_BUCKETS = (0.0, *(float(4**k * 2**20) for k in range(9)))
 
 
 class CPSharedKVMetrics:
-    """The plugin's Prometheus series for one process, under ``labels`` (SGLang's scheduler labels + ``cp_rank``)."""
+    """The flag's Prometheus series for one process, under ``labels`` (SGLang's scheduler labels + ``cp_rank``)."""
 
     def __init__(self, labels: dict[str, Any]):
         # As SGLang's collectors: prometheus_client only after $PROMETHEUS_MULTIPROC_DIR is set.
@@ -204,7 +204,7 @@ def startup_line(pool: Any, allocator: Any) -> str:
     )
 
 
-# -- hooks --
+# -- at SGLang's call sites --
 
 
 def _ours(pool: Any) -> bool:
@@ -214,7 +214,7 @@ def _ours(pool: Any) -> bool:
 
 
 def report_pools(result, _configurator, **_kwargs):
-    """AFTER hook on ``KVCacheConfigurator._init_pools``: the startup line and the start-up sizes."""
+    """Runs after ``KVCacheConfigurator._init_pools``: the startup line and the start-up sizes."""
     pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
     if not _ours(pool):
         return result
@@ -226,7 +226,7 @@ def report_pools(result, _configurator, **_kwargs):
 
 
 def observe_batch(original, pool, req_to_token, forward_batch):
-    """AROUND ``prepare_kv_shard_forward``: the previous batch's bytes, this batch's arena share, overflows."""
+    """Wraps ``prepare_kv_shard_forward``: the previous batch's bytes, this batch's arena share, overflows."""
     metrics = get() if _ours(pool) else None
     if metrics is None:
         return original(pool, req_to_token, forward_batch)
@@ -244,7 +244,7 @@ def observe_batch(original, pool, req_to_token, forward_batch):
 
 
 def count_deferral(reserved: bool, adder, *_args, **_kwargs) -> bool:
-    """AFTER hook on ``PrefillAdder._kv_shard_reserve_scratch``: a request held back by the view arena."""
+    """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: a request held back by the view arena."""
     if not reserved and getattr(adder.token_to_kv_pool_allocator, "cp_shared_arena", False):
         metrics = get()
         if metrics is not None:

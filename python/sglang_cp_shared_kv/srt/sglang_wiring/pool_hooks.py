@@ -1,31 +1,34 @@
-"""Hooks on SGLang's KV cache configurator: swap in the CP-shared pools and widen the allocator.
+"""Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
 
-All three are AROUND hooks that call the stock step unchanged unless ``--enable-cp-shared-kv``
-is on in this process's published server args (and the configurator builds a target, not a
-draft, pool):
+Three builders wrap the configurator's steps, each taking the stock step as its first argument
+and calling it unchanged unless ``--enable-cp-shared-kv`` is on in this process's published
+server args (and the configurator builds a target, not a draft, pool):
 
-- ``_build_dsa_kv_pool`` / ``_build_mla_kv_pool``: the stock builder runs with our pool class
-  in place of ``DSATokenToKVPool`` / ``MLATokenToKVPool`` (same constructor arguments, so
-  every size, dtype and layer decision stays SGLang's).
-- ``_build_token_to_kv_pool_allocator``: over a CP-shared pool, SGLang's own owner-rotating
-  ``PageInterleavePoolAllocator`` (logical index space ``size * N``, logical pages ``lp``
-  drawn for owner ``lp % N``: the same arithmetic as ``PageOwnership``), handed our view
-  arena's ``PageShardSpec`` (``view_arena``), so the scheduler widens its capacity and rotation
-  bases and SGLang's own scratch admission keeps every prefill batch's views inside the arena.
+- ``build_dsa_kv_pool`` / ``build_mla_kv_pool`` (``_build_dsa_kv_pool`` / ``_build_mla_kv_pool``):
+  the stock builder runs with our pool class in place of ``DSATokenToKVPool`` /
+  ``MLATokenToKVPool`` (same constructor arguments, so every size, dtype and layer decision
+  stays SGLang's).
+- ``build_allocator`` (``_build_token_to_kv_pool_allocator``): over a CP-shared pool, SGLang's
+  own owner-rotating ``PageInterleavePoolAllocator`` (logical index space ``size * N``, logical
+  pages ``lp`` drawn for owner ``lp % N``: the same arithmetic as ``PageOwnership``), handed our
+  view arena's ``PageShardSpec`` (``view_arena``), so the scheduler widens its capacity and
+  rotation bases and SGLang's own scratch admission keeps every prefill batch's views inside the
+  arena.
   Then the process is marked as transferring sharded KV (see ``transfer``).
 
-An AFTER hook on ``_init_pools`` then refuses to go on, one line per problem, unless every
-plugin hook is installed in this process and the pool and allocator SGLang built are ours.
-An AROUND hook on ``prepare_kv_shard_forward`` hands the batch's request ids to the pool (for
-the slot-overflow error) and its shared-prefix hint.
+Once ``_init_pools`` has built them, ``check_built_pools`` refuses to go on, one line per
+problem, unless the pool and allocator SGLang built are ours. ``name_batch_requests`` wraps
+``prepare_kv_shard_forward``: it hands the batch's request ids to the pool (for the
+slot-overflow error) and its shared-prefix hint.
 
 **Shared prefixes** (``read_state.BatchReadState.shared_prefix``): only the scheduler knows which
 requests of a batch share prefix pages (the radix paths their ``Req.last_node`` s end), and
-``ForwardBatch`` does not carry them. An AFTER hook on ``ForwardBatch.init_new`` (which receives
-the ``ScheduleBatch``) computes the hint of each extend batch from its requests' radix paths and
-the ``extend_prefix_lens_cpu`` it built, and leaves it on the pool (``shared_prefix_hint``), keyed
-by the batch's rids and prefix lens: SGLang's eager runner rebuilds the ForwardBatch from its
-dataclass fields before the backend begins it, so an attribute of the batch would not arrive.
+``ForwardBatch`` does not carry them. ``hint_shared_prefix`` runs after ``ForwardBatch.init_new``
+(which receives the ``ScheduleBatch``): it computes the hint of each extend batch from its
+requests' radix paths and the ``extend_prefix_lens_cpu`` the batch was built with, and leaves it on
+the pool (``shared_prefix_hint``), keyed by the batch's rids and prefix lens: SGLang's eager
+runner rebuilds the ForwardBatch from its dataclass fields before the backend begins it, so an
+attribute of the batch would not arrive.
 ``name_batch_requests`` hands it to the read state when the batch it begins is that batch (same
 requests in the same order, same prefix lens, prefix-free padding past them); any other batch
 reads without a hint. Host objects only: the tree's node ids and value lengths, no device data.
@@ -114,7 +117,8 @@ def build_allocator(original, configurator, **kwargs):
 
 
 def check_built_pools(result, configurator, **_kwargs):
-    """AFTER hook on ``_init_pools``: the flag's pool and allocator, and every hook, or a refusal."""
+    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, the pool and allocator it built must
+    be ours, or a refusal (one line per problem)."""
     if not builds_cp_shared_pool(configurator):
         return result
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
@@ -122,7 +126,7 @@ def check_built_pools(result, configurator, **_kwargs):
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
     from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, hook_rejections
 
-    lines = hook_rejections()
+    lines = hook_rejections()  # as a plugin: a line if SGLang did not install one of its hooks
     pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
     if not isinstance(pool, CPSharedKVPoolMixin):
         lines.append(
@@ -215,7 +219,7 @@ def batch_shared_prefix(
 
 
 def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
-    """AFTER hook on ``ForwardBatch.init_new``: leave an extend batch's shared-prefix hint on a CP-shared pool.
+    """Runs after ``ForwardBatch.init_new``: leave an extend batch's shared-prefix hint on a CP-shared pool.
 
     Every extend batch replaces the pool's hint (``None``: no sharing), so a hint never outlives the
     next batch. Passes through unless the flag is on and the model runner's pool is ours.

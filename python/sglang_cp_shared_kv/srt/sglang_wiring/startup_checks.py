@@ -1,6 +1,6 @@
 """Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
 
-Two resolution hooks wrap existing steps (``register_resolution_hook``):
+Two checks wrap existing resolution steps, each taking the stock step as an argument:
 
 - ``validate_prefill_cp_platform`` runs before model resolution and before the
   dummy-model early return: flag-only checks (:func:`flag_rejections`).
@@ -12,8 +12,8 @@ Two resolution hooks wrap existing steps (``register_resolution_hook``):
 Every rejection is one line naming the offending flag and the fix; all of a
 configuration's rejections are raised together in one ``CPSharedKVStartupError``
 (a ``ValueError``). On a command line (the flag's argparse action installs it)
-such an error prints as its lines alone, without a traceback. With the flag off
-both hooks only call the stock step.
+such an error prints as its lines alone, without a traceback.
+With the flag off both only call the stock step.
 
 Before anything else, with the flag on: the installed SGLang must be a version the
 hooks were checked against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1``
@@ -23,12 +23,12 @@ would start with replicated KV), and the model config must be readable without t
 (a local directory, or a model in the Hugging Face cache), since the rest of resolution may
 download it.
 
-What is accepted is exactly what the wiring honours (see ``sglang_wiring``):
+What is accepted is exactly what the pools, their read path and the PD manifest honour:
 a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks,
 an MLA model on CUDA, either a DSA model (the lightning indexer) on the DSA
 backend's ``flashmla_sparse`` or ``trtllm`` prefill kernels, or a plain MLA
 model on the ``fa3`` prefill backend. On a PD decode server the flag means
-"expect CP shared-KV manifests" (``sglang_wiring.decode_manifest``): it must
+"expect CP shared-KV manifests" (``decode_manifest``): it must
 use Mooncake and stay non-CP; its pool, model and kernels are SGLang's.
 """
 
@@ -58,7 +58,7 @@ _version_warned = False
 
 
 class CPSharedKVStartupError(ValueError):
-    """The configuration or the installed hooks do not support ``--enable-cp-shared-kv``: one line per problem."""
+    """The configuration (or the SGLang it runs in) does not support ``--enable-cp-shared-kv``: one line per problem."""
 
 
 def _line(what: str, fix: str) -> str:

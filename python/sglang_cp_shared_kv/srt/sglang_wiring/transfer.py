@@ -75,7 +75,7 @@ def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, cp_size: in
 
 
 def check_send_indices(result, sender, kv_indices, state_indices=None):
-    """AFTER hook on ``CommonKVSender._prepare_send_indices`` (debug mode, flag on).
+    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on).
 
     Checks every chunk's selection against ``owned_share`` and, on the last chunk, that this
     rank sent exactly the positions of the request it owns: its share of the manifest.
@@ -129,7 +129,7 @@ def _sharded_prefill(mgr: Any) -> bool:
 
 
 def record_sent_share(result, sender, kv_indices, state_indices=None):
-    """AFTER hook on ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill).
+    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill).
 
     ``kv_indices`` is the chunk's logical pages by position; ``result`` holds the positions
     SGLang's filter selected for this rank, which are what the transfer worker sends.
@@ -152,7 +152,7 @@ def record_sent_share(result, sender, kv_indices, state_indices=None):
 
 
 def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
-    """AFTER hook on ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill).
+    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill).
 
     A Success status carries this rank's manifest; a Failed one carries nothing and drops the
     record; a bootstrap notice (WaitingForInput) leaves it. The frames follow SGLang's own (an
@@ -181,7 +181,7 @@ def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
 
 
 def drop_unsent_share(_result, sender) -> None:
-    """AFTER hook on ``CommonKVSender.clear``: forget a request that will send no Success.
+    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success.
 
     A concluded Success keeps its record: the transfer worker marks the room Success before it
     encodes the status message, so the scheduler may clear the sender first.

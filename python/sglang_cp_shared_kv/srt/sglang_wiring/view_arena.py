@@ -116,7 +116,7 @@ def spec_for(configurator: Any) -> Any:
 
 
 def charge_arena(original, kvc, **kwargs):
-    """AROUND hook on ``pool_configurator.compute_page_shard_scratch_bytes``: our arena's bytes when the flag is on."""
+    """Wraps ``pool_configurator.compute_page_shard_scratch_bytes``: our arena's bytes when the flag is on."""
     if not builds_cp_shared_pool(kvc):
         return original(kvc, **kwargs)
     from sglang.srt.mem_cache import page_interleave
@@ -142,7 +142,7 @@ def charge_arena(original, kvc, **kwargs):
 
 
 def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
-    """AFTER hook on ``PrefillAdder._kv_shard_reserve_scratch``: say why a request waits for a later batch."""
+    """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: say why a request waits for a later batch."""
     spec = getattr(adder, "kv_shard_scratch_spec", None)
     if not reserved and spec is not None and getattr(adder.token_to_kv_pool_allocator, "cp_shared_arena", False):
         logger.info(

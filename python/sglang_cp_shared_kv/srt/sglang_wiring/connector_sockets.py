@@ -7,7 +7,7 @@ the next send drops the socket and makes a new one. A socket made while the peer
 (a partition: the connect fails at once, "network unreachable") reports ``EVENT_CLOSED``, which that
 monitor does not watch, and never tries again: it takes every later message and delivers none, so
 every later request to that decode waits for the decode's waiting timeout, for as long as the
-prefill runs (``test_pd_faults`` found it; a bare ZMQ PUSH behind a downed veth shows the same).
+prefill runs (a bare ZMQ PUSH behind a downed veth shows it).
 
 ``reconnect_new_sockets`` (wraps ``CommonKVManager._connect``, flag on) gives each socket SGLang
 has just made ZMQ's reconnect (every 100 ms) before anything is sent on it: the first connect is

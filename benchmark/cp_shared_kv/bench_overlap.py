@@ -288,7 +288,6 @@ class RealPipeline:
             self.group,
             prefetch=prefetch,
             arena=self.arena,
-            pipeline_chunk_tokens=0,
             prefetch_gather=cfg.get("gather", "side"),
             prefetch_priority=cfg.get("priority", materialize.HIGHEST_STREAM_PRIORITY),
         )

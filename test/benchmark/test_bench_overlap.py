@@ -48,7 +48,6 @@ def test_views_hold_own_pages_and_peer_part(prefetch, gather):
         local_copy_engine_group(list(arena.values()), peer),
         prefetch=prefetch,
         arena=arena,
-        pipeline_chunk_tokens=0,
         prefetch_gather=gather,
     )
     for _ in range(2):  # a second batch reuses the buffers and the transport's counters

@@ -98,7 +98,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
                 exact.append(bool(torch.equal(got[j : j + PS], want[j : j + PS])))
                 page = int(r[j]) // PS
                 staged = page >= plan.view_pages
-                trash.append(not staged and int(plan.slot_phys[plan.send_entry(r[j : j + 1] // PS)]) == pool.trash_page)
+                trash.append(not staged and int(plan.slot_phys[page]) == pool.trash_page)
         out["exact"], out["trash"] = exact, trash
         out["index_shapes"] = [tuple(t.shape) for t in index]
         if device == "cuda":

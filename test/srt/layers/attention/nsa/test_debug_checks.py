@@ -23,9 +23,9 @@ PS = 16
 PAGES = [[0, 1, 2], [3, 4, 5, 6, 7]]
 
 
-def _plan(pages, n=2, chunks=1):
+def _plan(pages, n=2):
     table = page_table(pages)
-    return build_slot_plan(table, [len(p) for p in pages], n, PS, trash_page=99, use_triton=False, chunks=chunks)
+    return build_slot_plan(table, [len(p) for p in pages], n, PS, trash_page=99, use_triton=False)
 
 
 def test_valid_plan_passes():
@@ -34,11 +34,6 @@ def test_valid_plan_passes():
     check_plan(plan, None)
     assert plan_digest(plan) == plan_digest(_plan(PAGES))
     assert plan_digest(plan) != plan_digest(_plan([[0, 1, 2], [3, 4, 5, 6, 9]]))
-    # A pipelined (chunk-major) layout is valid too, and a different plan.
-    chunked = _plan(PAGES, chunks=2)
-    assert chunked.chunks == 2
-    check_plan_local(chunked)
-    assert plan_digest(chunked) != plan_digest(plan)
 
 
 def test_unbalanced_pages_overflow_a_block():
@@ -49,11 +44,9 @@ def test_unbalanced_pages_overflow_a_block():
         check_plan_local(plan)
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("field", ["slot_table", "slot_phys", "slots"])
-def test_corrupted_plan_is_inconsistent(field, chunks):
-    plan = _plan(PAGES, chunks=chunks)
-    assert plan.chunks == chunks
+def test_corrupted_plan_is_inconsistent(field):
+    plan = _plan(PAGES)
     broken = getattr(plan, field).clone()
     broken[[0, 1]] = broken[[1, 0]]
     with pytest.raises(CPSharedKVDebugError, match="slot plan is inconsistent"):

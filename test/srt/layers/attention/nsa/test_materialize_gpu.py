@@ -1,7 +1,6 @@
 """On CUDA: the views never synchronize with the host, their compiled kernels equal the CPU
-references, and the NCCL-gathered view holds the replicated pages bit for bit, in one piece or
-in pipeline chunks (each chunk's gather overlapping the previous chunk's all-gather). The wired
-read state on GPUs: ``test_read_state_ranks.py``."""
+references, and the NCCL-gathered view holds the replicated pages bit for bit. The wired read
+state on GPUs: ``test_read_state_ranks.py``."""
 
 import random
 
@@ -85,7 +84,7 @@ def test_materializer_does_not_sync():
     assert hist_rows.tolist() == [[s0 * PS, s1 * PS + 1, -1]]
 
 
-def _rank_nccl_views(rank, world_size, chunk_tokens):
+def _rank_nccl_views(rank, world_size):
     """Random pages on every rank's share of a pool and on a replicated pool: the view built over NCCL
     (under CUDA sync-debug 'error' mode after a warm-up) holds the replicated page at every position."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -107,7 +106,7 @@ def _rank_nccl_views(rank, world_size, chunk_tokens):
     for pool in (sharded, replicated):
         pool.set_latent(0, locs.to(dev), rows)
         pool.set_index(0, locs.to(dev), k_u8, scale)
-    mat = ViewMaterializer(sharded, group, pipeline_chunk_tokens=chunk_tokens)
+    mat = ViewMaterializer(sharded, group)
     prefix = [PS] * len(lens)
     mat.begin_batch(table, lens, prefix)
     mat.layer_view(0)  # warm-up: Triton compiles, NCCL communicators
@@ -129,20 +128,16 @@ def _rank_nccl_views(rank, world_size, chunk_tokens):
         view.kv_rows.view(-1, PS * sharded.row_bytes)[sl], replicated.latent[0].view(-1, PS * sharded.row_bytes)[lp]
     )
     index_ok = torch.equal(view.index_pages[sl], replicated.index[0][lp])
-    expected_pages = predicted_view_pages([len(p) for p in pages], world_size, mat.plan.chunks)
-    return latent_ok, index_ok, mat.plan.chunks, counters.view_pages == expected_pages
+    expected_pages = predicted_view_pages([len(p) for p in pages], world_size)
+    return latent_ok, index_ok, counters.view_pages == expected_pages
 
 
 @pytest.mark.multirank
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("chunk_tokens", [0, 16 * PS])
-def test_nccl_views_equal_replicated_pages_without_syncing(chunk_tokens):
+def test_nccl_views_equal_replicated_pages_without_syncing():
     n = min(torch.cuda.device_count(), 8)
-    for latent_ok, index_ok, chunks, counted in spawn_ranks(
-        _rank_nccl_views, n, chunk_tokens, backend="nccl", timeout_s=300
-    ):
+    for latent_ok, index_ok, counted in spawn_ranks(_rank_nccl_views, n, backend="nccl", timeout_s=300):
         assert latent_ok and index_ok and counted
-        assert (chunks > 1) == bool(chunk_tokens)
 
 
 def test_prepared_gather_launches_equal_the_reference():

@@ -23,7 +23,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     triton_enabled,
     word_pair,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import chunk_layout, plan_vectors, slots_per_rank
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import plan_vectors, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -205,42 +205,39 @@ def test_plan_positions_equals_reference(pages):
     assert got.dtype == torch.int64 and torch.equal(got, expected)
 
 
-def _assign_case(pages, cp_size, chunks, seed, dtype=torch.int64, pad=0, strided=False):
+def _assign_case(pages, cp_size, seed, dtype=torch.int64, pad=0, strided=False):
     """The fused kernel against the torch reference on one batch (random pages: owner blocks may overflow)."""
     width = max(pages) + 1
     table = _batch_table(pages, 2 * width if strided else width, seed, dtype).to(DEVICE)
     if strided:
         table = table[:, ::2]  # a page table whose rows are not contiguous
     # Blocks sized for balanced allocation, as the plan sizes them; random pages can overflow them.
-    k, sc = chunk_layout(slots_per_rank(pages, cp_size), chunks)
+    s = slots_per_rank(pages, cp_size)
     positions, cu = plan_vectors(pages, table.shape[1], DEVICE, use_triton=False)
-    args = (table, positions, cu, cp_size, sc, k * sc, 777, pad)
+    args = (table, positions, cu, cp_size, s, 777, pad)
     expected = assign_slots_ref(*args, use_triton=False)
     got = assign_slots(*args, use_triton=True)
     names = ("logical", "slots", "slot_table", "slot_phys", "status")
     assert len(got) == len(expected) == len(names)
     for name, a, b in zip(names, got, expected):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, pages, cp_size, chunks)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, pages, cp_size)
     # Never past the view, whether or not a block overflowed; the flag says whether one did.
     slots, status = expected[1], expected[4]
-    assert bool(((slots >= 0) & (slots < cp_size * k * sc)).all())
+    assert bool(((slots >= 0) & (slots < cp_size * s)).all())
     counts = torch.bincount(expected[0] % cp_size, minlength=cp_size)
-    assert status.tolist() == [int(counts.max() > k * sc), *counts.tolist()]
+    assert status.tolist() == [int(counts.max() > s), *counts.tolist()]
     return int(status[0])
 
 
 @needs_triton
 @pytest.mark.parametrize("cp_size", [2, 3, 8])  # one rank: test_slot_plan (shared prefixes)
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_fused_plan_equals_reference(cp_size, chunks):
+def test_fused_plan_equals_reference(cp_size):
     flags = []
     for seed, pages in enumerate([[5, 3, 7, 1, 4, 9], [1], [12, 0, 12], [2, 40, 3, 1, 0, 17, 8, 8]]):
-        flags.append(
-            _assign_case(pages, cp_size, chunks, seed, dtype=torch.int32 if seed % 2 else torch.int64, pad=seed - 1)
-        )
-    flags.append(_assign_case([6, 9, 2], cp_size, chunks, 99, strided=True))
-    # Random pages do not rotate owners: with one chunk some batches overflow a block.
-    assert any(flags) or cp_size == 1 or chunks > 1
+        flags.append(_assign_case(pages, cp_size, seed, dtype=torch.int32 if seed % 2 else torch.int64, pad=seed - 1))
+    flags.append(_assign_case([6, 9, 2], cp_size, 99, strided=True))
+    # Random pages do not rotate owners: some batches overflow a block.
+    assert any(flags)
 
 
 @pytest.mark.parametrize("use_triton", [False, True] if triton_enabled(DEVICE) else [False])
@@ -251,9 +248,7 @@ def test_plan_overflow_reads_a_trash_slot_and_raises_the_flag(cp_size, use_trito
     table = torch.tensor([[1 + n * i for i in range(6)], [2, 3, 0, 0, 0, 0]], device=DEVICE)
     positions, cu = plan_vectors([6, 2], 6, DEVICE, use_triton=False)
     s = slots_per_rank([6, 2], n)
-    logical, slots, slot_table, slot_phys, status = assign_slots(
-        table, positions, cu, n, s, s, 777, use_triton=use_triton
-    )
+    logical, slots, slot_table, slot_phys, status = assign_slots(table, positions, cu, n, s, 777, use_triton=use_triton)
     counts = [sum(1 for lp in logical.tolist() if lp % n == o) for o in range(n)]
     assert status.tolist() == [1, *counts] and counts[1] > s
     # Positions past owner 1's block read a slot inside the view whose send entry is the trash page.
@@ -261,7 +256,7 @@ def test_plan_overflow_reads_a_trash_slot_and_raises_the_flag(cp_size, use_trito
     past = owner1[s:]
     assert past and all(0 <= x < n * s for x in slots.tolist())
     for i in past:
-        assert slot_phys[slots[i]].item() == 777  # one chunk: slot == send entry
+        assert slot_phys[slots[i]].item() == 777  # slot == send entry
         assert slot_table.view(-1)[positions[i]].item() == slots[i].item()
     # Within the block, owner 1's positions keep their own pages.
     assert [slot_phys[slots[i]].item() for i in owner1[:s]] == [logical[i].item() // n for i in owner1[:s]]
@@ -280,14 +275,14 @@ def test_plan_overflow_reads_a_trash_slot_and_raises_the_flag(cp_size, use_trito
 )
 def test_fused_plan_at_block_boundaries(pages):
     assert FUSED_PLAN_MAX_POSITIONS == 8192 and FUSED_PLAN_MAX_POSITIONS % BLOCKED_PLAN_BLOCK == 0
-    for cp_size, chunks in ((8, 1), (3, 4)):
-        assert _assign_case(pages, cp_size, chunks, seed=sum(pages)) == 1  # random pages overflow a block
+    for cp_size in (8, 3):
+        assert _assign_case(pages, cp_size, seed=sum(pages)) == 1  # random pages overflow a block
 
 
-def test_assign_slots_rejects_a_chunking_that_does_not_tile_the_block():
+def test_assign_slots_rejects_bad_input():
     table = torch.zeros((1, 4), dtype=torch.int64)
     positions, cu = plan_vectors([4], 4, torch.device("cpu"), use_triton=False)
-    with pytest.raises(ValueError, match="chunk_slots"):
-        assign_slots(table, positions, cu, 2, 3, 4, 0)
+    with pytest.raises(ValueError, match="slots_per_rank"):
+        assign_slots(table, positions, cu, 2, 0, 0)
     with pytest.raises(ValueError, match="cu_pages"):
-        assign_slots(table, positions, cu[:1], 2, 2, 4, 0)
+        assign_slots(table, positions, cu[:1], 2, 4, 0)

@@ -1,7 +1,7 @@
 """Views on N spawned gloo ranks hold exactly the replicated pool's pages.
 
 Random pool contents are written through the CP-shared pools' masked store on every rank and into a
-replicated pool; every page position of a batch's view (shared prefix pages, pipeline chunks) must hold
+replicated pool; every page position of a batch's view (shared prefix pages included) must hold
 the replicated pool's page, and every token row must map to its row. The whole read contract through
 SGLang's pools: ``test_read_state_ranks.py`` and ``sglang_wiring/test_plugin_sharded_pool.py``.
 """
@@ -22,7 +22,7 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rank_views(rank, world_size, ps, kv_format, chunk_tokens):
+def _rank_views(rank, world_size, ps, kv_format):
     """Random pool contents, written through the masked store on every rank and into a replicated pool;
     every page position of a batch's view must hold the replicated pool's page."""
     group = CPGroup()
@@ -46,7 +46,7 @@ def _rank_views(rank, world_size, ps, kv_format, chunk_tokens):
     for pool in (sharded, replicated):
         pool.set_latent(0, locs, rows)
         pool.set_index(0, locs, k_u8, scale)
-    mat = ViewMaterializer(sharded, group, pipeline_chunk_tokens=chunk_tokens)
+    mat = ViewMaterializer(sharded, group)
     counters = mat.begin_batch(table, lens, [1] * len(lens))
     view = mat.layer_view(0)
     bad = []
@@ -69,25 +69,21 @@ def _rank_views(rank, world_size, ps, kv_format, chunk_tokens):
         for x, vr in zip(r, vrs)
         if x >= 0
     ) and bool((view_rows[pos < 0] == -1).all())
-    return bad, row_ok, counters.view_pages, counters.bytes_materialized, mat.plan.chunks
+    return bad, row_ok, counters.view_pages, counters.bytes_materialized
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("world_size", "ps", "kv_format", "chunk_tokens", "chunks"),
-    [(2, 16, "bf16", 0, 1), (2, 16, "fp8", 64, 2), (4, 64, "fp8", 0, 1), (4, 64, "bf16", 96, 4)],
+    ("world_size", "ps", "kv_format"),
+    [(2, 16, "bf16"), (2, 16, "fp8"), (4, 64, "fp8"), (4, 64, "bf16")],
 )
-def test_view_pages_equal_replicated_pages(world_size, ps, kv_format, chunk_tokens, chunks):
+def test_view_pages_equal_replicated_pages(world_size, ps, kv_format):
     lens = [3 * ps + 5, ps, 6 * ps, ps // 2, 2 * ps + 1]
     pages = pages_for_lens(lens, ps)
-    view = predicted_view_pages(pages, world_size, chunks)
-    if chunks == 1:
-        assert view == world_size * sum(_ceil(p, world_size) for p in pages)
-    for bad, row_ok, view_pages, nbytes, got_chunks in spawn_ranks(
-        _rank_views, world_size, ps, kv_format, chunk_tokens, timeout_s=300
-    ):
+    view = predicted_view_pages(pages, world_size)
+    assert view == world_size * sum(_ceil(p, world_size) for p in pages)
+    for bad, row_ok, view_pages, nbytes in spawn_ranks(_rank_views, world_size, ps, kv_format, timeout_s=300):
         assert bad == []
         assert row_ok
-        assert got_chunks == chunks
         assert view_pages == view
         assert nbytes == view * ps * (mla_row_bytes(kv_format) + INDEX_TOKEN_BYTES)

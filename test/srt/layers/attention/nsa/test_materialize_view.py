@@ -1,4 +1,4 @@
-"""ViewMaterializer in one process: what it hands the kernels, prefetch, pipeline chunks and shared plans.
+"""ViewMaterializer in one process: what it hands the kernels, prefetch and shared plans.
 (Multi-rank: test_materialize_multirank.py; the wired read state: test_read_state_ranks.py.)"""
 
 import pytest
@@ -7,11 +7,7 @@ from page_fixtures import PagePool, pack_index_records
 from page_fixtures import filled_pool as _filled_pool
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
-    PIPELINE_CHUNK_TOKENS,
-    PIPELINE_CHUNK_TOKENS_ENV,
-    ViewMaterializer,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
@@ -87,24 +83,6 @@ def test_prefetch_needs_the_current_chunk():
         mat.layer_view(0)
     with pytest.raises(ValueError, match="prefetch_gather must be one of"):
         ViewMaterializer(_filled_pool(), None, prefetch=True, prefetch_gather="elsewhere")
-
-
-def test_pipeline_chunk_size_comes_from_the_argument_or_the_environment(monkeypatch):
-    pool = _filled_pool()
-    monkeypatch.delenv(PIPELINE_CHUNK_TOKENS_ENV, raising=False)
-    assert ViewMaterializer(pool, None).pipeline_chunk_tokens == PIPELINE_CHUNK_TOKENS
-    monkeypatch.setenv(PIPELINE_CHUNK_TOKENS_ENV, "4096")
-    assert ViewMaterializer(pool, None).pipeline_chunk_tokens == 4096
-    assert ViewMaterializer(pool, None, pipeline_chunk_tokens=0).pipeline_chunk_tokens == 0
-    monkeypatch.setenv(PIPELINE_CHUNK_TOKENS_ENV, "lots")
-    with pytest.raises(ValueError, match=PIPELINE_CHUNK_TOKENS_ENV):
-        ViewMaterializer(pool, None)
-    with pytest.raises(ValueError, match="pipeline_chunk_tokens"):
-        ViewMaterializer(pool, None, pipeline_chunk_tokens=-1)
-    # A single-rank view has nothing to overlap: one chunk whatever the size.
-    mat = ViewMaterializer(pool, None, pipeline_chunk_tokens=1, use_triton=False)
-    mat.begin_batch(torch.tensor([[7, 2, 9], [2, 4, 0]], dtype=torch.int32), [3 * PS, 2 * PS], [PS, 5])
-    assert mat.plan.chunks == 1
 
 
 def test_a_plan_built_by_one_materializer_serves_another_of_the_same_batch():

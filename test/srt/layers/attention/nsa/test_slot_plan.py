@@ -12,9 +12,7 @@ from page_fixtures import RotatingPages, page_table
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages_ref, triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     build_slot_plan,
-    chunk_layout,
     pages_for_lens,
-    pipeline_chunks,
     plan_vectors,
     predicted_view_pages,
     slots_per_rank,
@@ -44,45 +42,41 @@ def _page_table(pages: list[list[int]], pad: int = 0) -> torch.Tensor:
 PATHS = [False, True] if triton_enabled(torch.device("cpu")) else [False]
 
 
-def _loop_slots(pages: list[list[int]], cp_size: int, chunks: int = 1) -> tuple[list[int], list[int]]:
+def _loop_slots(pages: list[list[int]], cp_size: int) -> list[int]:
     """The definition, spelled out: each position's rank r among its owner's positions gives its
-    send entry ``o * S + r`` and its view slot ``(r // Sc) * N * Sc + o * Sc + r % Sc``."""
-    k, sc = chunk_layout(sum(-(-len(p) // cp_size) for p in pages), chunks)
+    view slot (and send entry) ``o * S + r``."""
+    s = sum(-(-len(p) // cp_size) for p in pages)
     seen = [0] * cp_size
-    slots, entries = [], []
+    slots = []
     for req in pages:
         for lp in req:
             o, r = lp % cp_size, seen[lp % cp_size]
-            slots.append((r // sc) * cp_size * sc + o * sc + r % sc)
-            entries.append(o * k * sc + r)
+            slots.append(o * s + r)
             seen[o] += 1
-    return slots, entries
+    return slots
 
 
-def _check_plan(pages: list[list[int]], cp_size: int, trash: int, chunks: int = 1, use_triton: bool = False) -> None:
+def _check_plan(pages: list[list[int]], cp_size: int, trash: int, use_triton: bool = False) -> None:
     table = _page_table(pages, pad=7)
-    plan = build_slot_plan(table, [len(p) for p in pages], cp_size, 16, trash, use_triton=use_triton, chunks=chunks)
+    plan = build_slot_plan(table, [len(p) for p in pages], cp_size, 16, trash, use_triton=use_triton)
     s = plan.slots_per_rank
-    k, sc = chunk_layout(sum(-(-len(p) // cp_size) for p in pages), chunks)
-    assert (plan.chunks, plan.chunk_slots, s) == (k, sc, k * sc)
-    assert plan.view_pages == predicted_view_pages([len(p) for p in pages], cp_size, chunks)
+    assert s == sum(-(-len(p) // cp_size) for p in pages)
+    assert plan.view_pages == predicted_view_pages([len(p) for p in pages], cp_size)
     flat = [lp for p in pages for lp in p]
     assert plan.num_positions == len(flat)
     assert plan.logical_pages.tolist() == flat
-    slots, entries = _loop_slots(pages, cp_size, chunks)
+    slots = _loop_slots(pages, cp_size)
     assert plan.slots.tolist() == slots
-    assert plan.send_entry(plan.slots).tolist() == entries
     # Every owner's positions fit in its block (balanced allocation), slots are unique and in the view.
     assert len(set(slots)) == len(flat) and all(0 <= x < plan.view_pages for x in slots)
     assert plan.slot_owner(plan.slots).tolist() == [lp % cp_size for lp in flat]
-    # Chunk c of the view holds entries [c * Sc, (c + 1) * Sc) of every owner's block, owner-major.
-    for x in slots:
-        c = x // (cp_size * sc)
-        lo, hi = plan.chunk_view_slots(c, (x % (cp_size * sc)) // sc)
+    # Each owner's block fills its own range of the view.
+    for x, lp in zip(slots, flat):
+        lo, hi = plan.rank_view_slots(lp % cp_size)
         assert lo <= x < hi
     # slot_phys: owned physical page at used send entries, trash everywhere else.
     phys = plan.slot_phys.tolist()
-    used = dict(zip(entries, flat))
+    used = dict(zip(slots, flat))
     assert phys == [used[i] // cp_size if i in used else trash for i in range(cp_size * s)]
     # slot_table: slots at each request's positions, pad past them.
     expected = torch.zeros_like(table)
@@ -94,11 +88,10 @@ def _check_plan(pages: list[list[int]], cp_size: int, trash: int, chunks: int = 
 
 
 @pytest.mark.parametrize("use_triton", PATHS)
-@pytest.mark.parametrize("chunks", [1, 2, 5])
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4, 8])
-def test_plan_matches_definition_with_shared_prefixes(cp_size, chunks, use_triton):
+def test_plan_matches_definition_with_shared_prefixes(cp_size, use_triton):
     pages = _batch_pages(cp_size, [5, 3, 7, 1, 4, 9], [None, 0, 0, None, 2, 4], seed=cp_size)
-    _check_plan(pages, cp_size, trash=41, chunks=chunks, use_triton=use_triton)
+    _check_plan(pages, cp_size, trash=41, use_triton=use_triton)
 
 
 @settings(max_examples=60, deadline=None)
@@ -106,14 +99,13 @@ def test_plan_matches_definition_with_shared_prefixes(cp_size, chunks, use_trito
     cp_size=st.integers(1, 8),
     counts=st.lists(st.integers(0, 12), min_size=1, max_size=6),
     seed=st.integers(0, 2**16),
-    chunks=st.integers(1, 4),
     use_triton=st.sampled_from(PATHS),
 )
-def test_plan_matches_definition_property(cp_size, counts, seed, chunks, use_triton):
+def test_plan_matches_definition_property(cp_size, counts, seed, use_triton):
     rng = random.Random(seed)
     share = [rng.choice([None, *range(i)]) if i else None for i in range(len(counts))]
     share = [j if j is not None and counts[j] else None for j in share]
-    _check_plan(_batch_pages(cp_size, counts, share, seed), cp_size, trash=1000, chunks=chunks, use_triton=use_triton)
+    _check_plan(_batch_pages(cp_size, counts, share, seed), cp_size, trash=1000, use_triton=use_triton)
 
 
 def test_shared_prefix_pages_get_their_own_slots():
@@ -128,12 +120,11 @@ def test_shared_prefix_pages_get_their_own_slots():
         assert plan.slot_phys[a] == plan.slot_phys[b] == pages[0][j] // 2
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
 @pytest.mark.parametrize("cp_size", [2, 4, 8])
-def test_view_from_plan_equals_replicated_pages(cp_size, chunks):
-    """Gather each rank's send block from its own pool and lay the blocks out as the all-gathers do
-    (chunk by chunk, rank-major): every position's view page is the replicated pool's logical page,
-    and padding slots hold each owner's trash page."""
+def test_view_from_plan_equals_replicated_pages(cp_size):
+    """Gather each rank's send block from its own pool and lay the blocks out as the all-gather does
+    (rank-major): every position's view page is the replicated pool's logical page, and padding
+    slots hold each owner's trash page."""
     width = 24
     pages = _batch_pages(cp_size, [6, 2, 11, 4, 1], [None, 0, None, 2, None], seed=5)
     logical_pages = cp_size * (4 + sum(len(p) for p in pages))
@@ -146,10 +137,8 @@ def test_view_from_plan_equals_replicated_pages(cp_size, chunks):
         pool[phys] = 200 + r  # trash page
         pools.append(pool)
     table = _page_table(pages)
-    plan = build_slot_plan(table, [len(p) for p in pages], cp_size, 16, trash_page=phys, chunks=chunks)
-    assert plan.chunks == chunks
-    sent = [gather_pages_ref(pools[r], plan.send_pages(r)).chunk(chunks) for r in range(cp_size)]
-    view = torch.cat([sent[r][c] for c in range(chunks) for r in range(cp_size)])
+    plan = build_slot_plan(table, [len(p) for p in pages], cp_size, 16, trash_page=phys)
+    view = torch.cat([gather_pages_ref(pools[r], plan.send_pages(r)) for r in range(cp_size)])
     assert view.shape == (plan.view_pages, width)
     for b, p in enumerate(pages):
         for j, lp in enumerate(p):
@@ -164,17 +153,6 @@ def test_host_sizes():
     assert slots_per_rank([5, 3, 1], 2) == 3 + 2 + 1
     assert predicted_view_pages([5, 3, 1], 4) == 4 * (2 + 1 + 1)
     assert slots_per_rank([], 4) == 0
-    # Chunks pad every block to a multiple of the chunk count; more chunks than slots are clamped.
-    assert chunk_layout(10, 3) == (3, 4) and chunk_layout(10, 1) == (1, 10) and chunk_layout(2, 5) == (2, 1)
-    assert chunk_layout(0, 4) == (1, 0)
-    assert predicted_view_pages([5, 3, 1], 2, chunks=4) == 2 * 4 * 2
-    assert predicted_view_pages([5, 3, 1], 2, chunks=2) == 2 * 2 * 3
-    # One chunk per chunk_tokens tokens sent per rank, rounded down; None never chunks.
-    assert pipeline_chunks(100, 64, 64 * 40) == 2 and pipeline_chunks(100, 64, 64 * 51) == 1
-    assert pipeline_chunks(3, 64, 1) == 3 and pipeline_chunks(0, 64, 1) == 1
-    assert pipeline_chunks(100, 64, None) == 1
-    with pytest.raises(ValueError, match="chunk_tokens"):
-        pipeline_chunks(100, 64, 0)
 
 
 @pytest.mark.parametrize("use_triton", PATHS)
@@ -207,7 +185,6 @@ def test_empty_batch_plans_nothing():
         ({"cp_size": 0}, "cp_size"),
         ({"trash_page": -1}, "trash_page"),
         ({"page_size": 0}, "page_size"),
-        ({"chunks": 0}, "chunks"),
         ({"vectors": (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))}, "vectors"),
     ],
 )

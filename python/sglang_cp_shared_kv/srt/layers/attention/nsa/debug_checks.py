@@ -24,7 +24,7 @@ class CPSharedKVDebugError(RuntimeError):
 def plan_digest(plan: SlotPlan) -> str:
     """A hash of everything that decides the view's layout (host metadata and device tensors)."""
     h = hashlib.sha256()
-    meta = (plan.cp_size, plan.page_size, plan.pages_per_req, plan.slots_per_rank, plan.trash_page, plan.chunks)
+    meta = (plan.cp_size, plan.page_size, plan.pages_per_req, plan.slots_per_rank, plan.trash_page)
     h.update(repr(meta).encode())
     for t in (plan.positions_flat, plan.logical_pages, plan.slots, plan.slot_table, plan.slot_phys):
         h.update(repr((t.dtype, tuple(t.shape))).encode())
@@ -50,7 +50,7 @@ def check_plan_local(plan: SlotPlan) -> None:
         raise CPSharedKVDebugError("slot plan is inconsistent: a slot lies outside its owner's block or is reused")
     phys = plan.slot_phys.cpu()
     expected = torch.full((n * s,), plan.trash_page, dtype=torch.int64)
-    expected[plan.send_entry(slots)] = logical // n
+    expected[slots] = logical // n  # slot x gathers slot_phys[x]
     if not torch.equal(phys, expected):
         bad = int((phys != expected).nonzero()[0])
         raise CPSharedKVDebugError(

@@ -4,15 +4,13 @@ The stock indexer and MLA kernels index a page table into one dense buffer. Over
 this module gives them one, per forward batch:
 
 1. ``begin_batch`` plans once (``slot_plan``): every page position of the batch gets a slot of
-   a view of ``N * S`` pages, owner-major (chunk by chunk when pipelined). Whether a batch needs
-   a view at all (current-reuse) is the caller's choice (``layers.attention.nsa.read_state``).
+   a view of ``N * S`` pages, owner-major. Whether a batch needs a view at all (current-reuse)
+   is the caller's choice (``layers.attention.nsa.read_state``).
 2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, straight
    into its part of the dense views (Triton ``gather_page_buffers``: latent and indexer pages in
    one launch; padding slots read the trash page), and the CP group all-gathers the parts in
-   place, latent and indexer views in one NCCL group. Large views go in chunks
-   (``pipeline_chunk_tokens``): the gather of chunk ``c + 1`` runs while chunk ``c`` is
-   all-gathered on NCCL's stream. The page table handed to the kernels is the plan's slot
-   table; NSA top-k positions map to view rows through ``LayerView.rows``.
+   place, latent and indexer views in one NCCL group. The page table handed to the kernels is
+   the plan's slot table; NSA top-k positions map to view rows through ``LayerView.rows``.
 
 Nothing here reads device data back to the host: sizes come from host lengths. A plan whose
 pages overflow an owner's block reads the trash page there; ``begin_batch`` raises
@@ -39,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
@@ -56,24 +54,10 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     build_slot_plan,
     host_to_device,
     pages_for_lens,
-    pipeline_chunks,
-    slots_per_rank,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, index_page_views
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
-from sglang_cp_shared_kv.srt.utils import check_int, env_int
-
-# Pipeline chunk of a view, in tokens sent per rank (0: one piece). Each chunk hides the next one's
-# gather but adds one NCCL call's fixed cost. On 2 x H200 (a chunk sweep of the view benchmark) every chunk
-# size tried, 16K to 128K tokens, was slower than one piece at 32K-512K-token views: the gather and
-# the NCCL kernels contend for the same SMs and HBM. So pipelining is off by default.
-PIPELINE_CHUNK_TOKENS = 0
-PIPELINE_CHUNK_TOKENS_ENV = "SGLANG_CP_SHARED_KV_PIPELINE_CHUNK_TOKENS"
-
-
-def default_pipeline_chunk_tokens() -> int:
-    """``$SGLANG_CP_SHARED_KV_PIPELINE_CHUNK_TOKENS`` (0: never chunk), else ``PIPELINE_CHUNK_TOKENS``."""
-    return env_int(PIPELINE_CHUNK_TOKENS_ENV, PIPELINE_CHUNK_TOKENS, 0)
+from sglang_cp_shared_kv.srt.utils import check_int
 
 
 @dataclass
@@ -234,11 +218,6 @@ class ViewMaterializer:
     written layer ``l + 1``'s current chunk to the pool. Every rank holds that chunk, so ``layer_view(l + 1)`` then copies it
     into its view rows: the view is byte-for-byte the one a gather after the write gives.
 
-    A view of at least two ``pipeline_chunk_tokens`` tokens per rank is built in chunks of at
-    least that many tokens (``None``: ``default_pipeline_chunk_tokens()``; 0: never chunked):
-    the gather of chunk ``c + 1`` overlaps the all-gather of chunk ``c``. The chunk count depends
-    on host lengths and the page size only, so materializers of one batch share one layout.
-
     ``pool`` is a ``page_source.PageSource``.
 
     ``arena`` (optional): buffers allocated once by the caller (``"latent"`` and, with an indexer,
@@ -257,7 +236,6 @@ class ViewMaterializer:
         *,
         prefetch: bool = False,
         use_triton: bool | None = None,
-        pipeline_chunk_tokens: int | None = None,
         arena: dict[str, torch.Tensor] | None = None,
         prefetch_gather: str = "compute",
         prefetch_priority: int = HIGHEST_STREAM_PRIORITY,
@@ -271,10 +249,6 @@ class ViewMaterializer:
             raise ValueError(
                 f"group (rank {group.rank} of {group.size}) does not match the pool (rank {pool.rank} of {n})"
             )
-        if pipeline_chunk_tokens is None:
-            pipeline_chunk_tokens = default_pipeline_chunk_tokens()
-        if not isinstance(pipeline_chunk_tokens, int) or pipeline_chunk_tokens < 0:
-            raise ValueError(f"pipeline_chunk_tokens must be an int >= 0 or None, got {pipeline_chunk_tokens!r}")
         self.pool = pool
         self.group = group
         self.arena = arena
@@ -283,15 +257,14 @@ class ViewMaterializer:
         self.prefetch_gather = prefetch_gather
         self.prefetch_priority = prefetch_priority
         self.use_triton = use_triton
-        self.pipeline_chunk_tokens = pipeline_chunk_tokens
         self.plan: SlotPlan | None = None
         self.counters: BatchCounters | None = None
         self._num_tokens = 0
         self._current_pages = 0  # current-chunk pages the batch's view gathers (0 when staged)
-        # One or (prefetching) two sets of views, used by alternate layers, and per set the steps
-        # of a layer's gather: (this rank's page ids, its part of each view, the chunk of each view).
+        # One or (prefetching) two sets of views, used by alternate layers, and per set what a layer's
+        # gather needs: (this rank's page ids, its part of each view, each whole view).
         self._views: list[dict[str, torch.Tensor]] = []
-        self._steps: list[list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]] = []
+        self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         self._checked = False  # a gather of this materializer's buffers has passed prepare_gather's checks
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
@@ -355,20 +328,14 @@ class ViewMaterializer:
         prefix_pages = pages_for_lens(prefix_lens, pool.page_size)
         pages = all_pages
         self._current_pages = sum(p - q for p, q in zip(all_pages, prefix_pages))
-        chunks = 1
-        if self.group is not None and n > 1 and self.pipeline_chunk_tokens:
-            chunks = pipeline_chunks(slots_per_rank(pages, n), pool.page_size, self.pipeline_chunk_tokens)
         if plan is None:
-            plan = build_slot_plan(
-                page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton, chunks=chunks
-            )
+            plan = build_slot_plan(page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton)
             self.overflow.record(plan, request_ids)
-        elif (plan.cp_size, plan.page_size, plan.trash_page, plan.pages_per_req, plan.chunks) != (
+        elif (plan.cp_size, plan.page_size, plan.trash_page, plan.pages_per_req) != (
             n,
             pool.page_size,
             pool.trash_page,
             tuple(pages),
-            chunks,
         ):
             raise ValueError("plan was built for another batch or pool layout than this begin_batch call")
         self.plan = plan
@@ -385,36 +352,29 @@ class ViewMaterializer:
         return self.counters
 
     def _allocate(self, plan: SlotPlan, copies: int, extra_pages: int = 0) -> None:
-        """The view buffers, and the slices each gather step writes and all-gathers (built once per batch).
+        """The view buffers, and the slices the gather writes and the all-gather fills (built once per batch).
 
-        This rank gathers straight into its part of each view chunk and the all-gather runs in
-        place: no separate send buffer. ``extra_pages`` follow the view in every buffer, untouched.
+        This rank gathers straight into its part of each view and the all-gather runs in place: no
+        separate send buffer. ``extra_pages`` follow the view in every buffer, untouched.
         """
         pool = self.pool
         rank = pool.rank
         widths = {"latent": pool.page_size * pool.row_bytes}
         if pool.with_indexer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
-        send, sc = plan.send_pages(rank), plan.chunk_slots
-        self._views, self._steps = [], []
+        send = plan.send_pages(rank)
+        start, end = plan.rank_view_slots(rank)
+        self._views, self._parts = [], []
         pages = plan.view_pages + extra_pages
         for _ in range(copies):
             if self.arena is not None:
                 views = {k: arena_pages(self.arena, k, pages, w, len(self._views)) for k, w in widths.items()}
             else:
                 views = {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
-            steps = []
-            for c in range(plan.chunks):
-                mine, whole = plan.chunk_view_slots(c, rank), plan.chunk_view_slots(c)
-                steps.append(
-                    (
-                        send[c * sc : (c + 1) * sc],
-                        [v[mine[0] : mine[1]] for v in views.values()],
-                        [v[whole[0] : whole[1]] for v in views.values()],
-                    )
-                )
+            mine = [v[start:end] for v in views.values()]
+            whole = [v[: plan.view_pages] for v in views.values()]
             self._views.append(views)
-            self._steps.append(steps)
+            self._parts.append((send, mine, whole))
 
     def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
         """View row of every current token, request-major (host-known positions, device slot table)."""
@@ -488,30 +448,24 @@ class ViewMaterializer:
 
     # -- the gather, now or ahead --
     def _gather(self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None) -> None:
-        """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, chunk by chunk.
+        """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them.
 
-        On CUDA each chunk's all-gather (latent and indexer views in one NCCL group) is queued on
-        NCCL's stream behind that chunk's gather, while the next chunk's gather runs on this
-        stream; the stream then waits for them all. On gloo every call completes in order.
-        With ``transfer_stream`` the gathers run on the current stream and the all-gathers on
-        ``transfer_stream``, each after its gather (one event), which ends holding them all.
+        The all-gather (latent and indexer views in one NCCL group) is queued behind the gather on
+        the current stream, or with ``transfer_stream`` on that stream after the gather (one event);
+        that stream then holds it. On gloo every call completes in order.
         """
         plan, group = self.plan, self.group
-        steps, page_bytes = self._prepare_gather(layer, slot)
-        in_flight: list[PendingCollective] = []
-        for launch, whole, mine in steps:
-            launch()
-            if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
-                if transfer_stream is None:
-                    in_flight.append(group.all_gather_into_many(whole, mine, async_op=True))
-                    continue
+        launch, whole, mine, page_bytes = self._prepare_gather(layer, slot)
+        launch()
+        if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
+            if transfer_stream is None:
+                group.all_gather_into_many(whole, mine, async_op=True).wait()
+            else:
                 gathered = self._gathered
                 gathered.record(torch.cuda.current_stream(self.pool.device))
                 transfer_stream.wait_event(gathered)
                 with torch.cuda.stream(transfer_stream):
                     group.all_gather_into_many(whole, mine, async_op=True).wait()
-        for pending in in_flight:
-            pending.wait()
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
@@ -519,29 +473,26 @@ class ViewMaterializer:
         counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
         counters.current_chunk_bytes_gathered += self._current_pages * page_bytes
 
-    def _prepare_gather(self, layer: int, slot: int) -> tuple[list[tuple[Callable[[], None], list, list]], int]:
-        """``layer``'s gather into view set ``slot`` (a layer is gathered once per batch): per step
-        ``(launch, the view chunks to all-gather, this rank's part of them)``, and the bytes of one
-        slot's pages.
+    def _prepare_gather(self, layer: int, slot: int) -> tuple[Callable[[], None], list, list, int]:
+        """``layer``'s gather into view set ``slot`` (a layer is gathered once per batch):
+        ``(launch, the views to all-gather, this rank's part of them, the bytes of one slot's pages)``.
 
         The pool's pages and the view buffers are this materializer's own (shapes fixed by the pool
         and the plan), so the gather's checks run once (``prepare_gather``, at the first batch) and
-        later batches build the launches straight from the buffers (host time).
+        later batches build the launch straight from the buffers (host time).
         """
         pool = self.pool
         sources = [pool.latent_pages(layer)]
         if self._layer_has_index(layer):
             sources.append(pool.index[layer])
         used = len(sources)
-        steps = []
-        for page_ids, mine, whole in self._steps[slot]:
-            if not self._checked or not triton_enabled(pool.device, self.use_triton) or not page_ids.shape[0]:
-                _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
-            else:
-                launch = gather_launch([word_pair(src, out) for src, out in zip(sources, mine)], page_ids)
-            steps.append((launch, whole[:used], mine[:used]))
+        page_ids, mine, whole = self._parts[slot]
+        if not self._checked or not triton_enabled(pool.device, self.use_triton) or not page_ids.shape[0]:
+            _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
+        else:
+            launch = gather_launch([word_pair(src, out) for src, out in zip(sources, mine)], page_ids)
         self._checked = True
-        return steps, sum(src.shape[1] for src in sources)
+        return launch, whole[:used], mine[:used], sum(src.shape[1] for src in sources)
 
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device

@@ -401,7 +401,6 @@ def assign_slots_ref(
     positions_flat: torch.Tensor,
     cu_pages: torch.Tensor,
     cp_size: int,
-    chunk_slots: int,
     slots_per_rank: int,
     trash_page: int,
     pad: int = 0,
@@ -412,16 +411,15 @@ def assign_slots_ref(
 
     Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by
     ``o = lp % N``; ``r`` is its rank among the positions owned by ``o`` (request-major). With
-    ``Sc = chunk_slots`` and ``S = slots_per_rank`` (a multiple of ``Sc``):
+    ``S = slots_per_rank``:
 
-    - its view slot is ``(r // Sc) * N * Sc + o * Sc + r % Sc`` (chunk-major; one chunk when ``Sc = S``);
-    - its send entry ``o * S + r`` holds its physical page ``lp // N``; unused entries hold
-      ``trash_page``;
+    - its view slot is ``o * S + r`` (owner-major), and its send entry, the same index of
+      ``slot_phys``, holds its physical page ``lp // N``; unused entries hold ``trash_page``;
     - ``slot_table[b, j]`` is the slot of page ``j`` of request ``b``, ``pad`` past its pages.
 
     **Overflow**: a position with ``r >= S`` (its owner holds more of the batch's positions than
-    a block has room for: the pages do not rotate owners) gets no send entry, and its slot is
-    ``trash_slot``: the first unused entry of the owner with the fewest positions. One exists
+    a block has room for: the pages do not rotate owners) gets no send entry, and its slot is the
+    first unused entry of the owner with the fewest positions. One exists
     (``M <= N * S``, so when one block overflows another has room), and it holds ``trash_page``:
     the view is never read past its end. ``status`` (int64, on the device, no host sync) reports
     it: ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o``
@@ -429,7 +427,7 @@ def assign_slots_ref(
 
     ``use_triton`` is passed to ``build_slot_table`` (the reference proper keeps it False).
     """
-    n, sc, s = cp_size, max(chunk_slots, 1), slots_per_rank
+    n, s = cp_size, slots_per_rank
     device = page_table.device
     logical = page_table.reshape(-1).index_select(0, positions_flat).long()
     owner = page_owner(logical, n)
@@ -439,14 +437,11 @@ def assign_slots_ref(
     running = one_hot.cumsum(1, dtype=torch.int32)
     rank = running.gather(0, owner.unsqueeze(0)).squeeze(0).long() - 1
     counts = one_hot.sum(1, dtype=torch.int64)
-    chunk = rank // sc
-    slots = chunk * (n * sc) + owner * sc + (rank - chunk * sc)
     # The first free entry of the least-loaded owner (clamped into the view when no block overflows).
     fewest = counts.argmin()
     free = counts[fewest].clamp(max=max(s - 1, 0))
-    trash_slot = (free // sc) * (n * sc) + fewest * sc + free % sc
-    slots = torch.where(rank < s, slots, trash_slot)
-    target = torch.where(rank < s, owner * s + rank, torch.full_like(rank, n * s))  # n * s: a dump entry
+    slots = torch.where(rank < s, owner * s + rank, fewest * s + free)
+    target = torch.where(rank < s, slots, torch.full_like(rank, n * s))  # n * s: a dump entry
     slot_phys = torch.full((n * s + 1,), trash_page, dtype=torch.int64, device=device)
     slot_phys.scatter_(0, target, local_page(logical, n))
     status = torch.cat([(counts.amax() > s).to(torch.int64).reshape(1), counts])
@@ -500,7 +495,6 @@ if triton is not None:
             "num_positions",
             "table_entries",
             "max_pages",
-            "chunk_slots",
             "slots_per_rank",
             "trash_page",
             "pad",
@@ -522,7 +516,6 @@ if triton is not None:
         num_positions,
         table_entries,
         max_pages,
-        chunk_slots,
         slots_per_rank,
         trash_page,
         pad,
@@ -548,8 +541,7 @@ if triton is not None:
         rank = rank.to(tl.int64)
         if BLOCKED:
             rank += tl.load(offsets + tl.program_id(0) * N + owner, mask=live, other=0)
-        chunk = rank // chunk_slots
-        slot = chunk * (N * chunk_slots) + owner * chunk_slots + (rank - chunk * chunk_slots)
+        slot = owner * slots_per_rank + rank  # owner-major
         # Overflow (rank >= S): the first free entry of the least-loaded owner, which holds the trash
         # page (see assign_slots_ref); program 0 reports the per-owner totals and the flag.
         if BLOCKED:
@@ -558,14 +550,13 @@ if triton is not None:
             totals_o = tl.where(owners < N, counts.to(tl.int64), num_positions + 1)
         fewest = tl.argmin(totals_o, axis=0).to(tl.int64)
         free = tl.minimum(tl.min(totals_o, axis=0), slots_per_rank - 1)
-        trash_slot = (free // chunk_slots) * (N * chunk_slots) + fewest * chunk_slots + free % chunk_slots
-        slot = tl.where(rank < slots_per_rank, slot, trash_slot)
+        slot = tl.where(rank < slots_per_rank, slot, fewest * slots_per_rank + free)
         if tl.program_id(0) == 0:
             tl.store(status_out + 1 + owners, totals_o, mask=owners < N)
             overflow = tl.max(tl.where(owners < N, totals_o, 0), axis=0) > slots_per_rank
             tl.store(status_out, overflow.to(tl.int64))
         send_entries = N * slots_per_rank
-        target = tl.where(rank < slots_per_rank, owner * slots_per_rank + rank, send_entries)
+        target = tl.where(rank < slots_per_rank, slot, send_entries)
         tl.store(logical_out + i, lp, mask=live)
         tl.store(slots_out + i, slot, mask=live)
         tl.store(table_out + flat, slot.to(tl.int32), mask=live)
@@ -608,7 +599,6 @@ def assign_slots(
     positions_flat: torch.Tensor,
     cu_pages: torch.Tensor,
     cp_size: int,
-    chunk_slots: int,
     slots_per_rank: int,
     trash_page: int,
     pad: int = 0,
@@ -625,10 +615,10 @@ def assign_slots(
     batch, max_pages = page_table.shape
     if cu_pages.shape[0] != batch + 1:
         raise ValueError(f"cu_pages must have batch_size + 1 = {batch + 1} entries, got {cu_pages.shape[0]}")
-    if num_positions and not (0 < chunk_slots <= slots_per_rank and slots_per_rank % chunk_slots == 0):
-        raise ValueError(f"chunk_slots must divide slots_per_rank and be >= 1, got {chunk_slots} and {slots_per_rank}")
+    if num_positions and slots_per_rank < 1:
+        raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
     if num_positions == 0 or not triton_enabled(page_table.device, use_triton):
-        args = (cp_size, chunk_slots, slots_per_rank, trash_page, pad)
+        args = (cp_size, slots_per_rank, trash_page, pad)
         return assign_slots_ref(page_table, positions_flat, cu_pages, *args, use_triton=use_triton)
     device = page_table.device
     send_entries = cp_size * slots_per_rank
@@ -660,7 +650,7 @@ def assign_slots(
         _assign_slots_kernel,
         (grid,),
         (*table_args, cu_pages, offsets, totals, logical, slots, table, slot_phys, status, num_positions)
-        + (batch * max_pages, max_pages, chunk_slots, slots_per_rank, trash_page, pad),
+        + (batch * max_pages, max_pages, slots_per_rank, trash_page, pad),
         {"N": cp_size, "NP2": np2, "BLOCK": block, "BLOCKED": grid > 1},
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )

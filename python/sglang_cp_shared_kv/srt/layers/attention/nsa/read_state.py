@@ -297,15 +297,12 @@ class BatchReadState:
             if self.arena is not None and group is not None:  # copy engines pull from the peers' arenas
                 group = view_group(group, list(self.arena.values()))
             # Each layer stages its chunk into the view buffer it reads (layers alternate between two
-            # when prefetching). With an arena, no pipeline chunks: their padding would outgrow the
-            # bound SGLang's admission keeps (N * sum_i ceil(prefix_pages_i / N) pages).
-            chunk_tokens = 0 if self.arena is not None else None
+            # when prefetching).
             self.views = ViewMaterializer(
                 self.source,
                 group,
                 arena=self.arena,
                 prefetch=prefetch_on(group, self.prefetch),  # follows the transport chosen
-                pipeline_chunk_tokens=chunk_tokens,
             )
         ps = self.page_size
         pages = pages_for_lens(seq_lens, ps)

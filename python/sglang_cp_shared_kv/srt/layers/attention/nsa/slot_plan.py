@@ -2,14 +2,12 @@
 
 A forward batch reads, for request ``b``, its logical pages ``page_table[b, :pages_b]``. Listed
 request-major they are ``M = sum(pages_b)`` page positions. Owner ``o`` of a page sends a block
-of ``S`` pages, ``S >= sum(ceil(pages_b / N))``; position ``(b, j)`` with owner ``o`` and rank
+of ``S = sum(ceil(pages_b / N))`` pages; position ``(b, j)`` with owner ``o`` and rank
 ``r`` among the batch's positions with the same owner is entry ``r`` of that block.
 
-The view (``N * S`` pages) is the all-gather of those blocks. It may be pipelined in ``k``
-chunks of ``Sc = S / k`` slots: chunk ``c`` of the view holds entries ``[c * Sc, (c + 1) * Sc)``
-of every block, owner-major, so each chunk is one all-gather into a contiguous range::
+The view (``N * S`` pages) is the all-gather of those blocks, owner-major::
 
-    slot(b, j) = (r // Sc) * N * Sc + o * Sc + r % Sc        # k = 1: o * S + r
+    slot(b, j) = o * S + r
 
 Balanced allocation spreads each request's pages over owners within one page, so no owner holds
 more than ``ceil(pages_b / N)`` of request ``b``'s pages and a block never overflows. That is the
@@ -19,7 +17,7 @@ owners) gets a slot holding the trash page, never one past the view, and the pla
 synchronizes anyway and fails the batch (``SlotOverflowError``). A prefix page shared by two
 requests gets two slots: more bytes, static shapes.
 
-Everything sized by the plan (``M``, ``S``, ``k``, the view) comes from host-known lengths; the
+Everything sized by the plan (``M``, ``S``, the view) comes from host-known lengths; the
 host work is O(batch size) and the device work (page-position list, per-owner scan, scatters)
 never syncs, so the plan can be built ahead of the batch's kernels without stalling them, or
 captured in a CUDA graph. The plan is the same on every rank.
@@ -44,37 +42,13 @@ def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
 
 
 def slots_per_rank(pages_per_req: Sequence[int], cp_size: int) -> int:
-    """``sum(ceil(pages_b / N))``: the pages every owner sends (its block, before chunk padding)."""
+    """``sum(ceil(pages_b / N))``: the pages every owner sends (its block)."""
     return sum(-(-int(p) // cp_size) for p in pages_per_req)
 
 
-def chunk_layout(slots: int, chunks: int) -> tuple[int, int]:
-    """``(k, Sc)``: ``chunks`` clamped to ``[1, slots]`` and the slots per chunk, ``ceil(slots / k)``.
-
-    The padded block is ``k * Sc`` slots: under ``k`` pages more than ``slots``.
-    """
-    k = max(1, min(int(chunks), slots))
-    return k, -(-slots // k)
-
-
-def predicted_view_pages(pages_per_req: Sequence[int], cp_size: int, chunks: int = 1) -> int:
-    """Pages of the dense view (``N * k * Sc``), padding included: what one materialized layer receives."""
-    k, sc = chunk_layout(slots_per_rank(pages_per_req, cp_size), chunks)
-    return cp_size * k * sc
-
-
-def pipeline_chunks(slots: int, page_size: int, chunk_tokens: int | None) -> int:
-    """Chunks to pipeline a view of ``slots`` pages per rank in: one per ``chunk_tokens`` tokens
-    sent per rank (rounded down, at least 1), or 1 when ``chunk_tokens`` is ``None``.
-
-    Sized in tokens, not bytes, so that views of one batch materialized separately (latent rows
-    and indexer pages) share one layout and one slot table.
-    """
-    if chunk_tokens is None or slots == 0:
-        return 1
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens!r}")
-    return chunk_layout(slots, (slots * page_size) // chunk_tokens)[0]
+def predicted_view_pages(pages_per_req: Sequence[int], cp_size: int) -> int:
+    """Pages of the dense view (``N * S``), padding included: what one materialized layer receives."""
+    return cp_size * slots_per_rank(pages_per_req, cp_size)
 
 
 @dataclass(frozen=True)
@@ -82,18 +56,17 @@ class SlotPlan:
     """Where each page position of one batch lives in the dense view (identical on every rank).
 
     Host-side: ``cp_size``, ``page_size``, ``pages_per_req``, ``slots_per_rank`` (``S``, every
-    owner's block, chunk padding included), ``trash_page``, ``chunks`` (``k``) and
-    ``chunk_slots`` (``Sc = S / k``). Device-side:
+    owner's block) and ``trash_page``. Device-side:
 
     - ``positions_flat`` int64 ``[M]``: ``b * max_pages + j`` of each position, request-major;
     - ``logical_pages`` int64 ``[M]``: the page each position reads (from the batch's page table);
     - ``slots`` int64 ``[M]``: the view slot of each position;
     - ``slot_table`` int32 ``[B, max_pages]``: the page table the kernels index in the view
       (``pad`` past a request's pages);
-    - ``slot_phys`` int64 ``[N * S]``: every owner's send block, owner-major: entry ``r`` of
-      owner ``o``'s block is the physical page (on ``o``) of its ``r``-th position, or
-      ``trash_page`` for padding. Rank ``o`` gathers ``send_pages(o)``; chunk ``c`` of it fills
-      view slots ``c * N * Sc + o * Sc + [0, Sc)``.
+    - ``slot_phys`` int64 ``[N * S]``: every owner's send block, owner-major, so entry ``x`` is
+      what view slot ``x`` holds: entry ``r`` of owner ``o``'s block is the physical page (on
+      ``o``) of its ``r``-th position, or ``trash_page`` for padding. Rank ``o`` gathers
+      ``send_pages(o)`` into view slots ``o * S + [0, S)``.
     - ``status`` int64 ``[N + 1]``: ``status[0]`` is 1 when an owner holds more positions than its
       block (those positions read a trash slot), ``status[1 + o]`` the positions owner ``o`` holds.
     """
@@ -108,13 +81,7 @@ class SlotPlan:
     slots: torch.Tensor
     slot_table: torch.Tensor
     slot_phys: torch.Tensor
-    chunks: int = 1
-    chunk_slots: int | None = None  # None: one chunk of slots_per_rank
     status: torch.Tensor | None = None  # None: a plan built without the overflow report
-
-    def __post_init__(self) -> None:
-        if self.chunk_slots is None:
-            object.__setattr__(self, "chunk_slots", self.slots_per_rank)
 
     @property
     def num_positions(self) -> int:
@@ -125,34 +92,19 @@ class SlotPlan:
         return self.cp_size * self.slots_per_rank
 
     def send_pages(self, rank: int) -> torch.Tensor:
-        """Physical pages rank ``rank`` copies into its send block, in block order (chunk by chunk)."""
+        """Physical pages rank ``rank`` copies into its send block, in block order."""
+        return self.slot_phys[slice(*self.rank_view_slots(rank))]
+
+    def rank_view_slots(self, rank: int) -> tuple[int, int]:
+        """``[start, end)``: the view slots ``rank``'s block fills (host ints)."""
         if not 0 <= rank < self.cp_size:
             raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank!r}")
         s = self.slots_per_rank
-        return self.slot_phys[rank * s : (rank + 1) * s]
-
-    def chunk_view_slots(self, chunk: int, rank: int | None = None) -> tuple[int, int]:
-        """``[start, end)`` view slots of ``chunk`` (of ``rank``'s part of it when given): host ints."""
-        if not 0 <= chunk < self.chunks:
-            raise ValueError(f"chunk must be in [0, {self.chunks}), got {chunk!r}")
-        sc = self.chunk_slots
-        start = chunk * self.cp_size * sc
-        if rank is None:
-            return start, start + self.cp_size * sc
-        if not 0 <= rank < self.cp_size:
-            raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank!r}")
-        return start + rank * sc, start + (rank + 1) * sc
+        return rank * s, (rank + 1) * s
 
     def slot_owner(self, slots: torch.Tensor) -> torch.Tensor:
         """The owner whose block fills each view slot."""
-        sc = max(self.chunk_slots, 1)
-        return (slots % (self.cp_size * sc)) // sc
-
-    def send_entry(self, slots: torch.Tensor) -> torch.Tensor:
-        """Index into ``slot_phys`` of each view slot (the identity with one chunk)."""
-        sc = max(self.chunk_slots, 1)
-        chunk = slots // (self.cp_size * sc)
-        return self.slot_owner(slots) * self.slots_per_rank + chunk * sc + slots % sc
+        return slots // max(self.slots_per_rank, 1)
 
 
 def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -194,14 +146,13 @@ def build_slot_plan(
     pad: int = 0,
     use_triton: bool | None = None,
     vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    chunks: int = 1,
 ) -> SlotPlan:
     """Plan the view of one batch from its page table (logical page ids, ``[B, max_pages]``).
 
     ``pages_per_req`` are host ints (``pages_for_lens(seq_lens_cpu, ps)``); the page table stays
     on its device and is never read back. ``trash_page`` is the pool's padding page.
     ``vectors``: ``plan_vectors(pages_per_req, max_pages, device)`` built ahead (CUDA graphs);
-    built here when omitted. ``chunks``: pipeline chunks of the view (``chunk_layout`` clamps it).
+    built here when omitted.
     """
     if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -216,9 +167,8 @@ def build_slot_plan(
     check_int("cp_size", cp_size, 1)
     check_int("page_size", page_size, 1)
     check_int("trash_page", trash_page, 0)
-    check_int("chunks", chunks, 1)
 
-    k, sc = chunk_layout(slots_per_rank(pages, cp_size), chunks)
+    s = slots_per_rank(pages, cp_size)
     if vectors is None:
         vectors = plan_vectors(pages, max_pages, page_table.device, use_triton=use_triton)
     positions_flat, cu_pages = vectors
@@ -226,21 +176,19 @@ def build_slot_plan(
         raise ValueError(f"vectors must be plan_vectors of these lengths ([{sum(pages)}], [{batch + 1}])")
 
     logical, slots, slot_table, slot_phys, status = assign_slots(
-        page_table, positions_flat, cu_pages, cp_size, sc, k * sc, trash_page, pad=pad, use_triton=use_triton
+        page_table, positions_flat, cu_pages, cp_size, s, trash_page, pad=pad, use_triton=use_triton
     )
     return SlotPlan(
         cp_size=cp_size,
         page_size=page_size,
         pages_per_req=tuple(pages),
-        slots_per_rank=k * sc,
+        slots_per_rank=s,
         trash_page=trash_page,
         positions_flat=positions_flat,
         logical_pages=logical,
         slots=slots,
         slot_table=slot_table,
         slot_phys=slot_phys,
-        chunks=k,
-        chunk_slots=sc,
         status=status,
     )
 

@@ -131,4 +131,3 @@ def test_a_hook_sglang_could_not_install_refuses_the_start():
 def test_a_broken_hook_is_harmless_without_the_flag():
     rc, lines, _ = _launch(["--model-path", "dummy", "--help"], broken=True)
     assert rc == 0, lines
-

@@ -160,7 +160,9 @@ def test_startup_line_and_metrics_of_two_cp_ranks(tmp_path, monkeypatch):
         # The arena was charged to the budget: a replicated pool in this memory holds its tokens too.
         replicated = res["size"] + res["arena"] // (LAYERS * page // PS)
         assert f"a replicated pool in this memory: about {replicated} tokens" in line, line
-        assert f"view arena {res['arena'] / 2**20:.1f} MiB" in line and line.endswith("prefetch on unless the views go over NCCL"), line
+        assert f"view arena {res['arena'] / 2**20:.1f} MiB" in line and line.endswith(
+            "prefetch on unless the views go over NCCL"
+        ), line
         assert "view transport auto" in line, line
 
         def value(name, labels=labels, **extra):

@@ -386,8 +386,7 @@ def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
     if setting == "copy_engine":
         raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {why}")
     logger.warning(
-        "CP-shared KV: copy engines unavailable (%s): views all-gathered by the CP group's %s collectives "
-        "instead%s",
+        "CP-shared KV: copy engines unavailable (%s): views all-gathered by the CP group's %s collectives instead%s",
         why,
         group.backend,
         ", which run on SMs, with no layer-ahead prefetch" if group.backend == "nccl" else "",

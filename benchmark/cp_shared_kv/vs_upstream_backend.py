@@ -22,36 +22,16 @@ MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_d
 
 
 def _config(heads: int, topk: int, context_len: int) -> dict:
+    """The demo's tiny DeepSeek-V3.2-shaped config with this run's heads, indexer top-k and context."""
+    from sglang_cp_shared_kv.demo.sglang_parts import MODELS
+
     return {
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_hidden_layers": 2,
+        **MODELS["dsa"],
         "num_attention_heads": heads,
         "num_key_value_heads": heads,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "routed_scaling_factor": 1.0,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "q_lora_rank": 128,
-        "max_position_embeddings": context_len,
-        "rope_theta": 10000,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 1024,
-        "torch_dtype": "bfloat16",
-        "hidden_act": "silu",
         "index_n_heads": 64,
         "index_topk": topk,
-        **MLA,
+        "max_position_embeddings": context_len,
     }
 
 

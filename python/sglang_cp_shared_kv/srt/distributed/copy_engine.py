@@ -397,7 +397,7 @@ def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
 def prefetch_on(group: CPGroup | CopyEngineGroup | None, requested: bool) -> bool:
     """Whether views all-gathered by ``group`` (the transport ``view_group`` chose) are prefetched a layer
     ahead, when ``requested``: not over NCCL, whose prefetch was slower than building each view in line
-    (its kernels wait for the SMs the layer holds: ``docs/benchmarks.md``, cp2_e2e); on the copy
+    (its kernels wait for the SMs the layer holds: ``docs/design.md``, "Layer-ahead prefetch"); on the copy
     engines (no SMs) and elsewhere (gloo, a single rank) yes."""
     if requested and getattr(group, "backend", None) == "nccl":
         logger.info("CP-shared KV: layer-ahead prefetch of the views off: they are all-gathered by NCCL")

@@ -62,7 +62,6 @@ def run(cp_size: int, pages: int, requests: int, repeats: int, model_dir: str) -
     import torch
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.common.conn import PrefillServerInfo
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver, MooncakeKVSender
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import MooncakeTransferEngine
@@ -121,16 +120,7 @@ def run(cp_size: int, pages: int, requests: int, repeats: int, model_dir: str) -
     d_mgr.start_decode_thread()
     infos = {
         "sharded": sp.prefill_info(cp_size, PS),
-        "stock": PrefillServerInfo(
-            attn_tp_size=1,
-            attn_cp_size=1,
-            dp_size=1,
-            pp_size=1,
-            page_size=PS,
-            kv_cache_dtype="bfloat16",
-            follow_bootstrap_room=False,
-            enable_kv_cache_sharding=False,
-        ),
+        "stock": sp.prefill_info(1, PS, sharded=False),
     }
     for kind, info in infos.items():
         d_mgr._resolve_rank_mapping(info)

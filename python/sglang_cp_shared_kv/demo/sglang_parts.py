@@ -270,8 +270,9 @@ def mooncake_manager(mode, engine, kv_args, rank: int, cp_size: int, host: str =
     return m
 
 
-def prefill_info(cp_size: int, page_size: int):
-    """What a decode server learns of a prefill server with ``cp_size`` CP ranks and sharded KV (SGLang's record)."""
+def prefill_info(cp_size: int, page_size: int, sharded: bool = True):
+    """What a decode server learns of a prefill server with ``cp_size`` CP ranks (SGLang's record); ``sharded``:
+    its KV cache sharded over them, else each rank holds it whole."""
     from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 
     return PrefillServerInfo(
@@ -282,5 +283,5 @@ def prefill_info(cp_size: int, page_size: int):
         page_size=page_size,
         kv_cache_dtype="bfloat16",
         follow_bootstrap_room=False,
-        enable_kv_cache_sharding=True,
+        enable_kv_cache_sharding=sharded,
     )

@@ -293,8 +293,20 @@ def test_every_request_concludes_in_bounded_time(faults):
 def test_every_success_is_byte_exact_and_every_failure_has_a_reason(faults):
     rows = faults["rows"]
     ok = [x for x in rows if x["decode"] == "success"]
-    assert len(ok) >= REQUESTS // 2, Counter(x["decode"] for x in rows)
     assert [x["room"] for x in ok if not x["exact"]] == []
+    # Every request that did not succeed was failed by a fault the run injected: a client abort, the
+    # killed decode, or what the cut link and the decode's restart cause (a failed transfer, the
+    # blacklisted decode session, the waiting timeout); never a manifest rejection nor an unknown reason.
+    injected = {"transfer_error", "decode_session_blacklisted", "waiting_timeout"}
+    unexplained = [
+        (x["room"], x["prefill_reason"], x["decode_reason"])
+        for x in rows
+        if x["decode"] not in ("success", "lost") and not x["abort"] and _cause(x) not in injected
+    ]
+    assert unexplained == [], unexplained
+    # How many the faults fail depends on timing (the cut and the restart span fixed seconds of a short
+    # run); enough get through for the byte comparison to cover many requests.
+    assert len(ok) >= REQUESTS // 5, Counter(x["decode"] if x["decode"] != "failed" else _cause(x) for x in rows)
     failed = [x for x in rows if x["decode"] == "failed"]
     assert all(x["decode_reason"] for x in failed), [x for x in failed if not x["decode_reason"]]
     assert all(x["prefill_reason"] for x in rows if x["prefill"] == "failed" and x["decode"] != "success")

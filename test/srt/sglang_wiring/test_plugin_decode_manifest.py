@@ -468,7 +468,14 @@ def _worker(model_dir: str) -> None:
     before = pool_digest()
     tally: Counter = Counter()
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    # Derandomized: the same requests every run, so the share of hostile ones below does not vary.
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(case=request_messages())
     def hostile_request(case):
         room, cp_size, table, pb, hostile, messages = case
@@ -612,7 +619,10 @@ def test_hostile_manifests_fail_their_request_in_sglang_and_write_nothing(result
     decode manager with the one-line reason; all-honest ones end ``Success``; the decode pool is unchanged."""
     h = results["hostile"]
     assert set(h["tally"]) <= {"hostile_failed", "honest_served"}, h["tally"]
-    assert h["tally"].get("hostile_failed", 0) >= FUZZ_EXAMPLES // 4, h["tally"]
+    # Both kinds are well represented (about a quarter of the generated requests have a hostile rank).
+    assert min(h["tally"].get("hostile_failed", 0), h["tally"].get("honest_served", 0)) >= FUZZ_EXAMPLES // 8, h[
+        "tally"
+    ]
     assert h["pool_unchanged"] and h["checks_left"] == 0
 
 

@@ -24,9 +24,11 @@ FlashMLA's fp8 paged kernel with sparse indices over the pool's own buffer), and
 (``vs_upstream_stand_ins``), the same for every path, each timed and listed in the result. Not run:
 the indexer's projections and norms (model weights; the same for every path).
 
-Each forward runs twice (the first warms compiles and registrations); the second is timed: wall
-clock and CUDA events for the forward, and events around each pool read call (the read path: the
-plan, each layer's index and latent reads) and each stand-in. Its outputs (attention output per layer,
+Each forward runs three times on a GPU. The first warms compiles and registrations. The second is
+the host pass: the device is drained before each pool call, so a call's host time is its own work
+(``*_plan_host_us``, ``*_read_host_us_per_layer``), not time blocked on a launch queue that the layer's
+kernels filled. The third is timed: wall clock and CUDA events for the forward, and events around each
+pool read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its outputs (attention output per layer,
 index K reads) are kept and compared across the paths after timing, by exact digests. Bytes are the
 transports' own counts (ours: the transport's byte counter; SGLang's: its NCCL calls' sizes).
 
@@ -276,6 +278,9 @@ class _PoolProbe:
 
     def __init__(self, pool, device: torch.device):
         self.device, self.active = device, False
+        # The host pass: the device drained before each call, so a call's host time is its own, not
+        # time spent blocked on a launch queue the forward's earlier kernels filled.
+        self.sync_each = False
         self.reset()
         for kind, names in (("plan", PLAN_CALLS), ("read", READ_CALLS), ("write", WRITE_CALLS)):
             for name in names:
@@ -292,7 +297,9 @@ class _PoolProbe:
             if not self.active:
                 return fn(*args, **kwargs)
             ev = None
-            if self.device.type == "cuda" and kind != "write":
+            if self.sync_each:
+                _sync(self.device)
+            elif self.device.type == "cuda" and kind != "write":
                 ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 ev[0].record()
             t0 = time.perf_counter()
@@ -587,12 +594,15 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         digests: dict[str, list] = {}
         samples: dict[str, list] = {}
 
-        def forward(name: str, timed: bool) -> None:
+        def forward(name: str, timed: bool, host_pass: bool = False) -> None:
+            """One forward of the batch: a warm-up (neither flag), the host pass (each pool call's host time
+            with the device drained before it: CUDA only) or the timed one."""
             pool, backend, probe = pools[name], backends[name], probes[name]
             stand_ins.spans = spans
             stand_ins.take_us()
             probe.reset()
-            probe.active = timed
+            probe.active = timed or host_pass
+            probe.sync_each = host_pass
             counter = _SyncCounter(device)
             outs, reads = [], []
             gate()
@@ -603,6 +613,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             if ev:
                 ev[0].record()
             with ctx(name), counter:
+                if host_pass:
+                    _sync(device)
                 h = time.perf_counter()
                 if name == "ours":  # the plugin's ForwardBatch.init_new hook hands the batch its hint
                     pool.read.shared_prefix = hint
@@ -644,20 +656,23 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 ev[1].record()
             _sync(device)
             wall = time.perf_counter() - t0
-            probe.active = False
+            probe.active = probe.sync_each = False
             if profiler is not None and name == "ours" and timed:
                 profiler.disable()
             stand = stand_ins.take_us()
+            if host_pass or (timed and device.type != "cuda"):  # on CPU every call runs to its end anyway
+                row[f"{name}_metadata_host_us"] = round(meta_host * 1e6, 1)
+                row[f"{name}_plan_host_us"] = round(probe.host["plan"] * 1e6, 1)
+                row[f"{name}_read_host_us_per_layer"] = round(probe.host["read"] * 1e6 / layers, 1)
+                row[f"{name}_write_host_us_per_layer"] = round(probe.host["write"] * 1e6 / layers, 1)
             if not timed:
                 return
             row[f"{name}_layer_time_us"] = round(wall * 1e6 / layers, 1)
             row[f"{name}_layer_time_device_us"] = round(ev[0].elapsed_time(ev[1]) * 1e3 / layers, 1) if ev else None
             row[f"{name}_read_time_us"] = round((probe.device_us("plan") + probe.device_us("read")) / layers, 1)
             row[f"{name}_plan_time_us"] = round(probe.device_us("plan"), 1)
-            row[f"{name}_metadata_host_us"] = round(meta_host * 1e6, 1)
-            row[f"{name}_plan_host_us"] = round(probe.host["plan"] * 1e6, 1)
-            row[f"{name}_read_host_us_per_layer"] = round(probe.host["read"] * 1e6 / layers, 1)
-            row[f"{name}_write_host_us_per_layer"] = round(probe.host["write"] * 1e6 / layers, 1)
+            # The timed forward's host time in the pool calls, launch-queue back-pressure included.
+            row[f"{name}_pool_host_us_timed_pass"] = round(sum(probe.host.values()) * 1e6, 1)
             row[f"{name}_stand_ins_us"] = stand
             sglang_ops = sum(v for k, v in stand.items() if k != MOE)  # the MoE is the layer's own compute
             row[f"{name}_stand_ins_us_per_layer"] = round(sglang_ops / layers, 1)
@@ -671,6 +686,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             # first use: a timed forward must not pay it), then the timed one; bytes of the timed one.
             if args.get("warmup", True):  # off in the CPU test, which times nothing
                 forward(name, False)
+            if device.type == "cuda":
+                forward(name, False, host_pass=True)
             before = received(name)
             forward(name, True)
             row[f"{name}_bytes_received"] = received(name) - before

@@ -300,15 +300,17 @@ class CopyEngineGroup:
         *,
         async_op: bool = False,
         coalesce: bool | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> PendingCollective:
         """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place.
 
-        Everything is queued on the current stream (ordered after the caller's writes of its parts,
-        before whatever it queues next), so the result needs no wait; ``async_op`` and ``coalesce``
-        are accepted for ``CPGroup`` compatibility.
+        Everything is queued on ``stream`` (default: the current stream), ordered after the caller's
+        writes of its parts there and before whatever it queues next, so the result needs no wait;
+        ``async_op`` and ``coalesce`` are accepted for ``CPGroup`` compatibility.
         """
         pulls = self._pulls(outs, locals_)
-        d, stream = self._driver, current_stream_handle(self.device)
+        d = self._driver
+        stream = current_stream_handle(self.device) if stream is None else stream.cuda_stream
         self.calls += 1
         k = self.calls
         # The counter into the outbox (the write carries a memory barrier: my part is written), then

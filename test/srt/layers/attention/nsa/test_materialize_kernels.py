@@ -16,10 +16,14 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     gather_pages,
     gather_pages_ref,
     interpreting,
+    map_batch_pages,
+    map_batch_pages_ref,
     plan_positions,
     plan_positions_ref,
     positions_to_view_rows,
     positions_to_view_rows_ref,
+    translate_locs,
+    translate_locs_ref,
     triton_enabled,
     word_pair,
 )
@@ -286,3 +290,62 @@ def test_assign_slots_rejects_bad_input():
         assign_slots(table, positions, cu, 2, 0, 0)
     with pytest.raises(ValueError, match="cu_pages"):
         assign_slots(table, positions, cu[:1], 2, 4, 0)
+
+
+def _page_map_by_loops(logical, page_table, plan_table, shared, prefix, pages, base, fill):
+    """The batch's page map, one page at a time (an independent statement of ``map_batch_pages``)."""
+    out = [fill] * logical
+    start = 0
+    for b in range(len(pages)):
+        for j in range(shared[b], pages[b]):
+            lp = int(page_table[b][j])
+            out[lp] = int(plan_table[b][j - shared[b]]) if j < prefix[b] else base + start + j - prefix[b]
+        start += pages[b] - prefix[b]
+    return out
+
+
+@pytest.mark.parametrize("use_triton", [False, True] if triton_enabled(DEVICE) else [False])
+def test_map_batch_pages_maps_prefix_slots_staged_pages_and_fills_the_rest(use_triton):
+    # Three requests over distinct logical pages: request 1 shares its first 2 prefix pages with request 0.
+    g = torch.Generator().manual_seed(3)
+    logical = 200
+    shared, prefix, pages = [0, 2, 0], [3, 4, 0], [5, 6, 2]
+    width = 7
+    ids = torch.randperm(logical - 4, generator=g)[: sum(pages)] + 4  # pages 0..3 never handed out
+    table = torch.zeros((3, width), dtype=torch.int64)
+    k = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = ids[k : k + p]
+        k += p
+    table[1, :2] = table[0, :2]  # the shared pages are the source's
+    plan = torch.randint(0, 50, (3, width), generator=g, dtype=torch.int32)
+    starts = [0, 2, 4]
+    meta = torch.tensor([shared, prefix, pages, starts], dtype=torch.int64, device=DEVICE)
+    page_pos = torch.full((logical,), -5, dtype=torch.int64, device=DEVICE)
+    got = map_batch_pages(page_pos, table.to(DEVICE), plan.to(DEVICE), meta, 30, 99, use_triton=use_triton)
+    expected = _page_map_by_loops(logical, table.tolist(), plan.tolist(), shared, prefix, pages, 30, 99)
+    # Request 0 maps the shared pages to its own slots; request 1 leaves them alone.
+    assert got is page_pos and page_pos.tolist() == expected
+    ref = map_batch_pages_ref(torch.zeros_like(page_pos), table.to(DEVICE), plan.to(DEVICE), meta, 30, 99)
+    assert torch.equal(ref, page_pos)
+    with pytest.raises(ValueError, match="meta must be"):
+        map_batch_pages(page_pos, table.to(DEVICE), plan.to(DEVICE), meta[:3], 30, 99)
+
+
+@pytest.mark.parametrize("use_triton", [False, True] if triton_enabled(DEVICE) else [False])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_translate_locs_equals_torch_indexing(use_triton, dtype):
+    g = torch.Generator().manual_seed(5)
+    page_pos = torch.randint(0, 1000, (40,), generator=g, dtype=torch.int64).to(DEVICE)
+    locs = torch.randint(0, 40 * 16, (3, 37), generator=g).to(dtype).to(DEVICE)
+    locs[0, 0] = -1  # torch's negative index: the last page, row 15
+    got = translate_locs(page_pos, locs, 16, use_triton=use_triton)
+    pp = page_pos.tolist()
+    expected = [[pp[x // 16] * 16 + x % 16 for x in row] for row in locs.tolist()]
+    assert got.dtype == dtype and got.shape == locs.shape and got.tolist() == expected
+    assert torch.equal(translate_locs_ref(page_pos, locs, 16), got)
+    # Page ids (page size 1), a non-contiguous input, another output dtype.
+    pages = locs[:, ::2] // 16
+    assert translate_locs(page_pos, pages, 1, torch.int64, use_triton=use_triton).tolist() == [
+        [pp[x] for x in row] for row in pages.tolist()
+    ]

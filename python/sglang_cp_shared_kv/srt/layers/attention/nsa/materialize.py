@@ -289,6 +289,7 @@ class ViewMaterializer:
         plan: SlotPlan | None = None,
         request_ids: Sequence[str] | None = None,
         extra_pages: int = 0,
+        vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> BatchCounters:
         """Start a forward batch: its real page table (logical pages) and host lengths.
 
@@ -302,7 +303,8 @@ class ViewMaterializer:
 
         ``extra_pages``: pages every view buffer holds past the ``N * S`` gathered ones, never
         gathered nor all-gathered (a caller that stages the current chunk there plans the view
-        over the prefixes only: ``seq_lens = prefix_lens``).
+        over the prefixes only: ``seq_lens = prefix_lens``). ``vectors``: the plan's
+        ``slot_plan.plan_vectors`` of these lengths, built by the caller (one host copy for all it sends).
         """
         seq_lens = [int(n) for n in seq_lens]
         prefix_lens = [int(n) for n in prefix_lens]
@@ -329,7 +331,9 @@ class ViewMaterializer:
         pages = all_pages
         self._current_pages = sum(p - q for p, q in zip(all_pages, prefix_pages))
         if plan is None:
-            plan = build_slot_plan(page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton)
+            plan = build_slot_plan(
+                page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton, vectors=vectors
+            )
             self.overflow.record(plan, request_ids)
         elif (plan.cp_size, plan.page_size, plan.trash_page, plan.pages_per_req) != (
             n,
@@ -464,8 +468,11 @@ class ViewMaterializer:
                 gathered = self._gathered
                 gathered.record(torch.cuda.current_stream(self.pool.device))
                 transfer_stream.wait_event(gathered)
-                with torch.cuda.stream(transfer_stream):
-                    group.all_gather_into_many(whole, mine, async_op=True).wait()
+                if getattr(group, "backend", None) == "copy_engine":  # takes the stream: no stream switch
+                    group.all_gather_into_many(whole, mine, stream=transfer_stream)
+                else:
+                    with torch.cuda.stream(transfer_stream):
+                        group.all_gather_into_many(whole, mine, async_op=True).wait()
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
@@ -503,7 +510,6 @@ class ViewMaterializer:
                 side = self._side_stream = prefetch_stream(device, self.prefetch_priority)
                 self._fork, self._prefetched = torch.cuda.Event(), torch.cuda.Event()
                 self._gathered = torch.cuda.Event()
-            main = torch.cuda.current_stream(device)
             if self.prefetch_gather == "compute":
                 # The gather in line here (its blocks get the SMs between the compute stream's
                 # kernels), the transfer on the side stream behind it.
@@ -512,6 +518,7 @@ class ViewMaterializer:
                 # The side stream starts after everything queued so far: the previous batch's pool
                 # writes, and the kernels still reading this buffer set's previous layer. One event
                 # each way serves every layer: each wait is queued before the event is recorded again.
+                main = torch.cuda.current_stream(device)
                 self._fork.record(main)
                 side.wait_event(self._fork)
                 torch.cuda.set_stream(side)

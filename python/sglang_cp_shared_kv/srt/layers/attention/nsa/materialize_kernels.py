@@ -14,6 +14,10 @@
   request ``b`` gets ``slots[cu_pages[b] + j]``; positions past a request's pages get ``pad``.
 - ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
   -> rows of a view, ``page_table[req, pos // ps] * ps + pos % ps``; -1 stays -1.
+- ``map_batch_pages``: the batch's page map (logical page -> page of its read buffer): a prefix
+  page to its view slot, a current-chunk page to its staged page, anything else to a fill value.
+- ``translate_locs``: logical token locs (or page ids) -> rows (pages) of the read buffer, through
+  that map.
 
 Each wrapper runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1``
 (the tests); otherwise it runs the reference. ``use_triton`` forces either.
@@ -716,4 +720,157 @@ def positions_to_view_rows(
     grid = (t, triton.cdiv(k, block))
     args = (positions, q_req, table, out, k, table.stride(0), page_size)
     launch(_positions_to_rows_kernel, grid, args, {"BLOCK": block})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# map_batch_pages (the batch's page map) and translate_locs (logical locs -> read-buffer rows)
+# ---------------------------------------------------------------------------------------------
+
+
+def map_batch_pages_ref(
+    page_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    plan_table: torch.Tensor,
+    meta: torch.Tensor,
+    base: int,
+    fill: int,
+) -> torch.Tensor:
+    """Fill ``page_pos`` (int64 ``[logical pages]``) with ``fill``, then map the batch's pages into it.
+
+    ``meta`` int64 ``[4, B]`` holds per request ``shared``, ``prefix`` and ``pages`` (page counts) and
+    ``start`` (the request's first staged page among the batch's). Page ``j`` of request ``b``
+    (logical page ``page_table[b, j]``) maps to:
+
+    - nothing for ``j < shared[b]`` (the page is the source request's, mapped by it),
+    - ``plan_table[b, j - shared[b]]`` for ``j < prefix[b]`` (its view slot),
+    - ``base + start[b] + j - prefix[b]`` for ``j < pages[b]`` (its staged page).
+
+    A page two requests both read is written twice with slots holding the same bytes; either serves.
+    Unmapped writes go to logical page 0 with ``fill`` (the allocator never hands page 0 out).
+    """
+    width = page_table.shape[1]
+    shared, prefix, pages, start = (v.unsqueeze(1) for v in meta.long())
+    j = torch.arange(width, device=page_table.device).unsqueeze(0)
+    mapped = (j >= shared) & (j < pages)
+    slot = plan_table.long().gather(1, (j - shared).clamp(0, max(plan_table.shape[1] - 1, 0)).expand_as(page_table))
+    pos = torch.where(j < prefix, slot, base + start + j - prefix)
+    page_pos.fill_(fill)
+    targets = torch.where(mapped, page_table.long(), torch.zeros_like(pos))
+    page_pos.index_put_((targets.reshape(-1),), torch.where(mapped, pos, torch.full_like(pos, fill)).reshape(-1))
+    return page_pos
+
+
+if triton is not None:
+
+    @triton.jit(
+        do_not_specialize=["pt_stride0", "pt_stride1", "plan_stride0", "plan_stride1", "batch", "width", "base"]
+    )
+    def _map_batch_pages_kernel(
+        page_pos,
+        page_table,
+        pt_stride0,
+        pt_stride1,
+        plan_table,
+        plan_stride0,
+        plan_stride1,
+        meta,
+        batch,
+        width,
+        base,
+        BLOCK: tl.constexpr,
+    ):
+        # Program (b, k) maps pages [k * BLOCK, (k + 1) * BLOCK) of request b (meta rows as in the ref).
+        b = tl.program_id(0)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        shared = tl.load(meta + b)
+        prefix = tl.load(meta + batch + b)
+        pages = tl.load(meta + 2 * batch + b)
+        start = tl.load(meta + 3 * batch + b)
+        mapped = (j >= shared) & (j < pages) & (j < width)
+        lp = tl.load(page_table + b.to(tl.int64) * pt_stride0 + j * pt_stride1, mask=mapped, other=0).to(tl.int64)
+        in_prefix = mapped & (j < prefix)
+        slot = tl.load(
+            plan_table + b.to(tl.int64) * plan_stride0 + (j - shared) * plan_stride1, mask=in_prefix, other=0
+        )
+        pos = tl.where(j < prefix, slot.to(tl.int64), base + start + j - prefix)
+        tl.store(page_pos + lp, pos, mask=mapped)
+
+
+def map_batch_pages(
+    page_pos: torch.Tensor,
+    page_table: torch.Tensor,
+    plan_table: torch.Tensor,
+    meta: torch.Tensor,
+    base: int,
+    fill: int,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``map_batch_pages_ref``: a fill and one launch, nothing read back."""
+    _check_index("page_table", page_table, 2)
+    _check_index("plan_table", plan_table, 2)
+    batch, width = page_table.shape
+    if page_pos.dtype != torch.int64 or page_pos.dim() != 1:
+        raise ValueError(f"page_pos must be int64 [logical pages], got {page_pos.dtype} {tuple(page_pos.shape)}")
+    if meta.dtype != torch.int64 or meta.shape != (4, batch) or not meta.is_contiguous():
+        raise ValueError(f"meta must be contiguous int64 [4, {batch}], got {meta.dtype} {tuple(meta.shape)}")
+    if not triton_enabled(page_pos.device, use_triton) or batch == 0 or width == 0:
+        return map_batch_pages_ref(page_pos, page_table, plan_table, meta, base, fill)
+    page_pos.fill_(fill)
+    block = min(1024, triton.next_power_of_2(width))
+    args = (page_pos, page_table, page_table.stride(0), page_table.stride(1), plan_table)
+    args += (plan_table.stride(0), plan_table.stride(1), meta, batch, width, base)
+    launch(_map_batch_pages_kernel, (batch, triton.cdiv(width, block)), args, {"BLOCK": block})
+    return page_pos
+
+
+def translate_locs_ref(
+    page_pos: torch.Tensor, locs: torch.Tensor, page_size: int, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``page_pos[loc // ps] * ps + loc % ps`` for every loc (any shape; ``out_dtype``, default the locs')."""
+    loc = locs.long()
+    rows = page_pos[loc // page_size] * page_size + loc % page_size
+    return rows.to(out_dtype or locs.dtype)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n", "page_size", "num_pages"])
+    def _translate_kernel(page_pos, locs, out, n, page_size, num_pages, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        loc = tl.load(locs + i, mask=live, other=0).to(tl.int64)
+        # Floor division and a non-negative remainder, and negative pages from the end, as torch indexes.
+        offset = loc % page_size
+        offset = tl.where(offset < 0, offset + page_size, offset)
+        page = (loc - offset) // page_size
+        page = tl.where(page < 0, page + num_pages, page)
+        row = tl.load(page_pos + page, mask=live, other=0) * page_size + offset
+        tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
+
+
+def translate_locs(
+    page_pos: torch.Tensor,
+    locs: torch.Tensor,
+    page_size: int,
+    out_dtype: torch.dtype | None = None,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """``translate_locs_ref`` in one launch (page ids with ``page_size`` 1)."""
+    if locs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"locs must be int32 or int64, got {locs.dtype}")
+    if not triton_enabled(page_pos.device, use_triton) or locs.numel() == 0:
+        return translate_locs_ref(page_pos, locs, page_size, out_dtype)
+    flat = locs.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out = torch.empty(locs.shape, dtype=out_dtype or locs.dtype, device=locs.device)
+    n = flat.shape[0]
+    block = 1024
+    launch(
+        _translate_kernel,
+        (triton.cdiv(n, block),),
+        (page_pos, flat, out, n, page_size, page_pos.shape[0]),
+        {"BLOCK": block},
+    )
     return out

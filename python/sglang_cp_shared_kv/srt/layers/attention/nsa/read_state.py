@@ -53,6 +53,7 @@ without waiting for it (``slot_plan.OverflowCheck``).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -67,12 +68,12 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     allocate_arena,
     arena_pages,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
-    DeviceFlagCheck,
-    host_to_device,
-    pages_for_lens,
-    plan_vectors,
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    map_batch_pages,
+    plan_positions,
+    translate_locs,
 )
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import DeviceFlagCheck, host_to_device, pages_for_lens
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
 
@@ -199,7 +200,7 @@ class BatchReadState:
         # Per hinted batch: how many of each request's shared pages differ from its source's.
         self.hint_check = DeviceFlagCheck()
         # This batch's translations of the tensors every layer passes again (cleared per batch).
-        self.stage_rows = TensorMemo(lambda locs: self.translate(locs).long())
+        self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int, prefetch: bool = False) -> int:
@@ -277,12 +278,11 @@ class BatchReadState:
         total = sum(pages)
         stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
         stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
-        positions, _ = plan_vectors(pages, page_table.shape[1], self.device)  # built on the device
-        logical = page_table.reshape(-1).index_select(0, positions)
+        zeros = [0] * len(pages)
+        (meta,) = host_to_device([np.concatenate([zeros, zeros, pages, _starts(pages)])], self.device)
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
-        self.page_pos.zero_()
-        self.page_pos[logical] = torch.arange(1, total + 1, dtype=torch.int64, device=self.device)
+        map_batch_pages(self.page_pos, page_table, page_table, meta.view(4, -1), base=1, fill=0)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
@@ -305,47 +305,41 @@ class BatchReadState:
                 prefetch=prefetch_on(group, self.prefetch),  # follows the transport chosen
             )
         ps = self.page_size
+        batch, width = page_table.shape
         pages = pages_for_lens(seq_lens, ps)
         prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)
         staged = sum(pages) - sum(prefix_pages)
         shared = [s for _, s in hint]
-        plan_table = page_table
+        plan_pages = [q - s for q, s in zip(prefix_pages, shared)]
+        # Everything host-known crosses in one copy: the plan's page prefix sum, the page map's per-request
+        # counts (``map_batch_pages``) and, with a hint, the positions of every shared page, of the same
+        # position in its source, and its request.
+        host = [[0, *accumulate(plan_pages)], shared, prefix_pages, pages, _starts(np.subtract(pages, prefix_pages))]
         if any(shared):
-            width = page_table.shape[1]
-            # Positions of every shared page, of the same position in its source, and its request.
-            mine = [b * width + np.arange(s, dtype=np.int64) for b, s in enumerate(shared) if s]
-            theirs = [src * width + np.arange(s, dtype=np.int64) for src, s in hint if s]
-            owner = [np.full(s, b, dtype=np.int64) for b, s in enumerate(shared) if s]
-            shift, mine, theirs, owner = host_to_device(
-                [shared, np.concatenate(mine), np.concatenate(theirs), np.concatenate(owner)], self.device
-            )
-            self._record_hint_check(page_table, hint, prefix_pages, mine, theirs, owner)
+            host.append(np.concatenate([b * width + np.arange(s, dtype=np.int64) for b, s in enumerate(shared) if s]))
+            host.append(np.concatenate([src * width + np.arange(s, dtype=np.int64) for src, s in hint if s]))
+            host.append(np.concatenate([np.full(s, b, dtype=np.int64) for b, s in enumerate(shared) if s]))
+        cu_plan, meta, *shared_positions = host_to_device([host[0], np.concatenate(host[1:5]), *host[5:]], self.device)
+        meta = meta.view(4, batch)
+        plan_table = page_table
+        if shared_positions:
+            self._record_hint_check(page_table, hint, prefix_pages, *shared_positions)
             # Request b's planned pages start past its shared ones: shift its row left by shared[b].
-            cols = torch.arange(width, dtype=torch.int64, device=self.device).unsqueeze(0) + shift.unsqueeze(1)
+            cols = torch.arange(width, dtype=torch.int64, device=self.device).unsqueeze(0) + meta[0].unsqueeze(1)
             plan_table = page_table.gather(1, cols.clamp_(max=width - 1))
-        plan_lens = [(q - s) * ps for q, s in zip(prefix_pages, shared)]
+        plan_lens = [p * ps for p in plan_pages]
+        vectors = (plan_positions(cu_plan, width, sum(plan_pages)), cu_plan)
         # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.
         self.counters = self.views.begin_batch(
-            plan_table, plan_lens, plan_lens, request_ids=self.request_ids, extra_pages=staged + 1
+            plan_table, plan_lens, plan_lens, request_ids=self.request_ids, extra_pages=staged + 1, vectors=vectors
         )
         self.counters.kind = batch_kind(prefix_lens)
         self.counters.pages_staged = staged
         plan = self.views.plan
         view_pages = plan.view_pages
-        # Anything unplanned (padding locs of the write path) lands on the trash page.
-        self.page_pos.fill_(view_pages + staged)
-        # A page read by two requests has two slots holding the same bytes; either serves.
-        self.page_pos[plan.logical_pages] = plan.slots
-        if staged:
-            width = page_table.shape[1]
-            flat = np.concatenate(
-                [b * width + np.arange(q, p, dtype=np.int64) for b, (q, p) in enumerate(zip(prefix_pages, pages))]
-            )
-            (positions,) = host_to_device([flat], self.device)
-            current = page_table.reshape(-1).index_select(0, positions)
-            self.page_pos[current] = torch.arange(
-                view_pages, view_pages + staged, dtype=torch.int64, device=self.device
-            )
+        # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
+        # (padding locs of the write path) to the trash page past those.
+        map_batch_pages(self.page_pos, page_table, plan.slot_table, meta, base=view_pages, fill=view_pages + staged)
         self._stages = []
         for part in range(self.views.view_sets):
             buffers = self.views.view_buffers(part)
@@ -404,16 +398,13 @@ class BatchReadState:
         return self._stages[0][1] if self._stages else None
 
     # -- translation --
-    def translate(self, locs: torch.Tensor) -> torch.Tensor:
-        """Logical token locs -> rows of this batch's read buffer (same dtype and shape)."""
-        ps = self.page_size
-        locs64 = locs.long()
-        rows = self.page_pos[locs64 // ps] * ps + (locs64 & (ps - 1))
-        return rows.to(locs.dtype)
+    def translate(self, locs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Logical token locs -> rows of this batch's read buffer (same shape; ``dtype``, default the locs')."""
+        return translate_locs(self.page_pos, locs, self.page_size, dtype)
 
     def translate_pages(self, logical_pages: torch.Tensor) -> torch.Tensor:
         """Logical page ids -> pages of this batch's read buffer."""
-        return self.page_pos[logical_pages.long()].to(logical_pages.dtype)
+        return translate_locs(self.page_pos, logical_pages, 1)
 
     def _check_translation(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
         """Debug: every position of every request maps inside the read buffer."""
@@ -455,6 +446,12 @@ class BatchReadState:
         if view is None:
             view = self._layer_cache[layer] = self.views.layer_view(layer)
         return view
+
+
+def _starts(counts: Sequence[int]) -> np.ndarray:
+    """Exclusive prefix sum: where each request's run of ``counts`` starts (int64)."""
+    ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+    return ends - np.asarray(counts, dtype=np.int64)
 
 
 def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:

@@ -227,35 +227,9 @@ VS_UPSTREAM_KEYS = [
     "stock_read_host_us_per_layer",
 ]
 
-# The one-H200 run warmed only each path's first batch of each kind, so a Triton specialization's first
-# use inside a timed forward shows as ours' batch plan taking tens of milliseconds of host time.
-FIRST_USE_PLAN_HOST_US = 50_000
-
-
 def _ratio_over(rows: list[dict], num: str, den: str) -> float | None:
     a, b = sum(r.get(num) or 0 for r in rows), sum(r.get(den) or 0 for r in rows)
     return round(a / b, 3) if rows and b else None
-
-
-def _ratio_less(rows: list[dict], num: str, den: str) -> float | None:
-    """``num`` / ``den`` total layer time less each path's SGLang-op stand-ins' time."""
-
-    def total(p):
-        return sum(r[f"{p}_layer_time_us"] - r[f"{p}_stand_ins_us_per_layer"] for r in rows)
-
-    return round(total(num) / total(den), 3) if rows else None
-
-
-def _first_try_span(batches: int) -> str:
-    """Stock / ours layer time per batch, rank 0, in the first try's log, for the scale of ``batches`` batches."""
-    import re
-
-    path = RESULTS / "vs_upstream_1gpu_first_try_log.txt"
-    if not path.exists():
-        return "n/a"
-    pat = re.compile(rf"^rank 0 batch \d+/{batches} .*stock_layer_time_us=([\d.]+), ours_layer_time_us=([\d.]+)")
-    vals = [float(m[1]) / float(m[2]) for m in map(pat.match, path.read_text().splitlines()) if m]
-    return f"{min(vals):.3f}-{max(vals):.3f}" if vals else "n/a"
 
 
 def _span(rows: list[dict], key: str, unit: float) -> str:
@@ -394,91 +368,94 @@ def _overlap() -> list[str]:
     return lines
 
 
+def _met(value: float | None, goal: float, at_least: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    return "met" if (value >= goal if at_least else value <= goal) else "not met"
+
+
+def _one_gpu_notes(d: dict) -> list[str]:
+    """What a one-H200 run of the side-by-side harness ran and what its JSON says (every figure from it)."""
+    rows, s = d["rows"], d["summary"]
+    env = next(iter(d["run_environment"].values()))
+    moe = env["moe"]
+    per_batch = [{"r": r["stock_layer_time_us"] / r["ours_layer_time_us"]} for r in rows]
+    host_ratio = [
+        {"r": r["ours_read_host_us_per_layer"] / r["stock_read_host_us_per_layer"]}
+        for r in rows
+        if r.get("ours_read_host_us_per_layer") and r.get("stock_read_host_us_per_layer")
+    ]
+    timed = _ratio_over(rows, "ours_pool_host_us_timed_pass", "stock_pool_host_us_timed_pass")
+    exact = [r["batch"] for r in rows if r.get("ours_current_chunk_bytes_gathered") == 0]
+    layer = s.get("ours_vs_stock_layer_time")
+    lines = [
+        "What runs, per batch and path: SGLang's `DeepseekSparseAttnBackend.init_forward_metadata` (for",
+        "ours SGLang's `prepare_kv_shard_forward` and the page-table translation inside it); per layer the",
+        "indexer's pool calls as SGLang's `Indexer._get_topk_ragged` makes them (index-K store,",
+        "`get_index_k_scale_buffer` over the logical page table, `fp8_mqa_logits`, `metadata.topk_transform`),",
+        f"then `forward_extend` with the prefill impl SGLang resolved for an fp8 cache on SM90 (`{env['prefill_impl']}`:",
+        "FlashMLA's fp8 paged kernel with sparse indices over the pool's own buffer), then the MoE stand-in",
+        f"(`layer_compute.MoEStandIn`, {moe['experts_on_rank']} routed experts of {moe['rows_per_expert']} rows and the",
+        f"shared expert for {moe['tokens_on_rank']} tokens at most, fp8, EP {moe['ep_size']}: a rank's tokens are the",
+        f"batch's over the CP size). {env['heads_per_rank']} attention heads, top-k {env['topk']}, {env['layers']} layers.",
+        "Not run: the indexer's projections, norms and rope (model weights; the same for every path). Each rank",
+        "computes attention for all the batch's queries (SGLang's prefill CP splits them between the ranks), so",
+        "the attention share of a layer here is about twice a CP-2 rank's. Every batch is warmed once before it",
+        "is measured.",
+        "",
+        "Layer time: wall clock of the timed forward over its layers, the stand-ins included; `_without_stand_ins`",
+        "subtracts their device time (DeepGEMM's logits and sgl_kernel's fused top-k, which dominate here:",
+        "torch stand-ins for ops that take a fraction of this on the real kernels, so the figure without them is",
+        "closer to what a server sees). Read time: the stream time between CUDA events around the pool's read",
+        "calls, per layer. Ratios are totals over the workload, stock over ours: below 1, ours is slower.",
+        "",
+        "Both CP ranks share one GPU over gloo (NCCL needs a GPU per rank), so SGLang's page-interleave pool",
+        "is absent (its NCCL gather communicator) and the layer-split pool is left out (over gloo it would",
+        "broadcast through host memory, not its best path). Ours moves its views by",
+        f"`{env.get('ours_transport')}` (prefetch {'on' if env.get('ours_prefetch') else 'off'}).",
+        "",
+        f"Result: ours vs stock {layer} on layer time (goal >= 0.99: {_met(layer, 0.99)}), per batch",
+        f"{_span(per_batch, 'r', 1)}; {s.get('ours_vs_stock_layer_time_without_stand_ins')} without the stand-ins' time.",
+        f"Every timed output bit-exact (`correct_all` {s.get('correct_all')}). Our transport received exactly the prefix",
+        f"pages' bytes on {len(exact)} of {len(rows)} batches (`current_chunk_bytes_gathered` 0): nothing of the",
+        "current chunk moves.",
+        "",
+        "Host cost, from the host pass (the device drained before each pool call; median over batches): our",
+        f"batch plan {s.get('ours_plan_host_us')} µs (goal 200 µs: {_met(s.get('ours_plan_host_us'), 200, False)}), inside",
+        f"SGLang's `init_forward_metadata` of {s.get('ours_metadata_host_us')} µs ({s.get('stock_metadata_host_us')} µs over the",
+        f"stock pool); a layer's reads {s.get('ours_read_host_us_per_layer')} µs against the stock pool's",
+        f"{s.get('stock_read_host_us_per_layer')} µs, {_span(host_ratio, 'r', 1)}x per batch (goal 1.5x: not met). In the",
+        f"timed forward the pool calls' host time is {timed}x the stock pool's, launch-queue back-pressure",
+        "included (`*_pool_host_us_timed_pass`). Host syncs: 0 per forward for both paths,",
+        "`init_forward_metadata` included (CUDA sync-debug mode).",
+        "",
+        "Memory: `peak_scratch_ratio` is our default arena (two contexts) over SGLang's page-interleave scratch",
+        "(eight contexts and the chunk, twice: its own rule); `_equal_admission` sizes ours for eight contexts",
+        f"too: {s.get('peak_scratch_ratio_equal_admission')} (goal 0.5: {_met(s.get('peak_scratch_ratio_equal_admission'), 0.5, False)}).",
+        "By the sizing rule (not a measurement) it is (P + 2c) / (2P + 2c) for a prefix budget P and a chunk",
+        "c plus a page: above 1/2 by the prefetch's second chunk, 1/2 exactly with the prefetch off.",
+    ]
+    return lines
+
+
 def _side_by_side() -> list[str]:
     """SGLang's DSA backend over the stock pool, SGLang's two sharded pools and ours."""
-    one = _load("vs_upstream_1gpu")
-    notes: list[str] = []
-    if one is not None:
-        rows = one["rows"]
-        env = next(iter(one["run_environment"].values()))
-        first_use = [r["batch"] for r in rows if (r.get("ours_plan_host_us") or 0) > FIRST_USE_PLAN_HOST_US]
-        rest = [r for r in rows if r["batch"] not in first_use]
-        first_use_rows = [r for r in rows if r["batch"] in first_use]
-        first_of_kind = {next(r["batch"] for r in rows if r["kind"] == k) for k in {r["kind"] for r in rows}}
-        single = [r for r in rows if r["batch"] not in first_of_kind]
-        moe = env["moe"]
-        notes = [
-            "What runs, per batch and path: SGLang's `DeepseekSparseAttnBackend.init_forward_metadata` (for the",
-            "sharded pools SGLang's `prepare_kv_shard_forward` and the page-table translation inside it); per layer",
-            "the indexer's pool calls as SGLang's `Indexer._get_topk_ragged` makes them (index-K store,",
-            "`get_index_k_scale_buffer` over the logical page table, `fp8_mqa_logits`, `metadata.topk_transform`),",
-            f"then `forward_extend` with the prefill impl SGLang resolved for an fp8 cache on SM90 (`{env['prefill_impl']}`:",
-            "FlashMLA's fp8 paged kernel with sparse indices over the pool's own buffer), then the MoE stand-in",
-            f"(`layer_compute.MoEStandIn`, {moe['experts_on_rank']} routed experts of {moe['rows_per_expert']} rows and the",
-            f"shared expert for {moe['tokens_on_rank']} tokens at most, fp8, EP {moe['ep_size']}: a rank's tokens are the",
-            f"batch's over the CP size). {env['heads_per_rank']} attention heads, top-k {env['topk']}, {env['layers']} layers.",
-            "Not run: the indexer's projections, norms and rope (model weights; the same for every path). Each rank",
-            "computes attention for all the batch's queries (SGLang's prefill CP splits them between the ranks), so",
-            "the attention share of a layer here is about twice a CP-2 rank's.",
-            "",
-            "Layer time: wall clock of the timed forward over its layers, the stand-ins included; `_without_stand_ins`",
-            "subtracts their device time (DeepGEMM's logits and sgl_kernel's fused top-k, which dominate here:",
-            "torch stand-ins for ops that take a fraction of this on the real kernels). Read time: the stream time",
-            "between CUDA events around the pool's read calls (plan, index and latent reads), per layer. Ratios are",
-            "totals over the workload, stock or rival over ours: below 1, ours is slower.",
-            "",
-            "Both CP ranks share one GPU over gloo (NCCL needs a GPU per rank), so SGLang's page-interleave pool is",
-            "absent (its NCCL gather communicator) and the layer-split pool broadcasts through",
-            f"`{env.get('layersplit_transport')}`, i.e. through host memory: its read and layer times here are gloo's, not",
-            "NCCL's, and compare with nothing; its outputs are checked like the others. Ours moves its views by",
-            f"`{env.get('ours_transport')}` (prefetch {'on' if env.get('ours_prefetch') else 'off'}).",
-            "",
-            f"**This run warmed only each path's first batch of each kind**; batches {first_use} met a Triton",
-            "specialization of our plan and gather kernels for the first time inside the timed forward (our plan's",
-            f"host time {_span(first_use_rows, 'ours_plan_host_us', 1e-3)} ms there,",
-            f"{_span(rest, 'ours_plan_host_us', 1e-3)} ms elsewhere). They dominate the totals: without them ours vs stock",
-            f"is {_ratio_over(rest, 'stock_layer_time_us', 'ours_layer_time_us')} on layer time and",
-            f"{_ratio_over(rest, 'stock_read_time_us', 'ours_read_time_us')} on read time, vs the layer split",
-            f"{_ratio_over(rest, 'layersplit_layer_time_us', 'ours_layer_time_us')} (computed over those rows of the same",
-            "JSON). The harness now warms every batch. The first try of this run, with every batch warmed",
-            "([`log`](benchmarks/vs_upstream_1gpu_first_try_log.txt), cut off by its time limit after 6 of the 32K",
-            "batches and 3 of the prefix-90% ones on rank 0, layer times and correctness only), had no such rows: ours vs stock",
-            f"{_first_try_span(17)} per 32K batch and {_first_try_span(100)} per prefix-90% batch (rank 0), every output",
-            "bit-exact. So ours is",
-            "**slower than the stock replicated pool** by about 1-3% per layer at 32K with the MoE stand-in, more",
-            "once the stand-ins' time is taken out (over the rows above without a first use:",
-            f"{_ratio_less(rest, 'stock', 'ours')}); the >= 0.99 goal is not met.",
-            "",
-            "The same warm-up rule made `ours_bytes_received` of the first batch of each kind count the warm-up",
-            "forward's bytes as well (batches 2 and 8; the layer split's 1, 2 and 8): hence",
-            "`current_chunk_bytes_gathered` > 0. On every other row our transport's count equals the prefix pages'",
-            "bytes exactly (`prefix pages' bytes`): 0 bytes of the current chunk move. The layer split moves whole",
-            f"layers: {_span(single, 'layersplit_bytes_received', 1e-6)} MB per forward whatever the batch, against ours'",
-            f"{_span(single, 'ours_bytes_received', 1e-6)} MB (rows without a warm-up).",
-            "",
-            "Host syncs: 0 per forward for every path, `init_forward_metadata` included (CUDA sync-debug mode).",
-            "Host cost (median over prefix batches): SGLang's `init_forward_metadata` takes",
-            f"{one['summary'].get('stock_metadata_host_us')} µs over the stock pool and {one['summary'].get('ours_metadata_host_us')} µs",
-            f"over ours, of which our batch plan is {one['summary'].get('ours_plan_host_us')} µs (goal 200 µs: not met); a layer's",
-            f"reads {one['summary'].get('ours_read_host_us_per_layer')} µs against the stock pool's",
-            f"{one['summary'].get('stock_read_host_us_per_layer')} µs (goal 1.5x: not met).",
-            "",
-            "Memory: `peak_scratch_ratio` is our default arena (two contexts) over SGLang's page-interleave scratch",
-            "(eight contexts, its own rule); `_equal_admission` sizes ours for eight contexts too: 0.514, just above",
-            "the 0.5 goal.",
-            "",
-            "Not run yet on a GPU: the prefix-90% workload in full",
-            "(`--scale prefix90`: 8 prompts of 100K tokens, 90K of each cached and only written, then 10K new",
-            "tokens each in 8K chunks) and the 128K scale (`--scale 128k`, in pieces with `--batches` and `--merge`).",
-            "The 2-GPU run (SGLang's page-interleave pool, the layer split on NCCL) is the next section's.",
-        ]
-    lines = _backend_section(
-        "SGLang's DSA backend over the stock, layer-split and our pools, a MoE layer each, one H200",
-        one,
-        notes,
-        pending="`source .sgw/setup.sh; python3 -m benchmark.cp_shared_kv.bench_vs_upstream --device cuda --backend "
-        "gloo --paths stock ours layersplit --out vs_upstream_1gpu`",
-    )
+    lines = []
+    for name, what in (("vs_upstream_1gpu", "32K"), ("vs_upstream_1gpu_prefix90", "prefix 90%")):
+        d = _load(name)
+        lines += _backend_section(
+            f"SGLang's DSA backend over the stock pool and ours, a MoE layer each, {what}, one H200",
+            d,
+            _one_gpu_notes(d) if d is not None and "stand_ins" in d["summary"] else [],
+            pending=f"`source .sgw/setup.sh; python3 -m benchmark.cp_shared_kv.bench_vs_upstream --device cuda --backend "
+            f"gloo --paths stock ours --out {name}`",
+        )
+    lines += [
+        "Not run yet on a GPU: the 128K scale (`--scale 128k`, in pieces with `--batches` and `--merge`). The",
+        "prefix-90% workload is SGLang PR #35309's shape: 8 prompts of 100K tokens, 90K of each cached (only",
+        "written), then 10K new tokens each in 8K chunks.",
+        "",
+    ]
     lines += _backend_section(
         "SGLang's DSA backend over the stock, page-interleave, layer-split and our pools, CP=2 (2 x H200)",
         _load("vs_upstream"),

@@ -227,6 +227,7 @@ VS_UPSTREAM_KEYS = [
     "stock_read_host_us_per_layer",
 ]
 
+
 def _ratio_over(rows: list[dict], num: str, den: str) -> float | None:
     a, b = sum(r.get(num) or 0 for r in rows), sum(r.get(den) or 0 for r in rows)
     return round(a / b, 3) if rows and b else None

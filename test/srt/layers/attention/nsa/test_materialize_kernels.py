@@ -7,6 +7,7 @@ from sglang_cp_shared_kv.reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     BLOCKED_PLAN_BLOCK,
     FUSED_PLAN_MAX_POSITIONS,
+    PLAN_META_ROWS,
     assign_slots,
     assign_slots_ref,
     build_slot_table,
@@ -16,8 +17,9 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     gather_pages,
     gather_pages_ref,
     interpreting,
-    map_batch_pages,
     map_batch_pages_ref,
+    plan_batch,
+    plan_batch_ref,
     plan_positions,
     plan_positions_ref,
     positions_to_view_rows,
@@ -304,8 +306,7 @@ def _page_map_by_loops(logical, page_table, plan_table, shared, prefix, pages, b
     return out
 
 
-@pytest.mark.parametrize("use_triton", [False, True] if triton_enabled(DEVICE) else [False])
-def test_map_batch_pages_maps_prefix_slots_staged_pages_and_fills_the_rest(use_triton):
+def test_map_batch_pages_maps_prefix_slots_staged_pages_and_fills_the_rest():
     # Three requests over distinct logical pages: request 1 shares its first 2 prefix pages with request 0.
     g = torch.Generator().manual_seed(3)
     logical = 200
@@ -322,14 +323,10 @@ def test_map_batch_pages_maps_prefix_slots_staged_pages_and_fills_the_rest(use_t
     starts = [0, 2, 4]
     meta = torch.tensor([shared, prefix, pages, starts], dtype=torch.int64, device=DEVICE)
     page_pos = torch.full((logical,), -5, dtype=torch.int64, device=DEVICE)
-    got = map_batch_pages(page_pos, table.to(DEVICE), plan.to(DEVICE), meta, 30, 99, use_triton=use_triton)
+    got = map_batch_pages_ref(page_pos, table.to(DEVICE), plan.to(DEVICE), meta, 30, 99)
     expected = _page_map_by_loops(logical, table.tolist(), plan.tolist(), shared, prefix, pages, 30, 99)
     # Request 0 maps the shared pages to its own slots; request 1 leaves them alone.
     assert got is page_pos and page_pos.tolist() == expected
-    ref = map_batch_pages_ref(torch.zeros_like(page_pos), table.to(DEVICE), plan.to(DEVICE), meta, 30, 99)
-    assert torch.equal(ref, page_pos)
-    with pytest.raises(ValueError, match="meta must be"):
-        map_batch_pages(page_pos, table.to(DEVICE), plan.to(DEVICE), meta[:3], 30, 99)
 
 
 @pytest.mark.parametrize("use_triton", [False, True] if triton_enabled(DEVICE) else [False])
@@ -349,3 +346,68 @@ def test_translate_locs_equals_torch_indexing(use_triton, dtype):
     assert translate_locs(page_pos, pages, 1, torch.int64, use_triton=use_triton).tolist() == [
         [pp[x] for x in row] for row in pages.tolist()
     ]
+
+
+def _plan_case(cp_size, prefix, pages, shared, source, ps, seed, rotate=True, dtype=torch.int32):
+    """A batch of requests in a req_to_token table (rows permuted), the plan's host meta and sizes."""
+    g = torch.Generator().manual_seed(seed)
+    batch, logical = len(pages), 4 * cp_size + 8 * sum(pages)
+    width = max(pages) + 1
+    free = (torch.randperm(logical - cp_size, generator=g) + cp_size).tolist()  # pages 0..N-1 never handed out
+    if rotate:  # balanced: each request's pages rotate over the owners
+        free = sorted(free[: sum(pages) + 4 * cp_size])
+    tokens = torch.zeros((batch + 2, (width + 2) * ps), dtype=dtype)
+    rows = torch.randperm(batch + 2, generator=g)[:batch]
+    for b, p in enumerate(pages):
+        for j in range(p):
+            lp = free.pop(int(torch.randint(len(free), (1,), generator=g))) if not rotate else free.pop(0)
+            tokens[rows[b], j * ps : (j + 1) * ps] = lp * ps + torch.arange(ps)
+    for b, (src, sh) in enumerate(zip(source, shared)):  # a request's shared pages are its source's
+        if sh:
+            tokens[rows[b], : sh * ps] = tokens[rows[src], : sh * ps]
+    plan_pages = [q - s for q, s in zip(prefix, shared)]
+    starts = torch.tensor([0, *[p - q for p, q in zip(pages, prefix)]]).cumsum(0)[:-1].tolist()
+    firsts = torch.tensor([0, *plan_pages]).cumsum(0)[:-1].tolist()
+    meta = torch.tensor([shared, prefix, pages, starts, source, firsts], dtype=torch.int64)
+    s = slots_per_rank(plan_pages, cp_size)
+    return tokens, rows, meta, width, sum(plan_pages), s, logical
+
+
+@needs_triton
+@pytest.mark.parametrize("cp_size", [2, 3, 8])
+@pytest.mark.parametrize(
+    ("prefix", "pages", "shared", "source", "ps"),
+    [
+        ([3, 5, 0], [5, 6, 2], [0, 2, 0], [-1, 0, -1], 4),  # a hint, a request without a prefix
+        ([0, 0], [3, 1], [0, 0], [-1, -1], 1),  # current-reuse: no planned page
+        ([7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], 16),  # whole-prefix and nested hints
+        ([1100, 40], [1101, 44], [0, 0], [-1, -1], 2),  # past one 1024-wide block
+    ],
+)
+def test_plan_batch_equals_reference(cp_size, prefix, pages, shared, source, ps):
+    for rotate in (True, False):  # unbalanced pages overflow an owner's block
+        tokens, rows, meta, width, m, s, logical = _plan_case(
+            cp_size, prefix, pages, shared, source, ps, cp_size, rotate
+        )
+        outs = []
+        for use_triton in (False, True):
+            page_pos = torch.full((logical,), -3, dtype=torch.int64, device=DEVICE)
+            args = (tokens.to(DEVICE), rows.to(DEVICE), ps, meta.to(DEVICE), width, m, cp_size, s, 77, page_pos)
+            plan = plan_batch(*args, base=50, fill=99, pad=-1, use_triton=use_triton)
+            outs.append((plan, page_pos))
+        (ref, ref_pos), (got, got_pos) = outs
+        for name in ("positions", "logical", "slots", "slot_table", "slot_phys", "status", "wrong"):
+            a, b = getattr(got, name), getattr(ref, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, rotate)
+        assert torch.equal(got_pos, ref_pos)
+        assert got.wrong.tolist() == [0] * len(pages)  # the hints are right
+
+
+def test_plan_batch_counts_a_wrong_hint_and_rejects_bad_meta():
+    tokens, rows, meta, width, m, s, logical = _plan_case(2, [4, 4], [5, 6], [0, 3], [-1, 0], 4, 1)
+    tokens[rows[1], 4:8] += 4  # request 1's second shared page is not its source's
+    page_pos = torch.zeros(logical, dtype=torch.int64)
+    plan = plan_batch_ref(tokens, rows, 4, meta, width, m, 2, s, 0, page_pos, 10, 0)
+    assert plan.wrong.tolist() == [0, 1] and len(PLAN_META_ROWS) == meta.shape[0]
+    with pytest.raises(ValueError, match="meta must be"):
+        plan_batch(tokens, rows, 4, meta[:5], width, m, 2, s, 0, page_pos, 10, 0)

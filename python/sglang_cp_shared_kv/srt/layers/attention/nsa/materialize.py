@@ -289,7 +289,6 @@ class ViewMaterializer:
         plan: SlotPlan | None = None,
         request_ids: Sequence[str] | None = None,
         extra_pages: int = 0,
-        vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> BatchCounters:
         """Start a forward batch: its real page table (logical pages) and host lengths.
 
@@ -303,8 +302,7 @@ class ViewMaterializer:
 
         ``extra_pages``: pages every view buffer holds past the ``N * S`` gathered ones, never
         gathered nor all-gathered (a caller that stages the current chunk there plans the view
-        over the prefixes only: ``seq_lens = prefix_lens``). ``vectors``: the plan's
-        ``slot_plan.plan_vectors`` of these lengths, built by the caller (one host copy for all it sends).
+        over the prefixes only: ``seq_lens = prefix_lens``).
         """
         seq_lens = [int(n) for n in seq_lens]
         prefix_lens = [int(n) for n in prefix_lens]
@@ -331,9 +329,7 @@ class ViewMaterializer:
         pages = all_pages
         self._current_pages = sum(p - q for p, q in zip(all_pages, prefix_pages))
         if plan is None:
-            plan = build_slot_plan(
-                page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton, vectors=vectors
-            )
+            plan = build_slot_plan(page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton)
             self.overflow.record(plan, request_ids)
         elif (plan.cp_size, plan.page_size, plan.trash_page, plan.pages_per_req) != (
             n,

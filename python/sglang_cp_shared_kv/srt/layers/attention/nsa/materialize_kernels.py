@@ -14,8 +14,11 @@
   request ``b`` gets ``slots[cu_pages[b] + j]``; positions past a request's pages get ``pad``.
 - ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
   -> rows of a view, ``page_table[req, pos // ps] * ps + pos % ps``; -1 stays -1.
-- ``map_batch_pages``: the batch's page map (logical page -> page of its read buffer): a prefix
-  page to its view slot, a current-chunk page to its staged page, anything else to a fill value.
+- ``plan_batch``: what a sharded pool's batch needs, in one launch of one program, straight from
+  SGLang's ``req_to_token``: the slot plan of the prefix pages (``assign_slots``' rule, shared with
+  it), the batch's page map (``map_batch_pages_ref``: logical page -> page of its read buffer, a
+  prefix page to its view slot, a current-chunk page to its staged page, anything else to a fill
+  value) and the check of a shared-prefix hint.
 - ``translate_locs``: logical token locs (or page ids) -> rows (pages) of the read buffer, through
   that map.
 
@@ -27,6 +30,7 @@ None of them reads device data back to the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -469,6 +473,67 @@ if triton is not None:
         lp = lp.to(tl.int64)
         return i, live, flat, lp, lp % N
 
+    @triton.jit
+    def _owner_ranks(owner, live, before, N: tl.constexpr, NP2: tl.constexpr, BLOCK: tl.constexpr):
+        """Rank of each live position among the same owner's, in order, past ``before[o]`` earlier ones
+        (``[NP2]``); and this block's positions per owner."""
+        owners = tl.arange(0, NP2)
+        rank = tl.zeros([BLOCK], dtype=tl.int64)
+        counts = tl.zeros([NP2], dtype=tl.int64)
+        for o in tl.static_range(N):
+            mine = (owner == o) & live
+            first = tl.sum(tl.where(owners == o, before, 0), axis=0)
+            rank = tl.where(mine, first + tl.cumsum(mine.to(tl.int64), axis=0) - 1, rank)
+            counts = tl.where(owners == o, tl.sum(mine.to(tl.int64), axis=0), counts)
+        return rank, counts
+
+    @triton.jit
+    def _slot_of(owner, rank, totals, slots_per_rank, N: tl.constexpr, NP2: tl.constexpr):
+        """``(view slot, send entry)`` of positions with these owners and ranks, ``totals`` ``[NP2]`` the batch's
+        positions per owner: past its owner's block a position reads the first free entry of the least
+        loaded owner and sends nothing (entry ``N * S``, the dump; ``assign_slots_ref``)."""
+        owners = tl.arange(0, NP2)
+        totals_o = tl.where(owners < N, totals, 1 << 62)
+        fewest = tl.argmin(totals_o, axis=0).to(tl.int64)
+        free = tl.minimum(tl.min(totals_o, axis=0), slots_per_rank - 1)
+        inside = rank < slots_per_rank
+        slot = tl.where(inside, owner * slots_per_rank + rank, fewest * slots_per_rank + free)
+        return slot, tl.where(inside, slot, N * slots_per_rank)
+
+    @triton.jit
+    def _store_status(status_out, totals, slots_per_rank, N: tl.constexpr, NP2: tl.constexpr):
+        """``status``: the overflow flag, then the positions per owner."""
+        owners = tl.arange(0, NP2)
+        tl.store(status_out + 1 + owners, totals, mask=owners < N)
+        overflow = tl.max(tl.where(owners < N, totals, 0), axis=0) > slots_per_rank
+        tl.store(status_out, overflow.to(tl.int64))
+
+    @triton.jit
+    def _fill_unused_entries(
+        phys_out,
+        totals,
+        slots_per_rank,
+        trash_page,
+        first,
+        stride,
+        N: tl.constexpr,
+        NP2: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Send entry ``(o, r)`` with ``r >= totals[o]`` holds the trash page (entries ``first + k * stride`` on)."""
+        owners = tl.arange(0, NP2)
+        lanes = tl.arange(0, BLOCK)
+        send_entries = N * slots_per_rank
+        for start in range(first, send_entries, stride):
+            idx = start + lanes
+            inside = idx < send_entries
+            o_idx = idx // slots_per_rank
+            count = tl.zeros([BLOCK], dtype=tl.int64)
+            for o in tl.static_range(N):
+                count = tl.where(o_idx == o, tl.sum(tl.where(owners == o, totals, 0), axis=0), count)
+            unused = inside & (idx - o_idx * slots_per_rank >= count)
+            tl.store(phys_out + idx, tl.zeros([BLOCK], dtype=tl.int64) + trash_page, mask=unused)
+
     @triton.jit(do_not_specialize=["pt_stride0", "pt_stride1", "num_positions", "max_pages"])
     def _owner_counts_kernel(
         page_table,
@@ -534,33 +599,18 @@ if triton is not None:
         i, live, flat, lp, owner = _block_owners(
             page_table, pt_stride0, pt_stride1, positions, num_positions, max_pages, N, BLOCK
         )
-        rank = tl.zeros([BLOCK], dtype=tl.int32)
         owners = tl.arange(0, NP2)
-        counts = tl.zeros([NP2], dtype=tl.int32)
-        for o in tl.static_range(N):
-            mine = (owner == o) & live
-            running = tl.cumsum(mine.to(tl.int32), axis=0)
-            rank = tl.where(mine, running - 1, rank)
-            counts = tl.where(owners == o, tl.sum(mine.to(tl.int32), axis=0), counts)
-        rank = rank.to(tl.int64)
+        before = tl.zeros([NP2], dtype=tl.int64)
         if BLOCKED:
-            rank += tl.load(offsets + tl.program_id(0) * N + owner, mask=live, other=0)
-        slot = owner * slots_per_rank + rank  # owner-major
-        # Overflow (rank >= S): the first free entry of the least-loaded owner, which holds the trash
-        # page (see assign_slots_ref); program 0 reports the per-owner totals and the flag.
+            before = tl.load(offsets + tl.program_id(0) * N + owners, mask=owners < N, other=0).to(tl.int64)
+        rank, counts = _owner_ranks(owner, live, before, N, NP2, BLOCK)
         if BLOCKED:
-            totals_o = tl.load(totals + owners, mask=owners < N, other=num_positions + 1).to(tl.int64)
+            totals_o = tl.load(totals + owners, mask=owners < N, other=0).to(tl.int64)
         else:
-            totals_o = tl.where(owners < N, counts.to(tl.int64), num_positions + 1)
-        fewest = tl.argmin(totals_o, axis=0).to(tl.int64)
-        free = tl.minimum(tl.min(totals_o, axis=0), slots_per_rank - 1)
-        slot = tl.where(rank < slots_per_rank, slot, fewest * slots_per_rank + free)
+            totals_o = counts
+        slot, target = _slot_of(owner, rank, totals_o, slots_per_rank, N, NP2)
         if tl.program_id(0) == 0:
-            tl.store(status_out + 1 + owners, totals_o, mask=owners < N)
-            overflow = tl.max(tl.where(owners < N, totals_o, 0), axis=0) > slots_per_rank
-            tl.store(status_out, overflow.to(tl.int64))
-        send_entries = N * slots_per_rank
-        target = tl.where(rank < slots_per_rank, slot, send_entries)
+            _store_status(status_out, totals_o, slots_per_rank, N, NP2)
         tl.store(logical_out + i, lp, mask=live)
         tl.store(slots_out + i, slot, mask=live)
         tl.store(table_out + flat, slot.to(tl.int32), mask=live)
@@ -572,18 +622,7 @@ if triton is not None:
         lanes = tl.arange(0, BLOCK)
         first_idx = tl.program_id(0) * BLOCK
         stride = tl.num_programs(0) * BLOCK
-        for start in range(first_idx, send_entries, stride):
-            idx = start + lanes
-            inside = idx < send_entries
-            o_idx = idx // slots_per_rank
-            if BLOCKED:
-                count = tl.load(totals + o_idx, mask=inside, other=0)
-            else:
-                count = tl.zeros([BLOCK], dtype=tl.int32)
-                for o in tl.static_range(N):
-                    count = tl.where(o_idx == o, tl.sum(tl.where(owners == o, counts, 0), axis=0), count)
-            unused = inside & (idx - o_idx * slots_per_rank >= count)
-            tl.store(phys_out + idx, tl.zeros([BLOCK], dtype=tl.int64) + trash_page, mask=unused)
+        _fill_unused_entries(phys_out, totals_o, slots_per_rank, trash_page, first_idx, stride, N, NP2, BLOCK)
         for start in range(first_idx, table_entries, stride):
             idx = start + lanes
             inside = idx < table_entries
@@ -761,67 +800,217 @@ def map_batch_pages_ref(
     return page_pos
 
 
+# Rows of ``plan_batch``'s per-request ``meta``.
+PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts)."""
+
+    positions: torch.Tensor  # int64 [M]: b * width + j of each planned position
+    logical: torch.Tensor  # int64 [M]
+    slots: torch.Tensor  # int64 [M]
+    slot_table: torch.Tensor  # int32 [B, width]
+    slot_phys: torch.Tensor  # int64 [N * S]
+    status: torch.Tensor  # int64 [N + 1]
+    wrong: torch.Tensor  # int64 [B]: request b's shared pages that differ from its source's
+
+
+def plan_batch_ref(
+    tokens: torch.Tensor,
+    rows: torch.Tensor,
+    page_size: int,
+    meta: torch.Tensor,
+    width: int,
+    num_positions: int,
+    cp_size: int,
+    slots_per_rank: int,
+    trash_page: int,
+    page_pos: torch.Tensor,
+    base: int,
+    fill: int,
+    pad: int = 0,
+) -> BatchPlan:
+    """A batch's whole plan from its token table, composed of the references above.
+
+    Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size`` (SGLang's
+    ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` holds per
+    request (``PLAN_META_ROWS``) its shared, prefix and total pages, its first staged page, the source of
+    its shared pages (-1: none) and its first planned position. The plan covers pages ``[shared, prefix)``
+    of each request (``assign_slots_ref`` over the table shifted left by ``shared``), ``page_pos`` is the
+    batch's page map (``map_batch_pages_ref``), and ``wrong[b]`` counts request ``b``'s first ``shared``
+    pages that are not its source's.
+    """
+    shared, prefix, pages, start, source, plan_start = meta.long()
+    page_table = tokens[rows.long()][:, : width * page_size : page_size].long() // page_size
+    cols = torch.arange(width, device=tokens.device).unsqueeze(0)
+    plan_table = page_table.gather(1, (cols + shared.unsqueeze(1)).clamp(max=max(width - 1, 0)))
+    plan_pages = prefix - shared
+    cu = torch.cat([plan_start, (plan_start[-1:] + plan_pages[-1:])])
+    positions = plan_positions_ref(cu, width, num_positions)
+    logical, slots, table, phys, status = assign_slots_ref(
+        plan_table, positions, cu, cp_size, slots_per_rank, trash_page, pad
+    )
+    map_batch_pages_ref(page_pos, page_table, table, torch.stack([shared, prefix, pages, start]), base, fill)
+    differs = page_table != page_table[source.clamp(min=0)]
+    wrong = (differs & (cols < shared.unsqueeze(1))).sum(1)
+    return BatchPlan(positions, logical, slots, table, phys, status, wrong)
+
+
 if triton is not None:
 
+    @triton.jit
+    def _table_pages(tokens, tok_stride0, row, j, live, page_size):
+        """Logical pages of page positions ``j`` of the request whose tokens are row ``row``."""
+        offs = row * tok_stride0 + j.to(tl.int64) * page_size
+        return tl.load(tokens + offs, mask=live, other=0).to(tl.int64) // page_size
+
     @triton.jit(
-        do_not_specialize=["pt_stride0", "pt_stride1", "plan_stride0", "plan_stride1", "batch", "width", "base"]
+        do_not_specialize=[
+            "tok_stride0",
+            "batch",
+            "width",
+            "page_size",
+            "slots_per_rank",
+            "trash_page",
+            "pad",
+            "base",
+        ]
     )
-    def _map_batch_pages_kernel(
-        page_pos,
-        page_table,
-        pt_stride0,
-        pt_stride1,
-        plan_table,
-        plan_stride0,
-        plan_stride1,
+    def _plan_batch_kernel(
+        tokens,
+        tok_stride0,
+        rows,
         meta,
         batch,
         width,
+        page_size,
+        positions_out,
+        logical_out,
+        slots_out,
+        table_out,
+        phys_out,
+        status_out,
+        wrong_out,
+        page_pos,
+        slots_per_rank,
+        trash_page,
+        pad,
         base,
+        N: tl.constexpr,
+        NP2: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (b, k) maps pages [k * BLOCK, (k + 1) * BLOCK) of request b (meta rows as in the ref).
-        b = tl.program_id(0)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        shared = tl.load(meta + b)
-        prefix = tl.load(meta + batch + b)
-        pages = tl.load(meta + 2 * batch + b)
-        start = tl.load(meta + 3 * batch + b)
-        mapped = (j >= shared) & (j < pages) & (j < width)
-        lp = tl.load(page_table + b.to(tl.int64) * pt_stride0 + j * pt_stride1, mask=mapped, other=0).to(tl.int64)
-        in_prefix = mapped & (j < prefix)
-        slot = tl.load(
-            plan_table + b.to(tl.int64) * plan_stride0 + (j - shared) * plan_stride1, mask=in_prefix, other=0
-        )
-        pos = tl.where(j < prefix, slot.to(tl.int64), base + start + j - prefix)
-        tl.store(page_pos + lp, pos, mask=mapped)
+        # One program walks the batch request by request (positions in request-major order), twice: the
+        # positions per owner first, then each position's rank, slot and stores (the tokens' column
+        # stride is 1: SGLang's req_to_token rows are contiguous, checked by the wrapper).
+        lanes = tl.arange(0, BLOCK)
+        totals = tl.zeros([NP2], dtype=tl.int64)
+        for b in range(batch):
+            shared = tl.load(meta + b)
+            prefix = tl.load(meta + batch + b)
+            row = tl.load(rows + b).to(tl.int64)
+            for j0 in range(shared, prefix, BLOCK):
+                j = j0 + lanes
+                live = j < prefix
+                owner = _table_pages(tokens, tok_stride0, row, j, live, page_size) % N
+                _, counts = _owner_ranks(owner, live, totals, N, NP2, BLOCK)
+                totals += counts
+        _store_status(status_out, totals, slots_per_rank, N, NP2)
+        _fill_unused_entries(phys_out, totals, slots_per_rank, trash_page, 0, BLOCK, N, NP2, BLOCK)
+        seen = tl.zeros([NP2], dtype=tl.int64)
+        for b in range(batch):
+            shared = tl.load(meta + b)
+            prefix = tl.load(meta + batch + b)
+            pages = tl.load(meta + 2 * batch + b)
+            start = tl.load(meta + 3 * batch + b)
+            source = tl.load(meta + 4 * batch + b)
+            first = tl.load(meta + 5 * batch + b)
+            row = tl.load(rows + b).to(tl.int64)
+            table_row = table_out + b * width
+            # The prefix pages past the shared ones: rank, slot, send entry, slot table, page map.
+            for j0 in range(shared, prefix, BLOCK):
+                j = j0 + lanes
+                live = j < prefix
+                lp = _table_pages(tokens, tok_stride0, row, j, live, page_size)
+                owner = lp % N
+                rank, counts = _owner_ranks(owner, live, seen, N, NP2, BLOCK)
+                seen += counts
+                slot, target = _slot_of(owner, rank, totals, slots_per_rank, N, NP2)
+                i = first + j - shared
+                tl.store(positions_out + i, b * width + j - shared, mask=live)
+                tl.store(logical_out + i, lp, mask=live)
+                tl.store(slots_out + i, slot, mask=live)
+                tl.store(table_row + j - shared, slot.to(tl.int32), mask=live)
+                tl.store(phys_out + target, lp // N, mask=live)
+                tl.store(page_pos + lp, slot, mask=live)
+            for c0 in range(0, width, BLOCK):  # the slot table past the planned pages
+                c = c0 + lanes
+                tl.store(
+                    table_row + c, tl.zeros([BLOCK], dtype=tl.int32) + pad, mask=(c >= prefix - shared) & (c < width)
+                )
+            for j0 in range(prefix, pages, BLOCK):  # the current pages: staged past the view
+                j = j0 + lanes
+                live = j < pages
+                lp = _table_pages(tokens, tok_stride0, row, j, live, page_size)
+                tl.store(page_pos + lp, base + start + j - prefix, mask=live)
+            src_row = tl.load(rows + tl.maximum(source, 0)).to(tl.int64)
+            wrong = tl.zeros([BLOCK], dtype=tl.int64)
+            for j0 in range(0, shared, BLOCK):  # the hint: shared pages equal to the source's
+                j = j0 + lanes
+                live = j < shared
+                mine = _table_pages(tokens, tok_stride0, row, j, live, page_size)
+                theirs = _table_pages(tokens, tok_stride0, src_row, j, live, page_size)
+                wrong += (live & (mine != theirs)).to(tl.int64)
+            tl.store(wrong_out + b, tl.sum(wrong, axis=0))
 
 
-def map_batch_pages(
-    page_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    plan_table: torch.Tensor,
+def plan_batch(
+    tokens: torch.Tensor,
+    rows: torch.Tensor,
+    page_size: int,
     meta: torch.Tensor,
+    width: int,
+    num_positions: int,
+    cp_size: int,
+    slots_per_rank: int,
+    trash_page: int,
+    page_pos: torch.Tensor,
     base: int,
     fill: int,
+    pad: int = 0,
     use_triton: bool | None = None,
-) -> torch.Tensor:
-    """``map_batch_pages_ref``: a fill and one launch, nothing read back."""
-    _check_index("page_table", page_table, 2)
-    _check_index("plan_table", plan_table, 2)
-    batch, width = page_table.shape
+) -> BatchPlan:
+    """``plan_batch_ref`` in one launch of one program after a fill of ``page_pos``: two allocations, no
+    read-back. ``num_positions`` (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints."""
+    _check_index("tokens", tokens, 2)
+    _check_index("rows", rows, 1)
+    batch = rows.shape[0]
+    if meta.dtype != torch.int64 or meta.shape != (len(PLAN_META_ROWS), batch) or not meta.is_contiguous():
+        raise ValueError(f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}], got {tuple(meta.shape)}")
     if page_pos.dtype != torch.int64 or page_pos.dim() != 1:
         raise ValueError(f"page_pos must be int64 [logical pages], got {page_pos.dtype} {tuple(page_pos.shape)}")
-    if meta.dtype != torch.int64 or meta.shape != (4, batch) or not meta.is_contiguous():
-        raise ValueError(f"meta must be contiguous int64 [4, {batch}], got {meta.dtype} {tuple(meta.shape)}")
-    if not triton_enabled(page_pos.device, use_triton) or batch == 0 or width == 0:
-        return map_batch_pages_ref(page_pos, page_table, plan_table, meta, base, fill)
+    if num_positions and slots_per_rank < 1:
+        raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
+    args = (tokens, rows, page_size, meta, width, num_positions, cp_size, slots_per_rank, trash_page, page_pos)
+    if not triton_enabled(tokens.device, use_triton) or batch == 0 or tokens.stride(1) != 1:
+        return plan_batch_ref(*args, base, fill, pad)
+    m, send = num_positions, cp_size * slots_per_rank
+    # positions, logical, slots, send entries (and the dump entry), status and the hint's counts: one allocation.
+    flat = torch.empty(3 * m + send + 1 + cp_size + 1 + batch, dtype=torch.int64, device=tokens.device)
+    positions, logical, slots, phys, status, wrong = flat.split([m, m, m, send + 1, cp_size + 1, batch])
+    table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
     page_pos.fill_(fill)
-    block = min(1024, triton.next_power_of_2(width))
-    args = (page_pos, page_table, page_table.stride(0), page_table.stride(1), plan_table)
-    args += (plan_table.stride(0), plan_table.stride(1), meta, batch, width, base)
-    launch(_map_batch_pages_kernel, (batch, triton.cdiv(width, block)), args, {"BLOCK": block})
-    return page_pos
+    launch(
+        _plan_batch_kernel,
+        (1,),
+        (tokens, tokens.stride(0), rows, meta, batch, width, page_size, positions, logical, slots, table, phys)
+        + (status, wrong, page_pos, slots_per_rank, trash_page, pad, base),
+        {"N": cp_size, "NP2": max(2, triton.next_power_of_2(cp_size)), "BLOCK": 1024},
+        num_warps=8,
+    )
+    return BatchPlan(positions, logical, slots, table, phys[:send], status, wrong)
 
 
 def translate_locs_ref(

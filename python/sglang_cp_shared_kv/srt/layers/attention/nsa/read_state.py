@@ -53,7 +53,6 @@ without waiting for it (``slot_plan.OverflowCheck``).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from itertools import accumulate
 
 import numpy as np
 import torch
@@ -69,11 +68,18 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     arena_pages,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    map_batch_pages,
-    plan_positions,
+    PLAN_META_ROWS,
+    BatchPlan,
+    plan_batch,
     translate_locs,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import DeviceFlagCheck, host_to_device, pages_for_lens
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    DeviceFlagCheck,
+    SlotPlan,
+    host_to_device,
+    pages_for_lens,
+    slots_per_rank,
+)
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
 
@@ -258,37 +264,71 @@ class BatchReadState:
         hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
         hint = _check_shared_prefix(hint, [p // ps for p in prefix_lens])
         self.check_overflow()
-        max_len = max(seq_lens, default=0)
-        # The batch's logical pages by position: every page's first token loc // ps.
-        page_table = req_to_token[req_pool_indices.long(), :max_len:ps].long() // ps
         self._layer_cache.clear()
         self.stage_rows.clear()
         self.translate_pages_once.clear()
+        batch = (req_to_token, req_pool_indices, -(-max(seq_lens, default=0) // ps))
         if batch_kind(prefix_lens) == "current":
-            self._begin_current(page_table, seq_lens)
+            self._begin_current(batch, seq_lens)
         else:
-            self._begin_materialized(page_table, seq_lens, prefix_lens, hint)
+            self._begin_materialized(batch, seq_lens, prefix_lens, hint)
         if debug_enabled():
+            # The batch's logical pages by position: every page's first token loc // ps.
+            page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : ps].long() // ps
             self._check_translation(page_table, seq_lens)
         return self.counters
 
-    def _begin_current(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
+    def _plan(
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor, int],
+        pages: list[int],
+        prefix_pages: list[int],
+        hint: list[tuple[int, int]],
+        slots_per_rank: int,
+        base: int,
+        fill: int,
+    ) -> BatchPlan:
+        """The batch's plan and page map (``plan_batch``): the host lengths in one copy, one launch."""
+        req_to_token, req_pool_indices, width = batch
+        shared = [s for _, s in hint]
+        plan_pages = np.subtract(prefix_pages, shared)
+        meta = [shared, prefix_pages, pages, _starts(np.subtract(pages, prefix_pages)), [src for src, _ in hint]]
+        (meta,) = host_to_device([np.concatenate([*meta, _starts(plan_pages)])], self.device)
+        return plan_batch(
+            req_to_token,
+            req_pool_indices,
+            self.page_size,
+            meta.view(len(PLAN_META_ROWS), -1),
+            width,
+            int(plan_pages.sum()),
+            self.ownership.cp_size,
+            slots_per_rank,
+            self.latent.trash_page,
+            self.page_pos,
+            base,
+            fill,
+        )
+
+    def _begin_current(self, batch: tuple[torch.Tensor, torch.Tensor, int], seq_lens: list[int]) -> None:
         ps = self.page_size
         pages = pages_for_lens(seq_lens, ps)
         total = sum(pages)
         stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
         stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
-        zeros = [0] * len(pages)
-        (meta,) = host_to_device([np.concatenate([zeros, zeros, pages, _starts(pages)])], self.device)
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
-        map_batch_pages(self.page_pos, page_table, page_table, meta.view(4, -1), base=1, fill=0)
+        zeros = [0] * len(pages)
+        self._plan(batch, pages, zeros, [(-1, 0)] * len(pages), 0, base=1, fill=0)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
 
     def _begin_materialized(
-        self, page_table: torch.Tensor, seq_lens: list[int], prefix_lens: list[int], hint: list[tuple[int, int]]
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor, int],
+        seq_lens: list[int],
+        prefix_lens: list[int],
+        hint: list[tuple[int, int]],
     ) -> None:
         if self.views is None:
             if callable(self.group):
@@ -304,66 +344,52 @@ class BatchReadState:
                 arena=self.arena,
                 prefetch=prefetch_on(group, self.prefetch),  # follows the transport chosen
             )
-        ps = self.page_size
-        batch, width = page_table.shape
+        ps, n = self.page_size, self.ownership.cp_size
         pages = pages_for_lens(seq_lens, ps)
         prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)
         staged = sum(pages) - sum(prefix_pages)
-        shared = [s for _, s in hint]
-        plan_pages = [q - s for q, s in zip(prefix_pages, shared)]
-        # Everything host-known crosses in one copy: the plan's page prefix sum, the page map's per-request
-        # counts (``map_batch_pages``) and, with a hint, the positions of every shared page, of the same
-        # position in its source, and its request.
-        host = [[0, *accumulate(plan_pages)], shared, prefix_pages, pages, _starts(np.subtract(pages, prefix_pages))]
-        if any(shared):
-            host.append(np.concatenate([b * width + np.arange(s, dtype=np.int64) for b, s in enumerate(shared) if s]))
-            host.append(np.concatenate([src * width + np.arange(s, dtype=np.int64) for src, s in hint if s]))
-            host.append(np.concatenate([np.full(s, b, dtype=np.int64) for b, s in enumerate(shared) if s]))
-        cu_plan, meta, *shared_positions = host_to_device([host[0], np.concatenate(host[1:5]), *host[5:]], self.device)
-        meta = meta.view(4, batch)
-        plan_table = page_table
-        if shared_positions:
-            self._record_hint_check(page_table, hint, prefix_pages, *shared_positions)
-            # Request b's planned pages start past its shared ones: shift its row left by shared[b].
-            cols = torch.arange(width, dtype=torch.int64, device=self.device).unsqueeze(0) + meta[0].unsqueeze(1)
-            plan_table = page_table.gather(1, cols.clamp_(max=width - 1))
-        plan_lens = [p * ps for p in plan_pages]
-        vectors = (plan_positions(cu_plan, width, sum(plan_pages)), cu_plan)
+        plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
+        s = slots_per_rank(plan_pages, n)
+        view_pages = n * s
         # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.
-        self.counters = self.views.begin_batch(
-            plan_table, plan_lens, plan_lens, request_ids=self.request_ids, extra_pages=staged + 1, vectors=vectors
-        )
-        self.counters.kind = batch_kind(prefix_lens)
-        self.counters.pages_staged = staged
-        plan = self.views.plan
-        view_pages = plan.view_pages
+        if self.arena is not None:  # a batch past the arena fails before anything is written
+            for key, buf in self.arena.items():
+                arena_pages(self.arena, key, view_pages + staged + 1, buf.shape[1])
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
-        map_batch_pages(self.page_pos, page_table, plan.slot_table, meta, base=view_pages, fill=view_pages + staged)
+        out = self._plan(batch, pages, prefix_pages, hint, s, base=view_pages, fill=view_pages + staged)
+        plan = SlotPlan(
+            cp_size=n,
+            page_size=ps,
+            pages_per_req=tuple(plan_pages),
+            slots_per_rank=s,
+            trash_page=self.latent.trash_page,
+            positions_flat=out.positions,
+            logical_pages=out.logical,
+            slots=out.slots,
+            slot_table=out.slot_table,
+            slot_phys=out.slot_phys,
+            status=out.status,
+        )
+        if any(shared for _, shared in hint):
+            self._record_hint_check(out.wrong, hint, prefix_pages)
+        plan_lens = [p * ps for p in plan_pages]
+        self.counters = self.views.begin_batch(
+            plan.slot_table, plan_lens, plan_lens, plan=plan, request_ids=self.request_ids, extra_pages=staged + 1
+        )
+        self.views.overflow.record(plan, self.request_ids)
+        self.counters.kind = batch_kind(prefix_lens)
+        self.counters.pages_staged = staged
         self._stages = []
         for part in range(self.views.view_sets):
             buffers = self.views.view_buffers(part)
             self._stages.append((buffers["latent"].view(-1, self.latent.row_bytes), buffers.get("index")))
         self.mode = "materialized"
 
-    def _record_hint_check(
-        self,
-        page_table: torch.Tensor,
-        hint: list[tuple[int, int]],
-        prefix_pages: list[int],
-        mine: torch.Tensor,
-        theirs: torch.Tensor,
-        owner: torch.Tensor,
-    ) -> None:
-        """Count, per request, its shared pages whose id differs from its source's at the same position.
-
-        Static shapes (one compare per shared page, one ``index_add``), nothing read back: the counts
-        reach the host through ``hint_check``, which raises ``SharedPrefixError`` at a later poll.
-        """
-        flat = page_table.reshape(-1)
-        differs = flat.index_select(0, mine) != flat.index_select(0, theirs)
-        wrong = torch.zeros(len(hint), dtype=torch.int64, device=self.device)
-        wrong.index_add_(0, owner, differs.to(torch.int64))
+    def _record_hint_check(self, wrong: torch.Tensor, hint: list[tuple[int, int]], prefix_pages: list[int]) -> None:
+        """Record ``wrong`` (device, per request: its shared pages whose id differs from its source's at the
+        same position, counted by the plan's launch): nothing is read back, the counts reach the host through
+        ``hint_check``, which raises ``SharedPrefixError`` at a later poll."""
         names = [str(r) for r in self.request_ids] if self.request_ids is not None else []
         if len(names) != len(hint):
             names = [f"#{b}" for b in range(len(hint))]

@@ -20,10 +20,8 @@ import time
 import torch
 
 from benchmark.cp_shared_kv.bench_common import cuda_time_us, save_plot, write_result
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    FUSED_PLAN_MAX_POSITIONS,
-    gather_page_buffers,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import FUSED_PLAN_MAX_POSITIONS
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
 

@@ -67,12 +67,8 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     allocate_arena,
     arena_pages,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    PLAN_META_ROWS,
-    BatchPlan,
-    plan_batch,
-    translate_locs,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
     SlotPlan,

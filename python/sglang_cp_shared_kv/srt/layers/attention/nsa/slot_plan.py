@@ -32,7 +32,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import assign_slots, plan_positions
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import assign_slots, plan_positions
 from sglang_cp_shared_kv.srt.utils import check_int
 
 

@@ -218,8 +218,9 @@ if triton is not None:
         for o in tl.static_range(N):
             mine = (owner == o) & live
             first = tl.sum(tl.where(owners == o, before, 0), axis=0)
-            rank = tl.where(mine, first + tl.cumsum(mine.to(tl.int64), axis=0) - 1, rank)
-            counts = tl.where(owners == o, tl.sum(mine.to(tl.int64), axis=0), counts)
+            running = tl.cumsum(mine.to(tl.int32), axis=0).to(tl.int64)  # int32 scans, as every Triton target has
+            rank = tl.where(mine, first + running - 1, rank)
+            counts = tl.where(owners == o, tl.sum(mine.to(tl.int32), axis=0).to(tl.int64), counts)
         return rank, counts
 
     @triton.jit

@@ -38,12 +38,6 @@ def int_field(lo: int = 0, hi: int = MAX_INT) -> Callable[[str, Any], int]:
     return check
 
 
-def bool_field(name: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ControlMessageError(f"{name} must be a bool, got {v!r}")
-    return v
-
-
 def str_field(max_chars: int, allow_empty: bool = False) -> Callable[[str, Any], str]:
     def check(name: str, v: Any) -> str:
         if not isinstance(v, str) or len(v) > max_chars or (not v and not allow_empty):

@@ -58,6 +58,7 @@ class CPGroup:
         *,
         async_op: bool = False,
         coalesce: bool | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> PendingCollective:
         """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call.
 
@@ -66,7 +67,22 @@ class CPGroup:
         With ``async_op`` the call returns at once and the caller must ``wait()`` on the result
         before reading ``outs``; on CUDA the collectives start after everything already queued on
         the current stream, so a caller may keep queuing work that does not touch the buffers.
+        With ``stream`` (CUDA) the collectives and the wait for them are queued on that stream
+        instead: what that stream runs next sees the result, and nothing is left to wait for.
         """
+        if stream is None:
+            return self._all_gather_many(outs, locals_, async_op, coalesce)
+        with torch.cuda.stream(stream):
+            self._all_gather_many(outs, locals_, True, coalesce).wait()
+        return PendingCollective()
+
+    def _all_gather_many(
+        self,
+        outs: Sequence[torch.Tensor],
+        locals_: Sequence[torch.Tensor],
+        async_op: bool,
+        coalesce: bool | None,
+    ) -> PendingCollective:
         check_pairs(outs, locals_)
         pairs = [self._byte_pair(out, local) for out, local in zip(outs, locals_)]
         self.bytes_received += sum(out_b.numel() - local_b.numel() for out_b, local_b in pairs)

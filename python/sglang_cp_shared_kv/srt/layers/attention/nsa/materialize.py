@@ -464,11 +464,7 @@ class ViewMaterializer:
                 gathered = self._gathered
                 gathered.record(torch.cuda.current_stream(self.pool.device))
                 transfer_stream.wait_event(gathered)
-                if getattr(group, "backend", None) == "copy_engine":  # takes the stream: no stream switch
-                    group.all_gather_into_many(whole, mine, stream=transfer_stream)
-                else:
-                    with torch.cuda.stream(transfer_stream):
-                        group.all_gather_into_many(whole, mine, async_op=True).wait()
+                group.all_gather_into_many(whole, mine, stream=transfer_stream)
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank

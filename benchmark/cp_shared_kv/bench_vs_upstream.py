@@ -28,8 +28,9 @@ Each forward runs three times on a GPU. The first warms compiles and registratio
 the host pass: the device is drained before each pool call, so a call's host time is its own work
 (``*_plan_host_us``, ``*_read_host_us_per_layer``), not time blocked on a launch queue that the layer's
 kernels filled. The third is timed: wall clock and CUDA events for the forward, and events around each
-pool read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its outputs (attention output per layer,
-index K reads) are kept and compared across the paths after timing, by exact digests. Bytes are the
+pool read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its
+outputs (attention output per layer, index K reads) are kept and compared across the paths after
+timing, by exact digests. Bytes are the
 transports' own counts (ours: the transport's byte counter; SGLang's: its NCCL calls' sizes).
 
     python -m benchmark.cp_shared_kv.bench_vs_upstream                 # 2 GPUs, writes vs_upstream.json
@@ -594,11 +595,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         digests: dict[str, list] = {}
         samples: dict[str, list] = {}
 
-        HOST_KEYS = ("metadata_host_us", "plan_host_us", "read_host_us_per_layer", "write_host_us_per_layer")
-
         def forward(name: str, timed: bool, host_pass: bool = False, profile: bool = False) -> None:
-            """One forward of the batch: a warm-up (neither flag), the host pass (each pool call's host time
-            with the device drained before it: CUDA only) or the timed one."""
+            """One forward of the batch: a warm-up (no flag), the host pass (each pool call's host time with
+            the device drained before it: CUDA only; with ``profile`` under cProfile, its figures not kept)
+            or the timed one."""
             pool, backend, probe = pools[name], backends[name], probes[name]
             stand_ins.spans = spans
             stand_ins.take_us()
@@ -608,7 +608,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             counter = _SyncCounter(device)
             outs, reads = [], []
             gate()
-            if profile:
+            if profile and profiler is not None:
                 profiler.enable()
             t0 = time.perf_counter()
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
@@ -659,10 +659,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             _sync(device)
             wall = time.perf_counter() - t0
             probe.active = probe.sync_each = False
-            if profile:
+            if profile and profiler is not None:
                 profiler.disable()
             stand = stand_ins.take_us()
-            if host_pass or (timed and device.type != "cuda"):  # on CPU every call runs to its end anyway
+            if (host_pass and not profile) or (timed and device.type != "cuda"):  # on CPU calls run to their end
                 row[f"{name}_metadata_host_us"] = round(meta_host * 1e6, 1)
                 row[f"{name}_plan_host_us"] = round(probe.host["plan"] * 1e6, 1)
                 row[f"{name}_read_host_us_per_layer"] = round(probe.host["read"] * 1e6 / layers, 1)
@@ -691,9 +691,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             if device.type == "cuda":
                 forward(name, False, host_pass=True)
                 if args.get("profile_host") and name == "ours":  # a second host pass (every rank), profiled on rank 0
-                    host = {k: row.get(f"ours_{k}") for k in HOST_KEYS}
-                    forward(name, False, host_pass=True, profile=profiler is not None)
-                    row.update({f"ours_{k}": v for k, v in host.items()})
+                    forward(name, False, host_pass=True, profile=True)
             before = received(name)
             forward(name, True)
             row[f"{name}_bytes_received"] = received(name) - before

@@ -940,18 +940,21 @@ def _batch_range(text: str) -> tuple[int, int]:
 
 def merge(names: list[str], out: str) -> None:
     """One result from several runs' (a scale's pieces, other scales): their rows in order, each
-    scale's summary computed again over all its rows, a scale correct only if every piece was."""
+    scale's summary computed again over all its rows, a scale correct only if every piece was. The
+    pieces' commands and environments go into ``pieces``, so the piece files need not be kept."""
     from benchmark.cp_shared_kv.bench_common import RESULTS_DIR
 
     rows: list[dict] = []
     envs: dict[str, dict] = {}
     correct: dict[str, bool] = {}
+    pieces: list[dict] = []
     for name in names:
         path = RESULTS_DIR / f"{name}.json"
         if not path.exists():
             raise SystemExit(f"--merge: no result {path}")
         doc = json.loads(path.read_text())
         rows += doc["rows"]
+        pieces += doc.get("pieces") or [{"command": doc["command"], "environment": doc["environment"]}]
         for sc, env in doc["run_environment"].items():
             ok = bool(doc["by_scale"][sc]["correct_all"])
             if sc in envs:
@@ -963,14 +966,19 @@ def merge(names: list[str], out: str) -> None:
         raise SystemExit("--merge: the results measure some batch of a scale twice")
     rows.sort(key=lambda r: (list(envs).index(r["scale"]), r["batch"]))
     summaries = {sc: summarize([r for r in rows if r["scale"] == sc], env, correct[sc]) for sc, env in envs.items()}
-    _write(out, rows, summaries, envs, all(correct.values()))
+    _write(out, rows, summaries, envs, all(correct.values()), pieces)
     _plot(out, rows)
 
 
-def _write(name: str, rows: list[dict], summaries: dict[str, dict], envs: dict, ok: bool) -> None:
+def _write(
+    name: str, rows: list[dict], summaries: dict[str, dict], envs: dict, ok: bool, pieces: list | None = None
+) -> None:
     """The result file: every scale's summary; the headline is the first scale's (the others in by_scale)."""
     summary = dict(next(iter(summaries.values())), correct_all=ok, headline_scale=next(iter(summaries)))
-    write_result(name, rows, summary, {"by_scale": summaries, "run_environment": envs})
+    extra = {"by_scale": summaries, "run_environment": envs}
+    if pieces:
+        extra["pieces"] = pieces
+    write_result(name, rows, summary, extra)
 
 
 def main(argv: list[str] | None = None) -> None:

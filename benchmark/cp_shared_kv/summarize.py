@@ -253,7 +253,11 @@ def _backend_section(title: str, d: dict | None, notes: list[str], pending: str)
             "compute, which inflated its per-forward ratios; its figures are not a measurement of what SGLang runs.",
             "",
         ]
-    lines = [f"## {title}", "", f"`{SGW_PREFIX}{GPU_PREFIX}{d['command']}` ({_env(d)})", ""]
+    lines = [f"## {title}", ""]
+    for piece in d.get("pieces") or [d]:  # a result merged from pieces: each piece's command and machine
+        lines += [f"`{SGW_PREFIX}{GPU_PREFIX}{piece['command']}` ({_env(piece)})", ""]
+    if d.get("pieces"):
+        lines += [f"merged by `{d['command']}`", ""]
     lines += ["| summary key | value |", "|---|---|"]
     lines += [f"| `{k}` | {s[k]} |" for k in VS_UPSTREAM_KEYS if k in s]
     lines += ["", "| goal | value | met |", "|---|---|---|"]
@@ -445,7 +449,11 @@ def _one_gpu_notes(d: dict) -> list[str]:
 def _side_by_side() -> list[str]:
     """SGLang's DSA backend over the stock pool, SGLang's two sharded pools and ours."""
     lines = []
-    for name, what in (("vs_upstream_1gpu", "32K"), ("vs_upstream_1gpu_prefix90", "prefix 90%")):
+    for name, what in (
+        ("vs_upstream_1gpu", "32K"),
+        ("vs_upstream_1gpu_128k", "128K"),
+        ("vs_upstream_1gpu_prefix90", "prefix 90%"),
+    ):
         d = _load(name)
         lines += _backend_section(
             f"SGLang's DSA backend over the stock pool and ours, a MoE layer each, {what}, one H200",
@@ -455,9 +463,9 @@ def _side_by_side() -> list[str]:
             f"gloo --paths stock ours --out {name}`",
         )
     lines += [
-        "Not run yet on a GPU: the 128K scale (`--scale 128k`, in pieces with `--batches` and `--merge`). The",
-        "prefix-90% workload is SGLang PR #35309's shape: 8 prompts of 100K tokens, 90K of each cached (only",
-        "written), then 10K new tokens each in 8K chunks.",
+        "The 128K scale runs in two pieces (`--batches`), joined by `--merge`. The prefix-90% workload is",
+        "SGLang PR #35309's shape: 8 prompts of 100K tokens, 90K of each cached (only written), then 10K new",
+        "tokens each in 8K chunks.",
         "",
     ]
     lines += _backend_section(

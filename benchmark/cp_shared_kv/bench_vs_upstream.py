@@ -50,15 +50,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from benchmark.cp_shared_kv.bench_common import save_plot, write_result
+from benchmark.cp_shared_kv.host_timer import HostTimer
 
 PATHS = ("stock", "upstream", "layersplit", "ours")
 SHARDED = ("upstream", "ours")  # the page-interleave pools SGLang's backend plans per batch
@@ -270,6 +269,58 @@ class _SyncCounter:
 PLAN_CALLS = ("begin_shard_extend", "translate_loc_to_scratch")
 READ_CALLS = ("get_index_k_scale_buffer", "get_key_buffer", "prefetch_kv_buffer")
 WRITE_CALLS = ("set_index_k_scale_buffer", "set_mla_kv_buffer")
+
+
+_NSA = "sglang_cp_shared_kv.srt.layers.attention.nsa"
+_POOL = "sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool"
+# What ``--profile-host`` times (inclusive, by name): SGLang's calls that both paths make, then ours.
+HOST_TIMER_TARGETS = (
+    "sglang.srt.layers.attention.dsa_backend:DeepseekSparseAttnBackend.init_forward_metadata",
+    "sglang.srt.layers.attention.kv_shard_hooks:prepare_kv_shard_forward",
+    "sglang.srt.mem_cache.memory_pool:DSATokenToKVPool.get_index_k_scale_buffer",
+    "sglang.srt.mem_cache.memory_pool:DSATokenToKVPool.set_index_k_scale_buffer",
+    "sglang.srt.mem_cache.memory_pool:MLATokenToKVPool.get_key_buffer",
+    "sglang.srt.mem_cache.index_key_cache:IndexKeyCache.get_k_and_scale",
+    "sglang.kernels.ops.kvcache.dsa_index_k_cache:GetKAndS.execute",
+    f"{_POOL}:CPSharedKVPoolMixin.begin_shard_extend",
+    f"{_POOL}:CPSharedKVPoolMixin.translate_loc_to_scratch",
+    f"{_POOL}:CPSharedKVPoolMixin.get_key_buffer",
+    f"{_POOL}:CPSharedIndexKeyCache.get_k_and_scale",
+    f"{_POOL}:CPSharedIndexKeyCache.get_buffer",
+    f"{_NSA}.read_state:BatchReadState.begin",
+    f"{_NSA}.read_state:BatchReadState.check_overflow",
+    f"{_NSA}.read_state:BatchReadState._plan",
+    f"{_NSA}.read_state:BatchReadState._begin_materialized",
+    f"{_NSA}.read_state:BatchReadState._begin_current",
+    f"{_NSA}.read_state:BatchReadState.translate",
+    f"{_NSA}.read_state:BatchReadState.translate_pages",
+    f"{_NSA}.read_state:BatchReadState.index_pages",
+    f"{_NSA}.read_state:BatchReadState.latent_rows",
+    f"{_NSA}.read_state:host_to_device",
+    f"{_NSA}.read_state:plan_batch",
+    f"{_NSA}.read_state:SlotPlan.__init__",
+    f"{_NSA}.slot_plan:DeviceFlagCheck.record",
+    f"{_NSA}.slot_plan:DeviceFlagCheck.poll",
+    f"{_NSA}.materialize:ViewMaterializer.begin_batch",
+    f"{_NSA}.materialize:ViewMaterializer._allocate",
+    f"{_NSA}.materialize:ViewMaterializer.drain",
+    f"{_NSA}.materialize:ViewMaterializer.layer_view",
+    f"{_NSA}.materialize:ViewMaterializer._gather",
+    f"{_NSA}.materialize:ViewMaterializer._prepare_gather",
+    f"{_NSA}.materialize:ViewMaterializer._start_prefetch",
+    f"{_NSA}.materialize:ViewMaterializer._wait",
+    f"{_NSA}.materialize:gather_launch",
+    f"{_NSA}.materialize:word_pair",
+    f"{_NSA}.materialize:LayerView.__init__",
+    f"{_NSA}.materialize_kernels:PreparedLaunch.__init__",
+    f"{_NSA}.materialize_kernels:PreparedLaunch.__call__",
+    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup.all_gather_into_many",
+    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._pulls",
+    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._signal",
+    "torch.cuda:Event.record",
+    "torch.cuda:Stream.wait_event",
+    "torch.cuda:current_stream",
+)
 
 
 class _PoolProbe:
@@ -496,11 +547,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     max_new = max(sum(n - p for _, p, n in b) for b in batches)
     moe = MoEForBatch(-(-max_new // world), device)
     rows_out, correct_all = [], True
-    profiler = None
-    if args.get("profile_host") and rank == 0:  # where our forward's host time goes (cProfile, rank 0)
-        import cProfile
-
-        profiler = cProfile.Profile()
+    # Where a forward's host time goes (rank 0): named functions timed inclusively in a second host pass.
+    timer = HostTimer(HOST_TIMER_TARGETS) if args.get("profile_host") and rank == 0 else None
 
     def ours_transport():
         """Our view transport (the CP group or the copy engines), built at the first batch with a prefix."""
@@ -608,8 +656,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             counter = _SyncCounter(device)
             outs, reads = [], []
             gate()
-            if profile and profiler is not None:
-                profiler.enable()
+            if profile and timer is not None:
+                timer.start(name)
             t0 = time.perf_counter()
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
             if ev:
@@ -659,8 +707,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             _sync(device)
             wall = time.perf_counter() - t0
             probe.active = probe.sync_each = False
-            if profile and profiler is not None:
-                profiler.disable()
+            if profile and timer is not None:
+                timer.stop()
             stand = stand_ins.take_us()
             if (host_pass and not profile) or (timed and device.type != "cuda"):  # on CPU calls run to their end
                 row[f"{name}_metadata_host_us"] = round(meta_host * 1e6, 1)
@@ -690,7 +738,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 forward(name, False)
             if device.type == "cuda":
                 forward(name, False, host_pass=True)
-                if args.get("profile_host") and name == "ours":  # a second host pass (every rank), profiled on rank 0
+                if args.get("profile_host"):  # a second host pass (every rank), timed by name on rank 0
                     forward(name, False, host_pass=True, profile=True)
             before = received(name)
             forward(name, True)
@@ -752,15 +800,13 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         env["layersplit_transport"] = (
             "nccl" if layer_split_group.pynccl_comm is not None else "torch.distributed (gloo)"
         )
-    if profiler is not None:
-        import io
-        import pstats
-
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text)
-        stats.sort_stats("tottime").print_stats(45)
-        stats.sort_stats("cumulative").print_stats("sglang_cp_shared_kv", 60)  # our calls, inclusive
-        env["ours_forward_host_profile"] = _relative_paths(text.getvalue())
+    if timer is not None:
+        env["ours_forward_host_profile"] = "".join(
+            f"## {name}: inclusive host time of each named function over the measured batches' second host pass "
+            f"({timer.forwards.get(name, 0)} forwards, rank 0, the device drained before each pool call)\n"
+            f"{timer.report(name)}\n"
+            for name in timer.totals
+        )
     return {"rows": rows_out, "correct_all": correct_all, "env": env}
 
 
@@ -803,18 +849,6 @@ def _scratch(rank: int, world: int, ps: int, scale: Scale, page_bytes: int, aren
         "upstream_scratch_contexts": contexts,
         "upstream_scratch_bytes": upstream_scratch_bytes(spec, token_bytes, scale.context_len),
     }
-
-
-def _relative_paths(text: str) -> str:
-    """A profile's file names relative to this checkout or to the package directory that holds them."""
-    import site
-    import sysconfig
-
-    root = str(Path(__file__).resolve().parents[2]) + "/"
-    dirs = {sysconfig.get_paths()["purelib"], *site.getsitepackages(), *sys.path[1:]}
-    for d in sorted((d for d in dirs if d and Path(d).is_absolute()), key=len, reverse=True):
-        text = text.replace(d.rstrip("/") + "/", "")
-    return text.replace(root, "")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1016,8 +1050,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--profile-host",
         action="store_true",
-        help="cProfile our forward's host work on rank 0 (GPU runs: a second host pass, the device drained before "
-        "each pool call, figures not kept), written to <out>_host_profile.txt",
+        help="time the named host calls of each path's forward on rank 0 (HOST_TIMER_TARGETS; GPU runs: a second "
+        "host pass, the device drained before each pool call, figures not kept), written to <out>_host_profile.txt",
     )
     a = ap.parse_args(argv)
     if a.merge:
@@ -1048,9 +1082,10 @@ def main(argv: list[str] | None = None) -> None:
         summaries[sc] = summarize(rows, r0["env"], all(r["correct_all"] for r in per_rank))
         profile = r0["env"].pop("ours_forward_host_profile", None)
         if profile:
-            from benchmark.cp_shared_kv.bench_common import RESULTS_DIR
+            from benchmark.cp_shared_kv.bench_common import RESULTS_DIR, command_line, environment
 
-            (RESULTS_DIR / f"{a.out}_host_profile.txt").write_text(profile)
+            head = f"# {command_line()}\n# {environment()}\n\n"
+            (RESULTS_DIR / f"{a.out}_host_profile.txt").write_text(head + profile)
         envs[sc] = dict(r0["env"], batches="{}:{}".format(*a.batches) if a.batches else "all")
         # Written after every scale (a later scale that fails or times out keeps the earlier ones).
         _write(a.out, all_rows, summaries, envs, ok)

@@ -40,6 +40,31 @@ def current_stream_handle(device: torch.device) -> int:
     """
     import torch  # here, not at the top: this module imports without torch
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _raw_stream(index: int) -> int:
+    import torch
+
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+# Stream objects by (device index, raw handle): see ``current_stream``.
+_STREAMS: dict[tuple[int, int], Any] = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)``, built once per stream and looked up by its raw handle after
+    that: an event's ``record`` and ``wait`` take a ``Stream``, which costs tens of µs of host time to
+    build on a busy host (``docs/benchmarks/vs_upstream_1gpu_host_profile.txt``)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _raw_stream(index))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        stream = _STREAMS[key] = torch.cuda.current_stream(index)
+    return stream

@@ -87,6 +87,46 @@ def test_copy_engine_all_gather_is_exact_over_many_calls(size):
         assert res["contexts_elsewhere"] in ([], None), f"rank {r} holds a context on GPUs {res['contexts_elsewhere']}"
 
 
+def _rank_unacked(rank: int, size: int, calls: int) -> dict:
+    """Calls alternating between two halves of the arena on one stream, none with the ack, then
+    ``finish_reads`` before the last call's half is written again: a part overwritten while a peer
+    still read it shows as wrong bytes."""
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    arena = [torch.full((2 * PAGES, w), 255, dtype=torch.uint8, device=dev) for w in WIDTHS]
+    ce = CopyEngineGroup(CPGroup(), arena)
+    per = PAGES // size
+    bad, got_calls = [], []
+    for call in range(1, calls + 2):
+        half = call % 2
+        outs = [a[half * PAGES : half * PAGES + per * size] for a in arena]
+        mine = [o[rank * per : (rank + 1) * per] for o in outs]
+        for i, (m, w) in enumerate(zip(mine, WIDTHS)):
+            m.copy_(_part(call, rank, per, w, i).to(dev, non_blocking=False))
+        if call > calls:  # after finish_reads: a write every peer has finished reading before
+            break
+        ce.all_gather_into_many(outs, mine, ack=False)
+        got_calls.append([o.clone() for o in outs])
+        if call == calls:
+            ce.finish_reads()
+    for call, got in enumerate(got_calls, 1):
+        for p in range(size):
+            for i, w in enumerate(WIDTHS):
+                if not torch.equal(got[i][p * per : (p + 1) * per].cpu(), _part(call, p, per, w, i)):
+                    bad.append((call, p, i))
+    return {"bad": bad, "calls": ce.calls}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_copy_engine_all_gather_without_acks_on_alternating_buffers_is_exact(size):
+    out = spawn_ranks(_rank_unacked, size, 40, timeout_s=300)
+    for r, res in enumerate(out):
+        assert res["bad"] == [], f"rank {r}: wrong parts (call, owner, buffer) {res['bad'][:5]}"
+        assert res["calls"] == 40
+
+
 def _misuse(rank: int, size: int) -> list[str]:
     from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
 

@@ -26,7 +26,11 @@ rank), on the caller's current stream::
     wait ack[p] >= k                       (no peer reads this rank's part any more)
 
 so the call ends, on the stream, once every rank holds every part and no rank still reads from
-another: the next write into the buffers (the next layer's gather) is safe. Counters are 64-bit
+another: the next write into the buffers (the next layer's gather) is safe. A caller that alternates
+two sets of buffers and orders its calls on the device may leave out the ack (``ack=False``): the next
+write into a set follows its next call's wait for ``ready[p] >= k + 1``, which every peer signals only
+after its pulls of call ``k``. It then ends with an acked call or ``finish_reads`` before it writes the
+buffers otherwise. Counters are 64-bit
 and only grow, so a wait can never be satisfied by an older call. Calls are ordered on the device
 (each one's stream waits for the previous call's, as the view materializer's prefetch does): the
 outgoing counter lives in one word (``k`` is written there once and copied out twice, as ready and
@@ -301,12 +305,14 @@ class CopyEngineGroup:
         async_op: bool = False,
         coalesce: bool | None = None,
         stream: torch.cuda.Stream | None = None,
+        ack: bool = True,
     ) -> PendingCollective:
         """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place.
 
         Everything is queued on ``stream`` (default: the current stream), ordered after the caller's
         writes of its parts there and before whatever it queues next, so the result needs no wait;
-        ``async_op`` and ``coalesce`` are accepted for ``CPGroup`` compatibility.
+        ``async_op`` and ``coalesce`` are accepted for ``CPGroup`` compatibility. ``ack=False`` leaves out
+        the wait for the peers to finish reading this rank's part (the module docstring says when).
         """
         pulls = self._pulls(outs, locals_)
         d = self._driver
@@ -322,11 +328,23 @@ class CopyEngineGroup:
             for dst, src, nbytes in copies:
                 d.check(d.copy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
                 self.bytes_received += nbytes
-        self._signal(stream, 1)  # done reading the peers' parts
-        ack = self.size * self.signals.element_size()
-        for ready, _ in pulls:
-            d.check(d.wait64(stream, ready + ack, k, WAIT_GEQ), "cuStreamWaitValue64")
+        if ack:
+            self._finish_reads(stream, k)
         return PendingCollective()
+
+    def finish_reads(self, stream: torch.cuda.Stream | None = None) -> None:
+        """The ack of the last call, on ``stream`` (default: the current one): what the stream runs next
+        may write this rank's buffers (every peer has finished reading them). After calls with ``ack=False``."""
+        self._finish_reads(current_stream_handle(self.device) if stream is None else stream.cuda_stream, self.calls)
+
+    def _finish_reads(self, stream: int, k: int) -> None:
+        d = self._driver
+        self._signal(stream, 1)  # done reading the peers' parts: ack := k (the outbox) on every peer
+        item = self.signals.element_size()
+        for p in self._peer_signals:
+            d.check(
+                d.wait64(stream, self.signals.data_ptr() + (self.size + p) * item, k, WAIT_GEQ), "cuStreamWaitValue64"
+            )
 
 
 # Sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets).

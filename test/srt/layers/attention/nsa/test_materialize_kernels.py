@@ -16,6 +16,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     translate_locs_ref,
     triton_enabled,
     word_pair,
+    word_view,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     build_slot_table,
@@ -159,6 +160,19 @@ def test_gather_page_buffers_gathers_latent_and_index_pages_together(ps, row_byt
         outs = [torch.zeros_like(e) for e in expected]
         gather_launch([word_pair(s, o) for s, o in zip((latent, index), outs)], ids, programs=programs)()
         assert all(torch.equal(a, b) for a, b in zip(outs, expected)), programs
+    # Another layer's sources into the same outs: the launch is rebound, not built again, and its kernel
+    # key kept; the rebound launch copies the new sources' pages.
+    outs = [torch.zeros_like(e) for e in expected]
+    out_words = [word_view(o) for o in outs]  # the same out tensors each time, as the materializer keeps them
+    first = gather_launch([(word_view(s), o) for s, o in zip((latent, index), out_words)], ids)
+    latent2, index2 = latent.flip(0).contiguous(), index.flip(0).contiguous()
+    second = gather_launch([(word_view(s), o) for s, o in zip((latent2, index2), out_words)], ids, like=first)
+    assert second is not first and second._key == first._key and second.args[3] is first.args[3]
+    second()
+    assert torch.equal(outs[0], gather_pages_ref(latent2, ids)) and torch.equal(outs[1], gather_pages_ref(index2, ids))
+    # Other outs: built again.
+    third = gather_launch([word_pair(s, o) for s, o in zip((latent, index), expected)], ids, like=second)
+    assert third.args[3] is not second.args[3]
 
 
 def test_gather_page_buffers_rejects_bad_buffer_lists():

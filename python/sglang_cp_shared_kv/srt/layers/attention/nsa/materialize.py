@@ -41,11 +41,12 @@ from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    PreparedLaunch,
     gather_launch,
     positions_to_view_rows,
     prepare_gather,
     triton_enabled,
-    word_pair,
+    word_view,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
@@ -57,7 +58,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, index_page_views
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
-from sglang_cp_shared_kv.srt.utils import check_int
+from sglang_cp_shared_kv.srt.utils import check_int, current_stream
 
 
 @dataclass
@@ -266,12 +267,18 @@ class ViewMaterializer:
         self._views: list[dict[str, torch.Tensor]] = []
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         self._checked = False  # a gather of this materializer's buffers has passed prepare_gather's checks
+        # Host time: each layer's pool pages with their int32 word views (the pool's buffers are fixed),
+        # per view set its parts' word views and its last gather launch (the next layer rebinds it).
+        self._sources: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._part_words: list[list[torch.Tensor]] = []
+        self._launches: list[PreparedLaunch | None] = []
         self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched: torch.cuda.Event | None = None
         self._fork: torch.cuda.Event | None = None
         self._gathered: torch.cuda.Event | None = None
+        self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
         self.overflow = OverflowCheck()
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -364,7 +371,7 @@ class ViewMaterializer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
         send = plan.send_pages(rank)
         start, end = plan.rank_view_slots(rank)
-        self._views, self._parts = [], []
+        self._views, self._parts, self._part_words, self._launches = [], [], [], []
         pages = plan.view_pages + extra_pages
         for _ in range(copies):
             if self.arena is not None:
@@ -375,6 +382,8 @@ class ViewMaterializer:
             whole = [v[: plan.view_pages] for v in views.values()]
             self._views.append(views)
             self._parts.append((send, mine, whole))
+            self._part_words.append([word_view(m) for m in mine])
+            self._launches.append(None)
 
     def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
         """View row of every current token, request-major (host-known positions, device slot table)."""
@@ -447,12 +456,16 @@ class ViewMaterializer:
         return self.pool.with_indexer and self.pool.index[layer].shape[0] > 0
 
     # -- the gather, now or ahead --
-    def _gather(self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None) -> None:
+    def _gather(
+        self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None, ack: bool = True
+    ) -> None:
         """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them.
 
         The all-gather (latent and indexer views in one NCCL group) is queued behind the gather on
         the current stream, or with ``transfer_stream`` on that stream after the gather (one event);
-        that stream then holds it. On gloo every call completes in order.
+        that stream then holds it. On gloo every call completes in order. ``ack=False`` (a transfer
+        on ``transfer_stream`` whose view set the next layer's transfer waits before it is written
+        again): the copy engines' wait for the peers' reads is left out (``copy_engine``'s docstring).
         """
         plan, group = self.plan, self.group
         launch, whole, mine, page_bytes = self._prepare_gather(layer, slot)
@@ -462,9 +475,10 @@ class ViewMaterializer:
                 group.all_gather_into_many(whole, mine, async_op=True).wait()
             else:
                 gathered = self._gathered
-                gathered.record(torch.cuda.current_stream(self.pool.device))
-                transfer_stream.wait_event(gathered)
-                group.all_gather_into_many(whole, mine, stream=transfer_stream)
+                gathered.record(current_stream(self.pool.device))
+                gathered.wait(transfer_stream)
+                group.all_gather_into_many(whole, mine, stream=transfer_stream, ack=ack)
+                self._unacked = not ack
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
@@ -481,17 +495,25 @@ class ViewMaterializer:
         later batches build the launch straight from the buffers (host time).
         """
         pool = self.pool
-        sources = [pool.latent_pages(layer)]
-        if self._layer_has_index(layer):
-            sources.append(pool.index[layer])
+        sources = self._sources.get(layer)
+        if sources is None:
+            pages = [pool.latent_pages(layer)]
+            if self._layer_has_index(layer):
+                pages.append(pool.index[layer])
+            sources = self._sources[layer] = [(src, word_view(src)) for src in pages]
         used = len(sources)
         page_ids, mine, whole = self._parts[slot]
         if not self._checked or not triton_enabled(pool.device, self.use_triton) or not page_ids.shape[0]:
-            _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
+            _, launch = prepare_gather([src for src, _ in sources], page_ids, mine[:used], use_triton=self.use_triton)
         else:
-            launch = gather_launch([word_pair(src, out) for src, out in zip(sources, mine)], page_ids)
+            # ``word_pair`` of each source and part, from the words kept above.
+            pairs = [
+                (src_w, out_w) if src_w.dtype == out_w.dtype else (src, out)
+                for (src, src_w), out, out_w in zip(sources, mine, self._part_words[slot])
+            ]
+            launch = self._launches[slot] = gather_launch(pairs, page_ids, like=self._launches[slot])
         self._checked = True
-        return launch, whole[:used], mine[:used], sum(src.shape[1] for src in sources)
+        return launch, whole[:used], mine[:used], sum(src.shape[1] for src, _ in sources)
 
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device
@@ -505,14 +527,14 @@ class ViewMaterializer:
             if self.prefetch_gather == "compute":
                 # The gather in line here (its blocks get the SMs between the compute stream's
                 # kernels), the transfer on the side stream behind it.
-                self._gather(layer, slot, transfer_stream=side)
+                self._gather(layer, slot, transfer_stream=side, ack=layer + 1 == self.pool.num_layers)
             else:
                 # The side stream starts after everything queued so far: the previous batch's pool
                 # writes, and the kernels still reading this buffer set's previous layer. One event
                 # each way serves every layer: each wait is queued before the event is recorded again.
-                main = torch.cuda.current_stream(device)
+                main = current_stream(device)
                 self._fork.record(main)
-                side.wait_event(self._fork)
+                self._fork.wait(side)
                 torch.cuda.set_stream(side)
                 try:
                     self._gather(layer, slot)
@@ -527,13 +549,17 @@ class ViewMaterializer:
     def _wait(self, pending: tuple[int, int, torch.cuda.Event | None]) -> None:
         event = pending[2]
         if event is not None:
-            torch.cuda.current_stream(self.pool.device).wait_event(event)
+            event.wait(current_stream(self.pool.device))
 
     def drain(self) -> None:
-        """Order what the caller queues next after a gather started ahead (none: nothing). No host wait."""
+        """Order what the caller queues next after a gather started ahead (none: nothing), and after the
+        peers' reads of this rank's views where the last transfer did not wait for them. No host wait."""
         pending, self._pending = self._pending, None
         if pending is not None:
             self._wait(pending)
+        if self._unacked:
+            self._unacked = False
+            self.group.finish_reads()
 
     def _copy_current(
         self, views: dict[str, torch.Tensor], kv_rows: torch.Tensor, index_records: torch.Tensor | None

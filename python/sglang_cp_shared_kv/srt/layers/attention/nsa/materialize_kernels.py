@@ -17,6 +17,7 @@ None of them reads device data back to the host.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -107,7 +108,7 @@ if triton is not None:
                 _copy_page(src_b + page * src_stride_b, out_b + slot * out_stride_b, words_b, BLOCK)
 
 
-def _word_view(t: torch.Tensor) -> torch.Tensor:
+def word_view(t: torch.Tensor) -> torch.Tensor:
     """Reinterpret a uint8 page buffer as int32 words when rows and base allow it (4x fewer lanes)."""
     if t.dtype == torch.uint8 and t.shape[1] % 4 == 0 and t.stride(0) % 4 == 0 and t.data_ptr() % 4 == 0:
         return t.view(torch.int32)
@@ -171,25 +172,35 @@ def prepare_gather(
 
 
 def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``src`` and ``out`` as int32 words when both allow it (``_word_view``), else both as they are."""
-    s_words, o_words = _word_view(src), _word_view(out)
+    """``src`` and ``out`` as int32 words when both allow it (``word_view``), else both as they are."""
+    s_words, o_words = word_view(src), word_view(out)
     return (s_words, o_words) if s_words.dtype == o_words.dtype else (src, out)
 
 
 def gather_launch(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    page_ids: torch.Tensor,
+    programs: int | None = None,
+    like: PreparedLaunch | None = None,
 ) -> PreparedLaunch:
     """The gather kernel's launch copying ``pairs[k] = (src, out)`` pages ``page_ids`` (one or two pairs,
     ``word_pair`` s of buffers ``prepare_gather`` accepts): its last step, for a caller that built and
     checked the buffers itself (the view materializer, once per layer and batch).
 
     ``programs``: programs per buffer, each looping over every ``programs``-th slot (None: one per
-    slot). Fewer programs hold fewer SMs at once: what a gather running beside other kernels wants."""
+    slot). Fewer programs hold fewer SMs at once: what a gather running beside other kernels wants.
+    ``like``: an earlier launch of this function with the same page ids, outs and ``programs`` (another
+    layer's sources into the same view): only the sources' arguments are bound again (``rebind``)."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
-    block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
     a, b = args[0], args[-1]
     slots = page_ids.shape[0]
     grid0 = slots if programs is None else max(1, min(slots, programs))
+    if like is not None and like.fn is _gather_pages_kernel and like.args[0] is page_ids:
+        old = like.args  # (page_ids, slots, *a, *b): a source's tensor, words, strides at 2-6 and 7-11
+        same_outs = old[3] is a[1] and old[8] is b[1] and (old[4], old[6], old[9], old[11]) == (a[2], a[4], b[2], b[4])
+        if same_outs and like.grid == (grid0, len(args), 1):
+            return like.rebind({2: a[0], 5: a[3], 7: b[0], 10: b[3]})
+    block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
     return PreparedLaunch(
         _gather_pages_kernel,
         (grid0, len(args)),
@@ -268,6 +279,21 @@ class PreparedLaunch:
         g0, g1, g2 = self.grid
         stream = current_stream_handle(self.device)
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
+
+    def rebind(self, changes: dict[int, object]) -> PreparedLaunch:
+        """This launch with ``args[i]`` replaced by ``changes[i]``; the kernel-cache key is kept where every
+        new argument specializes as the one it replaces (``_specialization``), else computed again."""
+        new = copy.copy(self)
+        args = list(self.args)
+        same = True
+        for i, arg in changes.items():
+            same = same and _specialization(arg) == _specialization(args[i])
+            args[i] = arg
+        new.args = tuple(args)
+        new._all_args = (*new.args, *self.constexprs.values())
+        if not same:
+            new._key = (*self._key[:4], tuple(_specialization(a) for a in new.args))
+        return new
 
     def _direct_launch_fits(self, kernel) -> bool:
         """Whether a compiled kernel's launcher can take this launch's arguments as laid out here."""

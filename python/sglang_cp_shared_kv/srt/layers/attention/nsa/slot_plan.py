@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import assign_slots, plan_positions
-from sglang_cp_shared_kv.srt.utils import check_int
+from sglang_cp_shared_kv.srt.utils import check_int, current_stream
 
 
 def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
@@ -233,7 +233,7 @@ class DeviceFlagCheck:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(flags.device))
+            event.record(current_stream(flags.device))
             flags = host
         self._pending.append((flags, event, fail))
 

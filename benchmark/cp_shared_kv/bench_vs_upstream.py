@@ -1010,8 +1010,9 @@ def _write(
     """The result file: every scale's summary; the headline is the first scale's (the others in by_scale)."""
     summary = dict(next(iter(summaries.values())), correct_all=ok, headline_scale=next(iter(summaries)))
     extra = {"by_scale": summaries, "run_environment": envs}
-    if pieces:
+    if pieces:  # the machine is the pieces' (a merge only adds up their rows)
         extra["pieces"] = pieces
+        extra["environment"] = pieces[0]["environment"]
     write_result(name, rows, summary, extra)
 
 

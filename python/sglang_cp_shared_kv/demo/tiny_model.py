@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_cp_shared_kv.reference.dsa_reference import indexer_scores, sparse_mla
+from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
 
 LATENT, ROPE, INDEX_DIM = 512, 64, 128  # DeepSeek's fixed row formats (bf16 latent rows: 1152 B)
 
@@ -75,10 +75,10 @@ class TinyDSA:
         """
         x = self._norm(h)
         t = h.shape[0]
-        q_idx = (x @ self.w_qi[layer]).reshape(t, self.heads, INDEX_DIM).to(torch.float8_e4m3fn).view(torch.uint8)
-        weights = x @ self.w_wi[layer]
-        q_scale = torch.ones(t, self.heads)
-        k_u8, k_scale = keys[0].view(torch.uint8).reshape(-1, INDEX_DIM), keys[1].reshape(-1).float()
+        q_idx = (x @ self.w_qi[layer]).reshape(t, self.heads, INDEX_DIM).to(torch.float8_e4m3fn).float()
+        weights = (x @ self.w_wi[layer]) * INDEX_DIM**-0.5
+        k_all = keys[0].view(torch.float8_e4m3fn).reshape(-1, INDEX_DIM).float()
+        k_scale = keys[1].reshape(-1).float()
         top = torch.full((t, self.topk), -1, dtype=torch.int64)
         starts = [sum(seq_lens[:b]) for b in range(len(seq_lens))]
         req_t, pos_t = torch.tensor(q_req), torch.tensor(q_pos)
@@ -86,9 +86,10 @@ class TinyDSA:
             mine = (req_t == b).nonzero().flatten()
             if not len(mine):
                 continue
-            k_b = k_u8[starts[b] : starts[b] + n].unsqueeze(0).expand(len(mine), n, INDEX_DIM)
-            s_b = k_scale[starts[b] : starts[b] + n].unsqueeze(0).expand(len(mine), n)
-            scores = indexer_scores(q_idx[mine], q_scale[mine], weights[mine], k_b, s_b)
+            # The indexer's score (``reference.dsa_reference``) with the request's keys shared by its queries, not
+            # copied per query: sum_h relu(q . k) * w, times the key's scale.
+            logits = torch.einsum("thd,ld->thl", q_idx[mine], k_all[starts[b] : starts[b] + n]).relu()
+            scores = torch.einsum("thl,th->tl", logits, weights[mine]) * k_scale[starts[b] : starts[b] + n]
             visible = torch.arange(n).unsqueeze(0) <= pos_t[mine].unsqueeze(1)
             scores = torch.where(visible, scores, torch.full_like(scores, -torch.inf))
             order = torch.sort(-scores, dim=-1, stable=True).indices[:, : self.topk]  # score desc, position asc

@@ -231,88 +231,69 @@ def flag_rejections(cfg: Any) -> list[str]:
     if cfg.disaggregation_mode == "decode":
         return decode_rejections(cfg)
     out = model_config_rejections(cfg.model_path, getattr(cfg, "revision", None))
-    if not cfg.enable_prefill_cp:
-        out.append(
-            _line(
-                "the KV is sharded over the prefill context-parallel ranks, and prefill CP is off",
-                "add --enable-prefill-cp",
-            )
-        )
-    if cfg.attn_cp_size is None or cfg.attn_cp_size <= 1:
-        out.append(
-            _line(
-                f"{_given('--attn-cp-size', cfg.attn_cp_size)}: nothing to shard over",
-                "set --attn-cp-size N with N > 1",
-            )
-        )
-    if cfg.cp_strategy != "interleave":
-        out.append(
-            _line(
-                f"{_not_wired('--cp-strategy', cfg.cp_strategy)} (the write path needs every rank to hold the whole chunk "
-                "after the interleave all-gather; DeepSeek-V3.2 / GLM-5 require interleave)",
-                "use --cp-strategy interleave",
-            )
-        )
-    if cfg.disaggregation_mode != "prefill":
-        out.append(
-            _line(
-                f"{_not_wired('--disaggregation-mode', cfg.disaggregation_mode)} (batches would decode from a pool that holds "
-                "1/N of every page, and the widened allocator has no decode allocation)",
-                "run it on the PD prefill server (--disaggregation-mode prefill) and, to check the manifests, "
-                "on its decode server (--disaggregation-mode decode)",
-            )
-        )
-    if cfg.disaggregation_transfer_backend != "mooncake":
-        out.append(
-            _line(
-                f"{_not_wired('--disaggregation-transfer-backend', cfg.disaggregation_transfer_backend)}: it has no owned-page sender",
-                "use --disaggregation-transfer-backend mooncake",
-            )
-        )
-    if cfg.enable_kv_cache_sharding:
-        out.append(
-            _line(
-                "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
-                "pass only one of the two flags",
-            )
-        )
-    if cfg.enable_dsa_cache_layer_split:
-        out.append(
-            _line(
-                "--enable-dsa-cache-layer-split splits the same DSA cache by layer instead of by page",
-                "drop --enable-dsa-cache-layer-split",
-            )
-        )
-    if cfg.dcp_size is not None and cfg.dcp_size > 1:
-        out.append(
-            _line(
-                f"--dcp-size {cfg.dcp_size} (decode context parallelism) also widens the allocator index space",
-                "drop --dcp-size",
-            )
-        )
-    if cfg.enable_cp_decode_attn_tp:
-        out.append(
-            _line(
-                "--enable-cp-decode-attn-tp is a decode-time CP mode; the sharded pool serves prefill only",
-                "drop --enable-cp-decode-attn-tp",
-            )
-        )
-    if cfg.page_size is not None and not _is_pow2(cfg.page_size):
-        out.append(
-            _line(
-                f"--page-size {cfg.page_size} is not a power of two (page ownership is shift/mask arithmetic)",
-                "use a power of two, e.g. --page-size 64",
-            )
-        )
-    if cfg.pp_size is not None and cfg.pp_size > 1:
-        out.append(
-            _line(
-                f"--pp-size {cfg.pp_size}: pipeline-parallel layer slices of the sharded pool are not wired",
-                "use --pp-size 1",
-            )
-        )
-    out += _plumbing_rejections(cfg)
-    return out
+    checks = [  # (rejected, what, fix)
+        (
+            not cfg.enable_prefill_cp,
+            "the KV is sharded over the prefill context-parallel ranks, and prefill CP is off",
+            "add --enable-prefill-cp",
+        ),
+        (
+            cfg.attn_cp_size is None or cfg.attn_cp_size <= 1,
+            f"{_given('--attn-cp-size', cfg.attn_cp_size)}: nothing to shard over",
+            "set --attn-cp-size N with N > 1",
+        ),
+        (
+            cfg.cp_strategy != "interleave",
+            f"{_not_wired('--cp-strategy', cfg.cp_strategy)} (the write path needs every rank to hold the whole chunk "
+            "after the interleave all-gather; DeepSeek-V3.2 / GLM-5 require interleave)",
+            "use --cp-strategy interleave",
+        ),
+        (
+            cfg.disaggregation_mode != "prefill",
+            f"{_not_wired('--disaggregation-mode', cfg.disaggregation_mode)} (batches would decode from a pool that "
+            "holds 1/N of every page, and the widened allocator has no decode allocation)",
+            "run it on the PD prefill server (--disaggregation-mode prefill) and, to check the manifests, "
+            "on its decode server (--disaggregation-mode decode)",
+        ),
+        (
+            cfg.disaggregation_transfer_backend != "mooncake",
+            f"{_not_wired('--disaggregation-transfer-backend', cfg.disaggregation_transfer_backend)}: it has no "
+            "owned-page sender",
+            "use --disaggregation-transfer-backend mooncake",
+        ),
+        (
+            cfg.enable_kv_cache_sharding,
+            "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
+            "pass only one of the two flags",
+        ),
+        (
+            cfg.enable_dsa_cache_layer_split,
+            "--enable-dsa-cache-layer-split splits the same DSA cache by layer instead of by page",
+            "drop --enable-dsa-cache-layer-split",
+        ),
+        (
+            cfg.dcp_size is not None and cfg.dcp_size > 1,
+            f"--dcp-size {cfg.dcp_size} (decode context parallelism) also widens the allocator index space",
+            "drop --dcp-size",
+        ),
+        (
+            cfg.enable_cp_decode_attn_tp,
+            "--enable-cp-decode-attn-tp is a decode-time CP mode; the sharded pool serves prefill only",
+            "drop --enable-cp-decode-attn-tp",
+        ),
+        (
+            cfg.page_size is not None and not _is_pow2(cfg.page_size),
+            f"--page-size {cfg.page_size} is not a power of two (page ownership is shift/mask arithmetic)",
+            "use a power of two, e.g. --page-size 64",
+        ),
+        (
+            cfg.pp_size is not None and cfg.pp_size > 1,
+            f"--pp-size {cfg.pp_size}: pipeline-parallel layer slices of the sharded pool are not wired",
+            "use --pp-size 1",
+        ),
+    ]
+    out += [_line(what, fix) for rejected, what, fix in checks if rejected]
+    return out + _plumbing_rejections(cfg)
 
 
 def _plumbing_rejections(cfg: Any) -> list[str]:

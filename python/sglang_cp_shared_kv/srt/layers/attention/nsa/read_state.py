@@ -72,7 +72,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
     SlotPlan,
-    host_to_device,
     pages_for_lens,
     slots_per_rank,
 )
@@ -284,17 +283,24 @@ class BatchReadState:
         base: int,
         fill: int,
     ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``): the host lengths in one copy, one launch."""
+        """The batch's plan and page map (``plan_batch``): the host lengths written into one pinned buffer
+        and copied in one non-blocking copy, then one launch."""
         req_to_token, req_pool_indices, width = batch
         shared = [s for _, s in hint]
         plan_pages = np.subtract(prefix_pages, shared)
-        meta = [shared, prefix_pages, pages, _starts(np.subtract(pages, prefix_pages)), [src for src, _ in hint]]
-        (meta,) = host_to_device([np.concatenate([*meta, _starts(plan_pages)])], self.device)
+        host = torch.empty((len(PLAN_META_ROWS), len(pages)), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        rows = host.numpy()  # PLAN_META_ROWS, in order
+        rows[0], rows[1], rows[2] = shared, prefix_pages, pages
+        rows[3], rows[4], rows[5] = (
+            _starts(np.subtract(pages, prefix_pages)),
+            [src for src, _ in hint],
+            _starts(plan_pages),
+        )
         return plan_batch(
             req_to_token,
             req_pool_indices,
             self.page_size,
-            meta.view(len(PLAN_META_ROWS), -1),
+            host.to(self.device, non_blocking=True),
             width,
             int(plan_pages.sum()),
             self.ownership.cp_size,

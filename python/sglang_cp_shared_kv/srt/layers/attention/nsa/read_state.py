@@ -289,7 +289,7 @@ class BatchReadState:
         shared = [s for _, s in hint]
         plan_pages = np.subtract(prefix_pages, shared)
         host = torch.empty((len(PLAN_META_ROWS), len(pages)), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        rows = host.numpy()  # PLAN_META_ROWS, in order
+        rows = host.numpy()  # sync-ok: a host tensor, filled (PLAN_META_ROWS, in order) before its copy is queued
         rows[0], rows[1], rows[2] = shared, prefix_pages, pages
         rows[3], rows[4], rows[5] = (
             _starts(np.subtract(pages, prefix_pages)),

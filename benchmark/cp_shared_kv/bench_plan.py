@@ -21,8 +21,7 @@ import torch
 
 from benchmark.cp_shared_kv.bench_common import cuda_time_us, save_plot, write_result
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
-from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import FUSED_PLAN_MAX_POSITIONS
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_meta
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
 
 PS = 64
@@ -161,7 +160,7 @@ def run(
                 "unique_pages": unique_pages,
                 "shared_prefix_frac": shared_frac if n_req > 1 else 0.0,
                 "includes_gather": gather,
-                "plan_kernel": "single-program" if sum(pages) <= FUSED_PLAN_MAX_POSITIONS else "blocked",
+                "plan_kernel": "plan_batch",
                 "slot_plan_only_us": round(t_plan, 1),
                 "slot_plan_only_torch_us": round(t_plan_torch, 1),
                 "slot_plan_launch_us": round(t_plan_launch, 1),
@@ -184,24 +183,24 @@ def run(
 
 def graph_plan_gather_us(tokens: int, n_req: int) -> dict:
     """Device time of plan + gather for one batch of ``tokens`` tokens, captured in a CUDA graph
-    (what a graph-captured forward pays; the host vectors are built before capture)."""
+    (what a graph-captured forward pays; the plan's host lengths are copied before capture)."""
     total_pages = tokens // PS
     phys = total_pages // CP + 64 * CP
     latent = torch.zeros(phys + 1, PS * MLA_FP8_ROW_BYTES, dtype=torch.uint8, device="cuda")
     index = torch.zeros(phys + 1, PS * INDEX_TOKEN_BYTES, dtype=torch.uint8, device="cuda")
     table, pages, _ = _workload(n_req, total_pages, 0.0, phys, "cuda")
-    vectors = plan_vectors(pages, table.shape[1], table.device)
-    plan = build_slot_plan(table, pages, CP, PS, phys, vectors=vectors)
+    meta = plan_meta(pages, table.device)
+    plan = build_slot_plan(table, pages, CP, PS, phys, meta=meta)
     outs = [torch.empty(plan.slots_per_rank, b.shape[1], dtype=torch.uint8, device="cuda") for b in (latent, index)]
 
     def step():
-        p = build_slot_plan(table, pages, CP, PS, phys, vectors=vectors)
+        p = build_slot_plan(table, pages, CP, PS, phys, meta=meta)
         gather_page_buffers([latent, index], p.send_pages(0), outs)
 
     def plan_step():
-        build_slot_plan(table, pages, CP, PS, phys, vectors=vectors)
+        build_slot_plan(table, pages, CP, PS, phys, meta=meta)
 
-    def eager_plan():  # vectors built too, as an eager forward does
+    def eager_plan():  # the host lengths copied too, as an eager forward does
         build_slot_plan(table, pages, CP, PS, phys)
 
     return {

@@ -297,7 +297,7 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.read_state:BatchReadState.index_pages",
     f"{_NSA}.read_state:BatchReadState.latent_rows",
     f"{_NSA}.read_state:plan_batch",
-    f"{_NSA}.read_state:SlotPlan.__init__",
+    f"{_NSA}.slot_plan:SlotPlan.__init__",
     f"{_NSA}.slot_plan:DeviceFlagCheck.record",
     f"{_NSA}.slot_plan:DeviceFlagCheck.poll",
     f"{_NSA}.materialize:ViewMaterializer.begin_batch",

@@ -554,6 +554,10 @@ def render() -> str:
     )
     plan = _load("plan")
     plan_notes = [
+        "These rows measured the plan's earlier three-kernel form (positions, slot assignment in blocks above",
+        "8,192 positions, slot table); `build_slot_plan` now runs `plan_batch`, the one-program kernel the",
+        "SGLang path uses, over the page table. Not rerun since: `bench_plan` on one H200 redoes them.",
+        "",
         "`exposed` columns: the plan + gather enqueued behind ~2 ms of queued GPU work (as inside a forward",
         "pass); the unique remap must wait for that work to drain before its host syncs. `view cost`: pages",
         "the slot view holds / pages the unique remap holds (duplicated shared-prefix pages).",

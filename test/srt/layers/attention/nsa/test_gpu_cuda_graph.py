@@ -10,7 +10,7 @@ import torch
 from page_fixtures import PagePool, RotatingPages
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_vectors
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_meta
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -49,10 +49,10 @@ def test_materialize_graph_replays_equal_eager(kv_format):
 
     table = _table(0).to(dev)
     q_req, pos = (t.to(dev) for t in _topk(0))
-    vectors = plan_vectors(PAGES, max(PAGES), dev)
+    meta = plan_meta(PAGES, dev)
 
     def step(tbl, vecs, outs=None):
-        plan = build_slot_plan(tbl, PAGES, CP, PS, pool.trash_page, vectors=vecs)
+        plan = build_slot_plan(tbl, PAGES, CP, PS, pool.trash_page, meta=vecs)
         sent = gather_page_buffers(srcs, plan.send_pages(RANK), outs)
         return plan.slot_table, positions_to_view_rows(pos, q_req, plan.slot_table, PS), sent
 
@@ -62,11 +62,11 @@ def test_materialize_graph_replays_equal_eager(kv_format):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step(table, vectors, outs)  # warm up (Triton compiles) off the capture
+        step(table, meta, outs)  # warm up (Triton compiles) off the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_table, g_rows, _ = step(table, vectors, outs)
+        g_table, g_rows, _ = step(table, meta, outs)
 
     for seed in (1, 2, 3):
         table.copy_(_table(seed).to(dev))
@@ -74,7 +74,7 @@ def test_materialize_graph_replays_equal_eager(kv_format):
         q_req.copy_(new_req)
         pos.copy_(new_pos)
         graph.replay()
-        e_table, e_rows, e_sent = step(table.clone(), None)  # eager, vectors built afresh
+        e_table, e_rows, e_sent = step(table.clone(), None)  # eager, meta built afresh
         torch.cuda.synchronize()
         assert torch.equal(g_table, e_table), seed
         assert torch.equal(g_rows, e_rows), seed

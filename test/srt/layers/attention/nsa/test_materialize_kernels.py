@@ -18,9 +18,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     word_pair,
     word_view,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
-    build_slot_table,
-)
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,12 +125,6 @@ def test_forcing_triton_where_it_cannot_run_is_a_clear_error():
                 16,
             ),
             "q_req",
-        ),
-        (
-            lambda: build_slot_table(
-                torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(2), 3, 2
-            ),
-            "cu_pages",
         ),
     ],
 )

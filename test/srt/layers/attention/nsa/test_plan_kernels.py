@@ -1,24 +1,20 @@
-"""Each Triton kernel of a batch's slot plan equals its plain-torch reference (interpreter on CPU, or CUDA)."""
+"""The batch plan's Triton kernel (``plan_batch``) equals its plain-torch references (interpreter on CPU,
+or CUDA), over SGLang's token table and over a page table (``build_slot_plan``)."""
 
 import pytest
 import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
-    BLOCKED_PLAN_BLOCK,
-    FUSED_PLAN_MAX_POSITIONS,
     PLAN_META_ROWS,
-    assign_slots,
     assign_slots_ref,
-    build_slot_table,
     build_slot_table_ref,
     map_batch_pages_ref,
     plan_batch,
     plan_batch_ref,
-    plan_positions,
     plan_positions_ref,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import plan_vectors, slots_per_rank
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_meta, slots_per_rank
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
@@ -26,20 +22,23 @@ needs_triton = pytest.mark.skipif(
 )
 
 
-@needs_triton
-@pytest.mark.parametrize("pad", [0, -1])
-def test_build_slot_table_equals_reference(pad):
-    pages = [3, 0, 5, 1, 2]
-    max_pages = 7
-    cu = torch.tensor([0, 3, 3, 8, 9, 11], device=DEVICE)
-    slots = torch.randperm(40, device=DEVICE)[:11]
-    flat = torch.tensor([b * max_pages + j for b, p in enumerate(pages) for j in range(p)], device=DEVICE)
-    expected = build_slot_table_ref(slots, flat, len(pages), max_pages, pad)
-    got = build_slot_table(slots, cu, flat, len(pages), max_pages, pad=pad, use_triton=True)
-    assert got.dtype == torch.int32 and torch.equal(got, expected)
+def _ref_vectors(pages: list[int], max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions_flat, cu_pages)`` of a batch planned whole, by the references."""
+    cu = torch.tensor([0, *torch.tensor(pages, dtype=torch.int64).cumsum(0).tolist()], device=DEVICE)
+    return plan_positions_ref(cu, max_pages, sum(pages)), cu
+
+
+@pytest.mark.parametrize("pages", [[3, 0, 5, 1, 2], [0], [1], [1100, 7], [0, 0, 2]])
+def test_reference_positions_and_slot_table(pages):
+    max_pages = max(pages) + 2
+    positions, cu = _ref_vectors(pages, max_pages)
+    assert positions.tolist() == [b * max_pages + j for b, p in enumerate(pages) for j in range(p)]
+    slots = torch.randperm(4 * sum(pages) + 1, device=DEVICE)[: sum(pages)]
+    table = build_slot_table_ref(slots, positions, len(pages), max_pages, pad=-1)
+    assert table.dtype == torch.int32
     for b, p in enumerate(pages):
-        assert expected[b, :p].tolist() == slots[int(cu[b]) : int(cu[b]) + p].tolist()
-        assert expected[b, p:].tolist() == [pad] * (max_pages - p)
+        assert table[b, :p].tolist() == slots[int(cu[b]) : int(cu[b]) + p].tolist()
+        assert table[b, p:].tolist() == [-1] * (max_pages - p)
 
 
 def _batch_table(pages: list[int], width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -47,32 +46,21 @@ def _batch_table(pages: list[int], width: int, seed: int, dtype: torch.dtype) ->
     return torch.randint(0, 10_000, (len(pages), width), dtype=dtype, generator=g)
 
 
-@needs_triton
-@pytest.mark.parametrize("pages", [[3, 0, 5, 1, 2], [0], [1], [1100, 7], [0, 0, 2]])
-def test_plan_positions_equals_reference(pages):
-    max_pages = max(pages) + 2
-    cu = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], device=DEVICE)
-    expected = plan_positions_ref(cu, max_pages, sum(pages))
-    assert expected.tolist() == [b * max_pages + j for b, p in enumerate(pages) for j in range(p)]
-    got = plan_positions(cu, max_pages, sum(pages), use_triton=True)
-    assert got.dtype == torch.int64 and torch.equal(got, expected)
-
-
 def _assign_case(pages, cp_size, seed, dtype=torch.int64, pad=0, strided=False):
-    """The fused kernel against the torch reference on one batch (random pages: owner blocks may overflow)."""
+    """The kernel's plan of a page table against the torch reference on one batch (random pages: owner
+    blocks may overflow)."""
     width = max(pages) + 1
     table = _batch_table(pages, 2 * width if strided else width, seed, dtype).to(DEVICE)
     if strided:
-        table = table[:, ::2]  # a page table whose rows are not contiguous
+        table = table[:, ::2]  # a page table whose rows are not contiguous (the reference plans it)
     # Blocks sized for balanced allocation, as the plan sizes them; random pages can overflow them.
     s = slots_per_rank(pages, cp_size)
-    positions, cu = plan_vectors(pages, table.shape[1], DEVICE, use_triton=False)
-    args = (table, positions, cu, cp_size, s, 777, pad)
-    expected = assign_slots_ref(*args, use_triton=False)
-    got = assign_slots(*args, use_triton=True)
-    names = ("logical", "slots", "slot_table", "slot_phys", "status")
-    assert len(got) == len(expected) == len(names)
-    for name, a, b in zip(names, got, expected):
+    positions, cu = _ref_vectors(pages, table.shape[1])
+    expected = assign_slots_ref(table, positions, cu, cp_size, s, 777, pad)
+    plan = build_slot_plan(table, pages, cp_size, 16, 777, pad=pad, use_triton=True)
+    got = (plan.logical_pages, plan.slots, plan.slot_table, plan.slot_phys, plan.status)
+    assert torch.equal(plan.positions_flat, positions) and plan.slots_per_rank == s
+    for name, a, b in zip(("logical", "slots", "slot_table", "slot_phys", "status"), got, expected):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, pages, cp_size)
     # Never past the view, whether or not a block overflowed; the flag says whether one did.
     slots, status = expected[1], expected[4]
@@ -84,7 +72,7 @@ def _assign_case(pages, cp_size, seed, dtype=torch.int64, pad=0, strided=False):
 
 @needs_triton
 @pytest.mark.parametrize("cp_size", [2, 3, 8])  # one rank: test_slot_plan (shared prefixes)
-def test_fused_plan_equals_reference(cp_size):
+def test_plan_of_a_page_table_equals_reference(cp_size):
     flags = []
     for seed, pages in enumerate([[5, 3, 7, 1, 4, 9], [1], [12, 0, 12], [2, 40, 3, 1, 0, 17, 8, 8]]):
         flags.append(_assign_case(pages, cp_size, seed, dtype=torch.int32 if seed % 2 else torch.int64, pad=seed - 1))
@@ -99,11 +87,12 @@ def test_plan_overflow_reads_a_trash_slot_and_raises_the_flag(cp_size, use_trito
     # Request 0's 6 pages all on owner 1 (no rotation), request 1 balanced: S = ceil(6/N) + ceil(2/N).
     n = cp_size
     table = torch.tensor([[1 + n * i for i in range(6)], [2, 3, 0, 0, 0, 0]], device=DEVICE)
-    positions, cu = plan_vectors([6, 2], 6, DEVICE, use_triton=False)
-    s = slots_per_rank([6, 2], n)
-    logical, slots, slot_table, slot_phys, status = assign_slots(table, positions, cu, n, s, 777, use_triton=use_triton)
+    plan = build_slot_plan(table, [6, 2], n, 16, 777, use_triton=use_triton)
+    s, positions, logical, slots = plan.slots_per_rank, plan.positions_flat, plan.logical_pages, plan.slots
+    slot_phys, slot_table = plan.slot_phys, plan.slot_table
+    assert s == slots_per_rank([6, 2], n)
     counts = [sum(1 for lp in logical.tolist() if lp % n == o) for o in range(n)]
-    assert status.tolist() == [1, *counts] and counts[1] > s
+    assert plan.status.tolist() == [1, *counts] and counts[1] > s
     # Positions past owner 1's block read a slot inside the view whose send entry is the trash page.
     owner1 = [i for i, lp in enumerate(logical.tolist()) if lp % n == 1]
     past = owner1[s:]
@@ -119,26 +108,21 @@ def test_plan_overflow_reads_a_trash_slot_and_raises_the_flag(cp_size, use_trito
 @pytest.mark.parametrize(
     "pages",
     [
-        [1024],  # exactly one 1024-wide block
-        [1000, 25],  # one past it: the next block size
-        [4096, 4096],  # FUSED_PLAN_MAX_POSITIONS exactly: the largest single program
-        [4096, 4097],  # one past: the blocked kernel, the last block holding one position
-        [5000, 1, 7000, 3000, 0, 2047],  # blocked, requests straddling blocks
+        [1024],  # exactly one 1024-wide block of the kernel's loops
+        [1000, 25],  # one past it
+        [4096, 4097],  # several blocks per request
+        [5000, 1, 7000, 3000, 0, 2047],  # requests straddling blocks
     ],
 )
-def test_fused_plan_at_block_boundaries(pages):
-    assert FUSED_PLAN_MAX_POSITIONS == 8192 and FUSED_PLAN_MAX_POSITIONS % BLOCKED_PLAN_BLOCK == 0
+def test_plan_at_block_boundaries(pages):
     for cp_size in (8, 3):
         assert _assign_case(pages, cp_size, seed=sum(pages)) == 1  # random pages overflow a block
 
 
-def test_assign_slots_rejects_bad_input():
+def test_build_slot_plan_rejects_meta_of_other_lengths():
     table = torch.zeros((1, 4), dtype=torch.int64)
-    positions, cu = plan_vectors([4], 4, torch.device("cpu"), use_triton=False)
-    with pytest.raises(ValueError, match="slots_per_rank"):
-        assign_slots(table, positions, cu, 2, 0, 0)
-    with pytest.raises(ValueError, match="cu_pages"):
-        assign_slots(table, positions, cu[:1], 2, 4, 0)
+    with pytest.raises(ValueError, match="meta must be"):
+        build_slot_plan(table, [4], 2, 16, 0, meta=plan_meta([4, 4], torch.device("cpu")))
 
 
 def _page_map_by_loops(logical, page_table, plan_table, shared, prefix, pages, base, fill):

@@ -13,7 +13,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gat
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     build_slot_plan,
     pages_for_lens,
-    plan_vectors,
+    plan_meta,
     predicted_view_pages,
     slots_per_rank,
 )
@@ -156,14 +156,15 @@ def test_host_sizes():
 
 
 @pytest.mark.parametrize("use_triton", PATHS)
-def test_plan_vectors_are_the_flat_positions(use_triton):
+def test_plan_meta_and_the_flat_positions(use_triton):
     pages = [3, 0, 2, 5]
-    positions, cu = plan_vectors(pages, 6, torch.device("cpu"), use_triton=use_triton)
-    assert cu.tolist() == [0, 3, 3, 5, 10]
-    assert positions.tolist() == [0, 1, 2, 12, 13, 18, 19, 20, 21, 22]
-    # Built ahead (as for CUDA graphs) they give the same plan.
+    meta = plan_meta(pages, torch.device("cpu"))
+    # Per request: no shared page, every page a prefix page, none staged, no source, its first position.
+    assert meta.tolist() == [[0] * 4, pages, pages, [0] * 4, [-1] * 4, [0, 3, 3, 5]]
     table = torch.randint(0, 64, (4, 6))
-    plan = build_slot_plan(table, pages, 4, 16, 99, vectors=(positions, cu), use_triton=use_triton)
+    plan = build_slot_plan(table, pages, 4, 16, 99, meta=meta, use_triton=use_triton)
+    assert plan.positions_flat.tolist() == [0, 1, 2, 12, 13, 18, 19, 20, 21, 22]
+    # Built ahead (as for CUDA graphs) it gives the same plan.
     fresh = build_slot_plan(table, pages, 4, 16, 99, use_triton=use_triton)
     assert torch.equal(plan.slots, fresh.slots) and torch.equal(plan.slot_table, fresh.slot_table)
 
@@ -185,7 +186,7 @@ def test_empty_batch_plans_nothing():
         ({"cp_size": 0}, "cp_size"),
         ({"trash_page": -1}, "trash_page"),
         ({"page_size": 0}, "page_size"),
-        ({"vectors": (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))}, "vectors"),
+        ({"meta": torch.zeros((6, 3), dtype=torch.int64)}, "meta"),
     ],
 )
 def test_bad_input_is_rejected(kwargs, message):

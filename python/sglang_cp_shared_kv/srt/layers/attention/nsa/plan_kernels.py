@@ -1,23 +1,18 @@
-"""Triton kernels of a batch's slot plan, each beside its plain-torch reference.
+"""A batch's slot plan: one Triton kernel (``plan_batch``) beside the plain-torch references it equals.
 
-- ``build_slot_table``: the page table handed to the kernels, in slot ids: position ``j`` of
-  request ``b`` gets ``slots[cu_pages[b] + j]``; positions past a request's pages get ``pad``.
-- ``plan_positions``: the flat page-table index ``b * max_pages + j`` of every page position of
-  a batch, request-major, from the prefix sum of its pages per request (on device).
-- ``assign_slots``: the slot plan of a page table in one launch of one program when the batch has
-  at most ``FUSED_PLAN_MAX_POSITIONS`` page positions: each position's logical page, owner, rank
-  among the positions with the same owner (a block scan), view slot, the slot table and every send
-  entry's physical page. Larger batches run it in blocks, with per-block owner counts and their
-  prefix sum (three launches and a small cumsum); ``assign_slots_ref`` is the torch formulation.
-- ``plan_batch``: what a sharded pool's batch needs, in one launch of one program, straight from
-  SGLang's ``req_to_token``: the slot plan of the prefix pages (``assign_slots``' rule, through the
-  same Triton helpers), the batch's page map (``map_batch_pages_ref``: logical page -> page of its
-  read buffer, a prefix page to its view slot, a current-chunk page to its staged page, anything
-  else to a fill value) and the check of a shared-prefix hint.
+- ``plan_batch``: what a batch needs, in one launch of one program, straight from a token table
+  (SGLang's ``req_to_token``, or a page table with page size 1): each planned page position's logical
+  page, owner, rank among the positions with the same owner (a block scan), view slot, the slot table
+  and every send entry's physical page (``assign_slots_ref``); with a page map buffer, the batch's
+  page map (``map_batch_pages_ref``: logical page -> page of its read buffer, a prefix page to its view
+  slot, a current-chunk page to its staged page, anything else to a fill value); and the check of a
+  shared-prefix hint.
+- The references: ``build_slot_table_ref`` (the page table handed to the kernels, in slot ids),
+  ``plan_positions_ref`` (the flat page-table index of every page position), ``assign_slots_ref``
+  (the slot plan), ``map_batch_pages_ref`` and ``plan_batch_ref``, composed of them.
 
-Each wrapper runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the
-tests); otherwise it runs the reference. ``use_triton`` forces either. None of them reads device
-data back to the host.
+``plan_batch`` runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the
+tests); otherwise the reference. ``use_triton`` forces either. Nothing reads device data back.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ except ImportError:  # pragma: no cover - triton ships with torch on every platf
 
 
 # ---------------------------------------------------------------------------------------------
-# build_slot_table (the page-table remap)
+# the references
 # ---------------------------------------------------------------------------------------------
 
 
@@ -48,58 +43,6 @@ def build_slot_table_ref(
     table = torch.full((batch_size * max_pages,), pad, dtype=torch.int32, device=slots.device)
     table.index_copy_(0, positions_flat.long(), slots.to(torch.int32))
     return table.view(batch_size, max_pages)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _slot_table_kernel(slots, cu_pages, out, max_pages, pad, BLOCK: tl.constexpr):
-        req = tl.program_id(0)
-        block = tl.program_id(1)
-        start = tl.load(cu_pages + req)
-        n_pages = tl.load(cu_pages + req + 1) - start
-        j = block * BLOCK + tl.arange(0, BLOCK)
-        inside = j < max_pages
-        mine = j < n_pages
-        slot = tl.load(slots + start + j, mask=mine, other=pad)
-        tl.store(out + req.to(tl.int64) * max_pages + j, slot.to(tl.int32), mask=inside)
-
-
-def build_slot_table(
-    slots: torch.Tensor,
-    cu_pages: torch.Tensor,
-    positions_flat: torch.Tensor,
-    batch_size: int,
-    max_pages: int,
-    pad: int = 0,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """Scatter request-major ``slots [M]`` into an int32 page table ``[B, max_pages]``.
-
-    ``cu_pages [B + 1]`` (device) is the prefix sum of pages per request, ``positions_flat [M]``
-    the same layout as flat ``b * max_pages + j`` indices (the reference uses it; the kernel
-    reads ``cu_pages``). Both come from host-known lengths.
-    """
-    check_index("slots", slots, 1)
-    check_index("cu_pages", cu_pages, 1)
-    if cu_pages.shape[0] != batch_size + 1:
-        raise ValueError(f"cu_pages must have batch_size + 1 = {batch_size + 1} entries, got {cu_pages.shape[0]}")
-    if not triton_enabled(slots.device, use_triton) or batch_size == 0 or max_pages == 0:
-        return build_slot_table_ref(slots, positions_flat, batch_size, max_pages, pad)
-    out = torch.empty((batch_size, max_pages), dtype=torch.int32, device=slots.device)
-    block = min(1024, triton.next_power_of_2(max_pages))
-    grid = (batch_size, triton.cdiv(max_pages, block))
-    launch(_slot_table_kernel, grid, (slots, cu_pages, out, max_pages, pad), {"BLOCK": block})
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# plan_positions and assign_slots (the slot plan)
-# ---------------------------------------------------------------------------------------------
-
-# Batches up to this many page positions are planned by one program (a block-wide scan); larger
-# ones in blocks spread over the GPU.
-FUSED_PLAN_MAX_POSITIONS = 8192
 
 
 def plan_positions_ref(cu_pages: torch.Tensor, max_pages: int, num_positions: int) -> torch.Tensor:
@@ -114,31 +57,6 @@ def plan_positions_ref(cu_pages: torch.Tensor, max_pages: int, num_positions: in
     return per_position + torch.arange(num_positions, device=cu.device)
 
 
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["max_pages"])
-    def _plan_positions_kernel(cu_pages, out, max_pages, BLOCK: tl.constexpr):
-        req = tl.program_id(0)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        start = tl.load(cu_pages + req)
-        n_pages = tl.load(cu_pages + req + 1) - start
-        tl.store(out + start + j, req.to(tl.int64) * max_pages + j, mask=j < n_pages)
-
-
-def plan_positions(
-    cu_pages: torch.Tensor, max_pages: int, num_positions: int, use_triton: bool | None = None
-) -> torch.Tensor:
-    """Flat page-table index of every page position (``plan_positions_ref``), in one launch."""
-    check_index("cu_pages", cu_pages, 1)
-    batch = cu_pages.shape[0] - 1
-    if not triton_enabled(cu_pages.device, use_triton) or num_positions == 0 or batch < 1:
-        return plan_positions_ref(cu_pages, max_pages, num_positions)
-    out = torch.empty(num_positions, dtype=torch.int64, device=cu_pages.device)
-    block = min(1024, triton.next_power_of_2(max_pages))
-    launch(_plan_positions_kernel, (batch, triton.cdiv(max_pages, block)), (cu_pages, out, max_pages), {"BLOCK": block})
-    return out
-
-
 def assign_slots_ref(
     page_table: torch.Tensor,
     positions_flat: torch.Tensor,
@@ -147,7 +65,6 @@ def assign_slots_ref(
     slots_per_rank: int,
     trash_page: int,
     pad: int = 0,
-    use_triton: bool | None = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slot plan in torch ops: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S],
     status [N + 1])``.
@@ -166,9 +83,8 @@ def assign_slots_ref(
     (``M <= N * S``, so when one block overflows another has room), and it holds ``trash_page``:
     the view is never read past its end. ``status`` (int64, on the device, no host sync) reports
     it: ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o``
-    holds (``slot_plan.raise_on_overflow`` reads it where the batch synchronizes anyway).
+    holds (``slot_plan.OverflowCheck`` reads it once it is on the host).
 
-    ``use_triton`` is passed to ``build_slot_table`` (the reference proper keeps it False).
     """
     n, s = cp_size, slots_per_rank
     device = page_table.device
@@ -189,24 +105,11 @@ def assign_slots_ref(
     slot_phys.scatter_(0, target, local_page(logical, n))
     status = torch.cat([(counts.amax() > s).to(torch.int64).reshape(1), counts])
     batch, max_pages = page_table.shape
-    table = build_slot_table(slots, cu_pages, positions_flat, batch, max_pages, pad=pad, use_triton=use_triton)
+    table = build_slot_table_ref(slots, positions_flat, batch, max_pages, pad)
     return logical, slots, table, slot_phys[: n * s], status
 
 
 if triton is not None:
-
-    @triton.jit
-    def _block_owners(
-        page_table, pt_stride0, pt_stride1, positions, num_positions, max_pages, N: tl.constexpr, BLOCK: tl.constexpr
-    ):
-        """Page-table index, logical page and owner of the positions of this program's block."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        live = i < num_positions
-        flat = tl.load(positions + i, mask=live, other=0).to(tl.int64)
-        req = flat // max_pages
-        lp = tl.load(page_table + req * pt_stride0 + (flat - req * max_pages) * pt_stride1, mask=live, other=0)
-        lp = lp.to(tl.int64)
-        return i, live, flat, lp, lp % N
 
     @triton.jit
     def _owner_ranks(owner, live, before, N: tl.constexpr, NP2: tl.constexpr, BLOCK: tl.constexpr):
@@ -269,172 +172,6 @@ if triton is not None:
                 count = tl.where(o_idx == o, tl.sum(tl.where(owners == o, totals, 0), axis=0), count)
             unused = inside & (idx - o_idx * slots_per_rank >= count)
             tl.store(phys_out + idx, tl.zeros([BLOCK], dtype=tl.int64) + trash_page, mask=unused)
-
-    @triton.jit(do_not_specialize=["pt_stride0", "pt_stride1", "num_positions", "max_pages"])
-    def _owner_counts_kernel(
-        page_table,
-        pt_stride0,
-        pt_stride1,
-        positions,
-        counts_out,
-        num_positions,
-        max_pages,
-        N: tl.constexpr,
-        NP2: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # counts_out[block, o]: positions of this block owned by o.
-        _, live, _, _, owner = _block_owners(
-            page_table, pt_stride0, pt_stride1, positions, num_positions, max_pages, N, BLOCK
-        )
-        owners = tl.arange(0, NP2)
-        counts = tl.zeros([NP2], dtype=tl.int64)
-        for o in tl.static_range(N):
-            counts = tl.where(owners == o, tl.sum(((owner == o) & live).to(tl.int32), axis=0), counts)
-        tl.store(counts_out + tl.program_id(0) * N + owners, counts, mask=owners < N)
-
-    @triton.jit(
-        do_not_specialize=[
-            "pt_stride0",
-            "pt_stride1",
-            "num_positions",
-            "table_entries",
-            "max_pages",
-            "slots_per_rank",
-            "trash_page",
-            "pad",
-        ]
-    )
-    def _assign_slots_kernel(
-        page_table,
-        pt_stride0,
-        pt_stride1,
-        positions,
-        cu_pages,
-        offsets,
-        totals,
-        logical_out,
-        slots_out,
-        table_out,
-        phys_out,
-        status_out,
-        num_positions,
-        table_entries,
-        max_pages,
-        slots_per_rank,
-        trash_page,
-        pad,
-        N: tl.constexpr,
-        NP2: tl.constexpr,
-        BLOCK: tl.constexpr,
-        BLOCKED: tl.constexpr,
-    ):
-        # Single program (BLOCKED False): it holds every position, so per-owner ranks are block scans
-        # and per-owner totals stay in registers. Blocked: each program scans its block and adds
-        # offsets[block, owner], the positions of that owner in earlier blocks (totals: per owner).
-        i, live, flat, lp, owner = _block_owners(
-            page_table, pt_stride0, pt_stride1, positions, num_positions, max_pages, N, BLOCK
-        )
-        owners = tl.arange(0, NP2)
-        before = tl.zeros([NP2], dtype=tl.int64)
-        if BLOCKED:
-            before = tl.load(offsets + tl.program_id(0) * N + owners, mask=owners < N, other=0).to(tl.int64)
-        rank, counts = _owner_ranks(owner, live, before, N, NP2, BLOCK)
-        if BLOCKED:
-            totals_o = tl.load(totals + owners, mask=owners < N, other=0).to(tl.int64)
-        else:
-            totals_o = counts
-        slot, target = _slot_of(owner, rank, totals_o, slots_per_rank, N, NP2)
-        if tl.program_id(0) == 0:
-            _store_status(status_out, totals_o, slots_per_rank, N, NP2)
-        tl.store(logical_out + i, lp, mask=live)
-        tl.store(slots_out + i, slot, mask=live)
-        tl.store(table_out + flat, slot.to(tl.int32), mask=live)
-        tl.store(phys_out + target, lp // N, mask=live)
-
-        # Entries no position writes, written here so that no two stores meet: send entry
-        # (o, r) is unused when r >= count(o); table entry (b, j) when j >= pages of b.
-        # The programs share them out in strides.
-        lanes = tl.arange(0, BLOCK)
-        first_idx = tl.program_id(0) * BLOCK
-        stride = tl.num_programs(0) * BLOCK
-        _fill_unused_entries(phys_out, totals_o, slots_per_rank, trash_page, first_idx, stride, N, NP2, BLOCK)
-        for start in range(first_idx, table_entries, stride):
-            idx = start + lanes
-            inside = idx < table_entries
-            b = idx // max_pages
-            first = tl.load(cu_pages + b, mask=inside, other=0)
-            end = tl.load(cu_pages + b + 1, mask=inside, other=0)
-            past = inside & (idx - b * max_pages >= end - first)
-            tl.store(table_out + idx, tl.zeros([BLOCK], dtype=tl.int32) + pad, mask=past)
-
-
-# Positions per program of the blocked plan (batches over FUSED_PLAN_MAX_POSITIONS).
-BLOCKED_PLAN_BLOCK = 2048
-
-
-def assign_slots(
-    page_table: torch.Tensor,
-    positions_flat: torch.Tensor,
-    cu_pages: torch.Tensor,
-    cp_size: int,
-    slots_per_rank: int,
-    trash_page: int,
-    pad: int = 0,
-    use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``assign_slots_ref`` in Triton: one launch of one program for a batch of at most
-    ``FUSED_PLAN_MAX_POSITIONS`` page positions; above that, blocks of ``BLOCKED_PLAN_BLOCK``
-    positions (per-block owner counts, their prefix sum over blocks, then the blocked kernel).
-    Without Triton, the torch formulation."""
-    check_index("page_table", page_table, 2)
-    check_index("positions_flat", positions_flat, 1)
-    check_index("cu_pages", cu_pages, 1)
-    num_positions = positions_flat.shape[0]
-    batch, max_pages = page_table.shape
-    if cu_pages.shape[0] != batch + 1:
-        raise ValueError(f"cu_pages must have batch_size + 1 = {batch + 1} entries, got {cu_pages.shape[0]}")
-    if num_positions and slots_per_rank < 1:
-        raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
-    if num_positions == 0 or not triton_enabled(page_table.device, use_triton):
-        args = (cp_size, slots_per_rank, trash_page, pad)
-        return assign_slots_ref(page_table, positions_flat, cu_pages, *args, use_triton=use_triton)
-    device = page_table.device
-    send_entries = cp_size * slots_per_rank
-    # logical, slots, slot_phys (plus its dump entry) and the overflow status share one allocation.
-    flat = torch.empty(2 * num_positions + send_entries + 1 + cp_size + 1, dtype=torch.int64, device=device)
-    logical, slots = flat[:num_positions], flat[num_positions : 2 * num_positions]
-    slot_phys = flat[2 * num_positions : 2 * num_positions + send_entries + 1]
-    status = flat[2 * num_positions + send_entries + 1 :]
-    table = torch.empty((batch, max_pages), dtype=torch.int32, device=device)
-    table_args = (page_table, page_table.stride(0), page_table.stride(1), positions_flat)
-    np2 = max(2, triton.next_power_of_2(cp_size))
-    if num_positions <= FUSED_PLAN_MAX_POSITIONS:
-        block = max(16, triton.next_power_of_2(num_positions))
-        grid, offsets, totals = 1, flat, flat  # unused by the single program
-    else:
-        block = BLOCKED_PLAN_BLOCK
-        grid = triton.cdiv(num_positions, block)
-        counts = torch.empty((grid, cp_size), dtype=torch.int64, device=device)
-        launch(
-            _owner_counts_kernel,
-            (grid,),
-            (*table_args, counts, num_positions, max_pages),
-            {"N": cp_size, "NP2": np2, "BLOCK": block},
-            num_warps=8,
-        )
-        inclusive = counts.cumsum(0)
-        offsets, totals = inclusive - counts, inclusive[-1]
-    launch(
-        _assign_slots_kernel,
-        (grid,),
-        (*table_args, cu_pages, offsets, totals, logical, slots, table, slot_phys, status, num_positions)
-        + (batch * max_pages, max_pages, slots_per_rank, trash_page, pad),
-        {"N": cp_size, "NP2": np2, "BLOCK": block, "BLOCKED": grid > 1},
-        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
-    )
-    return logical, slots, table, slot_phys[:send_entries], status
-
 
 # ---------------------------------------------------------------------------------------------
 # plan_batch (the whole batch plan in one launch)
@@ -501,7 +238,7 @@ def plan_batch_ref(
     cp_size: int,
     slots_per_rank: int,
     trash_page: int,
-    page_pos: torch.Tensor,
+    page_pos: torch.Tensor | None,
     base: int,
     fill: int,
     pad: int = 0,
@@ -512,9 +249,9 @@ def plan_batch_ref(
     ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` holds per
     request (``PLAN_META_ROWS``) its shared, prefix and total pages, its first staged page, the source of
     its shared pages (-1: none) and its first planned position. The plan covers pages ``[shared, prefix)``
-    of each request (``assign_slots_ref`` over the table shifted left by ``shared``), ``page_pos`` is the
-    batch's page map (``map_batch_pages_ref``), and ``wrong[b]`` counts request ``b``'s first ``shared``
-    pages that are not its source's.
+    of each request (``assign_slots_ref`` over the table shifted left by ``shared``), ``page_pos`` (None:
+    no map) is the batch's page map (``map_batch_pages_ref``), and ``wrong[b]`` counts request ``b``'s
+    first ``shared`` pages that are not its source's.
     """
     shared, prefix, pages, start, source, plan_start = meta.long()
     page_table = tokens[rows.long()][:, : width * page_size : page_size].long() // page_size
@@ -526,7 +263,8 @@ def plan_batch_ref(
     logical, slots, table, phys, status = assign_slots_ref(
         plan_table, positions, cu, cp_size, slots_per_rank, trash_page, pad
     )
-    map_batch_pages_ref(page_pos, page_table, table, torch.stack([shared, prefix, pages, start]), base, fill)
+    if page_pos is not None:
+        map_batch_pages_ref(page_pos, page_table, table, torch.stack([shared, prefix, pages, start]), base, fill)
     differs = page_table != page_table[source.clamp(min=0)]
     wrong = (differs & (cols < shared.unsqueeze(1))).sum(1)
     return BatchPlan(positions, logical, slots, table, phys, status, wrong)
@@ -575,6 +313,7 @@ if triton is not None:
         N: tl.constexpr,
         NP2: tl.constexpr,
         BLOCK: tl.constexpr,
+        MAP: tl.constexpr,
     ):
         # One program walks the batch request by request (positions in request-major order), twice: the
         # positions per owner first, then each position's rank, slot and stores (the tokens' column
@@ -618,17 +357,19 @@ if triton is not None:
                 tl.store(slots_out + i, slot, mask=live)
                 tl.store(table_row + j - shared, slot.to(tl.int32), mask=live)
                 tl.store(phys_out + target, lp // N, mask=live)
-                tl.store(page_pos + lp, slot, mask=live)
+                if MAP:
+                    tl.store(page_pos + lp, slot, mask=live)
             for c0 in range(0, width, BLOCK):  # the slot table past the planned pages
                 c = c0 + lanes
                 tl.store(
                     table_row + c, tl.zeros([BLOCK], dtype=tl.int32) + pad, mask=(c >= prefix - shared) & (c < width)
                 )
-            for j0 in range(prefix, pages, BLOCK):  # the current pages: staged past the view
-                j = j0 + lanes
-                live = j < pages
-                lp = _table_pages(tokens, tok_stride0, row, j, live, page_size)
-                tl.store(page_pos + lp, base + start + j - prefix, mask=live)
+            if MAP:
+                for j0 in range(prefix, pages, BLOCK):  # the current pages: staged past the view
+                    j = j0 + lanes
+                    live = j < pages
+                    lp = _table_pages(tokens, tok_stride0, row, j, live, page_size)
+                    tl.store(page_pos + lp, base + start + j - prefix, mask=live)
             src_row = tl.load(rows + tl.maximum(source, 0)).to(tl.int64)
             wrong = tl.zeros([BLOCK], dtype=tl.int64)
             for j0 in range(0, shared, BLOCK):  # the hint: shared pages equal to the source's
@@ -650,20 +391,21 @@ def plan_batch(
     cp_size: int,
     slots_per_rank: int,
     trash_page: int,
-    page_pos: torch.Tensor,
+    page_pos: torch.Tensor | None,
     base: int,
     fill: int,
     pad: int = 0,
     use_triton: bool | None = None,
 ) -> BatchPlan:
-    """``plan_batch_ref`` in one launch of one program after a fill of ``page_pos``: two allocations, no
-    read-back. ``num_positions`` (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints."""
+    """``plan_batch_ref`` in one launch of one program after a fill of ``page_pos`` (None: the plan
+    without a page map): two allocations, no read-back. ``num_positions`` (``sum(prefix - shared)``) and
+    ``slots_per_rank`` are host ints."""
     check_index("tokens", tokens, 2)
     check_index("rows", rows, 1)
     batch = rows.shape[0]
     if meta.dtype != torch.int64 or meta.shape != (len(PLAN_META_ROWS), batch) or not meta.is_contiguous():
         raise ValueError(f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}], got {tuple(meta.shape)}")
-    if page_pos.dtype != torch.int64 or page_pos.dim() != 1:
+    if page_pos is not None and (page_pos.dtype != torch.int64 or page_pos.dim() != 1):
         raise ValueError(f"page_pos must be int64 [logical pages], got {page_pos.dtype} {tuple(page_pos.shape)}")
     if num_positions and slots_per_rank < 1:
         raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
@@ -675,13 +417,14 @@ def plan_batch(
     flat = torch.empty(3 * m + send + 1 + cp_size + 1 + batch, dtype=torch.int64, device=tokens.device)
     positions, logical, slots, phys, status, wrong = flat.split([m, m, m, send + 1, cp_size + 1, batch])
     table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
-    page_pos.fill_(fill)
+    if page_pos is not None:
+        page_pos.fill_(fill)
     launch(
         _plan_batch_kernel,
         (1,),
         (tokens, tokens.stride(0), rows, meta, batch, width, page_size, positions, logical, slots, table, phys)
-        + (status, wrong, page_pos, slots_per_rank, trash_page, pad, base),
-        {"N": cp_size, "NP2": max(2, triton.next_power_of_2(cp_size)), "BLOCK": 1024},
+        + (status, wrong, flat if page_pos is None else page_pos, slots_per_rank, trash_page, pad, base),
+        {"N": cp_size, "NP2": max(2, triton.next_power_of_2(cp_size)), "BLOCK": 1024, "MAP": page_pos is not None},
         num_warps=8,
     )
     return BatchPlan(positions, logical, slots, table, phys[:send], status, wrong)

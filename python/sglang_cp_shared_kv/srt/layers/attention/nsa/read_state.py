@@ -71,8 +71,8 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import tra
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
-    SlotPlan,
     pages_for_lens,
+    slot_plan_of,
     slots_per_rank,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
@@ -360,19 +360,7 @@ class BatchReadState:
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
         out = self._plan(batch, pages, prefix_pages, hint, s, base=view_pages, fill=view_pages + staged)
-        plan = SlotPlan(
-            cp_size=n,
-            page_size=ps,
-            pages_per_req=tuple(plan_pages),
-            slots_per_rank=s,
-            trash_page=self.latent.trash_page,
-            positions_flat=out.positions,
-            logical_pages=out.logical,
-            slots=out.slots,
-            slot_table=out.slot_table,
-            slot_phys=out.slot_phys,
-            status=out.status,
-        )
+        plan = slot_plan_of(out, n, ps, plan_pages, s, self.latent.trash_page)
         if any(shared for _, shared in hint):
             self._record_hint_check(out.wrong, hint, prefix_pages)
         plan_lens = [p * ps for p in plan_pages]

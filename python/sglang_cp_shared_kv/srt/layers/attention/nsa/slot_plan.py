@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import assign_slots, plan_positions
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
 from sglang_cp_shared_kv.srt.utils import check_int, current_stream
 
 
@@ -121,20 +120,39 @@ def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.
     return list(copy_to_device(both, device).split([len(a) for a in arrays]))
 
 
-def plan_vectors(
-    pages: Sequence[int], max_pages: int, device: torch.device, use_triton: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``positions_flat [M]`` and ``cu_pages [B + 1]`` of a batch's lengths, on ``device``.
+def plan_meta(pages: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``plan_batch``'s per-request ``meta`` (int64 ``[6, B]`` on ``device``, ``PLAN_META_ROWS``) for a batch planned whole:
+    every page of request ``b``'s ``pages[b]`` a prefix page, none shared, none staged.
 
-    Only ``cu_pages`` (``B + 1`` host ints) crosses from the host; the ``M`` positions are built
-    on the device from it (``plan_positions``), so the host work is O(B), not O(M).
-    They depend on the batch's lengths only, not on its page ids: a CUDA graph captures the plan
-    with them built beforehand (``build_slot_plan(..., vectors=...)``) and replays it on new page
-    tables of the same lengths.
+    It depends on the batch's lengths only, not on its page ids: a CUDA graph captures the plan with it
+    built beforehand (``build_slot_plan(..., meta=...)``) and replays it on new page tables of the same
+    lengths.
     """
-    cu = [0, *accumulate(int(p) for p in pages)]
-    cu_pages = copy_to_device(torch.tensor(cu, dtype=torch.int64), torch.device(device))
-    return plan_positions(cu_pages, max_pages, cu[-1], use_triton=use_triton), cu_pages
+    pages = np.asarray(pages, dtype=np.int64)
+    zeros = np.zeros_like(pages)
+    (meta,) = host_to_device(
+        [np.concatenate([zeros, pages, pages, zeros, zeros - 1, np.cumsum(pages) - pages])], device
+    )
+    return meta.view(len(PLAN_META_ROWS), -1)
+
+
+def slot_plan_of(
+    plan: BatchPlan, cp_size: int, page_size: int, pages_per_req: Sequence[int], slots: int, trash_page: int
+) -> SlotPlan:
+    """The ``SlotPlan`` of ``plan_batch``'s outputs for a batch of ``pages_per_req`` planned pages."""
+    return SlotPlan(
+        cp_size=cp_size,
+        page_size=page_size,
+        pages_per_req=tuple(pages_per_req),
+        slots_per_rank=slots,
+        trash_page=trash_page,
+        positions_flat=plan.positions,
+        logical_pages=plan.logical,
+        slots=plan.slots,
+        slot_table=plan.slot_table,
+        slot_phys=plan.slot_phys,
+        status=plan.status,
+    )
 
 
 def build_slot_plan(
@@ -145,14 +163,14 @@ def build_slot_plan(
     trash_page: int,
     pad: int = 0,
     use_triton: bool | None = None,
-    vectors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    meta: torch.Tensor | None = None,
 ) -> SlotPlan:
-    """Plan the view of one batch from its page table (logical page ids, ``[B, max_pages]``).
+    """Plan the view of one batch from its page table (logical page ids, ``[B, max_pages]``): ``plan_batch``
+    over the table as a token table of page size 1, without a page map.
 
     ``pages_per_req`` are host ints (``pages_for_lens(seq_lens_cpu, ps)``); the page table stays
     on its device and is never read back. ``trash_page`` is the pool's padding page.
-    ``vectors``: ``plan_vectors(pages_per_req, max_pages, device)`` built ahead (CUDA graphs);
-    built here when omitted.
+    ``meta``: ``plan_meta(pages_per_req, device)`` built ahead (CUDA graphs); built here when omitted.
     """
     if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -169,28 +187,15 @@ def build_slot_plan(
     check_int("trash_page", trash_page, 0)
 
     s = slots_per_rank(pages, cp_size)
-    if vectors is None:
-        vectors = plan_vectors(pages, max_pages, page_table.device, use_triton=use_triton)
-    positions_flat, cu_pages = vectors
-    if positions_flat.shape != (sum(pages),) or cu_pages.shape != (batch + 1,):
-        raise ValueError(f"vectors must be plan_vectors of these lengths ([{sum(pages)}], [{batch + 1}])")
-
-    logical, slots, slot_table, slot_phys, status = assign_slots(
-        page_table, positions_flat, cu_pages, cp_size, s, trash_page, pad=pad, use_triton=use_triton
+    if meta is None:
+        meta = plan_meta(pages, page_table.device)
+    if meta.shape != (len(PLAN_META_ROWS), batch):
+        raise ValueError(f"meta must be plan_meta of these lengths ([6, {batch}]), got {tuple(meta.shape)}")
+    rows = torch.arange(batch, device=page_table.device)
+    out = plan_batch(
+        page_table, rows, 1, meta, max_pages, sum(pages), cp_size, s, trash_page, None, 0, 0, pad, use_triton
     )
-    return SlotPlan(
-        cp_size=cp_size,
-        page_size=page_size,
-        pages_per_req=tuple(pages),
-        slots_per_rank=s,
-        trash_page=trash_page,
-        positions_flat=positions_flat,
-        logical_pages=logical,
-        slots=slots,
-        slot_table=slot_table,
-        slot_phys=slot_phys,
-        status=status,
-    )
+    return slot_plan_of(out, cp_size, page_size, pages, s, trash_page)
 
 
 # ---------------------------------------------------------------------------------------------

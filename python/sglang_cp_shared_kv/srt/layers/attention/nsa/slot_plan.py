@@ -121,8 +121,8 @@ def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.
 
 
 def plan_meta(pages: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``plan_batch``'s per-request ``meta`` (int64 ``[6, B]`` on ``device``, ``PLAN_META_ROWS``) for a batch planned whole:
-    every page of request ``b``'s ``pages[b]`` a prefix page, none shared, none staged.
+    """``plan_batch``'s ``meta`` (int64 ``[6, B]``, rows ``PLAN_META_ROWS``, on ``device``) for a batch
+    planned whole: each of request ``b``'s ``pages[b]`` pages a prefix page, none shared, none staged.
 
     It depends on the batch's lengths only, not on its page ids: a CUDA graph captures the plan with it
     built beforehand (``build_slot_plan(..., meta=...)``) and replays it on new page tables of the same

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
-import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.copy_engine import prefetch_on, view_group
@@ -68,10 +67,11 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     arena_pages,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
-from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan, plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
     pages_for_lens,
+    plan_meta,
     slot_plan_of,
     slots_per_rank,
 )
@@ -283,26 +283,17 @@ class BatchReadState:
         base: int,
         fill: int,
     ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``): the host lengths written into one pinned buffer
-        and copied in one non-blocking copy, then one launch."""
+        """The batch's plan and page map (``plan_batch``): the host lengths in one copy (``plan_meta``), then
+        one launch."""
         req_to_token, req_pool_indices, width = batch
-        shared = [s for _, s in hint]
-        plan_pages = np.subtract(prefix_pages, shared)
-        host = torch.empty((len(PLAN_META_ROWS), len(pages)), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        rows = host.numpy()  # sync-ok: a host tensor, filled (PLAN_META_ROWS, in order) before its copy is queued
-        rows[0], rows[1], rows[2] = shared, prefix_pages, pages
-        rows[3], rows[4], rows[5] = (
-            _starts(np.subtract(pages, prefix_pages)),
-            [src for src, _ in hint],
-            _starts(plan_pages),
-        )
+        planned = sum(prefix_pages) - sum(s for _, s in hint)
         return plan_batch(
             req_to_token,
             req_pool_indices,
             self.page_size,
-            host.to(self.device, non_blocking=True),
+            plan_meta(pages, self.device, prefix_pages, hint),
             width,
-            int(plan_pages.sum()),
+            planned,
             self.ownership.cp_size,
             slots_per_rank,
             self.latent.trash_page,
@@ -462,12 +453,6 @@ class BatchReadState:
         if view is None:
             view = self._layer_cache[layer] = self.views.layer_view(layer)
         return view
-
-
-def _starts(counts: Sequence[int]) -> np.ndarray:
-    """Exclusive prefix sum: where each request's run of ``counts`` starts (int64)."""
-    ends = np.cumsum(np.asarray(counts, dtype=np.int64))
-    return ends - np.asarray(counts, dtype=np.int64)
 
 
 def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:

@@ -120,20 +120,36 @@ def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.
     return list(copy_to_device(both, device).split([len(a) for a in arrays]))
 
 
-def plan_meta(pages: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``plan_batch``'s ``meta`` (int64 ``[6, B]``, rows ``PLAN_META_ROWS``, on ``device``) for a batch
-    planned whole: each of request ``b``'s ``pages[b]`` pages a prefix page, none shared, none staged.
+def plan_meta(
+    pages: Sequence[int],
+    device: torch.device,
+    prefix_pages: Sequence[int] | None = None,
+    hint: Sequence[tuple[int, int]] | None = None,
+) -> torch.Tensor:
+    """``plan_batch``'s ``meta`` (int64 ``[6, B]``, rows ``PLAN_META_ROWS``, on ``device``), written into
+    one (pinned, on CUDA) host buffer and copied in one non-blocking copy.
 
-    It depends on the batch's lengths only, not on its page ids: a CUDA graph captures the plan with it
-    built beforehand (``build_slot_plan(..., meta=...)``) and replays it on new page tables of the same
-    lengths.
+    Request ``b`` has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default:
+    all, none staged), the first ``hint[b] = (source, shared)`` of those the source's (default: none).
+    Without a hint and prefix pages it depends on the lengths only, not on the page ids: a CUDA graph
+    captures the plan with it built beforehand (``build_slot_plan(..., meta=...)``) and replays it on new
+    page tables of the same lengths.
     """
-    pages = np.asarray(pages, dtype=np.int64)
-    zeros = np.zeros_like(pages)
-    (meta,) = host_to_device(
-        [np.concatenate([zeros, pages, pages, zeros, zeros - 1, np.cumsum(pages) - pages])], device
-    )
-    return meta.view(len(PLAN_META_ROWS), -1)
+    prefix_pages = pages if prefix_pages is None else prefix_pages
+    hint = [(-1, 0)] * len(pages) if hint is None else hint
+    shared = [s for _, s in hint]
+    host = torch.empty((len(PLAN_META_ROWS), len(pages)), dtype=torch.int64, pin_memory=device.type == "cuda")
+    rows = host.numpy()  # sync-ok: a host tensor, filled (PLAN_META_ROWS, in order) before its copy is queued
+    rows[0], rows[1], rows[2] = shared, prefix_pages, pages
+    rows[3] = exclusive_starts(np.subtract(pages, prefix_pages))
+    rows[4], rows[5] = [src for src, _ in hint], exclusive_starts(np.subtract(prefix_pages, shared))
+    return host.to(device, non_blocking=True)
+
+
+def exclusive_starts(counts: Sequence[int]) -> np.ndarray:
+    """Exclusive prefix sum: where each request's run of ``counts`` starts (int64)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.cumsum(counts) - counts
 
 
 def slot_plan_of(

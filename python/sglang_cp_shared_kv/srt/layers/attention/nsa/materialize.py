@@ -46,6 +46,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     positions_to_view_rows,
     prepare_gather,
     triton_enabled,
+    word_pair,
     word_view,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
@@ -506,9 +507,8 @@ class ViewMaterializer:
         if not self._checked or not triton_enabled(pool.device, self.use_triton) or not page_ids.shape[0]:
             _, launch = prepare_gather([src for src, _ in sources], page_ids, mine[:used], use_triton=self.use_triton)
         else:
-            # ``word_pair`` of each source and part, from the words kept above.
             pairs = [
-                (src_w, out_w) if src_w.dtype == out_w.dtype else (src, out)
+                word_pair(src, out, src_w, out_w)
                 for (src, src_w), out, out_w in zip(sources, mine, self._part_words[slot])
             ]
             launch = self._launches[slot] = gather_launch(pairs, page_ids, like=self._launches[slot])

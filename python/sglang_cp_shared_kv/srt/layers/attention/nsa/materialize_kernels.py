@@ -171,9 +171,13 @@ def prepare_gather(
     return outs, gather_launch([word_pair(src, out) for src, out in zip(srcs, outs)], page_ids)
 
 
-def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``src`` and ``out`` as int32 words when both allow it (``word_view``), else both as they are."""
-    s_words, o_words = word_view(src), word_view(out)
+def word_pair(
+    src: torch.Tensor, out: torch.Tensor, src_words: torch.Tensor | None = None, out_words: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``src`` and ``out`` as int32 words when both allow it (``word_view``, or the ``word_view`` s a caller
+    kept), else both as they are."""
+    s_words = word_view(src) if src_words is None else src_words
+    o_words = word_view(out) if out_words is None else out_words
     return (s_words, o_words) if s_words.dtype == o_words.dtype else (src, out)
 
 

@@ -132,7 +132,7 @@ def local_copy_engine_group(arena: list[torch.Tensor], peer: list[torch.Tensor],
     g._sink = torch.zeros(2, CP, dtype=torch.int64, device=g.device)  # the peer's signal slots
     g._peer_signals = {1: g._sink.data_ptr()}
     g._peer_buffers = {1: [b.data_ptr() for b in peer]}
-    g._opened, g.calls, g._pull_cache = [], 0, {}
+    g._opened, g.calls, g._pull_cache, g.bytes_received = [], 0, {}, 0
     return g
 
 

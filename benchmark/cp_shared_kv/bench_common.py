@@ -38,7 +38,10 @@ def environment() -> dict[str, Any]:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]])
+    """The command that ran, with the plugin's settings from the environment in front (``NAME=value``)."""
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("SGLANG_CP_SHARED_KV_")]
+    argv = [Path(sys.executable).name, "-m", _module_name(), *sys.argv[1:]]
+    return " ".join(shlex.quote(a) for a in [*settings, *argv])
 
 
 def _module_name() -> str:

@@ -454,6 +454,7 @@ def _side_by_side() -> list[str]:
     lines = []
     for name, what in (
         ("vs_upstream_1gpu", "32K"),
+        ("vs_upstream_1gpu_prefetch", "32K, prefetch on"),
         ("vs_upstream_1gpu_128k", "128K"),
         ("vs_upstream_1gpu_prefix90", "prefix 90%"),
     ):
@@ -465,6 +466,7 @@ def _side_by_side() -> list[str]:
             pending=f"`source .sgw/setup.sh; python3 -m benchmark.cp_shared_kv.bench_vs_upstream --device cuda --backend "
             f"gloo --paths stock ours --out {name}`",
         )
+    lines += _shared_gpu_wait()
     lines += [
         "The 128K scale runs in two pieces (`--batches`), joined by `--merge`. The prefix-90% workload is",
         "SGLang PR #35309's shape: 8 prompts of 100K tokens, 90K of each cached (only written), then 10K new",
@@ -478,6 +480,49 @@ def _side_by_side() -> list[str]:
         pending="`source .sgw/setup.sh; python3 -m benchmark.cp_shared_kv.bench_vs_upstream` on 2 GPUs, one per rank "
         "(NCCL): writes `vs_upstream.json` (the 128K scale in pieces with `--batches`/`--merge`)",
     )
+    return lines
+
+
+def _shared_gpu_wait() -> list[str]:
+    """The probe of a device-side wait between two processes on one GPU."""
+    d = _load("shared_gpu_wait")
+    if d is None:
+        return []
+    rows = []
+    for r in d["rows"]:
+        if r["rank"] != 0:
+            continue
+        row = {"layer_ms_target": r["layer_ms_target"], "gemms": r["gemms_per_step"], "none": r["none"]["median_ms"]}
+        row.update({m: r[m]["excess_ms_vs_none"] for m in ("exchange", "exchange_side", "copy_local")})
+        rows.append(row)
+    lines = [
+        "### A device-side wait between two processes on one GPU (`probe_shared_gpu_wait`)",
+        "",
+        f"`{d['command']}` ({_env(d)}). Two processes on one H200, each a step of bf16 GEMMs (the target is",
+        "the step's length for the two together), then a copy-engine all-gather of 12 MB per rank in line",
+        "(`exchange`), on a side stream joined at the next step (`exchange_side`, the prefetch's shape), or a",
+        "local copy of the same bytes (`copy_local`); medians over 20 steps, rank 0, and each mode's excess",
+        "over the step alone (ms):",
+        "",
+    ]
+    lines += _table(
+        rows,
+        [
+            ("layer_ms_target", "target ms"),
+            ("gemms", "GEMMs"),
+            ("none", "step ms"),
+            ("exchange", "in line"),
+            ("exchange_side", "side stream"),
+            ("copy_local", "local copy"),
+        ],
+    )
+    lines += [
+        "",
+        "With steps of 20-60 ms the excess of either exchange stays inside the step's own spread between",
+        "modes (the local copy, which waits for nobody, moves by as much): a wait for the other process costs",
+        "no fixed time slice there. With 5 ms steps the side-stream exchange adds about half a millisecond.",
+        "",
+    ]
     return lines
 
 
@@ -554,9 +599,9 @@ def render() -> str:
     )
     plan = _load("plan")
     plan_notes = [
-        "These rows measured the plan's earlier three-kernel form (positions, slot assignment in blocks above",
-        "8,192 positions, slot table); `build_slot_plan` now runs `plan_batch`, the one-program kernel the",
-        "SGLang path uses, over the page table. Not rerun since: `bench_plan` on one H200 redoes them.",
+        "The plan is `plan_batch`, one program for the whole batch (the kernel the SGLang path runs): its",
+        "device time grows with the batch's page positions, level with the torch formulation at 131,072 pages",
+        "(8M tokens) and slower beyond, far past a prefill batch's prefix.",
         "",
         "`exposed` columns: the plan + gather enqueued behind ~2 ms of queued GPU work (as inside a forward",
         "pass); the unique remap must wait for that work to drain before its host syncs. `view cost`: pages",

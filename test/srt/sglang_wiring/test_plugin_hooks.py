@@ -335,10 +335,10 @@ def test_view_arena_is_charged_to_the_kv_budget_and_bounds_admission(results):
     assert max_prefix == ARENA_CONTEXTS * -(-on["context_len"] // granule) * granule and ps == PS
     assert rows == max_prefix + chunk + PS
     # One arena of latent rows (bf16 576 values: the configurator's KV dtype) + 132-B indexer records
-    # per token, with a second chunk and page for prefetching (on by default), charged instead of
-    # SGLang's 2 x (8 contexts + chunk + page) scratch.
+    # per token (no second chunk: the prefetch is off by default), charged instead of SGLang's
+    # 2 x (8 contexts + chunk + page) scratch.
     token_bytes = 576 * 2 + 132
-    assert on["charged"] == (rows + chunk + PS) * token_bytes
+    assert on["charged"] == rows * token_bytes
     upstream = 2 * (8 * -(-on["context_len"] // granule) * granule + chunk + PS) * token_bytes
     assert on["charged"] * 4 <= upstream
     # The pool built by the hook holds that arena, allocated once at build: what was charged.

@@ -34,19 +34,19 @@ def test_prefetch_adds_a_second_chunk_and_keeps_admission():
     assert ours * 4 <= upstream_scratch_bytes(spec, token_bytes, 131072 + 100)  # 0.14x
 
 
-def test_prefetch_setting_follows_the_transport(monkeypatch):
+def test_prefetch_setting_is_opt_in(monkeypatch):
     from sglang_cp_shared_kv.srt.distributed.copy_engine import TRANSPORT_ENV
     from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import PREFETCH_ENV, prefetch_enabled
 
     monkeypatch.delenv(PREFETCH_ENV, raising=False)
-    for transport, on in ((None, True), ("copy_engine", True), ("nccl", False)):
+    for transport in (None, "copy_engine", "nccl"):  # off unless asked for, whatever the transport
         if transport is None:
             monkeypatch.delenv(TRANSPORT_ENV, raising=False)
         else:
             monkeypatch.setenv(TRANSPORT_ENV, transport)
-        assert prefetch_enabled() is on
+        assert not prefetch_enabled()
     monkeypatch.setenv(PREFETCH_ENV, "1")
-    assert prefetch_enabled()  # asked for, over NCCL too
+    assert prefetch_enabled()  # asked for: the arena keeps room, over NCCL too (prefetch_on then turns it off)
     monkeypatch.setenv(PREFETCH_ENV, "0")
     assert not prefetch_enabled()
     monkeypatch.setenv(PREFETCH_ENV, "2")

@@ -12,11 +12,10 @@ sees shrinks by exactly the arena.
 
 Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``,
 default ``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times the bytes of one
-token's latent row and indexer record. With one-layer-ahead prefetch (``$SGLANG_CP_SHARED_KV_PREFETCH``,
-on unless the transport is set to ``nccl``; it runs only if the transport chosen is not NCCL) a second
-chunk and page: a batch whose views fit the
-arena twice (at most half the prefix budget: the usual batch) is prefetched, a larger one is read
-layer by layer; admission stays the same. SGLang's page-interleave scratch keeps eight contexts,
+token's latent row and indexer record. With one-layer-ahead prefetch (``$SGLANG_CP_SHARED_KV_PREFETCH=1``,
+off by default; it runs only if the transport chosen is not NCCL) a second chunk and page: a batch
+whose views fit the arena twice (at most half the prefix budget: the usual batch) is prefetched, a
+larger one is read layer by layer; admission stays the same. SGLang's page-interleave scratch keeps eight contexts,
 twice (double-buffered for its layer-ahead gather)::
 
     ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
@@ -54,13 +53,12 @@ def arena_contexts() -> int:
 
 def prefetch_enabled() -> bool:
     """Whether the arena makes room for one-layer-ahead prefetch of the views: ``$SGLANG_CP_SHARED_KV_PREFETCH``
-    (1 or 0). Unset: on unless ``SGLANG_CP_SHARED_KV_TRANSPORT=nccl``. The transport is chosen at the
-    first prefix batch; the prefetch then runs only where it is not NCCL (``copy_engine.prefetch_on``:
-    NCCL's prefetch lost to building each view in line)."""
-    from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
-
-    default = 0 if transport_setting() == "nccl" else 1
-    prefetch = env_int(PREFETCH_ENV, default, 0)
+    (1 or 0), off unless set. No measurement shows the prefetch winning: behind a real layer it ties
+    building each view in line (``overlap_1gpu.json``), in the side-by-side forward on one H200 it was the
+    slower (``vs_upstream_1gpu_prefetch.json`` against ``vs_upstream_1gpu.json``), and it costs the arena a
+    second chunk (``docs/design.md``, "Layer-ahead prefetch"). The transport is chosen at the first prefix
+    batch; a prefetch asked for then runs only where it is not NCCL (``copy_engine.prefetch_on``)."""
+    prefetch = env_int(PREFETCH_ENV, 0, 0)
     if prefetch > 1:
         raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got '{prefetch}'")
     return bool(prefetch)

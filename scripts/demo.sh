@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The demo: sets up its own virtualenv, then runs the plugin through SGLang's classes on CPU ranks (prefill CP + decode).
-# Runs in the caller's directory, so a relative --out lands where the caller expects it.
+# The demo is the repository's top-level `demo` package (not shipped in the wheel): the repository root goes on
+# PYTHONPATH. Runs in the caller's directory, so a relative --out lands where the caller expects it.
 set -euo pipefail
-source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/setup_env.sh"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/setup_env.sh"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export CP_SHARED_KV_DEMO_PROG="scripts/demo.sh"
-exec python -m sglang_cp_shared_kv.demo "$@"
+exec python -m demo "$@"

@@ -1030,7 +1030,6 @@ def apply_series(patches: list[Path], tree: Path) -> None:
 _SITECUSTOMIZE = """\
 # Written by make_upstream_patch.py: this interpreter runs the patched SGLang without the plugin.
 import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -1038,7 +1037,6 @@ import types
 
 _ROOT = "sglang_cp_shared_kv"
 _HOMES = {homes!r}  # our srt module -> the patched SGLang module the series put it in
-_ORACLES = {oracles!r}  # our test-oracle packages (not the plugin), loaded from the checkout
 
 sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", _ROOT))]
 
@@ -1065,9 +1063,6 @@ class _PatchedSGLangFinder(importlib.abc.MetaPathFinder):
         if fullname != _ROOT and not fullname.startswith(_ROOT + "."):
             return None
         rest = fullname[len(_ROOT) + 1 :]
-        top = rest.split(".")[0]
-        if top in _ORACLES:
-            return importlib.machinery.PathFinder.find_spec(fullname, path or [os.path.join(_ORACLES[top], "..")])
         if rest in _HOMES:
             is_pkg = _HOMES[rest][1]
             return importlib.util.spec_from_loader(fullname, _Alias("sglang." + _HOMES[rest][0]), is_package=is_pkg)
@@ -1085,17 +1080,15 @@ def patched_env(tree: Path) -> dict[str, str]:
 
     ``sglang_cp_shared_kv.srt.X`` names resolve to the patched SGLang modules the series put X in, so the
     project's tests run unchanged against the patched tree; the plugin's entry point, hook registration and
-    argparse hook are not importable. Our other packages (the standalone reference stack, test oracles
-    that SGLang never loads) import from the checkout. Subprocesses inherit it.
+    argparse hook are not importable. The demo and the test oracles (``demo/``, ``reference/``, top-level
+    packages of the checkout, outside the package) import from the repository root as usual. Subprocesses
+    inherit it.
     """
     modules = shipped_modules()
     homes = {m: (home(m), p.name == "__init__.py") for m, p in modules.items()}
     site = tree / "_site"
     site.mkdir(exist_ok=True)
-    oracle_dirs = {
-        d.name: str(d) for d in SRC.iterdir() if d.is_dir() and d.name != SHIPPED_ROOT and (d / "__init__.py").exists()
-    }
-    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(homes=homes, oracles=oracle_dirs))
+    (site / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(homes=homes))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(
         PYTHONPATH=f"{site}{os.pathsep}{tree / 'python'}",

@@ -68,8 +68,8 @@ def run(cp_size: int, pages: int, requests: int, repeats: int, model_dir: str) -
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_cp_shared_kv.demo import sglang_parts as sp
-    from sglang_cp_shared_kv.demo.tiny_model import _Layer
+    from demo import sglang_parts as sp
+    from demo.tiny_model import _Layer
 
     server_args = prepare_server_args(sp.prefill_cp_argv(model_dir, PS, cp_size))
     server_args.resolve_once()
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     from sglang.srt.plugins import load_plugins
 
-    from sglang_cp_shared_kv.demo.sglang_parts import write_model_dirs
+    from demo.sglang_parts import write_model_dirs
 
     load_plugins()
     rows = []

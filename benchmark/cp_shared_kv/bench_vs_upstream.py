@@ -1061,7 +1061,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.merge:
         merge(a.merge, a.out)
         return
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     world = 2
     backend = a.backend or ("nccl" if a.device == "cuda" else "gloo")

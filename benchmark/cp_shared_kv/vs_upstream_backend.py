@@ -23,7 +23,7 @@ MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_d
 
 def _config(heads: int, topk: int, context_len: int) -> dict:
     """The demo's tiny DeepSeek-V3.2-shaped config with this run's heads, indexer top-k and context."""
-    from sglang_cp_shared_kv.demo.sglang_parts import MODELS
+    from demo.sglang_parts import MODELS
 
     return {
         **MODELS["dsa"],

@@ -178,7 +178,7 @@ def _not_on_this_route(*args, **kwargs):
 
 def _cpu_flash_mla_interface(stand_ins: StandIns) -> types.ModuleType:
     """SGLang's FlashMLA wrapper module with the two calls the ``flashmla_kv`` prefill makes, in plain torch."""
-    from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
+    from reference.dsa_reference import sparse_mla
 
     mod = types.ModuleType("sglang.kernels.ops.attention.flash_mla_interface")
 

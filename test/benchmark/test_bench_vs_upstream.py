@@ -24,7 +24,7 @@ ARGS = dict(device="cpu", scale="tiny", kv_format="fp8", page_size=64, paths=["s
 def tiny_run():
     from benchmark.cp_shared_kv.bench_vs_upstream import _rank
 
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     return spawn_ranks(_rank, 2, dict(ARGS, warmup=False), timeout_s=900)
 
@@ -90,7 +90,7 @@ def test_a_piece_of_the_workload_measures_what_the_whole_run_measures_for_it(tin
     from benchmark.cp_shared_kv import bench_common
     from benchmark.cp_shared_kv.bench_vs_upstream import SCALES, _rank, _write, main, schedule, summarize
 
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     n = len(schedule(SCALES["tiny"], 64))
     piece = spawn_ranks(_rank, 2, dict(ARGS, paths=["stock", "ours"], batches=(n, n), warmup=False), timeout_s=900)
@@ -146,7 +146,7 @@ def test_the_stand_ins_compute_what_the_ops_they_replace_compute():
     per-head dots), and the fused top-k's positions and page-table mapping against a sort."""
     from benchmark.cp_shared_kv.vs_upstream_stand_ins import StandIns
 
-    from sglang_cp_shared_kv.reference.dsa_reference import _scores_f32
+    from reference.dsa_reference import _scores_f32
 
     g = torch.Generator().manual_seed(0)
     si = StandIns(torch.device("cpu"), logits_budget_bytes=1 << 16)

@@ -14,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SH = ROOT / "scripts" / "demo.sh"
 ENV = dict(os.environ, TRITON_INTERPRET="1", MC_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+# ``python -m demo``: the demo is the repository's top-level package, whatever the test's directory.
+ENV["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 ENV.pop("SGLANG_CP_SHARED_KV_ARENA_CONTEXTS", None)  # the view arena's default size
 NOISE = ("InitGoogleLogging", "Using default malloc/free", "Local segment descriptor", "Traceback", "Warning")
 CHECKS = ("prefill", "transfer", "rebuilt KV", "decode step")
@@ -66,9 +68,7 @@ def test_demo_help_and_one_line_errors(tmp_path):
         (["--cp-size", "1"], "--cp-size must be >= 2"),
         (["--chunk", "100"], "--chunk must be a multiple of --page-size 64"),
     ]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "sglang_cp_shared_kv.demo", *args], capture_output=True, text=True, env=ENV
-        )
+        proc = subprocess.run([sys.executable, "-m", "demo", *args], capture_output=True, text=True, env=ENV)
         assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
         assert message in proc.stderr.strip().splitlines()[-1]
 
@@ -83,7 +83,7 @@ def test_demo_ctrl_c_stops_every_process_without_a_traceback(tmp_path):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_cp_shared_kv.demo", "--cp-size", "2", "--requests", "2"]
+            [sys.executable, "-m", "demo", "--cp-size", "2", "--requests", "2"]
             + ["--request-len", "2048", "--out", str(tmp_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sglang_cp_shared_kv.reference.dsa_reference import (
+from reference.dsa_reference import (
     indexer_topk,
     positions_to_rows,
     read_index_k,

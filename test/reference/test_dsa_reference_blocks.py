@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from sglang_cp_shared_kv.reference.dsa_reference import (
+from reference.dsa_reference import (
     indexer_scores,
     indexer_topk,
     positions_to_rows,

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from sglang_cp_shared_kv.reference.spawn import RankFailure, spawn_ranks
+from reference.spawn import RankFailure, spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed import copy_engine
 from sglang_cp_shared_kv.srt.distributed.copy_engine import (
     TRANSPORT_ENV,

@@ -6,7 +6,7 @@ read, shows as wrong bytes), on a side stream too, and without a host sync."""
 import pytest
 import torch
 
-from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

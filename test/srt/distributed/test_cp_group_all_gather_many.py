@@ -4,7 +4,7 @@ in place (each rank's input is its slice of the output) or from separate inputs,
 import pytest
 import torch
 
-from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective
 
 

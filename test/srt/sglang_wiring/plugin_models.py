@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from sglang_cp_shared_kv.demo.sglang_parts import (  # noqa: F401 - re-exported to the tests
+from demo.sglang_parts import (  # noqa: F401 - re-exported to the tests
     LLAMA,
     MODELS,
     build_pool_and_allocator,

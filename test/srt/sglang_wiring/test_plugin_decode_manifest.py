@@ -30,7 +30,7 @@ import sys
 import pytest
 from plugin_models import build_pool_and_allocator, prefill_cp_argv, run_worker, stock_dsa_pools, write_model_dirs
 
-from sglang_cp_shared_kv.demo.sglang_parts import kv_args, mooncake_manager, prefill_info
+from demo.sglang_parts import kv_args, mooncake_manager, prefill_info
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 

@@ -136,7 +136,7 @@ def _value(families, name: str, **labels) -> float | None:
 
 
 def test_startup_line_and_metrics_of_two_cp_ranks(tmp_path, monkeypatch):
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # as SGLang's launcher sets it
     world = 2

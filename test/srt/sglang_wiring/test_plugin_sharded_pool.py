@@ -326,7 +326,7 @@ def _expected_received(world: int, prefix_pages: list[int], page_bytes: int, lay
 def test_read_contract_matches_replicated_pool(world, fp8, mla_ps, debug, arena):
     """Current, mixed and history batches read the stock pool's bytes, the current chunk staged
     locally: a batch receives exactly its prefix pages (latent and indexer), nothing of its chunk."""
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     cfg = dict(fp8=fp8, mla_ps=mla_ps, debug=debug, arena=arena)
     results = spawn_ranks(_rank_read_path, world, cfg, timeout_s=480)

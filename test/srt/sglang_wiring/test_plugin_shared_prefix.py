@@ -324,7 +324,7 @@ def _rank(rank: int, world: int) -> dict:
 @needs_interpreter
 @pytest.mark.multirank
 def test_hint_reads_the_same_bytes_once_and_a_wrong_hint_fails_the_batch():
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     for res in spawn_ranks(_rank, 2, timeout_s=600):
         plain, once = res["plain"], res["once"]

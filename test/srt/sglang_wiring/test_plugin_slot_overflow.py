@@ -118,7 +118,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
 @needs_interpreter
 @pytest.mark.parametrize("world", [2])
 def test_non_rotating_pages_read_trash_and_fail_the_batch(world):
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     for res in spawn_ranks(_rank, world, "cpu", timeout_s=300):
         # Never past the buffer: [view | 3 staged pages | trash page], every row inside it.
@@ -142,7 +142,7 @@ def test_non_rotating_pages_read_trash_and_fail_the_batch(world):
 def test_non_rotating_pages_on_gpu_fail_the_batch_without_a_sync():
     """The same batch on CUDA: the flag is read from pinned memory once it has landed. On 2 GPUs the
     ranks all-gather over NCCL; on one GPU both ranks share it and all-gather over gloo."""
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     for res in spawn_ranks(_gpu_rank, 2, backend=backend, timeout_s=300):

@@ -6,7 +6,7 @@ import os
 import pytest
 from page_fixtures import PagePool, page_table
 
-from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import (
     CPSharedKVDebugError,

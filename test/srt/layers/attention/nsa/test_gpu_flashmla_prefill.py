@@ -10,8 +10,8 @@ import pytest
 import torch
 from page_fixtures import PagePool, RotatingPages
 
-from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
-from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from reference.dsa_reference import sparse_mla
+from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import LayerView, ViewMaterializer
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import pack_mla_bf16

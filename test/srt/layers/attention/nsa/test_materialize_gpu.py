@@ -8,7 +8,7 @@ import pytest
 import torch
 from page_fixtures import PagePool, RotatingPages, pack_index_records, page_table
 
-from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_cp_shared_kv.reference.dsa_reference import positions_to_rows
+from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     gather_launch,
     gather_page_buffers,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from page_fixtures import PagePool, RotatingPages, page_table
 
-from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, predicted_view_pages

@@ -238,7 +238,7 @@ def _check_results(results: list[dict], prefetch: bool = False) -> None:
 @pytest.mark.multirank
 @pytest.mark.parametrize("prefetch", [None, True], ids=["per-batch-buffers", "arena-prefetch"])
 def test_read_state_on_gloo_ranks_is_exact_and_fails_an_overflowing_batch(prefetch):
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     results = spawn_ranks(_rank, 2, "cpu", prefetch, timeout_s=300)
     _check_results(results, prefetch=bool(prefetch))
@@ -254,7 +254,7 @@ def test_read_state_on_gloo_ranks_is_exact_and_fails_an_overflowing_batch(prefet
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_read_state_on_gpus_never_syncs_the_host():
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     _check_results(spawn_ranks(_rank, 2, "cuda", backend="nccl", timeout_s=300))
 
@@ -263,6 +263,6 @@ def test_read_state_on_gpus_never_syncs_the_host():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_read_state_with_copy_engines_and_prefetch_never_syncs_the_host():
     """Both ranks on one GPU when there is only one: the copy engines pull across processes all the same."""
-    from sglang_cp_shared_kv.reference.spawn import spawn_ranks
+    from reference.spawn import spawn_ranks
 
     _check_results(spawn_ranks(_rank, 2, "cuda", True, timeout_s=300), prefetch=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_cp_shared_kv.reference.dsa_reference import sparse_mla
+from reference.dsa_reference import sparse_mla
 
 LATENT, ROPE, INDEX_DIM = 512, 64, 128  # DeepSeek's fixed row formats (bf16 latent rows: 1152 B)
 

@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
-PROG = os.environ.get("CP_SHARED_KV_DEMO_PROG", "python -m sglang_cp_shared_kv.demo")
+PROG = os.environ.get("CP_SHARED_KV_DEMO_PROG", "python -m demo")
 ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP request is made)
 AUX_SLOTS = 16
 LAYERS = 2  # the tiny model's layers (its config)
@@ -103,8 +103,8 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_cp_shared_kv.demo import sglang_parts as sp
-    from sglang_cp_shared_kv.demo.tiny_model import TinyDSA
+    from demo import sglang_parts as sp
+    from demo.tiny_model import TinyDSA
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
     from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import upstream_scratch_bytes
@@ -312,7 +312,7 @@ class _Ranks:
     """The spawned prefill ranks and their queues."""
 
     def __init__(self, cp_size: int, cfg: dict):
-        from sglang_cp_shared_kv.reference.spawn import free_port
+        from reference.spawn import free_port
 
         ctx = mp.get_context("spawn")
         self.to_driver = ctx.Queue()
@@ -372,8 +372,8 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_cp_shared_kv.demo import sglang_parts as sp
-    from sglang_cp_shared_kv.demo.tiny_model import TinyDSA
+    from demo import sglang_parts as sp
+    from demo.tiny_model import TinyDSA
 
     _quiet()
     load_plugins()
@@ -623,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = None
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_demo_") as tmp:
         try:
-            from sglang_cp_shared_kv.demo.sglang_parts import write_model_dirs
+            from demo.sglang_parts import write_model_dirs
 
             write_model_dirs(Path(tmp), ["mla", "dsa"])
             context = -(-(max(lengths) + args.chunk) // 256) * 256

@@ -143,15 +143,21 @@ def arena_pages(arena: dict[str, torch.Tensor], key: str, pages: int, width: int
     if buf is None or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != width:
         got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
         raise ValueError(f"arena[{key!r}] must be uint8 [pages, {width}], got {got}")
-    if pages > buf.shape[0]:
-        raise ViewArenaError(
-            f"--enable-cp-shared-kv: this batch's read buffer needs {pages} pages, more than the view arena's "
-            f"{buf.shape[0]}: the batch was admitted past the arena (SGLang's scratch admission is bypassed or "
-            "sized for another arena); nothing was allocated or written"
-        )
+    check_arena_fits(arena, pages)
     if (part + 1) * pages > buf.shape[0]:
         raise ValueError(f"view set {part} of {pages} pages lies past the arena's {buf.shape[0]}")
     return buf[part * pages : (part + 1) * pages]
+
+
+def check_arena_fits(arena: dict[str, torch.Tensor], pages: int) -> None:
+    """``ViewArenaError`` unless every buffer of ``arena`` holds a read buffer of ``pages`` pages (host sizes)."""
+    have = min(buf.shape[0] for buf in arena.values())
+    if pages > have:
+        raise ViewArenaError(
+            f"--enable-cp-shared-kv: this batch's read buffer needs {pages} pages, more than the view arena's "
+            f"{have}: the batch was admitted past the arena (SGLang's scratch admission is bypassed or "
+            "sized for another arena); nothing was allocated or written"
+        )
 
 
 def arena_sets(arena: dict[str, torch.Tensor], pages: int, wanted: int) -> int:

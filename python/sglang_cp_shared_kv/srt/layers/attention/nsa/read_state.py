@@ -65,6 +65,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     ViewMaterializer,
     allocate_arena,
     arena_pages,
+    check_arena_fits,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan, plan_batch
@@ -346,8 +347,7 @@ class BatchReadState:
         view_pages = n * s
         # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.
         if self.arena is not None:  # a batch past the arena fails before anything is written
-            for key, buf in self.arena.items():
-                arena_pages(self.arena, key, view_pages + staged + 1, buf.shape[1])
+            check_arena_fits(self.arena, view_pages + staged + 1)
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
         out = self._plan(batch, pages, prefix_pages, hint, s, base=view_pages, fill=view_pages + staged)

@@ -247,13 +247,15 @@ class DeviceFlagCheck:
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, Callable[[list], Exception | None]]] = []
+        # Events of landed records, recorded again by later ones (a new event is created at its first record).
+        self._spare: list[torch.cuda.Event] = []
 
     def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:
         event = None
         if flags.device.type == "cuda":
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self._spare.pop() if self._spare else torch.cuda.Event()
             event.record(current_stream(flags.device))
             flags = host
         self._pending.append((flags, event, fail))
@@ -266,6 +268,8 @@ class DeviceFlagCheck:
                     return  # not landed yet: read at a later poll, never waited for
                 event.synchronize()  # sync-ok: poll(wait=True) only, where the caller synchronizes anyway
             self._pending.pop(0)
+            if event is not None:
+                self._spare.append(event)
             error = fail(flags.tolist())  # sync-ok: a host tensor (pinned copy landed, or a CPU tensor)
             if error is not None:
                 self._pending.clear()

@@ -258,6 +258,8 @@ def _backend_section(title: str, d: dict | None, notes: list[str], pending: str)
         lines += [f"`{SGW_PREFIX}{GPU_PREFIX}{piece['command']}` ({_env(piece)})", ""]
     if d.get("pieces"):
         lines += [f"merged by `{d['command']}`", ""]
+    if d.get("note"):
+        lines += [f"This result was {d['note']}.", ""]
     lines += ["| summary key | value |", "|---|---|"]
     lines += [f"| `{k}` | {s[k]} |" for k in VS_UPSTREAM_KEYS if k in s]
     lines += ["", "| goal | value | met |", "|---|---|---|"]
@@ -435,10 +437,17 @@ def _one_gpu_notes(d: dict) -> list[str]:
         f"{s.get('stock_read_host_us_per_layer')} µs, {_span(host_ratio, 'r', 1)}x per batch (goal 1.5x: not met). In the",
         f"timed forward the pool calls' host time is {timed}x the stock pool's, launch-queue back-pressure",
         "included (`*_pool_host_us_timed_pass`). Host syncs: 0 per forward for both paths,",
-        "`init_forward_metadata` included (CUDA sync-debug mode). Where the host time goes, call by call",
-        "(`--profile-host`, inclusive times of named functions, both paths):",
-        "[`vs_upstream_1gpu_host_profile.txt`](benchmarks/vs_upstream_1gpu_host_profile.txt). Host figures vary",
-        "from run to run on this box (the two ranks' processes share it): compare them within a run.",
+        "`init_forward_metadata` included (CUDA sync-debug mode).",
+    ]
+    profile = f"{d['name']}_host_profile.txt"
+    if (RESULTS / profile).exists():
+        lines += [
+            "Where the host time goes, call by call (`--profile-host`, inclusive times of named functions, both",
+            f"paths): [`{profile}`](benchmarks/{profile}).",
+        ]
+    lines += [
+        "Host figures vary from run to run on this box (the two ranks' processes share it): compare them",
+        "within a run.",
         "",
         "Memory: `peak_scratch_ratio` is our default arena (two contexts) over SGLang's page-interleave scratch",
         "(eight contexts and the chunk, twice: its own rule); `_equal_admission` sizes ours for eight contexts",
@@ -571,9 +580,7 @@ def render() -> str:
         "pytest -q -m gpu --timeout 60 test/srt/distributed/test_copy_engine_gpu.py",
         "test/srt/layers/attention/nsa/test_read_state_ranks.py` ([`log`](benchmarks/gpu_tests_2gpu_copy_engine.txt),",
         "6 passed) and `test_read_state_ranks.py` alone ([`log`](benchmarks/gpu_tests_2gpu_read_state.txt), 2 passed).",
-        "One H200, the copy-engine, gather and read-state tests after the read path's host-cost changes:",
-        "[`log`](benchmarks/gpu_tests_1gpu_host_cost.txt) (its command on its first line).",
-        "Each log names the test files of its run.",
+        "Each log names the test files of its run; the one-H200 log also its commit, on its first line.",
         "",
         "Wall times on 2 x H200 (each command after `source .sgw/setup.sh`, about 40 s): the two test files",
         "above 23-54 s. On one H200, `bench_vs_upstream --backend gloo --scale 32k --paths stock ours layersplit`",

@@ -1303,7 +1303,8 @@ def _measurement_rows() -> list[str]:
             pools.append((path.name, d))
         else:
             continue
-        commands.append(f"- `{path.name}`: `{d.get('command', '?')}`")
+        note = f" ({d['note']})" if d.get("note") else ""
+        commands.append(f"- `{path.name}`: `{d.get('command', '?')}`{note}")
     out = ["Through SGLang's DSA backend (`init_forward_metadata`, `forward_extend` with `flashmla_kv`, a MoE", ""]
     out[0] += " stand-in after each layer; a ratio above 1 in the time columns means ours is faster):"
     out += _table(backend_cols, backend)

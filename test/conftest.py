@@ -1,9 +1,13 @@
 """Test helper modules importable from every test directory (pytest adds only each test's own), and the
-repository's top-level packages (``demo``, ``reference``, ``benchmark``) whatever the directory pytest runs in."""
+repository's top-level packages (``demo``, ``reference``, ``benchmark``) whatever the directory pytest runs in,
+in the tests' own process and in the worker processes they start."""
 
+import os
 import sys
 from pathlib import Path
 
+ROOT = str(Path(__file__).parents[1])
 sys.path.insert(0, str(Path(__file__).parent / "reference"))
-if str(Path(__file__).parents[1]) not in sys.path:
-    sys.path.append(str(Path(__file__).parents[1]))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)

@@ -149,21 +149,13 @@ if triton is not None:
 
     @triton.jit
     def _fill_unused_entries(
-        phys_out,
-        totals,
-        slots_per_rank,
-        trash_page,
-        first,
-        stride,
-        N: tl.constexpr,
-        NP2: tl.constexpr,
-        BLOCK: tl.constexpr,
+        phys_out, totals, slots_per_rank, trash_page, N: tl.constexpr, NP2: tl.constexpr, BLOCK: tl.constexpr
     ):
-        """Send entry ``(o, r)`` with ``r >= totals[o]`` holds the trash page (entries ``first + k * stride`` on)."""
+        """Send entry ``(o, r)`` with ``r >= totals[o]`` holds the trash page."""
         owners = tl.arange(0, NP2)
         lanes = tl.arange(0, BLOCK)
         send_entries = N * slots_per_rank
-        for start in range(first, send_entries, stride):
+        for start in range(0, send_entries, BLOCK):
             idx = start + lanes
             inside = idx < send_entries
             o_idx = idx // slots_per_rank
@@ -331,7 +323,7 @@ if triton is not None:
                 _, counts = _owner_ranks(owner, live, totals, N, NP2, BLOCK)
                 totals += counts
         _store_status(status_out, totals, slots_per_rank, N, NP2)
-        _fill_unused_entries(phys_out, totals, slots_per_rank, trash_page, 0, BLOCK, N, NP2, BLOCK)
+        _fill_unused_entries(phys_out, totals, slots_per_rank, trash_page, N, NP2, BLOCK)
         seen = tl.zeros([NP2], dtype=tl.int64)
         for b in range(batch):
             shared = tl.load(meta + b)

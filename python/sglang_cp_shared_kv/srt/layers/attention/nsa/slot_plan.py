@@ -206,7 +206,9 @@ def build_slot_plan(
     if meta is None:
         meta = plan_meta(pages, page_table.device)
     if meta.shape != (len(PLAN_META_ROWS), batch):
-        raise ValueError(f"meta must be plan_meta of these lengths ([6, {batch}]), got {tuple(meta.shape)}")
+        raise ValueError(
+            f"meta must be plan_meta of these lengths ([{len(PLAN_META_ROWS)}, {batch}]), got {tuple(meta.shape)}"
+        )
     rows = torch.arange(batch, device=page_table.device)
     out = plan_batch(
         page_table, rows, 1, meta, max_pages, sum(pages), cp_size, s, trash_page, None, 0, 0, pad, use_triton

@@ -168,7 +168,9 @@ class CopyEngineGroup:
 
     backend = "copy_engine"
 
-    def __init__(self, group: CPGroup, buffers: Sequence[torch.Tensor]):
+    def __init__(
+        self, group: CPGroup, buffers: Sequence[torch.Tensor], sources: Sequence[Sequence[torch.Tensor]] | None = None
+    ):
         if not buffers or any(not b.is_cuda or not b.is_contiguous() for b in buffers):
             raise ValueError("copy-engine buffers must be a non-empty list of contiguous CUDA tensors")
         self.cpu_group = group
@@ -222,6 +224,90 @@ class CopyEngineGroup:
         # Bytes this rank pulled from the others (a counter for benchmarks).
         self.bytes_received = 0
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
+        self.source_table: torch.Tensor | None = None
+        self.source_strides: list[int] = []
+        if sources:
+            self._map_sources(sources)
+
+    def _map_sources(self, sources: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Map every peer's page buffers (``sources[layer][k]``: a pool's latent and indexer pages, uint8
+        ``[P, W]``, the same shapes on every rank; empty for a layer without them) into this context, for
+        views read straight from the owners' pools (``source_table``). Collective. Where any rank cannot
+        (an allocator whose memory does not export, rows not in int32 words) no rank maps them and the
+        views are all-gathered inside the registered buffers as before: one INFO line says why."""
+        d = self._driver
+        shapes = [[(tuple(t.shape), t.stride(0) if t.numel() else 0) for t in layer] for layer in sources]
+        kinds = len(sources[0])
+        why = ""
+        if kinds > 2 or any(len(layer) != kinds for layer in sources):
+            why = "one or two page buffers per layer are needed"
+        elif any(
+            t.numel()
+            and (t.dtype != torch.uint8 or t.shape[1] % 4 or t.stride(0) % 4 or t.stride(1) != 1 or t.data_ptr() % 4)
+            for layer in sources
+            for t in layer
+        ):
+            why = "page buffers must be uint8 rows of int32 words"
+        mine = None
+        if not why:
+            with torch.cuda.device(self.device):
+                try:
+                    mine = [[d.export(t) if t.numel() else None for t in layer] for layer in sources]
+                except RuntimeError as e:
+                    why = f"exporting this rank's pool by CUDA IPC failed: {e}"
+        everyone = self.cpu_group.all_gather_object((shapes, mine, why))
+        table = [[[0] * self.size for _ in range(kinds)] for _ in sources]
+        for layer, bufs in enumerate(sources):
+            for k, t in enumerate(bufs):
+                table[layer][k][self.rank] = t.data_ptr() if t.numel() else 0
+        with torch.cuda.device(self.device):
+            for p, (their_shapes, exports, their_why) in enumerate(everyone):
+                why = why or (f"rank {p}: {their_why}" if their_why else "")
+                if p == self.rank or why:
+                    continue
+                if their_shapes != shapes:
+                    why = f"rank {p}'s pool buffers differ in shape from this rank's"
+                    continue
+                try:
+                    for layer, handles in enumerate(exports):
+                        for k, entry in enumerate(handles):
+                            if entry is not None:
+                                handle, offset = entry
+                                table[layer][k][p] = d.open(handle) + offset
+                                self._opened.append(handle)
+                except RuntimeError as e:
+                    why = f"opening rank {p}'s pool by CUDA IPC failed: {e}"
+        failures = [w for w in self.cpu_group.all_gather_object(why) if w]
+        if failures:
+            logger.info("CP-shared KV: views all-gathered by the copy engines (pools not mapped: %s)", failures[0])
+            return
+        table = torch.tensor(table, dtype=torch.int64)
+        self.source_table = table.to(self.device)  # sync-ok: once, at registration
+        # Words from one page to the next, per buffer kind (every layer's buffer of a kind has one shape).
+        self.source_strides = [
+            next((layer[k].stride(0) // 4 for layer in sources if layer[k].numel()), 0) for k in range(kinds)
+        ]
+
+    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Queue on ``stream`` (default: the current one) a point that every rank's stream passes only after
+        every rank's has reached its own: what each rank queued before (pool writes, reads of the peers'
+        pools) is done on every rank before what any rank queues after. No host wait."""
+        handle = current_stream_handle(self.device) if stream is None else stream.cuda_stream
+        k = self._announce(handle)
+        item = self.signals.element_size()
+        for p in self._peer_signals:
+            self._driver.check(
+                self._driver.wait64(handle, self.signals.data_ptr() + p * item, k, WAIT_GEQ), "cuStreamWaitValue64"
+            )
+
+    def _announce(self, stream: int) -> int:
+        """The next call's counter ``k`` into the outbox (the write carries a memory barrier: what the stream
+        ran before is visible), then to every peer as ready. Returns ``k``."""
+        d = self._driver
+        self.calls += 1
+        d.check(d.write64(stream, self.outbox.data_ptr(), self.calls, 0), "cuStreamWriteValue64")
+        self._signal(stream, 0)
+        return self.calls
 
     def close(self) -> None:
         """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
@@ -317,12 +403,8 @@ class CopyEngineGroup:
         pulls = self._pulls(outs, locals_)
         d = self._driver
         stream = current_stream_handle(self.device) if stream is None else stream.cuda_stream
-        self.calls += 1
-        k = self.calls
-        # The counter into the outbox (the write carries a memory barrier: my part is written), then
-        # to every peer as ready; the same word goes out again as ack once the pulls have run.
-        d.check(d.write64(stream, self.outbox.data_ptr(), k, 0), "cuStreamWriteValue64")
-        self._signal(stream, 0)
+        # Ready once my part is written; the same word goes out again as ack once the pulls have run.
+        k = self._announce(stream)
         for ready, copies in pulls:
             d.check(d.wait64(stream, ready, k, WAIT_GEQ), "cuStreamWaitValue64")
             for dst, src, nbytes in copies:
@@ -366,7 +448,10 @@ def transport_setting() -> str:
 
 
 def view_group(
-    group: CPGroup, buffers: Sequence[torch.Tensor], setting: str | None = None
+    group: CPGroup,
+    buffers: Sequence[torch.Tensor],
+    setting: str | None = None,
+    sources: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> CPGroup | CopyEngineGroup:
     """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself.
 
@@ -393,7 +478,7 @@ def view_group(
     if reasons:
         return fall_back(group, setting, "; ".join(reasons))
     try:
-        ce = CopyEngineGroup(group, buffers)
+        ce = CopyEngineGroup(group, buffers, sources)
     except CopyEngineUnavailable as e:  # raised on every rank alike
         return fall_back(group, setting, str(e))
     logger.info("CP-shared KV: views all-gathered by the copy engines (%d ranks on one node)", group.size)

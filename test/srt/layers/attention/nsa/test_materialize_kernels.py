@@ -12,6 +12,8 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     interpreting,
     positions_to_view_rows,
     positions_to_view_rows_ref,
+    pull_launch,
+    pull_pages_ref,
     translate_locs,
     translate_locs_ref,
     triton_enabled,
@@ -164,6 +166,51 @@ def test_gather_page_buffers_gathers_latent_and_index_pages_together(ps, row_byt
     # Other outs: built again.
     third = gather_launch([word_pair(s, o) for s, o in zip((latent, index), expected)], ids, like=second)
     assert third.args[3] is not second.args[3]
+
+
+@needs_triton
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_pull_pages_reads_each_block_from_its_owners_pool(cp_size):
+    """The in-line view over peer-mapped pools: every owner's block read from that owner's pages, two
+    layers through one launch rebound, a layer without indexer pages in one column."""
+    ps, row_bytes, layers, pages, s = 4, MLA_FP8_ROW_BYTES, 2, 7, 3
+    g = torch.Generator().manual_seed(cp_size)
+
+    def pool(width: int) -> list[torch.Tensor]:
+        return [torch.randint(0, 256, (pages, width), dtype=torch.uint8, generator=g).to(DEVICE) for _ in range(layers)]
+
+    # Each owner's buffers (here this process's tensors; on a server the peers' pools, mapped in).
+    latent = [pool(ps * row_bytes) for _ in range(cp_size)]
+    index = [pool(ps * INDEX_TOKEN_BYTES) for _ in range(cp_size)]
+    table = torch.tensor(
+        [
+            [[latent[o][i].data_ptr() for o in range(cp_size)], [index[o][i].data_ptr() for o in range(cp_size)]]
+            for i in range(layers)
+        ],
+        dtype=torch.int64,
+        device=DEVICE,
+    )
+    slot_phys = torch.randint(0, pages, (cp_size * s,), generator=g).to(DEVICE)
+    outs = [
+        torch.zeros((cp_size * s, w), dtype=torch.uint8, device=DEVICE)
+        for w in (ps * row_bytes, ps * INDEX_TOKEN_BYTES)
+    ]
+    words = [word_view(o) for o in outs]
+    strides = [ps * row_bytes // 4, ps * INDEX_TOKEN_BYTES // 4]
+    first = pull_launch(table, slot_phys, s, words, strides)
+    for layer in range(layers):
+        launch = first if layer == 0 else first.rebind({4: layer})
+        launch()
+        assert torch.equal(outs[0], pull_pages_ref([latent[o][layer] for o in range(cp_size)], slot_phys, s)), layer
+        assert torch.equal(outs[1], pull_pages_ref([index[o][layer] for o in range(cp_size)], slot_phys, s)), layer
+    # The reference against plain indexing: slot x from owner x // S.
+    expected = torch.stack([latent[x // s][1][slot_phys[x]] for x in range(cp_size * s)])
+    assert torch.equal(pull_pages_ref([latent[o][1] for o in range(cp_size)], slot_phys, s), expected)
+    # A latent-only layer: one column, the indexer view untouched.
+    outs[1].zero_()
+    pull_launch(table, slot_phys, s, words[:1], strides[:1], layer=0)()
+    assert torch.equal(outs[0], pull_pages_ref([latent[o][0] for o in range(cp_size)], slot_phys, s))
+    assert not bool(outs[1].any())
 
 
 def test_gather_page_buffers_rejects_bad_buffer_lists():

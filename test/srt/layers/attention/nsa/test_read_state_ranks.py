@@ -13,7 +13,8 @@ On CPU the ranks talk over gloo, with per-batch buffers or from a view arena of 
 (one-layer-ahead prefetch: each layer stages into and reads the buffer of its parity, the next
 layer's prefix gathered at its read). On GPUs the batches run under
 ``torch.cuda.set_sync_debug_mode("error")``: any host sync in the wired per-batch path raises; on
-2 GPUs over NCCL, and (one GPU is enough) with the arena's views pulled by the copy engines.
+2 GPUs over NCCL, and (one GPU is enough) with the arena's views pulled by the copy engines, or read
+in line straight from the peers' pools.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
     return {"batches": [check(o) for o in results], "errors": errors, "wrong_hint": wrong_hint}
 
 
-def _check_results(results: list[dict], prefetch: bool = False) -> None:
+def _check_results(results: list[dict], prefetch: bool = False, pulled: bool = False) -> None:
     for res in results:
         current, mixed, dup, once, skewed = res["batches"]
         # Prefetching: every materialized batch here fits the arena twice, its layers alternate sets.
@@ -214,8 +215,9 @@ def _check_results(results: list[dict], prefetch: bool = False) -> None:
         assert (mixed["view_pages"], mixed["staged"], mixed["current_gathered"]) == (4, 3, 0), mixed
         assert mixed["received"] == LAYERS * 2 * PS * (ROW + INDEX_ROW), mixed
         # One collective call per layer moves the latent and indexer views together (one NCCL
-        # group on GPUs); current-reuse calls none.
-        assert current["collectives"] == [] and mixed["collectives"] == [2] * LAYERS, (current, mixed)
+        # group on GPUs); current-reuse calls none. Views read straight from the peers' mapped pools
+        # call none either.
+        assert current["collectives"] == [] and mixed["collectives"] == ([] if pulled else [2] * LAYERS), mixed
         # Non-rotating: inside the view; prefix pages 2 and 4 both on owner 0, whose block holds 1:
         # page 4 reads a trash slot. The current pages 6, 8, 10, 11 are staged, never gathered: exact.
         assert skewed["inside"], skewed
@@ -266,3 +268,13 @@ def test_read_state_with_copy_engines_and_prefetch_never_syncs_the_host():
     from reference.spawn import spawn_ranks
 
     _check_results(spawn_ranks(_rank, 2, "cuda", True, timeout_s=300), prefetch=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_read_state_reading_the_peers_pools_in_line_never_syncs_the_host():
+    """An arena without prefetch over the copy engines' group: each layer's view is read straight from the
+    owners' pools (mapped by CUDA IPC; both ranks on one GPU when there is only one), no all-gather."""
+    from reference.spawn import spawn_ranks
+
+    _check_results(spawn_ranks(_rank, 2, "cuda", False, timeout_s=300), pulled=True)

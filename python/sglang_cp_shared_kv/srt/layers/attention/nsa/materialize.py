@@ -45,6 +45,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     gather_launch,
     positions_to_view_rows,
     prepare_gather,
+    pull_launch,
     triton_enabled,
     word_pair,
     word_view,
@@ -287,6 +288,11 @@ class ViewMaterializer:
         self._gathered: torch.cuda.Event | None = None
         self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
         self.overflow = OverflowCheck()
+        # Views built in line over a copy-engine group that mapped the peers' pools: each layer's whole
+        # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
+        # a fence per batch orders the pools' writes and reads across ranks (``fence``).
+        self._source_table = None if prefetch else getattr(group, "source_table", None)
+        self._pull_launches: dict[int, tuple[PreparedLaunch, int]] = {}  # per batch: by the layer's buffers
 
     def check_overflow(self, wait: bool = False) -> None:
         """Raise ``SlotOverflowError`` for a planned batch whose pages overflowed an owner's block.
@@ -331,6 +337,7 @@ class ViewMaterializer:
             raise ValueError(f"extra_pages must be an int >= 0, got {extra_pages!r}")
         self.drain()  # a gather still in flight writes buffers this batch replaces
         self.check_overflow()
+        self.fence()
         kind = batch_kind(prefix_lens)
         self.counters = BatchCounters(kind=kind)
         self._num_tokens = sum(seq_lens) - sum(prefix_lens)
@@ -391,6 +398,7 @@ class ViewMaterializer:
             self._parts.append((send, mine, whole))
             self._part_words.append([word_view(m) for m in mine])
             self._launches.append(None)
+        self._pull_launches = {}
 
     def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
         """View row of every current token, request-major (host-known positions, device slot table)."""
@@ -475,9 +483,12 @@ class ViewMaterializer:
         again): the copy engines' wait for the peers' reads is left out (``copy_engine``'s docstring).
         """
         plan, group = self.plan, self.group
-        launch, whole, mine, page_bytes = self._prepare_gather(layer, slot)
-        launch()
-        if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
+        if self._source_table is not None:
+            page_bytes = self._pull(layer)
+        else:
+            launch, whole, mine, page_bytes = self._prepare_gather(layer, slot)
+            launch()
+        if self._source_table is None and group is not None and plan.slots_per_rank:  # nothing to move when all staged
             if transfer_stream is None:
                 group.all_gather_into_many(whole, mine, async_op=True).wait()
             else:
@@ -520,6 +531,35 @@ class ViewMaterializer:
             launch = self._launches[slot] = gather_launch(pairs, page_ids, like=self._launches[slot])
         self._checked = True
         return launch, whole[:used], mine[:used], sum(src.shape[1] for src, _ in sources)
+
+    def _pull(self, layer: int) -> int:
+        """``layer``'s whole view read from the owners' pools in one launch (``source_table``); returns the
+        bytes of one slot's pages. Every layer of a batch rebinds one launch per buffer count."""
+        plan, used = self.plan, 2 if self._layer_has_index(layer) else 1
+        found = self._pull_launches.get(used)
+        if found is None:
+            views = list(self._views[0].values())[:used]
+            words = [word_view(v[: plan.view_pages]) for v in views]
+            strides = self.group.source_strides[:used]
+            launch = pull_launch(self._source_table, plan.slot_phys, plan.slots_per_rank, words, strides, layer)
+            found = (launch, sum(v.shape[1] for v in views))
+        else:
+            found = (found[0].rebind({4: layer}), found[1])
+        self._pull_launches[used] = found
+        launch, page_bytes = found
+        if plan.slots_per_rank:
+            launch()
+            self.group.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
+        return page_bytes
+
+    def fence(self) -> None:
+        """Where views are read straight from the peers' pools: a point on the current stream that every
+        rank's stream passes together (``CopyEngineGroup.fence``), queued at each batch's start before its
+        reads and writes. A batch reads only pages written before it started (its prefixes; its chunk is
+        staged locally), and a page it reads is rewritten only by a later batch: so every read follows
+        the write it reads on its owner, and precedes the owner's next write of that page. No host wait."""
+        if self._source_table is not None:
+            self.group.fence()
 
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device

@@ -3,6 +3,8 @@
 - ``gather_page_buffers`` / ``gather_pages``: copy whole pages of page-major pool buffers into a
   send block, in the order a page-id vector gives; one generic copy serves latent and indexer
   pages, and one launch gathers both.
+- ``pull_pages``: the whole view of a layer read straight from every owner's pool pages, where the
+  peers' pools are mapped into this process (copy-engine transport, views built in line).
 - ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
   -> rows of a view, ``page_table[req, pos // ps] * ps + pos % ps``; -1 stays -1.
 - ``translate_locs``: logical token locs (or page ids) -> rows (pages) of the read buffer, through
@@ -316,6 +318,80 @@ def gather_pages(
 ) -> torch.Tensor:
     """Copy ``src[page_ids[i]]`` into ``out[i]``: ``gather_page_buffers`` for a single buffer."""
     return gather_page_buffers([src], page_ids, None if out is None else [out], use_triton)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# pull_pages (a whole view read straight from every owner's pool)
+# ---------------------------------------------------------------------------------------------
+
+
+def pull_pages_ref(
+    sources: Sequence[torch.Tensor], slot_phys: torch.Tensor, slots_per_rank: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[x] = sources[x // S][slot_phys[x]]``: every owner's block of the view from that owner's pages
+    (``sources[o]`` page-major ``[P, W]``, owner ``o``'s buffer; ``S`` = ``slots_per_rank``)."""
+    s = slots_per_rank
+    parts = [src.index_select(0, slot_phys[o * s : (o + 1) * s].long()) for o, src in enumerate(sources)]
+    view = torch.cat(parts)
+    return view if out is None else out.copy_(view)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["layer"])
+    def _pull_pages_kernel(
+        slot_phys,
+        num_slots,
+        slots_per_rank,
+        table,
+        layer,
+        cp_size,
+        out_a,
+        words_a,
+        stride_a,
+        out_b,
+        words_b,
+        stride_b,
+        BLOCK: tl.constexpr,
+    ):
+        # table: int64 [layers, 2, cp_size], the address of owner o's buffer k (0 latent, 1 indexer) of a
+        # layer, int32 words apart by stride_k per page. Program (i, k) copies slots i, i + G, ... of buffer
+        # k (grid column k), each from the pool of the owner whose block holds it.
+        first = tl.program_id(0).to(tl.int64)
+        k = tl.program_id(1)
+        owners = table + (layer.to(tl.int64) * 2 + k) * cp_size
+        for slot in range(first, num_slots, tl.num_programs(0)):
+            page = tl.load(slot_phys + slot).to(tl.int64)
+            src = tl.load(owners + slot // slots_per_rank).to(tl.pointer_type(tl.int32))
+            if k == 0:
+                _copy_page(src + page * stride_a, out_a + slot * words_a, words_a, BLOCK)
+            else:
+                _copy_page(src + page * stride_b, out_b + slot * words_b, words_b, BLOCK)
+
+
+def pull_launch(
+    table: torch.Tensor,
+    slot_phys: torch.Tensor,
+    slots_per_rank: int,
+    outs: Sequence[torch.Tensor],
+    source_strides: Sequence[int],
+    layer: int = 0,
+) -> PreparedLaunch:
+    """The launch that fills whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of
+    ``layer`` from every owner's pool pages, through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer
+    addresses, ``copy_engine.CopyEngineGroup.source_table``); ``source_strides[k]``: words from one page of
+    buffer ``k`` to the next. ``rebind({4: layer})`` serves another layer into the same views."""
+    args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
+    a, b = args[0], args[-1]
+    slots = slot_phys.shape[0]
+    block = min(4096, triton.next_power_of_2(max(w for _, w, _ in args)))
+    return PreparedLaunch(
+        _pull_pages_kernel,
+        (slots, len(args)),
+        (slot_phys, slots, slots_per_rank, table, layer, table.shape[2], *a, *b),
+        {"BLOCK": block},
+        num_warps=8 if block >= 2048 else 4,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

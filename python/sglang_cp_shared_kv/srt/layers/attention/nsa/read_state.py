@@ -303,7 +303,17 @@ class BatchReadState:
             fill,
         )
 
+    def _pool_pages(self) -> list[list[torch.Tensor]]:
+        """Per layer the pool's latent and indexer pages, which the copy engines' group maps on every peer."""
+        source = self.source
+        return [
+            [source.buffers[layer]] + ([source.index[layer]] if source.with_indexer else [])
+            for layer in range(source.num_layers)
+        ]
+
     def _begin_current(self, batch: tuple[torch.Tensor, torch.Tensor, int], seq_lens: list[int]) -> None:
+        if self.views is not None:  # the peers may still read pages this batch's writes reuse
+            self.views.fence()
         ps = self.page_size
         pages = pages_for_lens(seq_lens, ps)
         total = sum(pages)
@@ -328,8 +338,10 @@ class BatchReadState:
             if callable(self.group):
                 self.group = self.group()
             group = self.group
-            if self.arena is not None and group is not None:  # copy engines pull from the peers' arenas
-                group = view_group(group, list(self.arena.values()))
+            if self.arena is not None and group is not None:  # copy engines: the peers' arenas and pools mapped
+                group = view_group(
+                    group, list(self.arena.values()), sources=None if self.prefetch else self._pool_pages()
+                )
             # Each layer stages its chunk into the view buffer it reads (layers alternate between two
             # when prefetching).
             self.views = ViewMaterializer(

@@ -36,6 +36,14 @@ and only grow, so a wait can never be satisfied by an older call. Calls are orde
 outgoing counter lives in one word (``k`` is written there once and copied out twice, as ready and
 as ack) that the next call rewrites. The pulls of a set of buffers are computed once and looked up
 after that (every layer of a batch all-gathers into the same view buffers).
+
+The group can also map the peers' pools (``sources``, registered with the arena): then a view built
+in line needs no all-gather at all. Its kernel reads every owner's pages where they lie
+(``materialize_kernels.pull_pages``, through ``source_table``: each rank's buffer address per layer),
+and one ``fence`` per batch, ``ready[me] := k`` then ``wait ready[p] >= k``, orders the pools across
+ranks: a batch reads only pages written before it began, and rewrites only pages no earlier batch of
+any rank still reads. Per layer that is one launch where the all-gather took seven driver calls for
+two ranks.
 """
 
 from __future__ import annotations

@@ -285,12 +285,24 @@ class CPSharedMLATokenToKVPool(CPSharedKVPoolMixin, MLATokenToKVPool):
 class CPSharedIndexKeyCache(IndexKeyCache):
     """The DSA indexer K + scale pages of a CP-shared pool: masked writes, reads from the batch's buffer."""
 
+    _last_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch pages, their kernel view)
+
     def get_buffer(self, layer_id: int) -> torch.Tensor:
         pool = self.pool
-        local = self.get_local_buffer(layer_id)
-        if pool._shard_extend_active and local.shape[0]:
-            return self._kernel_view(pool.read.index_pages(layer_id - pool.start_layer))
-        return local
+        if not pool._shard_extend_active or not self.buffer[layer_id - pool.start_layer].shape[0]:
+            return self.get_local_buffer(layer_id)
+        counter = pool.layer_transfer_counter  # as the stock read: the layer's pages loaded first
+        if counter is not None:
+            counter.wait_until(layer_id - pool.start_layer)
+        return self._batch_view(pool.read.index_pages(layer_id - pool.start_layer))
+
+    def _batch_view(self, pages: torch.Tensor) -> torch.Tensor:
+        """The kernels' view of a batch buffer of indexer pages, once per buffer (the layers of a batch
+        built in line read and stage into one: host time)."""
+        last = self._last_view
+        if last is None or last[0] is not pages:
+            last = self._last_view = (pages, self._kernel_view(pages))
+        return last[1]
 
     def get_k_and_scale(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
         pool = self.pool
@@ -322,7 +334,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         targets = [(self._kernel_view(local), pool.store_rows(loc), None)]
         stage_rows = pool._stage_rows(loc)
         if stage_rows is not None:
-            targets.append((self._kernel_view(pool.read.stage(layer_id - pool.start_layer)[1]), stage_rows, None))
+            targets.append((self._batch_view(pool.read.stage(layer_id - pool.start_layer)[1]), stage_rows, None))
         return targets
 
     def store_quantized(self, layer_id, loc, index_k, index_k_scale) -> None:

@@ -293,6 +293,7 @@ class ViewMaterializer:
         # a fence per batch orders the pools' writes and reads across ranks (``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
         self._pull_launches: dict[int, tuple[PreparedLaunch, int]] = {}  # per batch: by the layer's buffers
+        self._layer_views: dict[tuple[int, bool], LayerView] = {}  # per batch: by view set and indexer
 
     def check_overflow(self, wait: bool = False) -> None:
         """Raise ``SlotOverflowError`` for a planned batch whose pages overflowed an owner's block.
@@ -399,6 +400,7 @@ class ViewMaterializer:
             self._part_words.append([word_view(m) for m in mine])
             self._launches.append(None)
         self._pull_launches = {}
+        self._layer_views: dict[tuple[int, bool], LayerView] = {}
 
     def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
         """View row of every current token, request-major (host-known positions, device slot table)."""
@@ -448,10 +450,15 @@ class ViewMaterializer:
         if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1
-        views = self._views[slot]
-        kv_rows = views["latent"].view(-1, pool.row_bytes)
-        index = views.get("index") if self._layer_has_index(layer) else None
-        return LayerView(kv_rows, index, self._slot_table, pool.page_size, self.use_triton)
+        # Layers that read one view set read the same buffers: one LayerView per set per batch (host time).
+        key = (slot, self._layer_has_index(layer))
+        view = self._layer_views.get(key)
+        if view is None:
+            views = self._views[slot]
+            kv_rows = views["latent"].view(-1, pool.row_bytes)
+            index = views.get("index") if key[1] else None
+            view = self._layer_views[key] = LayerView(kv_rows, index, self._slot_table, pool.page_size, self.use_triton)
+        return view
 
     @property
     def view_sets(self) -> int:
@@ -544,7 +551,7 @@ class ViewMaterializer:
             launch = pull_launch(self._source_table, plan.slot_phys, plan.slots_per_rank, words, strides, layer)
             found = (launch, sum(v.shape[1] for v in views))
         else:
-            found = (found[0].rebind({4: layer}), found[1])
+            found[0].set_arg(4, layer)  # this materializer's own launch: rebound in place
         self._pull_launches[used] = found
         launch, page_bytes = found
         if plan.slots_per_rank:

@@ -301,6 +301,13 @@ class PreparedLaunch:
             new._key = (*self._key[:4], tuple(_specialization(a) for a in new.args))
         return new
 
+    def set_arg(self, i: int, arg: object) -> None:
+        """``rebind({i: arg})`` in place, for a caller that owns this launch (no copy: host time)."""
+        if _specialization(arg) != _specialization(self.args[i]):
+            self._key = (*self._key[:4], (*self._key[4][:i], _specialization(arg), *self._key[4][i + 1 :]))
+        self.args = (*self.args[:i], arg, *self.args[i + 1 :])
+        self._all_args = (*self.args, *self.constexprs.values())
+
     def _direct_launch_fits(self, kernel) -> bool:
         """Whether a compiled kernel's launcher can take this launch's arguments as laid out here."""
         names = list(getattr(self.fn, "arg_names", ()))
@@ -380,7 +387,7 @@ def pull_launch(
     """The launch that fills whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of
     ``layer`` from every owner's pool pages, through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer
     addresses, ``copy_engine.CopyEngineGroup.source_table``); ``source_strides[k]``: words from one page of
-    buffer ``k`` to the next. ``rebind({4: layer})`` serves another layer into the same views."""
+    buffer ``k`` to the next. ``set_arg(4, layer)`` (or ``rebind``) serves another layer into the same views."""
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
     a, b = args[0], args[-1]
     slots = slot_phys.shape[0]

@@ -25,8 +25,13 @@ them on a side CUDA stream (``prefetch_stream``, the highest priority) while lay
 It is bit-exact (tests on gloo, NCCL and copy engines). On one H200 behind a layer of FlashMLA's fp8
 attention and a MoE stand-in it costs the layer what building the view in line costs: below the
 noise at 32K-128K tokens, about 1% at 512K, where the view's bytes compete with the attention for
-HBM bandwidth (``docs/design.md``). Off by default here; the SGLang path turns it on unless the views
-go through NCCL (``copy_engine.prefetch_on``).
+HBM bandwidth (``docs/design.md``). Off by default, here and on the SGLang path, where
+``$SGLANG_CP_SHARED_KV_PREFETCH=1`` turns it on unless the views go through NCCL
+(``copy_engine.prefetch_on``).
+
+Inside a node, over a copy-engine group that mapped the peers' pools (``source_table``), a view built
+in line skips step 2's gather and all-gather: one launch reads every owner's block straight from its
+pool (``materialize_kernels.pull_pages``), and ``begin_batch`` queues the group's per-batch ``fence``.
 """
 
 from __future__ import annotations

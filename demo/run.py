@@ -58,6 +58,18 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _rss_now() -> int:
+    """This process's resident bytes now (Linux's ``VmRSS``; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _peak_rss()
+
+
 def schedule(lengths: list[int], chunk: int, page_size: int) -> list[list[tuple[int, int, int]]]:
     """Chunked prefill as SGLang's scheduler issues it over a sharded pool: batches of ``(request, prefix_len,
     seq_len)`` with at most ``chunk`` new tokens; a request that ends mid-batch leaves the rest of the budget to
@@ -111,6 +123,7 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
 
     _quiet()
     load_plugins()  # SGLANG_PLUGINS=cp_shared_kv: the hooks launch_server installs
+    imported = _rss_now()  # torch, the SGLang modules used here and those the plugin's hooks target
     ps, lengths, chunk = cfg["page_size"], cfg["lengths"], cfg["chunk"]
     argv = sp.prefill_cp_argv(cfg["model_dir"], ps, cp_size) + ["--chunked-prefill-size", str(chunk)]
     argv += ["--context-length", str(cfg["context_len"])]
@@ -223,6 +236,7 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
         "arena": arena,
         "upstream_scratch": theirs,
         "classes": classes,
+        "rss_after_imports": imported,
     }
     if rank == 0:  # what the decode must rebuild: the replicated pool's pages, and a decode step over them
         reply["expected"] = [
@@ -377,6 +391,7 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
 
     _quiet()
     load_plugins()
+    imported = _rss_now()
     ps, cp_size = args.page_size, args.cp_size
     decode_args = prepare_server_args(sp.decode_argv(model_dir, ps) + ["--enable-cp-shared-kv"])
     decode_args.resolve_once()
@@ -446,6 +461,7 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
         "kv_equal": kv_equal,
         "decode_equal": step_equal,
         "rss": rss,
+        "decode_rss_after_imports": imported,
         "decode_pool": type(pool).__name__,
         "decode_allocator": type(allocator).__name__,
     }
@@ -504,6 +520,11 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
     lines.append(f"KV written to the decode by each prefill rank (its owned pages): {sent}")
     peak = "  ".join(f"rank {r}: {_fmt_bytes(res['rss'][r])}" for r in sorted(res["rss"]))
     lines.append(f"peak memory per process: {peak}  decode: {_fmt_bytes(_peak_rss())}")
+    floor = "  ".join(f"rank {r}: {_fmt_bytes(pre[r]['rss_after_imports'])}" for r in sorted(pre))
+    lines.append(
+        f"  of which torch's, SGLang's and the hooks' imports, before any KV: {floor}  "
+        f"decode: {_fmt_bytes(res['decode_rss_after_imports'])}"
+    )
     lines.append(f"wall time {seconds:.0f} s")
     lines.append("")
     for name, passed, what in checks:
@@ -521,9 +542,11 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
                 "bytes_received_per_batch": [row["bytes_received"] for row in pre[r]["rows"]],
                 "bytes_sent_to_decode": res["sent"][r]["bytes_sent"],
                 "peak_rss_bytes": res["rss"][r],
+                "rss_after_imports_bytes": pre[r]["rss_after_imports"],
             }
             for r in sorted(pre)
         },
+        "decode": {"peak_rss_bytes": _peak_rss(), "rss_after_imports_bytes": res["decode_rss_after_imports"]},
         "batches": r0["rows"],
         "classes": r0["classes"],
         "wall_s": round(seconds, 1),

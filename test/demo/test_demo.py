@@ -56,6 +56,9 @@ def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp):
         received = rank["bytes_received_per_batch"]
         assert received[0] == 0 and all(x > 0 for x, b in zip(received, batches) if b["read"] == "materialized")
         assert rank["bytes_sent_to_decode"] > 0
+        # Memory: the imports' share measured apart from the peak it is part of.
+        assert 0 < rank["rss_after_imports_bytes"] <= rank["peak_rss_bytes"], (r, rank)
+    assert 0 < numbers["decode"]["rss_after_imports_bytes"] <= numbers["decode"]["peak_rss_bytes"], numbers["decode"]
 
 
 def test_demo_help_and_one_line_errors(tmp_path):

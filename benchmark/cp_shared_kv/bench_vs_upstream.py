@@ -792,7 +792,9 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     env = dict(static_env)
     if "ours" in pools:
         env["ours_transport"] = type(ours_transport()).__name__
-        env["ours_prefetch"] = bool(pools["ours"].read.views is not None and pools["ours"].read.views.prefetch)
+        views = pools["ours"].read.views
+        env["ours_prefetch"] = bool(views is not None and views.prefetch)
+        env["ours_views"] = "read from the peers' pools" if views is not None and views.reads_pools else "all-gathered"
     if "upstream" in pools:
         from sglang.srt.environ import envs
 

@@ -419,8 +419,13 @@ def _one_gpu_notes(d: dict) -> list[str]:
         "Both CP ranks share one GPU over gloo (NCCL needs a GPU per rank), so SGLang's page-interleave pool",
         "is absent (its NCCL gather communicator) and the layer-split pool is left out (over gloo it would",
         "broadcast through host memory, not its best path). Ours moves its views by",
-        f"`{env.get('ours_transport')}` (prefetch {'on' if env.get('ours_prefetch') else 'off'}; built in line, a copy-engine",
-        "group's views are read from the peers' pools mapped in, prefetched they are all-gathered). Our read time",
+        f"`{env.get('ours_transport')}` (prefetch {'on' if env.get('ours_prefetch') else 'off'}; "
+        + (
+            f"views {env['ours_views']})."
+            if "ours_views" in env
+            else "built in line, a copy-engine group's views are read from the peers' pools, prefetched all-gathered)."
+        )
+        + " Our read time",
         "includes the wait for the other rank's process: at each batch's fence (views read from the pools) or at",
         "each layer (the all-gather's ready and ack counters). With both processes on one GPU that lockstep is",
         "part of what ours pays, and the stock pool, whose ranks never synchronize, pays none.",

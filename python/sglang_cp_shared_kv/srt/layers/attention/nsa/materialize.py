@@ -466,6 +466,11 @@ class ViewMaterializer:
         return view
 
     @property
+    def reads_pools(self) -> bool:
+        """Whether each layer's view is read straight from the owners' pools (no all-gather)."""
+        return self._source_table is not None
+
+    @property
     def view_sets(self) -> int:
         """View sets of the batch in progress: 2 when it is prefetched (layers alternate), else 1."""
         return len(self._views)

@@ -383,13 +383,11 @@ def prepare_kv_shard_forward(
     A CP-shared pool first takes the batch's request ids and shared-prefix hint; its metrics see
     the batch.
     \"\"\"
-    from functools import partial
-
     {import:name_batch_requests}
     {import:observe_batch}
 
-    named = partial(name_batch_requests, _prepare_kv_shard_forward)
-    return observe_batch(named, pool, req_to_token, forward_batch)
+    name_batch_requests(pool, req_to_token, forward_batch)
+    return observe_batch(_prepare_kv_shard_forward, pool, req_to_token, forward_batch)
 
 
 def _prepare_kv_shard_forward(

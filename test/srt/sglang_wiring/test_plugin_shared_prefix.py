@@ -120,15 +120,9 @@ def _worker(model_dir: str) -> None:
 
     def handed(fb) -> tuple:
         """What the prepare_kv_shard_forward hook hands the pool's read state for ``fb``."""
-        seen = {}
-
-        def original(p, _req_to_token, _fb):
-            seen["shared_prefix"], seen["request_ids"] = p.read.shared_prefix, p.read.request_ids
-            return True
-
-        name_batch_requests(original, pool, req_to_token.req_to_token, fb)
-        pairs = seen["shared_prefix"]
-        return [list(p) for p in pairs] if pairs is not None else None, seen["request_ids"]
+        name_batch_requests(pool, req_to_token.req_to_token, fb)
+        pairs, rids = pool.read.shared_prefix, pool.read.request_ids
+        return [list(p) for p in pairs] if pairs is not None else None, rids
 
     # A conversation's system prompt (3 pages) plus its first turn, prefilled and kept in the tree.
     system = list(range(3 * PS))
@@ -267,7 +261,8 @@ def _rank(rank: int, world: int) -> dict:
                 seq_lens_cpu=seq_lens,
                 rids=rids,
             )
-            assert name_batch_requests(prepare_kv_shard_forward, pool, req_to_token, fb) is True
+            name_batch_requests(pool, req_to_token, fb)  # the hook SGLang runs first
+            assert prepare_kv_shard_forward(pool, req_to_token, fb) is True
             write(torch.cat([locs(p, n)[q:] for p, q, n in zip(pages, prefix_lens, seq_lens)]), seed=7)
             every = [locs(p, n).long() for p, n in zip(pages, seq_lens)]
             view = pool.get_key_buffer(0)

@@ -68,7 +68,8 @@ def _rank(rank: int, world: int, device: str) -> dict:
                 seq_lens_cpu=seq_lens,
                 rids=rids,
             )
-            assert name_batch_requests(prepare_kv_shard_forward, pool, req_to_token, fb) is True
+            name_batch_requests(pool, req_to_token, fb)  # the hook SGLang runs first
+            assert prepare_kv_shard_forward(pool, req_to_token, fb) is True
             new = torch.cat([locs(p, n)[q:] for p, q, n in zip(pages, prefix_lens, seq_lens)])
             write(new, seed=7)
             every = [locs(p, n).long() for p, n in zip(pages, seq_lens)]

@@ -19,7 +19,7 @@
 - ``connector_sockets``: the connector's status sockets reconnect after a connect made while the
   peer was unreachable.
 
-Each module lists its hooks in a table (``HOOKS``: target, hook, ``"after"`` or ``"around"``;
+Each module lists its hooks in a table (``HOOKS``: target, hook, ``"before"``, ``"after"`` or ``"around"``;
 ``startup_checks.RESOLUTION_HOOKS``: resolution step, check); ``register`` installs them all.
 Every hook passes through unless ``--enable-cp-shared-kv`` is on.
 """
@@ -104,7 +104,7 @@ def register() -> None:
 
     from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
 
-    kinds = {"after": HookType.AFTER, "around": HookType.AROUND}
+    kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND}
     for target, hook, kind in hook_tables():
         HookRegistry.register(target, hook, kinds[kind])
     for step, check in startup_checks.RESOLUTION_HOOKS:

@@ -17,7 +17,7 @@ server args (and the configurator builds a target, not a draft, pool):
   Then the process is marked as transferring sharded KV (see ``transfer``).
 
 Once ``_init_pools`` has built them, ``check_built_pools`` refuses to go on, one line per
-problem, unless the pool and allocator SGLang built are ours. ``name_batch_requests`` wraps
+problem, unless the pool and allocator SGLang built are ours. ``name_batch_requests`` runs before
 ``prepare_kv_shard_forward``: it hands the batch's request ids to the pool (for the
 slot-overflow error) and its shared-prefix hint.
 
@@ -234,9 +234,9 @@ def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
     return result
 
 
-def name_batch_requests(original, pool, req_to_token, forward_batch):
+def name_batch_requests(pool, req_to_token, forward_batch) -> None:
     """Give a CP-shared pool the batch's request ids (for errors) and its shared-prefix hint before SGLang's
-    backend begins the batch."""
+    backend begins the batch (a hook that runs first: ``metrics`` holds the one around the call)."""
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
 
     if isinstance(pool, CPSharedKVPoolMixin):
@@ -245,7 +245,6 @@ def name_batch_requests(original, pool, req_to_token, forward_batch):
         hint = pool.shared_prefix_hint
         prefix_lens = getattr(forward_batch, "extend_prefix_lens_cpu", None)
         pool.read.shared_prefix = hint.for_batch(rids, prefix_lens) if hint is not None else None
-    return original(pool, req_to_token, forward_batch)
 
 
 # (target, hook, kind) for ``sglang_wiring.register``.
@@ -255,5 +254,5 @@ HOOKS = [
     (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, "around"),
     (f"{_CONFIGURATOR}._init_pools", check_built_pools, "after"),
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", hint_shared_prefix, "after"),
-    ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", name_batch_requests, "around"),
+    ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", name_batch_requests, "before"),
 ]

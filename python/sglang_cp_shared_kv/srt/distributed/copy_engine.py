@@ -466,6 +466,8 @@ def view_group(
     Collective: every rank of ``group`` calls it, and all of them decide alike (each says whether the
     driver entry points load here and which host it is on; copy engines only if all can, on one host).
     CPU buffers always use ``group``. Under ``auto``, falling back to ``group`` is a WARNING with its reason.
+    ``sources`` (per layer, the pool's page buffers): the copy engines' group maps them on every peer too,
+    for views read straight from the owners' pools (``CopyEngineGroup.source_table``).
     """
     setting = setting or transport_setting()
     if setting not in TRANSPORTS:

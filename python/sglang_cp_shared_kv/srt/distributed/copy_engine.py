@@ -300,13 +300,19 @@ class CopyEngineGroup:
         """Queue on ``stream`` (default: the current one) a point that every rank's stream passes only after
         every rank's has reached its own: what each rank queued before (pool writes, reads of the peers'
         pools) is done on every rank before what any rank queues after. No host wait."""
-        handle = current_stream_handle(self.device) if stream is None else stream.cuda_stream
-        k = self._announce(handle)
-        item = self.signals.element_size()
+        handle = self._handle(stream)
+        self._wait_peers(handle, 0, self._announce(handle))
+
+    def _handle(self, stream: torch.cuda.Stream | None) -> int:
+        """The raw handle of ``stream``, or of this device's current stream."""
+        return current_stream_handle(self.device) if stream is None else stream.cuda_stream
+
+    def _wait_peers(self, stream: int, which: int, k: int) -> None:
+        """Queue on ``stream`` a wait for ``signals[which][p] >= k`` from every peer ``p`` (0 ready, 1 ack)."""
+        d, item = self._driver, self.signals.element_size()
         for p in self._peer_signals:
-            self._driver.check(
-                self._driver.wait64(handle, self.signals.data_ptr() + p * item, k, WAIT_GEQ), "cuStreamWaitValue64"
-            )
+            slot = self.signals.data_ptr() + (which * self.size + p) * item
+            d.check(d.wait64(stream, slot, k, WAIT_GEQ), "cuStreamWaitValue64")
 
     def _announce(self, stream: int) -> int:
         """The next call's counter ``k`` into the outbox (the write carries a memory barrier: what the stream
@@ -410,7 +416,7 @@ class CopyEngineGroup:
         """
         pulls = self._pulls(outs, locals_)
         d = self._driver
-        stream = current_stream_handle(self.device) if stream is None else stream.cuda_stream
+        stream = self._handle(stream)
         # Ready once my part is written; the same word goes out again as ack once the pulls have run.
         k = self._announce(stream)
         for ready, copies in pulls:
@@ -425,16 +431,11 @@ class CopyEngineGroup:
     def finish_reads(self, stream: torch.cuda.Stream | None = None) -> None:
         """The ack of the last call, on ``stream`` (default: the current one): what the stream runs next
         may write this rank's buffers (every peer has finished reading them). After calls with ``ack=False``."""
-        self._finish_reads(current_stream_handle(self.device) if stream is None else stream.cuda_stream, self.calls)
+        self._finish_reads(self._handle(stream), self.calls)
 
     def _finish_reads(self, stream: int, k: int) -> None:
-        d = self._driver
         self._signal(stream, 1)  # done reading the peers' parts: ack := k (the outbox) on every peer
-        item = self.signals.element_size()
-        for p in self._peer_signals:
-            d.check(
-                d.wait64(stream, self.signals.data_ptr() + (self.size + p) * item, k, WAIT_GEQ), "cuStreamWaitValue64"
-            )
+        self._wait_peers(stream, 1, k)
 
 
 # Sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets).

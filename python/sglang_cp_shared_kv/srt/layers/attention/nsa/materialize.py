@@ -382,15 +382,13 @@ class ViewMaterializer:
         """The view buffers, and the slices the gather writes and the all-gather fills (built once per batch).
 
         This rank gathers straight into its part of each view and the all-gather runs in place: no
-        separate send buffer. ``extra_pages`` follow the view in every buffer, untouched.
+        separate send buffer. Views read from the owners' pools need neither slice (``_pull``).
+        ``extra_pages`` follow the view in every buffer, untouched.
         """
         pool = self.pool
-        rank = pool.rank
         widths = {"latent": pool.page_size * pool.row_bytes}
         if pool.with_indexer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
-        send = plan.send_pages(rank)
-        start, end = plan.rank_view_slots(rank)
         self._views, self._parts, self._part_words, self._launches = [], [], [], []
         pages = plan.view_pages + extra_pages
         for _ in range(copies):
@@ -398,14 +396,15 @@ class ViewMaterializer:
                 views = {k: arena_pages(self.arena, k, pages, w, len(self._views)) for k, w in widths.items()}
             else:
                 views = {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
-            mine = [v[start:end] for v in views.values()]
-            whole = [v[: plan.view_pages] for v in views.values()]
             self._views.append(views)
-            self._parts.append((send, mine, whole))
-            self._part_words.append([word_view(m) for m in mine])
-            self._launches.append(None)
+            if self._source_table is None:
+                start, end = plan.rank_view_slots(pool.rank)
+                mine = [v[start:end] for v in views.values()]
+                self._parts.append((plan.send_pages(pool.rank), mine, [v[: plan.view_pages] for v in views.values()]))
+                self._part_words.append([word_view(m) for m in mine])
+                self._launches.append(None)
         self._pull_launches = {}
-        self._layer_views: dict[tuple[int, bool], LayerView] = {}
+        self._layer_views = {}
 
     def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
         """View row of every current token, request-major (host-known positions, device slot table)."""
@@ -505,15 +504,15 @@ class ViewMaterializer:
         else:
             launch, whole, mine, page_bytes = self._prepare_gather(layer, slot)
             launch()
-        if self._source_table is None and group is not None and plan.slots_per_rank:  # nothing to move when all staged
-            if transfer_stream is None:
-                group.all_gather_into_many(whole, mine, async_op=True).wait()
-            else:
-                gathered = self._gathered
-                gathered.record(current_stream(self.pool.device))
-                gathered.wait(transfer_stream)
-                group.all_gather_into_many(whole, mine, stream=transfer_stream, ack=ack)
-                self._unacked = not ack
+            if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
+                if transfer_stream is None:
+                    group.all_gather_into_many(whole, mine, async_op=True).wait()
+                else:
+                    gathered = self._gathered
+                    gathered.record(current_stream(self.pool.device))
+                    gathered.wait(transfer_stream)
+                    group.all_gather_into_many(whole, mine, stream=transfer_stream, ack=ack)
+                    self._unacked = not ack
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
@@ -559,10 +558,9 @@ class ViewMaterializer:
             words = [word_view(v[: plan.view_pages]) for v in views]
             strides = self.group.source_strides[:used]
             launch = pull_launch(self._source_table, plan.slot_phys, plan.slots_per_rank, words, strides, layer)
-            found = (launch, sum(v.shape[1] for v in views))
+            found = self._pull_launches[used] = (launch, sum(v.shape[1] for v in views))
         else:
             found[0].set_arg(4, layer)  # this materializer's own launch: rebound in place
-        self._pull_launches[used] = found
         launch, page_bytes = found
         if plan.slots_per_rank:
             launch()

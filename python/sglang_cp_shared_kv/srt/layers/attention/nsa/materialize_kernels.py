@@ -290,23 +290,23 @@ class PreparedLaunch:
         """This launch with ``args[i]`` replaced by ``changes[i]``; the kernel-cache key is kept where every
         new argument specializes as the one it replaces (``_specialization``), else computed again."""
         new = copy.copy(self)
+        new._bind(changes)
+        return new
+
+    def set_arg(self, i: int, arg: object) -> None:
+        """``rebind({i: arg})`` in place, for a caller that owns this launch (no copy: host time)."""
+        self._bind({i: arg})
+
+    def _bind(self, changes: dict[int, object]) -> None:
         args = list(self.args)
         same = True
         for i, arg in changes.items():
             same = same and _specialization(arg) == _specialization(args[i])
             args[i] = arg
-        new.args = tuple(args)
-        new._all_args = (*new.args, *self.constexprs.values())
-        if not same:
-            new._key = (*self._key[:4], tuple(_specialization(a) for a in new.args))
-        return new
-
-    def set_arg(self, i: int, arg: object) -> None:
-        """``rebind({i: arg})`` in place, for a caller that owns this launch (no copy: host time)."""
-        if _specialization(arg) != _specialization(self.args[i]):
-            self._key = (*self._key[:4], (*self._key[4][:i], _specialization(arg), *self._key[4][i + 1 :]))
-        self.args = (*self.args[:i], arg, *self.args[i + 1 :])
+        self.args = tuple(args)
         self._all_args = (*self.args, *self.constexprs.values())
+        if not same:
+            self._key = (*self._key[:4], tuple(_specialization(a) for a in self.args))
 
     def _direct_launch_fits(self, kernel) -> bool:
         """Whether a compiled kernel's launcher can take this launch's arguments as laid out here."""

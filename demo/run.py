@@ -292,11 +292,9 @@ def _engine():
 
 
 def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+    from reference.spawn import wait_until
+
+    wait_until(cond, what, timeout_s)
 
 
 def _rank_main(rank: int, cp_size: int, port: int, cfg: dict, to_driver, inbox) -> None:

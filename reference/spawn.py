@@ -1,6 +1,6 @@
 """Spawn ``cp_size`` ranks on this host with a loopback rendezvous, and collect what each returns.
 
-Used by the multi-rank tests and the demo. Every rank runs ``fn(cp_rank, cp_size,
+Used by the multi-rank tests and the demo (with ``wait_until``, their bounded polling). Every rank runs ``fn(cp_rank, cp_size,
 *args)`` in its own spawned process with ``torch.distributed`` initialized (gloo
 on CPU, NCCL when ``backend="nccl"``). A rank that raises, dies or outlives the
 deadline fails the whole run with a message naming the rank.
@@ -22,6 +22,15 @@ from typing import Any
 
 class RankFailure(RuntimeError):
     """One or more ranks raised, died, or timed out."""
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float, poll_s: float = 0.005) -> None:
+    """Poll ``cond`` every ``poll_s`` until it holds, or raise ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(poll_s)
 
 
 def free_port() -> int:

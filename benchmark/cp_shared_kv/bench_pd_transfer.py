@@ -32,11 +32,9 @@ ADDR = {"sharded": "127.0.0.1:1", "stock": "127.0.0.1:2"}  # bootstrap addresses
 
 
 def _wait(cond, what: str, timeout_s: float = 120.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.001)
+    from reference.spawn import wait_until
+
+    wait_until(cond, what, timeout_s, poll_s=0.001)
 
 
 def _prefill(sp, pool, rank: int, cp_size: int, executor):

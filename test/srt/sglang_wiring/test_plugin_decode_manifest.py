@@ -74,13 +74,9 @@ STARTUP = [  # (case, extra argv, expected phrase or None)
 
 # ---------------------------------------------------------------- worker side
 def _deadline_wait(cond, what: str, timeout_s: float = 30.0) -> None:
-    import time
+    from reference.spawn import wait_until
 
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.005)
+    wait_until(cond, what, timeout_s)
 
 
 def _kv_args(pool, aux, engine_rank: int, ps: int = PS):

@@ -1,13 +1,17 @@
 """On one GPU: a page table that does not rotate owners is planned without a host sync, never points
-past the view, and its overflow flag fails the batch once the flag's copy has landed (1 CUDA GPU)."""
+past the view, and its overflow flag fails the batch once the flag has landed (1 CUDA GPU)."""
 
 import pytest
 import torch
 
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    DeviceFlagCheck,
     OverflowCheck,
     SlotOverflowError,
     build_slot_plan,
+    plan_meta,
+    slots_per_rank,
 )
 
 pytestmark = [
@@ -44,3 +48,33 @@ def test_non_rotating_pages_plan_inside_the_view_and_fail_without_a_sync(cp_size
     with pytest.raises(SlotOverflowError, match=r"\[a, b\]|'a'"):
         check.record(plan, ["a", "b"])
         check.poll(wait=True)
+
+
+def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memory():
+    """The read path's plan: its host lengths in a pinned buffer the launch reads in place, its flags
+    written straight back into that buffer, watched by one event; equal to the plan of copied lengths
+    into device flags, no host sync, and the buffer serves the next batch once read."""
+    dev, n, pages = torch.device("cuda"), 2, [6, 2]
+    table = torch.tensor([[1 + n * i for i in range(6)], [2, 3, 0, 0, 0, 0]], device=dev)
+    rows = torch.arange(2, device=dev)
+    s, m = slots_per_rank(pages, n), len(PLAN_META_ROWS) * len(pages)
+    check = DeviceFlagCheck()
+    buf = check.host_buffer(m + n + 1 + len(pages), dev)
+    assert buf.is_pinned()
+    seen = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta = plan_meta(pages, dev, out=buf[:m])
+        pinned = plan_batch(table, rows, 1, meta, 6, sum(pages), n, s, 0, None, 0, 0, flags=buf[m:])
+        check.watch(buf, lambda host: seen.append(host[m:]) or RuntimeError("overflow"), dev)
+        device = plan_batch(table, rows, 1, plan_meta(pages, dev), 6, sum(pages), n, s, 0, None, 0, 0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(pinned.slot_table, device.slot_table) and torch.equal(pinned.slot_phys, device.slot_phys)
+    assert pinned.status.tolist() == device.status.tolist() and pinned.status.tolist()[0] == 1
+    with pytest.raises(RuntimeError, match="overflow"):
+        check.poll()
+    assert seen == [device.status.tolist() + device.wrong.tolist()]
+    assert check.host_buffer(m, dev).data_ptr() == buf.data_ptr()  # the landed buffer is reused

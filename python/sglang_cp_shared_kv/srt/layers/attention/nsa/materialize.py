@@ -278,6 +278,8 @@ class ViewMaterializer:
         # One or (prefetching) two sets of views, used by alternate layers, and per set what a layer's
         # gather needs: (this rank's page ids, its part of each view, each whole view).
         self._views: list[dict[str, torch.Tensor]] = []
+        self._rows: list[torch.Tensor] = []  # per view set: its latent buffer as rows
+        self._arena_sets: dict[tuple[int, int], list] = {}  # (pages, sets) -> the arena's view sets, rows
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         self._checked = False  # a gather of this materializer's buffers has passed prepare_gather's checks
         # Host time: each layer's pool pages with their int32 word views (the pool's buffers are fixed),
@@ -297,7 +299,8 @@ class ViewMaterializer:
         # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
         # a fence per batch orders the pools' writes and reads across ranks (``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
-        self._pull_launches: dict[int, tuple[PreparedLaunch, int]] = {}  # per batch: by the layer's buffers
+        # By the layer's buffer count and view pages: one launch each, its words the arena's leading pages.
+        self._pull_launches: dict[tuple[int, int], tuple[PreparedLaunch, int]] = {}
         self._layer_views: dict[tuple[int, bool], LayerView] = {}  # per batch: by view set and indexer
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -389,21 +392,35 @@ class ViewMaterializer:
         widths = {"latent": pool.page_size * pool.row_bytes}
         if pool.with_indexer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
-        self._views, self._parts, self._part_words, self._launches = [], [], [], []
+        self._parts, self._part_words, self._launches = [], [], []
         pages = plan.view_pages + extra_pages
-        for _ in range(copies):
+        # The arena's view sets of a size are the same slices every batch: built once (host time).
+        sets = self._arena_sets.get((pages, copies)) if self.arena is not None else None
+        if sets is None:
+            sets = []
+            for part in range(copies):
+                if self.arena is not None:
+                    views = {k: arena_pages(self.arena, k, pages, w, part) for k, w in widths.items()}
+                else:
+                    views = {
+                        k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()
+                    }
+                sets.append((views, views["latent"].view(-1, pool.row_bytes)))
             if self.arena is not None:
-                views = {k: arena_pages(self.arena, k, pages, w, len(self._views)) for k, w in widths.items()}
-            else:
-                views = {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
-            self._views.append(views)
+                if len(self._arena_sets) >= 64:
+                    self._arena_sets.clear()
+                self._arena_sets[(pages, copies)] = sets
+        self._views = [views for views, _ in sets]
+        self._rows = [rows for _, rows in sets]
+        for views in self._views:
             if self._source_table is None:
                 start, end = plan.rank_view_slots(pool.rank)
                 mine = [v[start:end] for v in views.values()]
                 self._parts.append((plan.send_pages(pool.rank), mine, [v[: plan.view_pages] for v in views.values()]))
                 self._part_words.append([word_view(m) for m in mine])
                 self._launches.append(None)
-        self._pull_launches = {}
+        if self.arena is None:  # fresh buffers: the pull launches of earlier batches wrote others
+            self._pull_launches = {}
         self._layer_views = {}
 
     def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
@@ -458,10 +475,9 @@ class ViewMaterializer:
         key = (slot, self._layer_has_index(layer))
         view = self._layer_views.get(key)
         if view is None:
-            views = self._views[slot]
-            kv_rows = views["latent"].view(-1, pool.row_bytes)
-            index = views.get("index") if key[1] else None
-            view = self._layer_views[key] = LayerView(kv_rows, index, self._slot_table, pool.page_size, self.use_triton)
+            index = self._views[slot].get("index") if key[1] else None
+            view = LayerView(self._rows[slot], index, self._slot_table, pool.page_size, self.use_triton)
+            self._layer_views[key] = view
         return view
 
     @property
@@ -480,6 +496,12 @@ class ViewMaterializer:
         if not self._views:
             raise ValueError("view_buffers called before begin_batch")
         return self._views[layer % len(self._views)]
+
+    def view_rows(self, layer: int = 0) -> torch.Tensor:
+        """``view_buffers(layer)["latent"]`` as uint8 ``[pages * page_size, row_bytes]`` rows."""
+        if not self._rows:
+            raise ValueError("view_rows called before begin_batch")
+        return self._rows[layer % len(self._rows)]
 
     def _layer_has_index(self, layer: int) -> bool:
         """Whether ``layer`` has indexer pages to gather (SGLang leaves the buffers of layers that
@@ -550,17 +572,21 @@ class ViewMaterializer:
 
     def _pull(self, layer: int) -> int:
         """``layer``'s whole view read from the owners' pools in one launch (``source_table``); returns the
-        bytes of one slot's pages. Every layer of a batch rebinds one launch per buffer count."""
+        bytes of one slot's pages. Every layer rebinds one launch per buffer count and view size, kept
+        across the batches that read the same arena pages (host time)."""
         plan, used = self.plan, 2 if self._layer_has_index(layer) else 1
-        found = self._pull_launches.get(used)
+        key = (used, plan.view_pages)
+        found = self._pull_launches.get(key)
         if found is None:
             views = list(self._views[0].values())[:used]
             words = [word_view(v[: plan.view_pages]) for v in views]
             strides = self.group.source_strides[:used]
             launch = pull_launch(self._source_table, plan.slot_phys, plan.slots_per_rank, words, strides, layer)
-            found = self._pull_launches[used] = (launch, sum(v.shape[1] for v in views))
-        else:
-            found[0].set_arg(4, layer)  # this materializer's own launch: rebound in place
+            if len(self._pull_launches) >= 64:
+                self._pull_launches.clear()
+            found = self._pull_launches[key] = (launch, sum(v.shape[1] for v in views))
+        else:  # this materializer's own launch, rebound in place: this batch's send entries, this layer
+            found[0].set_args({0: plan.slot_phys, 4: layer})
         launch, page_bytes = found
         if plan.slots_per_rank:
             launch()

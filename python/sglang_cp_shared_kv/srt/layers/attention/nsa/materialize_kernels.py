@@ -257,24 +257,22 @@ class PreparedLaunch:
     later launch with an equal key, this one's or another's, hands the arguments straight to that
     compiled kernel's launcher. ``constexprs`` must be the kernel's last parameters, in signature
     order (the launcher takes them after ``args``; checked once per kernel). Under the interpreter,
-    or while Triton's launch hooks are set (profilers), every launch goes through the JIT.
+    or while Triton's launch hooks are set (profilers), every launch goes through the JIT. The kernel
+    found is kept on the instance until an argument's specialization changes.
     """
 
     def __init__(self, fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options):
         self.fn, self.args, self.constexprs, self.options = fn, args, constexprs, options
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        self._all_args = (*args, *constexprs.values())
-        self._key = (
-            fn,
-            self.device,
-            tuple(sorted(options.items())),
-            tuple(constexprs.items()),
-            tuple(_specialization(a) for a in args),
-        )
+        self._constants = tuple(constexprs.values())
+        self._all_args = (*args, *self._constants)
+        self._spec = tuple(_specialization(a) for a in args)
+        self._key = (fn, self.device, tuple(sorted(options.items())), tuple(constexprs.items()), self._spec)
+        self._kernel = None
 
     def __call__(self) -> None:
-        kernel = _COMPILED.get(self._key)
+        kernel = self._kernel or _COMPILED.get(self._key)
         if kernel is None or not _no_launch_hooks():
             kernel = self.fn[self.grid](*self.args, **self.constexprs, **self.options)
             if self._direct_launch_fits(kernel):
@@ -282,9 +280,20 @@ class PreparedLaunch:
                     _COMPILED.clear()
                 _COMPILED[self._key] = kernel
             return
+        self._kernel = kernel
         g0, g1, g2 = self.grid
         stream = current_stream_handle(self.device)
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
+
+    def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
+        """Queue this launch again with a new grid and all-new ``args`` (on the same device)."""
+        spec = tuple(_specialization(a) for a in args)
+        if spec != self._spec:
+            self._spec, self._kernel = spec, None
+            self._key = (*self._key[:4], spec)
+        self.args, self._all_args = args, (*args, *self._constants)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self()
 
     def rebind(self, changes: dict[int, object]) -> PreparedLaunch:
         """This launch with ``args[i]`` replaced by ``changes[i]``; the kernel-cache key is kept where every
@@ -293,9 +302,9 @@ class PreparedLaunch:
         new._bind(changes)
         return new
 
-    def set_arg(self, i: int, arg: object) -> None:
-        """``rebind({i: arg})`` in place, for a caller that owns this launch (no copy: host time)."""
-        self._bind({i: arg})
+    def set_args(self, changes: dict[int, object]) -> None:
+        """``rebind(changes)`` in place, for a caller that owns this launch (no copy: host time)."""
+        self._bind(changes)
 
     def _bind(self, changes: dict[int, object]) -> None:
         args = list(self.args)
@@ -304,9 +313,10 @@ class PreparedLaunch:
             same = same and _specialization(arg) == _specialization(args[i])
             args[i] = arg
         self.args = tuple(args)
-        self._all_args = (*self.args, *self.constexprs.values())
+        self._all_args = (*self.args, *self._constants)
         if not same:
-            self._key = (*self._key[:4], tuple(_specialization(a) for a in self.args))
+            self._spec, self._kernel = tuple(_specialization(a) for a in self.args), None
+            self._key = (*self._key[:4], self._spec)
 
     def _direct_launch_fits(self, kernel) -> bool:
         """Whether a compiled kernel's launcher can take this launch's arguments as laid out here."""
@@ -315,9 +325,23 @@ class PreparedLaunch:
         return ordered and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
 
 
+# One ``PreparedLaunch`` per launch site of ``launch``: kernel, constexprs, options and device.
+_SITES: dict[tuple, PreparedLaunch] = {}
+
+
 def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
-    """``fn[grid](*args, **constexprs, **options)`` through ``PreparedLaunch``'s kernel cache."""
-    PreparedLaunch(fn, grid, args, constexprs, **options)()
+    """``fn[grid](*args, **constexprs, **options)`` through ``PreparedLaunch``'s kernel cache, each site's
+    launch kept and relaunched with the new arguments (host time: no key built per call)."""
+    device = args[0].device if isinstance(args[0], torch.Tensor) else None
+    site = (fn, device, tuple(constexprs.items()), tuple(options.items()))
+    prepared = _SITES.get(site)
+    if prepared is None or prepared.device != device:
+        if len(_SITES) >= _COMPILED_LIMIT:
+            _SITES.clear()
+        _SITES[site] = PreparedLaunch(fn, grid, args, constexprs, **options)
+        _SITES[site]()
+        return
+    prepared.relaunch(grid, args)
 
 
 def gather_pages(
@@ -387,7 +411,7 @@ def pull_launch(
     """The launch that fills whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of
     ``layer`` from every owner's pool pages, through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer
     addresses, ``copy_engine.CopyEngineGroup.source_table``); ``source_strides[k]``: words from one page of
-    buffer ``k`` to the next. ``set_arg(4, layer)`` (or ``rebind``) serves another layer into the same views."""
+    buffer ``k`` to the next. ``set_args({4: layer})`` (or ``rebind``) serves another layer into the same views."""
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
     a, b = args[0], args[-1]
     slots = slot_phys.shape[0]
@@ -505,9 +529,7 @@ def translate_locs(
         raise ValueError(f"locs must be int32 or int64, got {locs.dtype}")
     if not triton_enabled(page_pos.device, use_triton) or locs.numel() == 0:
         return translate_locs_ref(page_pos, locs, page_size, out_dtype)
-    flat = locs.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
+    flat = locs if locs.dim() == 1 and locs.is_contiguous() else locs.reshape(-1).contiguous()
     out = torch.empty(locs.shape, dtype=out_dtype or locs.dtype, device=locs.device)
     n = flat.shape[0]
     block = 1024

@@ -17,7 +17,7 @@ tests); otherwise the reference. ``use_triton`` forces either. Nothing reads dev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -388,10 +388,15 @@ def plan_batch(
     fill: int,
     pad: int = 0,
     use_triton: bool | None = None,
+    flags: torch.Tensor | None = None,
 ) -> BatchPlan:
     """``plan_batch_ref`` in one launch of one program after a fill of ``page_pos`` (None: the plan
     without a page map): two allocations, no read-back. ``num_positions`` (``sum(prefix - shared)``) and
-    ``slots_per_rank`` are host ints."""
+    ``slots_per_rank`` are host ints.
+
+    ``meta`` may be pinned host memory on a CUDA launch, which reads it in place. ``flags`` (int64
+    ``[N + 1 + B]``; default: a device buffer) receives ``status`` then ``wrong``: pinned host memory
+    there puts them on the host with the launch, no copy (``slot_plan.DeviceFlagCheck.watch``)."""
     check_index("tokens", tokens, 2)
     check_index("rows", rows, 1)
     batch = rows.shape[0]
@@ -402,12 +407,21 @@ def plan_batch(
     if num_positions and slots_per_rank < 1:
         raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
     args = (tokens, rows, page_size, meta, width, num_positions, cp_size, slots_per_rank, trash_page, page_pos)
+    if flags is not None and (flags.dtype != torch.int64 or flags.shape != (cp_size + 1 + batch,)):
+        raise ValueError(f"flags must be int64 [{cp_size + 1 + batch}], got {flags.dtype} {tuple(flags.shape)}")
     if not triton_enabled(tokens.device, use_triton) or batch == 0 or tokens.stride(1) != 1:
-        return plan_batch_ref(*args, base, fill, pad)
+        plan = plan_batch_ref(*args, base, fill, pad)
+        if flags is None:
+            return plan
+        flags.copy_(torch.cat([plan.status, plan.wrong]), non_blocking=True)
+        return replace(plan, status=flags[: cp_size + 1], wrong=flags[cp_size + 1 :])
     m, send = num_positions, cp_size * slots_per_rank
-    # positions, logical, slots, send entries (and the dump entry), status and the hint's counts: one allocation.
-    flat = torch.empty(3 * m + send + 1 + cp_size + 1 + batch, dtype=torch.int64, device=tokens.device)
-    positions, logical, slots, phys, status, wrong = flat.split([m, m, m, send + 1, cp_size + 1, batch])
+    # positions, logical, slots, send entries (and the dump entry), then status and the hint's counts unless
+    # ``flags`` holds them: one allocation.
+    words = 3 * m + send + 1 + (cp_size + 1 + batch if flags is None else 0)
+    flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
+    positions, logical, slots, phys, rest = flat.split([m, m, m, send + 1, words - 3 * m - send - 1])
+    status, wrong = (rest if flags is None else flags).split([cp_size + 1, batch])
     table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
     if page_pos is not None:
         page_pos.fill_(fill)

@@ -47,7 +47,9 @@ Sizes come from host lengths; nothing reads device data back (debug mode aside).
 batch whose pages do not rotate owners reads the trash page past an owner's block, and its plan
 raises a device flag; ``begin`` and ``end`` (the next batch, or SGLang's end of the extend
 batches) raise ``SlotOverflowError`` naming the batch's requests once that flag is on the host,
-without waiting for it (``slot_plan.OverflowCheck``).
+without waiting for it: the plan's launch writes its flags (this one, the hint's check) straight into a
+pinned buffer that also carries the batch's host lengths in, watched by one event
+(``slot_plan.DeviceFlagCheck``).
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     check_arena_fits,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
-from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan, plan_batch
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
+    SlotOverflowError,
+    overflow_message,
     pages_for_lens,
     plan_meta,
     slot_plan_of,
@@ -199,8 +203,9 @@ class BatchReadState:
         self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
         # The next batch's shared prefix pages, ``(source request, pages)`` per request (one batch).
         self.shared_prefix: Sequence[tuple[int, int]] | None = None
-        # Per hinted batch: how many of each request's shared pages differ from its source's.
-        self.hint_check = DeviceFlagCheck()
+        # Per batch: the plan's host lengths and flags (overflow, the hint's wrong pages) in one pinned
+        # buffer that its launch reads and writes in place, read back at a later begin or end.
+        self.flags = DeviceFlagCheck()
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
@@ -237,7 +242,7 @@ class BatchReadState:
         hint) flag is on the host; ``wait``: wait for the flags still in flight."""
         if self.views is not None:
             self.views.check_overflow(wait=wait)
-        self.hint_check.poll(wait=wait)
+        self.flags.poll(wait=wait)
 
     # -- batch lifecycle --
     def begin(
@@ -284,24 +289,45 @@ class BatchReadState:
         base: int,
         fill: int,
     ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``): the host lengths in one copy (``plan_meta``), then
-        one launch."""
+        """The batch's plan and page map (``plan_batch``) in one launch and no copy: the host lengths
+        (``plan_meta``) go into one pinned buffer the launch reads in place and writes its flags back
+        into; ``flags`` reads them once they land, at a later ``begin`` or ``end``, and raises
+        ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed an owner's block
+        (whose hint was wrong)."""
         req_to_token, req_pool_indices, width = batch
-        planned = sum(prefix_pages) - sum(s for _, s in hint)
-        return plan_batch(
+        b, n = len(pages), self.ownership.cp_size
+        m = len(PLAN_META_ROWS) * b
+        buf = self.flags.host_buffer(m + n + 1 + b, self.device)
+        plan = plan_batch(
             req_to_token,
             req_pool_indices,
             self.page_size,
-            plan_meta(pages, self.device, prefix_pages, hint),
+            plan_meta(pages, self.device, prefix_pages, hint, out=buf[:m]),
             width,
-            planned,
-            self.ownership.cp_size,
+            sum(prefix_pages) - sum(s for _, s in hint),
+            n,
             slots_per_rank,
             self.latent.trash_page,
             self.page_pos,
             base,
             fill,
+            flags=buf[m:],
         )
+        requests = self.request_ids
+
+        def fail(host: list) -> Exception | None:
+            status, wrong = host[m : m + n + 1], host[m + n + 1 :]
+            if not (status[0] or any(wrong)):
+                return None
+            names = [str(r) for r in requests] if requests is not None else []
+            if len(names) != b:
+                names = [f"#{i}" for i in range(b)]
+            if status[0]:
+                return SlotOverflowError(overflow_message(status, slots_per_rank, names))
+            return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
+
+        self.flags.watch(buf, fail, self.device)
+        return plan
 
     def _pool_pages(self) -> list[list[torch.Tensor]]:
         """Per layer the pool's latent and indexer pages, which the copy engines' group maps on every peer."""
@@ -364,33 +390,16 @@ class BatchReadState:
         # (padding locs of the write path) to the trash page past those.
         out = self._plan(batch, pages, prefix_pages, hint, s, base=view_pages, fill=view_pages + staged)
         plan = slot_plan_of(out, n, ps, plan_pages, s, self.latent.trash_page)
-        if any(shared for _, shared in hint):
-            self._record_hint_check(out.wrong, hint, prefix_pages)
         plan_lens = [p * ps for p in plan_pages]
         self.counters = self.views.begin_batch(
             plan.slot_table, plan_lens, plan_lens, plan=plan, request_ids=self.request_ids, extra_pages=staged + 1
         )
-        self.views.overflow.record(plan, self.request_ids)
         self.counters.kind = batch_kind(prefix_lens)
         self.counters.pages_staged = staged
         self._stages = []
         for part in range(self.views.view_sets):
-            buffers = self.views.view_buffers(part)
-            self._stages.append((buffers["latent"].view(-1, self.latent.row_bytes), buffers.get("index")))
+            self._stages.append((self.views.view_rows(part), self.views.view_buffers(part).get("index")))
         self.mode = "materialized"
-
-    def _record_hint_check(self, wrong: torch.Tensor, hint: list[tuple[int, int]], prefix_pages: list[int]) -> None:
-        """Record ``wrong`` (device, per request: its shared pages whose id differs from its source's at the
-        same position, counted by the plan's launch): nothing is read back, the counts reach the host through
-        ``hint_check``, which raises ``SharedPrefixError`` at a later poll."""
-        names = [str(r) for r in self.request_ids] if self.request_ids is not None else []
-        if len(names) != len(hint):
-            names = [f"#{b}" for b in range(len(hint))]
-
-        def fail(host: list) -> SharedPrefixError | None:
-            return SharedPrefixError(shared_prefix_message(host, hint, prefix_pages, names)) if any(host) else None
-
-        self.hint_check.record(wrong, fail)
 
     def end(self) -> None:
         self.mode = None

@@ -125,9 +125,13 @@ def plan_meta(
     device: torch.device,
     prefix_pages: Sequence[int] | None = None,
     hint: Sequence[tuple[int, int]] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``plan_batch``'s ``meta`` (int64 ``[6, B]``, rows ``PLAN_META_ROWS``, on ``device``), written into
-    one (pinned, on CUDA) host buffer and copied in one non-blocking copy.
+    one (pinned, on CUDA) host buffer and copied in one non-blocking copy; with ``out`` (int64 host
+    ``[6 * B]``, pinned on CUDA: ``DeviceFlagCheck.host_buffer``) written there and returned as is, for
+    a launch that reads it in place (nothing copied; the buffer stays untouched until that launch has
+    run).
 
     Request ``b`` has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default:
     all, none staged), the first ``hint[b] = (source, shared)`` of those the source's (default: none).
@@ -138,12 +142,13 @@ def plan_meta(
     prefix_pages = pages if prefix_pages is None else prefix_pages
     hint = [(-1, 0)] * len(pages) if hint is None else hint
     shared = [s for _, s in hint]
-    host = torch.empty((len(PLAN_META_ROWS), len(pages)), dtype=torch.int64, pin_memory=device.type == "cuda")
-    rows = host.numpy()  # sync-ok: a host tensor, filled (PLAN_META_ROWS, in order) before its copy is queued
+    shape = (len(PLAN_META_ROWS), len(pages))
+    host = torch.empty(shape, dtype=torch.int64, pin_memory=device.type == "cuda") if out is None else out.view(shape)
+    rows = host.numpy()  # sync-ok: a host tensor, filled (PLAN_META_ROWS, in order) before any launch reads it
     rows[0], rows[1], rows[2] = shared, prefix_pages, pages
     rows[3] = exclusive_starts(np.subtract(pages, prefix_pages))
     rows[4], rows[5] = [src for src, _ in hint], exclusive_starts(np.subtract(prefix_pages, shared))
-    return host.to(device, non_blocking=True)
+    return host if out is not None else host.to(device, non_blocking=True)
 
 
 def exclusive_starts(counts: Sequence[int]) -> np.ndarray:
@@ -241,26 +246,45 @@ class DeviceFlagCheck:
 
     ``record(flags, fail)`` once the work that sets ``flags`` (a small device tensor) is queued: on
     CUDA a non-blocking copy into pinned host memory and an event; on CPU the tensor itself.
-    ``poll()`` hands the host values of every record whose copy has landed (``Event.query``: never
+    ``watch(host, fail)`` is ``record`` for flags the queued work writes straight into a pinned
+    buffer of ``host_buffer`` (a kernel reaches pinned memory through unified addressing): one event,
+    no copy. ``poll()`` hands the host values of every record that has landed (``Event.query``: never
     a wait), oldest first, to its ``fail``, and raises the exception ``fail`` returns (``None``:
     nothing wrong), dropping the records still pending; ``poll(wait=True)`` waits for them all, for
-    a caller that synchronizes there anyway (the end of a run, a test).
+    a caller that synchronizes there anyway (the end of a run, a test). A landed record's event and
+    buffer serve later records: nothing is allocated per batch once they exist.
     """
 
     def __init__(self) -> None:
         self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, Callable[[list], Exception | None]]] = []
-        # Events of landed records, recorded again by later ones (a new event is created at its first record).
+        # Events and pinned buffers of landed records, for later ones (created at first need).
         self._spare: list[torch.cuda.Event] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def host_buffer(self, numel: int, device: torch.device) -> torch.Tensor:
+        """int64 ``[numel]`` for a ``watch`` record: pinned memory, one of a landed record's when one is
+        large enough, on a CUDA ``device``; a plain tensor on CPU (the work writing it runs in line)."""
+        for i, buf in enumerate(self._buffers):
+            if buf.numel() >= numel:
+                return self._buffers.pop(i)[:numel]
+        return torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")[:numel]
 
     def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:
-        event = None
         if flags.device.type == "cuda":
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host = self.host_buffer(flags.numel(), flags.device).view(flags.shape)
             host.copy_(flags, non_blocking=True)
+            self.watch(host, fail, flags.device)
+        else:
+            self._pending.append((flags, None, fail))
+
+    def watch(self, host: torch.Tensor, fail: Callable[[list], Exception | None], device: torch.device) -> None:
+        """Read ``host`` (from ``host_buffer``) once the work queued so far on ``device``'s current stream is
+        done; on CPU at the next poll."""
+        event = None
+        if device.type == "cuda":
             event = self._spare.pop() if self._spare else torch.cuda.Event()
-            event.record(current_stream(flags.device))
-            flags = host
-        self._pending.append((flags, event, fail))
+            event.record(current_stream(device))
+        self._pending.append((host, event, fail))
 
     def poll(self, wait: bool = False) -> None:
         while self._pending:
@@ -270,9 +294,11 @@ class DeviceFlagCheck:
                     return  # not landed yet: read at a later poll, never waited for
                 event.synchronize()  # sync-ok: poll(wait=True) only, where the caller synchronizes anyway
             self._pending.pop(0)
-            if event is not None:
+            host = flags.tolist()  # sync-ok: a host tensor (its writes landed, or a CPU tensor)
+            if event is not None:  # the event and the pinned buffer serve later records
                 self._spare.append(event)
-            error = fail(flags.tolist())  # sync-ok: a host tensor (pinned copy landed, or a CPU tensor)
+                self._buffers.append(flags if flags._base is None else flags._base)
+            error = fail(host)
             if error is not None:
                 self._pending.clear()
                 raise error

@@ -10,6 +10,7 @@ its Triton kernels (one program up to 8192 page positions, blocks above) and thr
 formulation, and at 8K tokens inside a CUDA graph.
 
     python -m benchmark.cp_shared_kv.bench_plan
+    python -m benchmark.cp_shared_kv.bench_plan --meta-placement   # the plan's lengths: device vs pinned
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import torch
 
 from benchmark.cp_shared_kv.bench_common import cuda_time_us, save_plot, write_result
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_meta
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, plan_batch
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    DeviceFlagCheck,
+    build_slot_plan,
+    plan_meta,
+    slots_per_rank,
+)
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
 
 PS = 64
@@ -214,14 +221,63 @@ def graph_plan_gather_us(tokens: int, n_req: int) -> dict:
     }
 
 
+def meta_placement_rows(requests: tuple[int, ...] = (1, 4, 16, 64), total_pages: int = 8192) -> list[dict]:
+    """The read path's plan launch (``plan_batch``) with its host lengths in device memory against read in
+    place from pinned host memory (``plan_meta(..., out=...)``): the launch's device time (replayed in a CUDA
+    graph: the kernel alone) and the host time to issue lengths + launch."""
+    rows = []
+    for n_req in requests:
+        phys = total_pages // CP + 64 * CP
+        table, pages, _ = _workload(n_req, total_pages, 0.5, phys, "cuda")
+        rows_idx = torch.arange(n_req, device="cuda")
+        s, m = slots_per_rank(pages, CP), len(PLAN_META_ROWS) * n_req
+        flags = DeviceFlagCheck()
+        pinned = flags.host_buffer(m + CP + 1 + n_req, table.device)
+        device_meta = plan_meta(pages, table.device)
+
+        def launch(meta, out=None):
+            plan_batch(table, rows_idx, 1, meta, table.shape[1], sum(pages), CP, s, 0, None, 0, 0, flags=out)
+
+        in_place = plan_meta(pages, table.device, out=pinned[:m])
+        row = {"requests": n_req, "pages": sum(pages), "cp_size": CP}
+        row["device_meta_kernel_us"] = round(cuda_time_us(lambda: launch(device_meta), iters=50, graph=True), 2)
+        row["pinned_meta_kernel_us"] = round(
+            cuda_time_us(lambda: launch(in_place, pinned[m:]), iters=50, graph=True), 2
+        )
+        row["copied_meta_issue_us"] = round(_host_time_us(lambda: launch(plan_meta(pages, table.device)), 50, False), 2)
+        row["pinned_meta_issue_us"] = round(
+            _host_time_us(lambda: launch(plan_meta(pages, table.device, out=pinned[:m]), pinned[m:]), 50, False), 2
+        )
+        print(row)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--meta-placement",
+        action="store_true",
+        help="only the plan launch with its lengths on the device vs read in place from pinned memory",
+    )
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--pages", type=int, nargs="+", default=[1024, 16384, 131072, 1048576])
     ap.add_argument("--shared-frac", type=float, default=0.5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--max-gather-pages", type=int, default=131072, help="above this, time the plan alone")
     args = ap.parse_args()
+    if args.meta_placement:
+        rows = meta_placement_rows()
+        summary = {
+            "pinned_vs_device_meta_kernel_us_max": max(
+                r["pinned_meta_kernel_us"] - r["device_meta_kernel_us"] for r in rows
+            ),
+            "pinned_vs_copied_meta_issue_us_median": sorted(
+                r["pinned_meta_issue_us"] - r["copied_meta_issue_us"] for r in rows
+            )[len(rows) // 2],
+        }
+        write_result("plan_meta_placement", rows, summary, extra={"cp_size": CP})
+        return
     rows = run(args.requests, args.pages, args.shared_frac, args.iters, args.max_gather_pages)
     graph_rows = [graph_plan_gather_us(8192, n) for n in (1, 4, 16)]
     for r in graph_rows:

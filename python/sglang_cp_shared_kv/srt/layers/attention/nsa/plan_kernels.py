@@ -286,6 +286,7 @@ if triton is not None:
         tokens,
         tok_stride0,
         rows,
+        meta_in,
         meta,
         batch,
         width,
@@ -311,6 +312,12 @@ if triton is not None:
         # positions per owner first, then each position's rank, slot and stores (the tokens' column
         # stride is 1: SGLang's req_to_token rows are contiguous, checked by the wrapper).
         lanes = tl.arange(0, BLOCK)
+        # The host lengths into device scratch first, a block of loads at a time: ``meta_in`` may be pinned
+        # host memory, whose loads cost a bus round trip each; the passes below read them per request.
+        for i0 in range(0, 6 * batch, BLOCK):
+            i = i0 + lanes
+            tl.store(meta + i, tl.load(meta_in + i, mask=i < 6 * batch), mask=i < 6 * batch)
+        tl.debug_barrier()
         totals = tl.zeros([NP2], dtype=tl.int64)
         for b in range(batch):
             shared = tl.load(meta + b)
@@ -394,7 +401,8 @@ def plan_batch(
     without a page map): two allocations, no read-back. ``num_positions`` (``sum(prefix - shared)``) and
     ``slots_per_rank`` are host ints.
 
-    ``meta`` may be pinned host memory on a CUDA launch, which reads it in place. ``flags`` (int64
+    ``meta`` may be pinned host memory on a CUDA launch, which reads it in place: into device scratch in
+    blocks of loads first (a bus round trip each), then per request from there. ``flags`` (int64
     ``[N + 1 + B]``; default: a device buffer) receives ``status`` then ``wrong``: pinned host memory
     there puts them on the host with the launch, no copy (``slot_plan.DeviceFlagCheck.watch``)."""
     check_index("tokens", tokens, 2)
@@ -418,9 +426,11 @@ def plan_batch(
     m, send = num_positions, cp_size * slots_per_rank
     # positions, logical, slots, send entries (and the dump entry), then status and the hint's counts unless
     # ``flags`` holds them: one allocation.
-    words = 3 * m + send + 1 + (cp_size + 1 + batch if flags is None else 0)
+    words = 3 * m + send + 1 + meta.numel() + (cp_size + 1 + batch if flags is None else 0)
     flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
-    positions, logical, slots, phys, rest = flat.split([m, m, m, send + 1, words - 3 * m - send - 1])
+    positions, logical, slots, phys, staged, rest = flat.split(
+        [m, m, m, send + 1, meta.numel(), words - 3 * m - send - 1 - meta.numel()]
+    )
     status, wrong = (rest if flags is None else flags).split([cp_size + 1, batch])
     table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
     if page_pos is not None:
@@ -428,7 +438,7 @@ def plan_batch(
     launch(
         _plan_batch_kernel,
         (1,),
-        (tokens, tokens.stride(0), rows, meta, batch, width, page_size, positions, logical, slots, table, phys)
+        (tokens, tokens.stride(0), rows, meta, staged, batch, width, page_size, positions, logical, slots, table, phys)
         + (status, wrong, flat if page_pos is None else page_pos, slots_per_rank, trash_page, pad, base),
         {"N": cp_size, "NP2": max(2, triton.next_power_of_2(cp_size)), "BLOCK": 1024, "MAP": page_pos is not None},
         num_warps=8,

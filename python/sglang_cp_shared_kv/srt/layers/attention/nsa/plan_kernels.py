@@ -280,6 +280,8 @@ if triton is not None:
             "trash_page",
             "pad",
             "base",
+            "fill",
+            "num_pages",
         ]
     )
     def _plan_batch_kernel(
@@ -303,6 +305,8 @@ if triton is not None:
         trash_page,
         pad,
         base,
+        fill,
+        num_pages,
         N: tl.constexpr,
         NP2: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -317,6 +321,10 @@ if triton is not None:
         for i0 in range(0, 6 * batch, BLOCK):
             i = i0 + lanes
             tl.store(meta + i, tl.load(meta_in + i, mask=i < 6 * batch), mask=i < 6 * batch)
+        if MAP:  # every page unmapped until the batch's pages are mapped below
+            for p0 in range(0, num_pages, BLOCK):
+                p = p0 + lanes
+                tl.store(page_pos + p, tl.zeros([BLOCK], dtype=tl.int64) + fill, mask=p < num_pages)
         tl.debug_barrier()
         totals = tl.zeros([NP2], dtype=tl.int64)
         for b in range(batch):
@@ -397,8 +405,8 @@ def plan_batch(
     use_triton: bool | None = None,
     flags: torch.Tensor | None = None,
 ) -> BatchPlan:
-    """``plan_batch_ref`` in one launch of one program after a fill of ``page_pos`` (None: the plan
-    without a page map): two allocations, no read-back. ``num_positions`` (``sum(prefix - shared)``) and
+    """``plan_batch_ref`` in one launch of one program, ``page_pos`` (None: the plan without a page map)
+    filled with ``fill`` by the same program first: two allocations, no read-back. ``num_positions`` (``sum(prefix - shared)``) and
     ``slots_per_rank`` are host ints.
 
     ``meta`` may be pinned host memory on a CUDA launch, which reads it in place: into device scratch in
@@ -433,13 +441,12 @@ def plan_batch(
     )
     status, wrong = (rest if flags is None else flags).split([cp_size + 1, batch])
     table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
-    if page_pos is not None:
-        page_pos.fill_(fill)
     launch(
         _plan_batch_kernel,
         (1,),
         (tokens, tokens.stride(0), rows, meta, staged, batch, width, page_size, positions, logical, slots, table, phys)
-        + (status, wrong, flat if page_pos is None else page_pos, slots_per_rank, trash_page, pad, base),
+        + (status, wrong, flat if page_pos is None else page_pos, slots_per_rank, trash_page, pad, base, fill)
+        + (0 if page_pos is None else page_pos.shape[0],),
         {"N": cp_size, "NP2": max(2, triton.next_power_of_2(cp_size)), "BLOCK": 1024, "MAP": page_pos is not None},
         num_warps=8,
     )

@@ -5,6 +5,7 @@ import torch
 
 from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    PreparedLaunch,
     gather_launch,
     gather_page_buffers,
     gather_pages,
@@ -238,3 +239,27 @@ def test_translate_locs_equals_torch_indexing(use_triton, dtype):
     assert translate_locs(page_pos, pages, 1, torch.int64, use_triton=use_triton).tolist() == [
         [pp[x] for x in row] for row in pages.tolist()
     ]
+
+
+def _scaled_copy(src, dst, n, scale):  # a kernel body is never run here: only its parameters are read
+    pass
+
+
+def test_a_do_not_specialize_int_keeps_the_launch_key_across_values():
+    """An int the kernel names in ``do_not_specialize`` (a layer index) keys by its width alone, so rebinding
+    it keeps the launch's compiled kernel; a specialized int still changes the key at 1 and at 16."""
+    import triton.runtime.jit as jit
+
+    fn = jit.JITFunction(_scaled_copy, do_not_specialize=["n"])
+    src = torch.zeros(8, dtype=torch.int64)
+    launch = PreparedLaunch(fn, (1,), (src, src.clone(), 0, 0), {})
+    key = launch._key
+    for n in (1, 2, 16, 17):
+        launch.set_args({2: n})
+        assert launch._key == key, n
+    launch.set_args({2: 1 << 40})  # wider than i32: another kernel
+    assert launch._key != key
+    launch.set_args({2: 0, 3: 1})
+    assert launch._key != key
+    launch.set_args({3: 0})
+    assert launch._key == key

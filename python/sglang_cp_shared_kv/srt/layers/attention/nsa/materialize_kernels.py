@@ -242,6 +242,22 @@ def _specialization(arg) -> tuple:
     return ("v", type(arg), arg)
 
 
+def _free_specialization(arg) -> tuple:
+    """``_specialization`` of an argument the kernel names in ``do_not_specialize``: an int's width only
+    (Triton types it, never specializes its value), so a layer index or a length does not change the key."""
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        return ("n", -(1 << 31) <= arg < (1 << 31), arg >= (1 << 63))
+    return _specialization(arg)
+
+
+def _specializers(fn, count: int) -> tuple:
+    """Per argument of ``fn`` (its first ``count``), the function that keys it."""
+    params = list(getattr(fn, "params", ()))[:count]
+    free = [bool(getattr(p, "do_not_specialize", False)) for p in params]
+    free += [False] * (count - len(free))
+    return tuple(_free_specialization if f else _specialization for f in free)
+
+
 # Compiled kernels by (kernel, device, options, constexprs, specialization of every argument).
 _COMPILED: dict[tuple, object] = {}
 _COMPILED_LIMIT = 256
@@ -253,7 +269,8 @@ class PreparedLaunch:
     Triton's JIT spends tens of µs of host time per launch binding and specializing the arguments
     and looking the kernel up (``docs/benchmarks/host_calls.json``). Here the first launch of a
     specialization goes through the JIT, which compiles or finds the kernel; it is kept under a key
-    (``_specialization`` of every argument, a superset of what Triton specializes on), and every
+    (``_specialization`` of every argument, a superset of what Triton specializes on; an int the kernel
+    names in ``do_not_specialize`` by its width alone), and every
     later launch with an equal key, this one's or another's, hands the arguments straight to that
     compiled kernel's launcher. ``constexprs`` must be the kernel's last parameters, in signature
     order (the launcher takes them after ``args``; checked once per kernel). Under the interpreter,
@@ -267,7 +284,8 @@ class PreparedLaunch:
         self.device = next(a.device for a in args if isinstance(a, torch.Tensor))
         self._constants = tuple(constexprs.values())
         self._all_args = (*args, *self._constants)
-        self._spec = tuple(_specialization(a) for a in args)
+        self._keyers = _specializers(fn, len(args))
+        self._spec = tuple(key(a) for key, a in zip(self._keyers, args))
         self._key = (fn, self.device, tuple(sorted(options.items())), tuple(constexprs.items()), self._spec)
         self._kernel = None
 
@@ -287,7 +305,7 @@ class PreparedLaunch:
 
     def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
         """Queue this launch again with a new grid and all-new ``args`` (on the same device)."""
-        spec = tuple(_specialization(a) for a in args)
+        spec = tuple(key(a) for key, a in zip(self._keyers, args))
         if spec != self._spec:
             self._spec, self._kernel = spec, None
             self._key = (*self._key[:4], spec)
@@ -297,7 +315,7 @@ class PreparedLaunch:
 
     def rebind(self, changes: dict[int, object]) -> PreparedLaunch:
         """This launch with ``args[i]`` replaced by ``changes[i]``; the kernel-cache key is kept where every
-        new argument specializes as the one it replaces (``_specialization``), else computed again."""
+        new argument keys as the one it replaces, else computed again."""
         new = copy.copy(self)
         new._bind(changes)
         return new
@@ -307,16 +325,15 @@ class PreparedLaunch:
         self._bind(changes)
 
     def _bind(self, changes: dict[int, object]) -> None:
-        args = list(self.args)
-        same = True
+        args, spec = list(self.args), list(self._spec)
         for i, arg in changes.items():
-            same = same and _specialization(arg) == _specialization(args[i])
-            args[i] = arg
+            args[i], spec[i] = arg, self._keyers[i](arg)
         self.args = tuple(args)
         self._all_args = (*self.args, *self._constants)
-        if not same:
-            self._spec, self._kernel = tuple(_specialization(a) for a in self.args), None
-            self._key = (*self._key[:4], self._spec)
+        spec = tuple(spec)
+        if spec != self._spec:
+            self._spec, self._kernel = spec, None
+            self._key = (*self._key[:4], spec)
 
     def _direct_launch_fits(self, kernel) -> bool:
         """Whether a compiled kernel's launcher can take this launch's arguments as laid out here."""

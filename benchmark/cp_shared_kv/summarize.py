@@ -570,6 +570,47 @@ def _host_cost() -> list[str]:
     return lines
 
 
+def _host_repeats() -> list[str]:
+    """The side-by-side harness's host figures over repeated runs, and the plan's pinned host lengths."""
+    reps, placed, unstaged = _load("vs_upstream_1gpu_repeats"), _load("plan_meta_placement"), None
+    lines = []
+    if reps is not None:
+        lines += ["## Host figures over repeated runs (1 x H200)", "", f"`{SGW_PREFIX}{reps['command']}`", ""]
+        lines += _table(
+            reps["rows"],
+            [
+                ("commit", "commit"),
+                ("date_utc", "date (UTC)"),
+                ("ours_vs_stock_layer_time", "layer time stock/ours"),
+                ("ours_vs_stock_layer_time_without_stand_ins", "same, w/o stand-ins"),
+                ("ours_plan_host_us", "ours plan host µs"),
+                ("stock_metadata_host_us", "stock metadata host µs"),
+                ("ours_read_host_us_per_layer", "ours read host µs/layer"),
+                ("stock_read_host_us_per_layer", "stock read host µs/layer"),
+                ("read_host_ratio", "read host ours/stock"),
+            ],
+        )
+        lines += ["", reps["note"] + ".", ""]
+    if placed is not None:
+        unstaged = _load("plan_meta_placement_unstaged")
+        lines += ["## The plan's host lengths: device memory vs pinned, read in place (1 x H200)", ""]
+        lines += [f"`{SGW_PREFIX}{placed['command']}` ({_env(placed)}; {placed.get('note', '')})", ""]
+        cols = [
+            ("requests", "requests"),
+            ("pages", "page positions"),
+            ("device_meta_kernel_us", "kernel µs, lengths on device"),
+            ("pinned_meta_kernel_us", "kernel µs, pinned"),
+            ("copied_meta_issue_us", "host µs to issue, copied"),
+            ("pinned_meta_issue_us", "host µs to issue, pinned"),
+        ]
+        lines += _table(placed["rows"], cols)
+        if unstaged is not None:
+            lines += ["", f"Before the kernel staged them ({unstaged['note']}):", ""]
+            lines += _table(unstaged["rows"], cols)
+        lines += [""]
+    return lines
+
+
 def render() -> str:
     lines = [
         "# Benchmarks",
@@ -653,6 +694,7 @@ def render() -> str:
     lines += _overlap()
     lines += _side_by_side()
     lines += _host_cost()
+    lines += _host_repeats()
     lines += _section(
         "PD transfer through SGLang's Mooncake connector: the plugin's sharded send vs SGLang's stock send (CPU, TCP loopback)",
         _load("pd_transfer"),

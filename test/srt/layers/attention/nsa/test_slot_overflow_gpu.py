@@ -78,3 +78,23 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
         check.poll()
     assert seen == [device.status.tolist() + device.wrong.tolist()]
     assert check.host_buffer(m, dev).data_ptr() == buf.data_ptr()  # the landed buffer is reused
+
+
+def test_a_failed_record_keeps_the_later_buffers_until_they_land():
+    """After a record fails, the records queued behind it are dropped but their pinned buffers stay held
+    (a launch may still read or write them) until their events land; then they serve new records."""
+    dev = torch.device("cuda")
+    check = DeviceFlagCheck()
+    first, second = check.host_buffer(8, dev), check.host_buffer(8, dev)
+    first.fill_(1)
+    second.fill_(0)
+    check.watch(first, lambda host: RuntimeError("first") if host[0] else None, dev)
+    torch.cuda._sleep(200_000_000)  # the second record's event lands well after the first's
+    check.watch(second, lambda host: RuntimeError("second"), dev)
+    with pytest.raises(RuntimeError, match="first"):
+        for _ in range(100_000):  # the first lands at once; poll never waits
+            check.poll()
+    assert check.pending == 1  # the second, still in flight, is held
+    check.poll(wait=True)  # its values are dropped: no error, its buffer recycled
+    assert check.pending == 0
+    assert check.host_buffer(8, dev).data_ptr() in (first.data_ptr(), second.data_ptr())

@@ -405,9 +405,9 @@ def plan_batch(
     use_triton: bool | None = None,
     flags: torch.Tensor | None = None,
 ) -> BatchPlan:
-    """``plan_batch_ref`` in one launch of one program, ``page_pos`` (None: the plan without a page map)
-    filled with ``fill`` by the same program first: two allocations, no read-back. ``num_positions`` (``sum(prefix - shared)``) and
-    ``slots_per_rank`` are host ints.
+    """``plan_batch_ref`` in one launch of one program, which first fills ``page_pos`` (None: the plan
+    without a page map) with ``fill``: two allocations, no read-back. ``num_positions``
+    (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints.
 
     ``meta`` may be pinned host memory on a CUDA launch, which reads it in place: into device scratch in
     blocks of loads first (a bus round trip each), then per request from there. ``flags`` (int64

@@ -239,6 +239,11 @@ def overflow_message(status: Sequence[int], slots_per_rank: int, requests: Seque
     )
 
 
+def _no_error(host: list) -> None:
+    """A dropped record's ``fail``: its buffer is only waited for, its values ignored."""
+    return None
+
+
 class DeviceFlagCheck:
     """Device flags read on the host only once they have landed, never waited for.
 
@@ -248,9 +253,10 @@ class DeviceFlagCheck:
     buffer of ``host_buffer`` (a kernel reaches pinned memory through unified addressing): one event,
     no copy. ``poll()`` hands the host values of every record that has landed (``Event.query``: never
     a wait), oldest first, to its ``fail``, and raises the exception ``fail`` returns (``None``:
-    nothing wrong), dropping the records still pending; ``poll(wait=True)`` waits for them all, for
-    a caller that synchronizes there anyway (the end of a run, a test). A landed record's event and
-    buffer serve later records: nothing is allocated per batch once they exist.
+    nothing wrong), dropping the values of the records still pending (their buffers held until they
+    land); ``poll(wait=True)`` waits for them all, for a caller that synchronizes there anyway (the end
+    of a run, a test). A landed record's event and buffer serve later records: nothing is allocated per
+    batch once they exist.
     """
 
     def __init__(self) -> None:
@@ -298,7 +304,9 @@ class DeviceFlagCheck:
                 self._buffers.append(flags if flags._base is None else flags._base)
             error = fail(host)
             if error is not None:
-                self._pending.clear()
+                # The later records are dropped, but their buffers stay held until their events land: the
+                # launches still in flight read and write them.
+                self._pending = [(f, e, _no_error) for f, e, _ in self._pending if e is not None]
                 raise error
 
     @property

@@ -114,6 +114,8 @@ def test_a_piece_of_the_workload_measures_what_the_whole_run_measures_for_it(tin
     assert joined["by_scale"]["tiny"] == summarize(joined["rows"], env, True)
     with pytest.raises(SystemExit, match="twice"):
         main(["--merge", "head", "head", "--out", "again"])
+    with pytest.raises(SystemExit, match="--host-passes must be at least 1"):
+        main(["--host-passes", "0", "--merge", "head", "tail", "--out", "joined"])
 
 
 @pytest.mark.parametrize("text", ["5", "0:3", "4:2", "a:b", ":"])

@@ -78,6 +78,11 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
         check.poll()
     assert seen == [device.status.tolist() + device.wrong.tolist()]
     assert check.host_buffer(m, dev).data_ptr() == buf.data_ptr()  # the landed buffer is reused
+    # The torch formulation takes the same pinned lengths and flags (it copies the lengths over).
+    flags = torch.empty(n + 1 + len(pages), dtype=torch.int64, pin_memory=True)
+    ref = plan_batch(table, rows, 1, meta, 6, sum(pages), n, s, 0, None, 0, 0, use_triton=False, flags=flags)
+    torch.cuda.synchronize()
+    assert torch.equal(ref.slot_table, device.slot_table) and flags.tolist() == seen[0]
 
 
 def test_a_failed_record_keeps_the_later_buffers_until_they_land():

@@ -426,6 +426,8 @@ def plan_batch(
     if flags is not None and (flags.dtype != torch.int64 or flags.shape != (cp_size + 1 + batch,)):
         raise ValueError(f"flags must be int64 [{cp_size + 1 + batch}], got {flags.dtype} {tuple(flags.shape)}")
     if not triton_enabled(tokens.device, use_triton) or batch == 0 or tokens.stride(1) != 1:
+        if meta.device != tokens.device:  # host lengths the launch would have read in place
+            args = (*args[:3], meta.to(tokens.device, non_blocking=True), *args[4:])
         plan = plan_batch_ref(*args, base, fill, pad)
         if flags is None:
             return plan

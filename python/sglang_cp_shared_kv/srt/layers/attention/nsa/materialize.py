@@ -412,11 +412,11 @@ class ViewMaterializer:
                 self._arena_sets[(pages, copies)] = sets
         self._views = [views for views, _ in sets]
         self._rows = [rows for _, rows in sets]
-        for views in self._views:
-            if self._source_table is None:
-                start, end = plan.rank_view_slots(pool.rank)
+        if self._source_table is None:
+            send, (start, end) = plan.send_pages(pool.rank), plan.rank_view_slots(pool.rank)
+            for views in self._views:
                 mine = [v[start:end] for v in views.values()]
-                self._parts.append((plan.send_pages(pool.rank), mine, [v[: plan.view_pages] for v in views.values()]))
+                self._parts.append((send, mine, [v[: plan.view_pages] for v in views.values()]))
                 self._part_words.append([word_view(m) for m in mine])
                 self._launches.append(None)
         if self.arena is None:  # fresh buffers: the pull launches of earlier batches wrote others

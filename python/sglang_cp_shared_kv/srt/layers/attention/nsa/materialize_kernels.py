@@ -305,10 +305,7 @@ class PreparedLaunch:
 
     def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
         """Queue this launch again with a new grid and all-new ``args`` (on the same device)."""
-        spec = tuple(key(a) for key, a in zip(self._keyers, args))
-        if spec != self._spec:
-            self._spec, self._kernel = spec, None
-            self._key = (*self._key[:4], spec)
+        self._rekey(tuple(key(a) for key, a in zip(self._keyers, args)))
         self.args, self._all_args = args, (*args, *self._constants)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self()
@@ -330,7 +327,10 @@ class PreparedLaunch:
             args[i], spec[i] = arg, self._keyers[i](arg)
         self.args = tuple(args)
         self._all_args = (*self.args, *self._constants)
-        spec = tuple(spec)
+        self._rekey(tuple(spec))
+
+    def _rekey(self, spec: tuple) -> None:
+        """The arguments now key as ``spec``: a new kernel-cache key, and the kept kernel dropped if it changed."""
         if spec != self._spec:
             self._spec, self._kernel = spec, None
             self._key = (*self._key[:4], spec)

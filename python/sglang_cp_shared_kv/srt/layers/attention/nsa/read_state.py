@@ -77,6 +77,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     overflow_message,
     pages_for_lens,
     plan_meta,
+    request_names,
     slot_plan_of,
     slots_per_rank,
 )
@@ -239,9 +240,8 @@ class BatchReadState:
 
     def check_overflow(self, wait: bool = False) -> None:
         """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose overflow (wrong
-        hint) flag is on the host; ``wait``: wait for the flags still in flight."""
-        if self.views is not None:
-            self.views.check_overflow(wait=wait)
+        hint) flag is on the host; ``wait``: wait for the flags still in flight. Every batch's plan records
+        its flags here (its materializer, handed the plan, records none)."""
         self.flags.poll(wait=wait)
 
     # -- batch lifecycle --
@@ -319,9 +319,7 @@ class BatchReadState:
             status, wrong = host[m : m + n + 1], host[m + n + 1 :]
             if not (status[0] or any(wrong)):
                 return None
-            names = [str(r) for r in requests] if requests is not None else []
-            if len(names) != b:
-                names = [f"#{i}" for i in range(b)]
+            names = request_names(requests, b)
             if status[0]:
                 return SlotOverflowError(overflow_message(status, slots_per_rank, names))
             return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))

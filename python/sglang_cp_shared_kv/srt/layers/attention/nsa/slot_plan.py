@@ -239,6 +239,12 @@ def overflow_message(status: Sequence[int], slots_per_rank: int, requests: Seque
     )
 
 
+def request_names(requests: Sequence[object] | None, count: int) -> list[str]:
+    """The names an error gives a batch's ``count`` requests: their ids, else ``#0``, ``#1``, ..."""
+    names = [str(r) for r in requests] if requests is not None else []
+    return names if len(names) == count else [f"#{b}" for b in range(count)]
+
+
 def _no_error(host: list) -> None:
     """A dropped record's ``fail``: its buffer is only waited for, its values ignored."""
     return None
@@ -274,12 +280,11 @@ class DeviceFlagCheck:
         return torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")[:numel]
 
     def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:
+        host = flags
         if flags.device.type == "cuda":
             host = self.host_buffer(flags.numel(), flags.device).view(flags.shape)
             host.copy_(flags, non_blocking=True)
-            self.watch(host, fail, flags.device)
-        else:
-            self._pending.append((flags, None, fail))
+        self.watch(host, fail, flags.device)
 
     def watch(self, host: torch.Tensor, fail: Callable[[list], Exception | None], device: torch.device) -> None:
         """Read ``host`` (from ``host_buffer``) once the work queued so far on ``device``'s current stream is
@@ -328,9 +333,7 @@ class OverflowCheck:
     def record(self, plan: SlotPlan, requests: Sequence[str] | None = None) -> None:
         if plan.status is None:
             return
-        names = tuple(str(r) for r in requests) if requests is not None else None
-        if names is None or len(names) != len(plan.pages_per_req):
-            names = tuple(f"#{b}" for b in range(len(plan.pages_per_req)))
+        names = request_names(requests, len(plan.pages_per_req))
         slots = plan.slots_per_rank
 
         def fail(host: list) -> SlotOverflowError | None:

@@ -6,15 +6,24 @@ back on an idle GPU (the host never waits: every call only queues work), with CU
 mode off ("default") and on ("warn", as the side-by-side harness keeps it while timing a forward). Reported
 per call in µs (median of repeats) and as a ratio to one small torch op.
 
+``--peer`` times the same calls in the setting of the one-GPU side-by-side harness: two processes on
+one GPU, the timed one (rank 0) beside a second (rank 1) that, while rank 0 times, is ``idle`` (blocked
+in a gloo barrier), keeps the GPU busy with GEMMs polled by ``gpu`` events, or waits for them in
+``sync`` (``torch.cuda.synchronize``, which spins a core). Rows carry the peer's activity; the run
+records the CPUs this process may use and its cgroup's CPU limit.
+
     python -m benchmark.cp_shared_kv.bench_host_calls
+    python -m benchmark.cp_shared_kv.bench_host_calls --peer idle gpu sync --out host_calls_peer
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -93,32 +102,112 @@ def calls_under_test() -> dict[str, Callable[[], object]]:
     }
 
 
+def time_calls(calls: dict[str, Callable[[], object]], n: int, repeats: int, modes: Sequence[str]) -> list[dict]:
+    """One row per call and sync-debug mode: its host µs per call (``per_call_us``)."""
+    rows = []
+    for mode in modes:
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            for name, fn in calls.items():
+                rows.append({"call": name, "sync_debug": mode, "host_us": round(per_call_us(fn, n, repeats), 2)})
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return rows
+
+
+def _keep_gpu_busy(done: Callable[[], bool], wait: str) -> int:
+    """GEMMs on this process's stream until ``done()``, two in flight at most, each pair waited for by
+    polling an event (``gpu``: the host mostly asleep) or by ``torch.cuda.synchronize`` (``sync``: a spin).
+    Returns the GEMMs run."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    ev, runs = torch.cuda.Event(), 0
+    while not done():
+        a @ a
+        a @ a
+        runs += 2
+        if wait == "sync":
+            torch.cuda.synchronize()
+        else:
+            ev.record()
+            while not ev.query():
+                time.sleep(2e-4)
+    torch.cuda.synchronize()
+    return runs
+
+
+def _peer_rank(rank: int, world: int, args: dict) -> dict:
+    """Rank 0 times the calls once per peer activity; rank 1 performs that activity meanwhile."""
+    import torch.distributed as dist
+
+    out: dict = {}
+    torch.zeros(1, device="cuda")  # both processes hold a context on the GPU throughout
+    calls = calls_under_test() if rank == 0 else None
+    if calls is not None:
+        for fn in calls.values():
+            fn()
+    for peer in args["peers"]:
+        dist.barrier()
+        if rank == 0:
+            out[peer] = time_calls(calls, args["calls"], args["repeats"], ("default",))
+            dist.barrier()  # rank 0 done: the peer's activity ends
+        elif peer == "idle":
+            dist.barrier()
+        else:
+            work = dist.barrier(async_op=True)
+            out[peer] = _keep_gpu_busy(work.is_completed, peer)
+            work.wait()
+    return out
+
+
+def cpu_limits() -> dict:
+    """The CPUs this process may run on and its cgroup's CPU quota (``max`` when none)."""
+    limits: dict = {"cpus_allowed": len(os.sched_getaffinity(0))}
+    try:
+        limits["cgroup_cpu_max"] = Path("/sys/fs/cgroup/cpu.max").read_text().strip()
+    except OSError:
+        limits["cgroup_cpu_max"] = None
+    return limits
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument(
+        "--peer",
+        nargs="+",
+        choices=("idle", "gpu", "sync"),
+        help="time the calls in one of two processes on one GPU, beside each of these peer activities",
+    )
+    p.add_argument("--out", default="host_calls", help="result name under docs/benchmarks/ (default: %(default)s)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_host_calls times CUDA calls: it needs a CUDA GPU, and none is visible here")
-    calls = calls_under_test()
-    for fn in calls.values():  # compile, allocate, warm
-        fn()
-    rows = []
-    for mode in ("default", "warn"):
-        torch.cuda.set_sync_debug_mode(mode)
-        try:
-            for name, fn in calls.items():
-                rows.append(
-                    {"call": name, "sync_debug": mode, "host_us": round(per_call_us(fn, a.calls, a.repeats), 2)}
-                )
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    base = {r["sync_debug"]: r["host_us"] for r in rows if r["call"] == "torch_add_"}
+    if a.peer:
+        from reference.spawn import spawn_ranks
+
+        args = {"peers": a.peer, "calls": a.calls, "repeats": a.repeats}
+        timed, peer = spawn_ranks(_peer_rank, 2, args, backend="gloo", timeout_s=600)
+        rows = [dict(r, peer=name, peer_gemms=peer.get(name, 0)) for name in a.peer for r in timed[name]]
+    else:
+        calls = calls_under_test()
+        for fn in calls.values():  # compile, allocate, warm
+            fn()
+        rows = [dict(r, peer="none") for r in time_calls(calls, a.calls, a.repeats, ("default", "warn"))]
+    base = {(r["peer"], r["sync_debug"]): r["host_us"] for r in rows if r["call"] == "torch_add_"}
     for r in rows:
-        r["vs_torch_op"] = round(r["host_us"] / base[r["sync_debug"]], 2)
-        print(f"{r['sync_debug']:>4} {r['call']:<24} {r['host_us']:8.2f} µs  {r['vs_torch_op']:5.2f}x a torch op")
-    summary = {f"{r['call']}_us" + ("" if r["sync_debug"] == "default" else "_sync_debug"): r["host_us"] for r in rows}
-    write_result("host_calls", rows, summary)
+        r["vs_torch_op"] = round(r["host_us"] / base[r["peer"], r["sync_debug"]], 2)
+        print(
+            f"{r['peer']:>5} {r['sync_debug']:>4} {r['call']:<24} {r['host_us']:8.2f} µs  "
+            f"{r['vs_torch_op']:5.2f}x a torch op"
+        )
+    summary = {}
+    for r in rows:
+        suffix = ("" if r["sync_debug"] == "default" else "_sync_debug") + (
+            "" if r["peer"] == "none" else f"_peer_{r['peer']}"
+        )
+        summary[f"{r['call']}_us{suffix}"] = r["host_us"]
+    write_result(a.out, rows, summary, extra=cpu_limits())
 
 
 if __name__ == "__main__":

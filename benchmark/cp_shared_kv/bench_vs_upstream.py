@@ -229,6 +229,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _calibrate(device: torch.device, calls: int = 200) -> dict[str, float]:
+    """Host µs per call of two small calls (a stream lookup, a one-element torch op) back to back, the device
+    drained first: this process's host speed at this moment, to compare with ``bench_host_calls``'s."""
+    small = torch.zeros(1, device=device)
+    out = {}
+    for name, fn in (
+        ("current_stream", lambda: torch.cuda.current_stream(device)),
+        ("torch_add_", lambda: small.add_(1)),
+    ):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out[name] = round((time.perf_counter() - t0) * 1e6 / calls, 2)
+    _sync(device)
+    return out
+
+
 class _Gate:
     """Start a timed section on every rank together: the device drained, then a gloo barrier."""
 
@@ -587,6 +605,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         "host_passes": args.get("host_passes", 1) if device.type == "cuda" else 0,
     }
     static_env.update(_scratch(rank, world, ps, scale, page_bytes, arena_bytes_default))
+    if device.type == "cuda":  # host speed before any forward (the peer at the same point, not yet busy)
+        static_env["calibration_at_start_us"] = _calibrate(device)
     first, last = args.get("batches") or (1, len(batches))
     first = max(first, cached + 1)
     for bi, batch in enumerate(batches):
@@ -673,6 +693,9 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
             if ev:
                 ev[0].record()
+            if host_pass and not profile:  # this process's host speed just before the pass
+                for key, us in _calibrate(device).items():
+                    row[f"{name}_calibration_{key}_us"] = min(us, row.get(f"{name}_calibration_{key}_us", float("inf")))
             with ctx(name), counter:
                 if host_pass:
                     _sync(device)

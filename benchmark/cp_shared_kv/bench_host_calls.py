@@ -3,7 +3,8 @@
 The read path's host time is a sum of small calls: torch ops, Triton launches, CUDA driver calls
 through ctypes (the copy-engine all-gather), stream and event calls. This times each one, back to
 back on an idle GPU (the host never waits: every call only queues work), with CUDA's sync-debug
-mode off ("default") and on ("warn", as the side-by-side harness keeps it while timing a forward). Reported
+mode off ("default"), on ("warn") and on with every warning recorded ("warn_recorded", as the side-by-side
+harness's sync counter keeps it in the forward it counts). Reported
 per call in µs (median of repeats) and as a ratio to one small torch op.
 
 ``--peer`` times the same calls in the setting of the one-GPU side-by-side harness: two processes on
@@ -22,6 +23,7 @@ import argparse
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -103,15 +105,25 @@ def calls_under_test() -> dict[str, Callable[[], object]]:
 
 
 def time_calls(calls: dict[str, Callable[[], object]], n: int, repeats: int, modes: Sequence[str]) -> list[dict]:
-    """One row per call and sync-debug mode: its host µs per call (``per_call_us``)."""
+    """One row per call and sync-debug mode: its host µs per call (``per_call_us``). Mode ``warn_recorded`` is
+    ``warn`` with every warning recorded (``warnings.catch_warnings(record=True)``, action ``always``), as a
+    sync counter keeps it; its rows name the warnings recorded meanwhile."""
     rows = []
     for mode in modes:
-        torch.cuda.set_sync_debug_mode(mode)
-        try:
-            for name, fn in calls.items():
-                rows.append({"call": name, "sync_debug": mode, "host_us": round(per_call_us(fn, n, repeats), 2)})
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        with warnings.catch_warnings(record=mode == "warn_recorded") as log:
+            if log is not None:
+                warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if mode == "warn_recorded" else mode)
+            try:
+                for name, fn in calls.items():
+                    seen = len(log) if log is not None else 0
+                    row = {"call": name, "sync_debug": mode, "host_us": round(per_call_us(fn, n, repeats), 2)}
+                    if log is not None:
+                        row["warnings"] = len(log) - seen
+                        row["warning_texts"] = sorted({str(w.message)[:160] for w in log[seen:]})
+                    rows.append(row)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
     return rows
 
 
@@ -193,7 +205,8 @@ def main() -> None:
         calls = calls_under_test()
         for fn in calls.values():  # compile, allocate, warm
             fn()
-        rows = [dict(r, peer="none") for r in time_calls(calls, a.calls, a.repeats, ("default", "warn"))]
+        modes = ("default", "warn", "warn_recorded")
+        rows = [dict(r, peer="none") for r in time_calls(calls, a.calls, a.repeats, modes)]
     base = {(r["peer"], r["sync_debug"]): r["host_us"] for r in rows if r["call"] == "torch_add_"}
     for r in rows:
         r["vs_torch_op"] = round(r["host_us"] / base[r["peer"], r["sync_debug"]], 2)
@@ -203,7 +216,7 @@ def main() -> None:
         )
     summary = {}
     for r in rows:
-        suffix = ("" if r["sync_debug"] == "default" else "_sync_debug") + (
+        suffix = {"default": "", "warn": "_sync_debug", "warn_recorded": "_sync_debug_recorded"}[r["sync_debug"]] + (
             "" if r["peer"] == "none" else f"_peer_{r['peer']}"
         )
         summary[f"{r['call']}_us{suffix}"] = r["host_us"]

@@ -263,3 +263,23 @@ def test_a_do_not_specialize_int_keeps_the_launch_key_across_values():
     assert launch._key != key
     launch.set_args({3: 0})
     assert launch._key == key
+
+
+def test_set_free_int_changes_one_argument_and_rekeys_only_past_its_width():
+    """``set_free_int`` replaces a ``do_not_specialize`` int in place, keeping the key and the kept kernel
+    while the width holds; a wider value, or an argument Triton specializes, takes the full rebind."""
+    import triton.runtime.jit as jit
+
+    fn = jit.JITFunction(_scaled_copy, do_not_specialize=["n"])
+    src, dst = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
+    launch = PreparedLaunch(fn, (1,), (src, dst, 3, 0), {})
+    key = launch._key
+    launch._kernel = kept = object()  # stands for the compiled kernel a launch keeps
+    for n in (1, 16, 1 << 20):
+        launch.set_free_int(2, n)
+        assert launch.args == (src, dst, n, 0) and launch._all_args == launch.args
+        assert launch._key == key and launch._kernel is kept
+    launch.set_free_int(2, 1 << 40)  # wider than i32: another kernel
+    assert launch.args[2] == 1 << 40 and launch._key != key and launch._kernel is None
+    launch.set_free_int(3, 1)  # specialized (its value 1): the full rebind
+    assert launch.args == (src, dst, 1 << 40, 1) and launch._key[-1][3] == ("i", True, False, True, False)

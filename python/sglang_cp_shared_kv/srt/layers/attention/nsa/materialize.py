@@ -266,6 +266,9 @@ class ViewMaterializer:
         self.pool = pool
         self.group = group
         self.arena = arena
+        # Per layer, whether it has indexer pages (SGLang leaves those of layers that skip top-k empty):
+        # the pool's buffers are fixed, so once here rather than per read (host time).
+        self._has_index = tuple(pool.with_indexer and pool.index[k].shape[0] > 0 for k in range(pool.num_layers))
         self._slot_table: torch.Tensor | None = None  # the kernels' page table (the plan's)
         self.prefetch = prefetch
         self.prefetch_gather = prefetch_gather
@@ -299,8 +302,9 @@ class ViewMaterializer:
         # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
         # a fence per batch orders the pools' writes and reads across ranks (``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
-        # By the layer's buffer count and view pages: one launch each, its words the arena's leading pages.
-        self._pull_launches: dict[tuple[int, int], tuple[PreparedLaunch, int]] = {}
+        # By the layer's buffer count and view pages: one launch each, its words the arena's leading pages,
+        # kept as [launch, bytes of one slot's pages, the plan whose send entries it is bound to].
+        self._pull_launches: dict[tuple[int, int], list] = {}
         self._layer_views: dict[tuple[int, bool], LayerView] = {}  # per batch: by view set and indexer
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -504,9 +508,8 @@ class ViewMaterializer:
         return self._rows[layer % len(self._rows)]
 
     def _layer_has_index(self, layer: int) -> bool:
-        """Whether ``layer`` has indexer pages to gather (SGLang leaves the buffers of layers that
-        skip top-k empty). Host-known shapes."""
-        return self.pool.with_indexer and self.pool.index[layer].shape[0] > 0
+        """Whether ``layer`` has indexer pages to gather. Host-known shapes."""
+        return self._has_index[layer]
 
     # -- the gather, now or ahead --
     def _gather(
@@ -584,10 +587,13 @@ class ViewMaterializer:
             launch = pull_launch(self._source_table, plan.slot_phys, plan.slots_per_rank, words, strides, layer)
             if len(self._pull_launches) >= 64:
                 self._pull_launches.clear()
-            found = self._pull_launches[key] = (launch, sum(v.shape[1] for v in views))
-        else:  # this materializer's own launch, rebound in place: this batch's send entries, this layer
+            found = self._pull_launches[key] = [launch, sum(v.shape[1] for v in views), plan]
+        elif found[2] is not plan:  # this materializer's own launch, rebound in place: this batch's send entries
             found[0].set_args({0: plan.slot_phys, 4: layer})
-        launch, page_bytes = found
+            found[2] = plan
+        else:  # later layers of the batch: the layer index only
+            found[0].set_free_int(4, layer)
+        launch, page_bytes, _ = found
         if plan.slots_per_rank:
             launch()
             self.group.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes

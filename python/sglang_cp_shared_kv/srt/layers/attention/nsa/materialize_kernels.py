@@ -220,13 +220,18 @@ def _nothing() -> None:
     return None
 
 
+_RUNTIME = getattr(getattr(triton, "knobs", None), "runtime", None) if triton is not None else None
+
+
 def _no_launch_hooks() -> bool:
     """Whether Triton has no launch hooks set (none, or hook chains without calls)."""
-    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    runtime = _RUNTIME
     if runtime is None:
         return False
-    hooks = (getattr(runtime, "launch_enter_hook", None), getattr(runtime, "launch_exit_hook", None))
-    return all(hook is None or not getattr(hook, "calls", True) for hook in hooks)
+    enter, exit_ = getattr(runtime, "launch_enter_hook", None), getattr(runtime, "launch_exit_hook", None)
+    if enter is None and exit_ is None:  # the common case, answered without more lookups (host time)
+        return True
+    return all(hook is None or not getattr(hook, "calls", True) for hook in (enter, exit_))
 
 
 def _specialization(arg) -> tuple:
@@ -302,6 +307,16 @@ class PreparedLaunch:
         g0, g1, g2 = self.grid
         stream = current_stream_handle(self.device)
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
+
+    def set_free_int(self, index: int, value: int) -> None:
+        """``set_args({index: value})`` for an int the kernel names in ``do_not_specialize`` (a layer index):
+        where it keys as the one it replaces (the same width), only that argument changes (host time)."""
+        if self._keyers[index] is not _free_specialization or _free_specialization(value) != self._spec[index]:
+            self._bind({index: value})
+            return
+        args = self.args
+        self.args = (*args[:index], value, *args[index + 1 :])
+        self._all_args = (*self.args, *self._constants)
 
     def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
         """Queue this launch again with a new grid and all-new ``args`` (on the same device)."""

@@ -9,6 +9,7 @@ command that produced it.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -558,21 +559,66 @@ def _host_cost() -> list[str]:
         by_call.setdefault(r["call"], {"call": r["call"]})[r["sync_debug"]] = r["host_us"]
         if r["sync_debug"] == "default":
             by_call[r["call"]]["ratio"] = r["vs_torch_op"]
+    peer = _load("host_calls_peer")
+    for r in peer["rows"] if peer is not None else []:
+        by_call.setdefault(r["call"], {"call": r["call"]})[f"peer_{r['peer']}"] = r["host_us"]
     lines += _table(
         list(by_call.values()),
-        [("call", "call"), ("default", "host µs"), ("warn", "host µs, sync-debug warn"), ("ratio", "x a torch op")],
+        [
+            ("call", "call"),
+            ("default", "host µs"),
+            ("warn", "host µs, sync-debug warn"),
+            ("warn_recorded", "warn, warnings recorded"),
+            ("ratio", "x a torch op"),
+            ("peer_idle", "2 processes: peer idle"),
+            ("peer_gpu", "peer's GEMMs"),
+            ("peer_sync", "peer spinning in sync"),
+        ],
     )
+    if peer is not None:
+        lines += [
+            "",
+            f"The peer columns: `{SGW_PREFIX}{peer['command']}` ({_env(peer)}; {peer['cpus_allowed']} CPUs allowed).",
+        ]
     lines += [
         "",
         "Each call alone, back to back, the GPU idle (`torch_add_`: one small torch op, the unit). On this",
         "host a Triton launch through the JIT costs several torch ops; the same launch handed to the compiled",
         "kernel's launcher (`PreparedLaunch`, `triton_gather_prepared`) about one. `torch.cuda.current_stream`",
         "builds a Python object; the raw handle (`current_stream_handle`) does not. Each driver call of the",
-        "copy-engine all-gather (`driver_*`, through ctypes) costs less than a torch op. The plan and per-layer",
-        "read host time of the whole path are in the side-by-side sections above (goal 40 µs each, not met).",
+        "copy-engine all-gather (`driver_*`, through ctypes) costs less than a torch op. Recording every warning",
+        "(`warn_recorded`, as the harness's sync counter does) adds nothing measurable. The peer columns time the",
+        "same calls in one of two processes on one GPU, as the one-GPU harness runs its two ranks.",
         "",
     ]
+    lines += _in_forward_cost()
     return lines
+
+
+def _in_forward_cost() -> list[str]:
+    """A call's host cost inside the harness's forward against its cost in a tight loop, from the last 32K run."""
+    run = _load("vs_upstream_1gpu")
+    profile = RESULTS / "vs_upstream_1gpu_host_profile.txt"
+    if run is None or not profile.exists():
+        return []
+    calib = [r[k] for r in run["rows"] for k in r if k.endswith("_calibration_current_stream_us")]
+    inside = []
+    for line in profile.read_text().splitlines():
+        if line.startswith("torch.cuda:current_stream "):
+            inside.append(float(line.split()[3]))  # calls/fwd, us/fwd, us/call, cpu %
+    if not calib or not inside:
+        return []
+    loop = statistics.median(calib)
+    return [
+        f"Inside the side-by-side harness's forward the same `torch.cuda.current_stream` call costs "
+        f"{min(inside):.1f}-{max(inside):.1f} µs (`vs_upstream_1gpu_host_profile.txt`, per path, with the "
+        f"thread on a CPU all the while), against {loop:.2f} µs (median) in a loop of 200 that each host pass "
+        f"times just before its forward in the same process (`calibration_*` in `vs_upstream_1gpu.json`): "
+        f"{min(inside) / loop:.1f}x or more. Neither a busy peer process (columns above) nor the sync counter "
+        "accounts for it; a call interleaved with the forward's other Python code costs several times its "
+        "tight-loop cost on this host. The goals are judged on the harness's in-forward figures.",
+        "",
+    ]
 
 
 def _host_repeats() -> list[str]:
@@ -593,6 +639,7 @@ def _host_repeats() -> list[str]:
                 ("ours_read_host_us_per_layer", "ours read host µs/layer"),
                 ("stock_read_host_us_per_layer", "stock read host µs/layer"),
                 ("read_host_ratio", "read host ours/stock"),
+                ("host_passes", "host passes"),
             ],
         )
         lines += ["", reps["note"] + ".", ""]

@@ -15,6 +15,11 @@ records the CPUs this process may use and its cgroup's CPU limit.
 
     python -m benchmark.cp_shared_kv.bench_host_calls
     python -m benchmark.cp_shared_kv.bench_host_calls --peer idle gpu sync --out host_calls_peer
+
+``--spacing`` times each call made alone instead: after the device is drained, drained and the thread
+asleep, or after other work that evicts the caches (``spacing`` in each row; ``loop`` is back to back).
+
+    python -m benchmark.cp_shared_kv.bench_host_calls --spacing loop drained idle churn --out host_calls_spacing
 """
 
 from __future__ import annotations
@@ -46,6 +51,28 @@ def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+SPACINGS = ("loop", "drained", "idle", "churn")
+
+
+def spaced_call_us(fn: Callable[[], object], calls: int, spacing: str, scratch: np.ndarray) -> float:
+    """Median host µs of one call made alone, ``calls`` times: after the device is drained (``drained``,
+    as the side-by-side harness's host pass makes each pool call), drained and the thread asleep 2 ms
+    (``idle``), or after writing ``scratch`` (``churn``: other work evicting the caches, as a forward's
+    other code does between two pool calls)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        if spacing == "idle":
+            time.sleep(2e-3)
+        elif spacing == "churn":
+            scratch += 1
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return statistics.median(times)
 
@@ -191,6 +218,12 @@ def main() -> None:
         choices=("idle", "gpu", "sync"),
         help="time the calls in one of two processes on one GPU, beside each of these peer activities",
     )
+    p.add_argument(
+        "--spacing",
+        nargs="+",
+        choices=SPACINGS,
+        help="time each call alone between these (loop: back to back, as without this option); sync-debug off",
+    )
     p.add_argument("--out", default="host_calls", help="result name under docs/benchmarks/ (default: %(default)s)")
     a = p.parse_args()
     if not torch.cuda.is_available():
@@ -201,24 +234,42 @@ def main() -> None:
         args = {"peers": a.peer, "calls": a.calls, "repeats": a.repeats}
         timed, peer = spawn_ranks(_peer_rank, 2, args, backend="gloo", timeout_s=600)
         rows = [dict(r, peer=name, peer_gemms=peer.get(name, 0)) for name in a.peer for r in timed[name]]
+    elif a.spacing:
+        calls = calls_under_test()
+        for fn in calls.values():
+            fn()
+        scratch = np.zeros(8 << 20, dtype=np.uint8)  # 8 MiB: more than a core's L2
+        rows = []
+        for spacing in a.spacing:
+            for name, fn in calls.items():
+                us = (
+                    per_call_us(fn, a.calls, a.repeats)
+                    if spacing == "loop"
+                    else spaced_call_us(fn, a.calls, spacing, scratch)
+                )
+                rows.append(
+                    {"call": name, "sync_debug": "default", "peer": "none", "spacing": spacing, "host_us": round(us, 2)}
+                )
     else:
         calls = calls_under_test()
         for fn in calls.values():  # compile, allocate, warm
             fn()
         modes = ("default", "warn", "warn_recorded")
         rows = [dict(r, peer="none") for r in time_calls(calls, a.calls, a.repeats, modes)]
-    base = {(r["peer"], r["sync_debug"]): r["host_us"] for r in rows if r["call"] == "torch_add_"}
-    for r in rows:
-        r["vs_torch_op"] = round(r["host_us"] / base[r["peer"], r["sync_debug"]], 2)
-        print(
-            f"{r['peer']:>5} {r['sync_debug']:>4} {r['call']:<24} {r['host_us']:8.2f} µs  "
-            f"{r['vs_torch_op']:5.2f}x a torch op"
-        )
+
+    def setting(r: dict) -> tuple:
+        return r["peer"], r.get("spacing", "loop"), r["sync_debug"]
+
+    base = {setting(r): r["host_us"] for r in rows if r["call"] == "torch_add_"}
     summary = {}
     for r in rows:
-        suffix = {"default": "", "warn": "_sync_debug", "warn_recorded": "_sync_debug_recorded"}[r["sync_debug"]] + (
-            "" if r["peer"] == "none" else f"_peer_{r['peer']}"
+        r["vs_torch_op"] = round(r["host_us"] / base[setting(r)], 2)
+        peer, spacing, mode = setting(r)
+        print(
+            f"{peer:>5} {spacing:>7} {mode:>4} {r['call']:<24} {r['host_us']:8.2f} µs  {r['vs_torch_op']:5.2f}x a torch op"
         )
+        suffix = {"default": "", "warn": "_sync_debug", "warn_recorded": "_sync_debug_recorded"}[mode]
+        suffix += ("" if peer == "none" else f"_peer_{peer}") + ("" if spacing == "loop" else f"_{spacing}")
         summary[f"{r['call']}_us{suffix}"] = r["host_us"]
     write_result(a.out, rows, summary, extra=cpu_limits())
 

@@ -277,9 +277,25 @@ def test_set_free_int_changes_one_argument_and_rekeys_only_past_its_width():
     launch._kernel = kept = object()  # stands for the compiled kernel a launch keeps
     for n in (1, 16, 1 << 20):
         launch.set_free_int(2, n)
-        assert launch.args == (src, dst, n, 0) and launch._all_args == launch.args
+        assert launch.args == (src, dst, n, 0) and launch._all_args == (src.data_ptr(), dst.data_ptr(), n, 0)
         assert launch._key == key and launch._kernel is kept
     launch.set_free_int(2, 1 << 40)  # wider than i32: another kernel
     assert launch.args[2] == 1 << 40 and launch._key != key and launch._kernel is None
     launch.set_free_int(3, 1)  # specialized (its value 1): the full rebind
     assert launch.args == (src, dst, 1 << 40, 1) and launch._key[-1][3] == ("i", True, False, True, False)
+    other = torch.zeros(8, dtype=torch.int32)[1:]  # another dtype, 4 bytes past an aligned start
+    launch.set_args({0: other})
+    assert launch._all_args[0] == other.data_ptr() and launch._key[-1][0] == (torch.int32, False)
+
+
+def test_a_launch_hands_the_launcher_tensors_by_address_and_keeps_the_tensors():
+    """The compiled launcher gets each tensor's address (no ``data_ptr`` call and no driver query per launch),
+    read with the alignment that keys it; the launch keeps the tensor itself for the JIT path and its lifetime."""
+    import triton.runtime.jit as jit
+
+    fn = jit.JITFunction(_scaled_copy, do_not_specialize=["n"])
+    src, dst = torch.zeros(8, dtype=torch.int64), torch.zeros(9, dtype=torch.float32)[1:]
+    launch = PreparedLaunch(fn, (1,), (src, dst, 5, 2), {})
+    assert launch.args == (src, dst, 5, 2)
+    assert launch._all_args == (src.data_ptr(), dst.data_ptr(), 5, 2)
+    assert launch._spec[:2] == ((torch.int64, src.data_ptr() % 16 == 0), (torch.float32, dst.data_ptr() % 16 == 0))

@@ -255,6 +255,17 @@ def _free_specialization(arg) -> tuple:
     return _specialization(arg)
 
 
+def _keyed(keyer, arg) -> tuple[tuple, object]:
+    """``(keyer(arg), what the compiled launcher is handed for arg)``: a tensor goes by its address, read once
+    with its alignment. Handed an int, the launcher neither calls ``data_ptr`` nor asks the driver whether the
+    pointer is a device one (a driver call per tensor per launch: host time); the launch keeps the tensor
+    (``args``) for as long as it holds the address."""
+    if isinstance(arg, torch.Tensor):
+        ptr = arg.data_ptr()
+        return (arg.dtype, ptr % 16 == 0), ptr
+    return keyer(arg), arg
+
+
 def _specializers(fn, count: int) -> tuple:
     """Per argument of ``fn`` (its first ``count``), the function that keys it."""
     params = list(getattr(fn, "params", ()))[:count]
@@ -277,7 +288,7 @@ class PreparedLaunch:
     (``_specialization`` of every argument, a superset of what Triton specializes on; an int the kernel
     names in ``do_not_specialize`` by its width alone), and every
     later launch with an equal key, this one's or another's, hands the arguments straight to that
-    compiled kernel's launcher. ``constexprs`` must be the kernel's last parameters, in signature
+    compiled kernel's launcher, tensors as their addresses (``_keyed``). ``constexprs`` must be the kernel's last parameters, in signature
     order (the launcher takes them after ``args``; checked once per kernel). Under the interpreter,
     or while Triton's launch hooks are set (profilers), every launch goes through the JIT. The kernel
     found is kept on the instance until an argument's specialization changes.
@@ -288,9 +299,11 @@ class PreparedLaunch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.device = next(a.device for a in args if isinstance(a, torch.Tensor))
         self._constants = tuple(constexprs.values())
-        self._all_args = (*args, *self._constants)
         self._keyers = _specializers(fn, len(args))
-        self._spec = tuple(key(a) for key, a in zip(self._keyers, args))
+        keyed = [_keyed(key, a) for key, a in zip(self._keyers, args)]
+        self._spec = tuple(k for k, _ in keyed)
+        # What the compiled launcher is handed: tensors by address (``_keyed``), then the constexprs.
+        self._all_args = (*(raw for _, raw in keyed), *self._constants)
         self._key = (fn, self.device, tuple(sorted(options.items())), tuple(constexprs.items()), self._spec)
         self._kernel = None
 
@@ -314,14 +327,15 @@ class PreparedLaunch:
         if self._keyers[index] is not _free_specialization or _free_specialization(value) != self._spec[index]:
             self._bind({index: value})
             return
-        args = self.args
+        args, raw = self.args, self._all_args
         self.args = (*args[:index], value, *args[index + 1 :])
-        self._all_args = (*self.args, *self._constants)
+        self._all_args = (*raw[:index], value, *raw[index + 1 :])
 
     def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
         """Queue this launch again with a new grid and all-new ``args`` (on the same device)."""
-        self._rekey(tuple(key(a) for key, a in zip(self._keyers, args)))
-        self.args, self._all_args = args, (*args, *self._constants)
+        keyed = [_keyed(key, a) for key, a in zip(self._keyers, args)]
+        self._rekey(tuple(k for k, _ in keyed))
+        self.args, self._all_args = args, (*(raw for _, raw in keyed), *self._constants)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self()
 
@@ -337,11 +351,11 @@ class PreparedLaunch:
         self._bind(changes)
 
     def _bind(self, changes: dict[int, object]) -> None:
-        args, spec = list(self.args), list(self._spec)
+        args, spec, raw = list(self.args), list(self._spec), list(self._all_args)
         for i, arg in changes.items():
-            args[i], spec[i] = arg, self._keyers[i](arg)
-        self.args = tuple(args)
-        self._all_args = (*self.args, *self._constants)
+            args[i] = arg
+            spec[i], raw[i] = _keyed(self._keyers[i], arg)
+        self.args, self._all_args = tuple(args), tuple(raw)
         self._rekey(tuple(spec))
 
     def _rekey(self, spec: tuple) -> None:

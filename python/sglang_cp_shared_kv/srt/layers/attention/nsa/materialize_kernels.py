@@ -286,12 +286,12 @@ class PreparedLaunch:
     and looking the kernel up (``docs/benchmarks/host_calls.json``). Here the first launch of a
     specialization goes through the JIT, which compiles or finds the kernel; it is kept under a key
     (``_specialization`` of every argument, a superset of what Triton specializes on; an int the kernel
-    names in ``do_not_specialize`` by its width alone), and every
-    later launch with an equal key, this one's or another's, hands the arguments straight to that
-    compiled kernel's launcher, tensors as their addresses (``_keyed``). ``constexprs`` must be the kernel's last parameters, in signature
-    order (the launcher takes them after ``args``; checked once per kernel). Under the interpreter,
-    or while Triton's launch hooks are set (profilers), every launch goes through the JIT. The kernel
-    found is kept on the instance until an argument's specialization changes.
+    names in ``do_not_specialize`` by its width alone), and every later launch with an equal key, this
+    one's or another's, hands the arguments straight to that compiled kernel's launcher, tensors as their
+    addresses (``_keyed``). ``constexprs`` must be the kernel's last parameters, in signature order (the
+    launcher takes them after ``args``; checked once per kernel). Under the interpreter, or while
+    Triton's launch hooks are set (profilers), every launch goes through the JIT. The kernel found is
+    kept on the instance until an argument's specialization changes.
     """
 
     def __init__(self, fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options):

@@ -231,20 +231,12 @@ def _sync(device: torch.device) -> None:
 
 def _calibrate(device: torch.device, calls: int = 200) -> dict[str, float]:
     """Host µs per call of two small calls (a stream lookup, a one-element torch op) back to back, the device
-    drained first: this process's host speed at this moment, to compare with ``bench_host_calls``'s."""
+    drained first (``bench_host_calls.per_call_us``, one repeat): this process's host speed at this moment."""
+    from benchmark.cp_shared_kv.bench_host_calls import per_call_us
+
     small = torch.zeros(1, device=device)
-    out = {}
-    for name, fn in (
-        ("current_stream", lambda: torch.cuda.current_stream(device)),
-        ("torch_add_", lambda: small.add_(1)),
-    ):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out[name] = round((time.perf_counter() - t0) * 1e6 / calls, 2)
-    _sync(device)
-    return out
+    fns = {"current_stream": lambda: torch.cuda.current_stream(device), "torch_add_": lambda: small.add_(1)}
+    return {name: round(per_call_us(fn, calls, 1), 2) for name, fn in fns.items()}
 
 
 class _Gate:

@@ -302,9 +302,8 @@ class ViewMaterializer:
         # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
         # a fence per batch orders the pools' writes and reads across ranks (``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
-        # By the layer's buffer count and view pages: one launch each, its words the arena's leading pages,
-        # kept as [launch, bytes of one slot's pages, the plan whose send entries it is bound to].
-        self._pull_launches: dict[tuple[int, int], list] = {}
+        # By the layer's buffer count and view pages: one launch each, its words the arena's leading pages.
+        self._pull_launches: dict[tuple[int, int], tuple[PreparedLaunch, int]] = {}
         self._layer_views: dict[tuple[int, bool], LayerView] = {}  # per batch: by view set and indexer
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -587,13 +586,12 @@ class ViewMaterializer:
             launch = pull_launch(self._source_table, plan.slot_phys, plan.slots_per_rank, words, strides, layer)
             if len(self._pull_launches) >= 64:
                 self._pull_launches.clear()
-            found = self._pull_launches[key] = [launch, sum(v.shape[1] for v in views), plan]
-        elif found[2] is not plan:  # this materializer's own launch, rebound in place: this batch's send entries
+            found = self._pull_launches[key] = (launch, sum(v.shape[1] for v in views))
+        elif found[0].args[0] is not plan.slot_phys:  # its own launch, rebound in place: this batch's send entries
             found[0].set_args({0: plan.slot_phys, 4: layer})
-            found[2] = plan
         else:  # later layers of the batch: the layer index only
             found[0].set_free_int(4, layer)
-        launch, page_bytes, _ = found
+        launch, page_bytes = found
         if plan.slots_per_rank:
             launch()
             self.group.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes

@@ -234,12 +234,18 @@ def _no_launch_hooks() -> bool:
     return all(hook is None or not getattr(hook, "calls", True) for hook in (enter, exit_))
 
 
+def _tensor_key(arg: torch.Tensor) -> tuple[tuple, int]:
+    """A tensor's key (its dtype and 16-byte alignment) and its address, from one ``data_ptr`` call."""
+    ptr = arg.data_ptr()
+    return (arg.dtype, ptr % 16 == 0), ptr
+
+
 def _specialization(arg) -> tuple:
     """What Triton may specialize a kernel on for one argument, and more: a tensor's dtype and 16-byte
     alignment; an int's being 1, its divisibility by 16 and its width (i32, i64, u64); anything else by
     value. Two argument lists with equal keys select the same compiled kernel."""
     if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
+        return _tensor_key(arg)[0]
     if isinstance(arg, bool):
         return ("b", arg)
     if isinstance(arg, int):
@@ -261,8 +267,7 @@ def _keyed(keyer, arg) -> tuple[tuple, object]:
     pointer is a device one (a driver call per tensor per launch: host time); the launch keeps the tensor
     (``args``) for as long as it holds the address."""
     if isinstance(arg, torch.Tensor):
-        ptr = arg.data_ptr()
-        return (arg.dtype, ptr % 16 == 0), ptr
+        return _tensor_key(arg)
     return keyer(arg), arg
 
 

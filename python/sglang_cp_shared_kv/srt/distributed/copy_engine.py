@@ -190,6 +190,8 @@ class CopyEngineGroup:
         # This rank's outgoing counter (a call's ready and ack carry the same value), copied from here
         # into the peers' signals.
         self.outbox = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Both fixed for the group's life: their addresses once, not per fence (host time).
+        self._signals_at, self._outbox_at = self.signals.data_ptr(), self.outbox.data_ptr()
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
         mine, why = None, ""
@@ -309,9 +311,9 @@ class CopyEngineGroup:
 
     def _wait_peers(self, stream: int, which: int, k: int) -> None:
         """Queue on ``stream`` a wait for ``signals[which][p] >= k`` from every peer ``p`` (0 ready, 1 ack)."""
-        d, item = self._driver, self.signals.element_size()
+        d = self._driver
         for p in self._peer_signals:
-            slot = self.signals.data_ptr() + (which * self.size + p) * item
+            slot = self._signals_at + (which * self.size + p) * 8  # int64 signals
             d.check(d.wait64(stream, slot, k, WAIT_GEQ), "cuStreamWaitValue64")
 
     def _announce(self, stream: int) -> int:
@@ -319,7 +321,7 @@ class CopyEngineGroup:
         ran before is visible), then to every peer as ready. Returns ``k``."""
         d = self._driver
         self.calls += 1
-        d.check(d.write64(stream, self.outbox.data_ptr(), self.calls, 0), "cuStreamWriteValue64")
+        d.check(d.write64(stream, self._outbox_at, self.calls, 0), "cuStreamWriteValue64")
         self._signal(stream, 0)
         return self.calls
 
@@ -343,10 +345,10 @@ class CopyEngineGroup:
 
     def _signal(self, stream: int, which: int) -> None:
         """Queue ``signals[which][me] := outbox`` on every peer: 8 bytes by copy engine into each peer's slot."""
-        d, item, src = self._driver, self.outbox.element_size(), self.outbox.data_ptr()
-        slot = (which * self.size + self.rank) * item
+        d, src = self._driver, self._outbox_at
+        slot = (which * self.size + self.rank) * 8  # int64 signals
         for peer in self._peer_signals.values():
-            d.check(d.copy(peer + slot, src, item, stream), "cuMemcpyDtoDAsync")
+            d.check(d.copy(peer + slot, src, 8, stream), "cuMemcpyDtoDAsync")
 
     def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, int, int]:
         """(registered buffer, byte offset of ``out`` in it, bytes per part), or ``ValueError``."""
@@ -381,10 +383,9 @@ class CopyEngineGroup:
         for out in outs:
             if out.device != self.device:
                 raise ValueError(f"out is on {out.device}, the registered buffers on {self.device}")
-        item = self.signals.element_size()
         found = [
             (
-                self.signals.data_ptr() + p * item,
+                self._signals_at + p * 8,  # int64 signals
                 [
                     (out.data_ptr() + p * part, self._peer_buffers[p][i] + offset + p * part, part)
                     for (i, offset, part), out in zip(spans, outs)

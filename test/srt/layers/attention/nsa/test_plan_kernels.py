@@ -7,6 +7,7 @@ import torch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_META_ROWS,
+    PlanWorkspace,
     assign_slots_ref,
     build_slot_table_ref,
     map_batch_pages_ref,
@@ -208,11 +209,43 @@ def test_plan_batch_equals_reference(cp_size, prefix, pages, shared, source, ps)
             plan = plan_batch(*args, base=50, fill=99, pad=-1, use_triton=use_triton)
             outs.append((plan, page_pos))
         (ref, ref_pos), (got, got_pos) = outs
-        for name in ("positions", "logical", "slots", "slot_table", "slot_phys", "status", "wrong"):
+        for name in _PLAN_FIELDS:
             a, b = getattr(got, name), getattr(ref, name)
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, rotate)
         assert torch.equal(got_pos, ref_pos)
         assert got.wrong.tolist() == [0] * len(pages)  # the hints are right
+
+
+_PLAN_FIELDS = ("positions", "logical", "slots", "slot_table", "slot_phys", "status", "wrong")
+
+
+@needs_triton
+def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
+    """Batches of other sizes planned one after another over one workspace (its buffers grown, then reused
+    with the last batch's values still in them) give the plan that fresh buffers give."""
+    workspace = PlanWorkspace()
+    cases = [
+        ([3, 5, 0], [5, 6, 2], [0, 2, 0], [-1, 0, -1], 4),
+        ([1100, 40], [1101, 44], [0, 0], [-1, -1], 2),  # grows the buffers
+        ([7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], 16),  # smaller: reuses them
+        ([0, 0], [3, 1], [0, 0], [-1, -1], 1),
+    ]
+    for i, case in enumerate(cases):
+        tokens, rows, meta, width, m, s, logical = _plan_case(3, *case, seed=i)
+        outs = []
+        for ws in (None, workspace):
+            page_pos = torch.full((logical,), -3, dtype=torch.int64, device=DEVICE)
+            args = (tokens.to(DEVICE), rows.to(DEVICE), case[-1], meta.to(DEVICE), width, m, 3, s, 77, page_pos)
+            outs.append((plan_batch(*args, base=50, fill=99, workspace=ws), page_pos))
+        (ref, ref_pos), (got, got_pos) = outs
+        for name in _PLAN_FIELDS:
+            a, b = getattr(got, name), getattr(ref, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, i)
+        assert torch.equal(got_pos, ref_pos)
+        if i == 1:
+            words = workspace._words
+        if i >= 2:  # the grown buffers serve the smaller batches
+            assert workspace._words is words and got.status.untyped_storage().data_ptr() == words.data_ptr()
 
 
 def test_plan_batch_counts_a_wrong_hint_and_rejects_bad_meta():

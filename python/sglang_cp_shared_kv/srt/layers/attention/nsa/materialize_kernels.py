@@ -580,9 +580,11 @@ def translate_locs(
         raise ValueError(f"locs must be int32 or int64, got {locs.dtype}")
     if not triton_enabled(page_pos.device, use_triton) or locs.numel() == 0:
         return translate_locs_ref(page_pos, locs, page_size, out_dtype)
-    flat = locs if locs.dim() == 1 and locs.is_contiguous() else locs.reshape(-1).contiguous()
+    # The kernel walks the locs as flat memory: a contiguous tensor of any shape as is (SGLang's page
+    # tables are), anything else through one contiguous copy.
+    flat = locs if locs.is_contiguous() else locs.contiguous()
     out = torch.empty(locs.shape, dtype=out_dtype or locs.dtype, device=locs.device)
-    n = flat.shape[0]
+    n = flat.numel()
     block = 1024
     launch(
         _translate_kernel,

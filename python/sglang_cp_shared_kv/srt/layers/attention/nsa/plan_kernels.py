@@ -21,7 +21,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import check_index, launch, triton_enabled
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    PreparedLaunch,
+    check_index,
+    launch,
+    triton_enabled,
+)
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
 try:
@@ -404,6 +409,7 @@ def plan_batch(
     pad: int = 0,
     use_triton: bool | None = None,
     flags: torch.Tensor | None = None,
+    workspace: PlanWorkspace | None = None,
 ) -> BatchPlan:
     """``plan_batch_ref`` in one launch of one program, which first fills ``page_pos`` (None: the plan
     without a page map) with ``fill``: two allocations, no read-back. ``num_positions``
@@ -412,7 +418,9 @@ def plan_batch(
     ``meta`` may be pinned host memory on a CUDA launch, which reads it in place: into device scratch in
     blocks of loads first (a bus round trip each), then per request from there. ``flags`` (int64
     ``[N + 1 + B]``; default: a device buffer) receives ``status`` then ``wrong``: pinned host memory
-    there puts them on the host with the launch, no copy (``slot_plan.DeviceFlagCheck.watch``)."""
+    there puts them on the host with the launch, no copy (``slot_plan.DeviceFlagCheck.watch``).
+    ``workspace``: the outputs are views of its buffers, valid until the next plan over it (default:
+    allocated here)."""
     check_index("tokens", tokens, 2)
     check_index("rows", rows, 1)
     batch = rows.shape[0]
@@ -437,19 +445,65 @@ def plan_batch(
     # positions, logical, slots, send entries (and the dump entry), then status and the hint's counts unless
     # ``flags`` holds them: one allocation.
     words = 3 * m + send + 1 + meta.numel() + (cp_size + 1 + batch if flags is None else 0)
-    flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
+    if workspace is None:
+        flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
+        table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
+    else:
+        flat, table = workspace.take(words, batch, width, tokens.device)
     positions, logical, slots, phys, staged, rest = flat.split(
-        [m, m, m, send + 1, meta.numel(), words - 3 * m - send - 1 - meta.numel()]
+        [m, m, m, send + 1, meta.numel(), flat.shape[0] - 3 * m - send - 1 - meta.numel()]
     )
-    status, wrong = (rest if flags is None else flags).split([cp_size + 1, batch])
-    table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
-    launch(
-        _plan_batch_kernel,
-        (1,),
-        (tokens, tokens.stride(0), rows, meta, staged, batch, width, page_size, positions, logical, slots, table, phys)
-        + (status, wrong, flat if page_pos is None else page_pos, slots_per_rank, trash_page, pad, base, fill)
-        + (0 if page_pos is None else page_pos.shape[0],),
-        {"N": cp_size, "NP2": max(2, triton.next_power_of_2(cp_size)), "BLOCK": 1024, "MAP": page_pos is not None},
-        num_warps=8,
-    )
+    status, wrong = (rest[: cp_size + 1 + batch] if flags is None else flags).split([cp_size + 1, batch])
+    args = (tokens, tokens.stride(0), rows, meta, staged, batch, width, page_size, positions, logical, slots, table)
+    args += (phys, status, wrong, flat if page_pos is None else page_pos, slots_per_rank, trash_page, pad, base, fill)
+    args += (0 if page_pos is None else page_pos.shape[0],)
+    constexprs = {
+        "N": cp_size,
+        "NP2": max(2, triton.next_power_of_2(cp_size)),
+        "BLOCK": 1024,
+        "MAP": page_pos is not None,
+    }
+    if workspace is None:
+        launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
+    else:
+        workspace.launch(args, constexprs)
     return BatchPlan(positions, logical, slots, table, phys[:send], status, wrong)
+
+
+class PlanWorkspace:
+    """The device memory and the launch a planner reuses batch after batch (``plan_batch(...,
+    workspace=)``), instead of two allocations and a launch-site lookup per batch (host time).
+
+    ``take`` hands the whole int64 buffer (the caller splits it; the tail past its words unused) and a
+    ``[batch, width]`` int32 table at the start of the other buffer, each grown to twice the need when
+    too small. Reuse follows stream order: a plan is read by the kernels queued after it, and the next
+    plan's launch is queued after those, on the same stream. A reader on another stream must be waited
+    for before the next plan (the materializer drains its prefetch stream at each batch's end).
+    """
+
+    def __init__(self) -> None:
+        self._words: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
+        self._launch: PreparedLaunch | None = None
+        self._constexprs: dict | None = None
+
+    def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""
+        flat, table = self._words, self._table
+        if flat is None or flat.shape[0] < words or flat.device != device:
+            flat = self._words = torch.empty(2 * words, dtype=torch.int64, device=device)
+        if table is None or table.shape[0] < batch * width or table.device != device:
+            table = self._table = torch.empty(max(2 * batch * width, 1), dtype=torch.int32, device=device)
+        return flat, table.as_strided((batch, width), (width, 1))
+
+    def launch(self, args: tuple, constexprs: dict) -> None:
+        """``_plan_batch_kernel`` over ``args``: this workspace's launch rebound to them."""
+        prepared = self._launch
+        if prepared is None or constexprs != self._constexprs or prepared.device != args[0].device:
+            self._launch, self._constexprs = (
+                PreparedLaunch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8),
+                constexprs,
+            )
+            self._launch()
+            return
+        prepared.relaunch((1,), args)

@@ -70,7 +70,12 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     check_arena_fits,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
-from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
+    PLAN_META_ROWS,
+    BatchPlan,
+    PlanWorkspace,
+    plan_batch,
+)
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
     SlotOverflowError,
@@ -207,6 +212,8 @@ class BatchReadState:
         # Per batch: the plan's host lengths and flags (overflow, the hint's wrong pages) in one pinned
         # buffer that its launch reads and writes in place, read back at a later begin or end.
         self.flags = DeviceFlagCheck()
+        # The plan's outputs and launch, reused every batch like ``page_pos`` (stream order).
+        self._workspace = PlanWorkspace()
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
@@ -265,6 +272,8 @@ class BatchReadState:
         hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
         hint = _check_shared_prefix(hint, [p // ps for p in prefix_lens])
         self.check_overflow()
+        if self.views is not None:  # a layer gathered ahead reads the plan this batch's overwrites
+            self.views.drain()
         self._layer_cache.clear()
         self.stage_rows.clear()
         self.translate_pages_once.clear()
@@ -312,6 +321,7 @@ class BatchReadState:
             base,
             fill,
             flags=buf[m:],
+            workspace=self._workspace,
         )
         requests = self.request_ids
 

@@ -67,6 +67,8 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     write plan are never built.
     """
 
+    _last_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (a read buffer, its kernel view)
+
     def _init_cp_shared(
         self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | Callable[[], CPGroup] | None
     ) -> None:
@@ -221,8 +223,14 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         return self.read.translate(loc)
 
     def _read_rows(self, layer_id: int) -> torch.Tensor:
-        buf = self._as_rows(self.read.latent_rows(layer_id - self.start_layer))
-        return buf.view(self.dtype) if self.store_dtype != self.dtype else buf
+        """The kernels' view of the layer's read buffer, built once per buffer: the layers of a batch read
+        one or two buffers, the same objects batch after batch while the view's size holds (host time)."""
+        buf = self.read.latent_rows(layer_id - self.start_layer)
+        last = self._last_rows
+        if last is None or last[0] is not buf:
+            rows = self._as_rows(buf)
+            last = self._last_rows = (buf, rows.view(self.dtype) if self.store_dtype != self.dtype else rows)
+        return last[1]
 
     def get_key_buffer(self, layer_id: int):
         if self._shard_extend_active:

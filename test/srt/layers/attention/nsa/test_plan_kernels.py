@@ -245,7 +245,7 @@ def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
         if i == 1:
             words = workspace._words
         if i >= 2:  # the grown buffers serve the smaller batches
-            assert workspace._words is words and got.status.untyped_storage().data_ptr() == words.data_ptr()
+            assert workspace._words is words and got.positions.untyped_storage().data_ptr() == words.data_ptr()
 
 
 def test_plan_batch_counts_a_wrong_hint_and_rejects_bad_meta():

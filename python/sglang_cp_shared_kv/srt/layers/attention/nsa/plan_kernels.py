@@ -243,14 +243,14 @@ def plan_batch_ref(
     """A batch's whole plan from its token table, composed of the references above.
 
     Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size`` (SGLang's
-    ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` holds per
+    ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` (or flat) holds per
     request (``PLAN_META_ROWS``) its shared, prefix and total pages, its first staged page, the source of
     its shared pages (-1: none) and its first planned position. The plan covers pages ``[shared, prefix)``
     of each request (``assign_slots_ref`` over the table shifted left by ``shared``), ``page_pos`` (None:
     no map) is the batch's page map (``map_batch_pages_ref``), and ``wrong[b]`` counts request ``b``'s
     first ``shared`` pages that are not its source's.
     """
-    shared, prefix, pages, start, source, plan_start = meta.long()
+    shared, prefix, pages, start, source, plan_start = meta.long().view(len(PLAN_META_ROWS), -1)
     page_table = tokens[rows.long()][:, : width * page_size : page_size].long() // page_size
     cols = torch.arange(width, device=tokens.device).unsqueeze(0)
     plan_table = page_table.gather(1, (cols + shared.unsqueeze(1)).clamp(max=max(width - 1, 0)))
@@ -287,6 +287,7 @@ if triton is not None:
             "base",
             "fill",
             "num_pages",
+            "num_positions",
         ]
     )
     def _plan_batch_kernel(
@@ -294,18 +295,14 @@ if triton is not None:
         tok_stride0,
         rows,
         meta_in,
-        meta,
+        out,
+        table_out,
+        flags_out,
+        page_pos,
         batch,
         width,
         page_size,
-        positions_out,
-        logical_out,
-        slots_out,
-        table_out,
-        phys_out,
-        status_out,
-        wrong_out,
-        page_pos,
+        num_positions,
         slots_per_rank,
         trash_page,
         pad,
@@ -320,6 +317,16 @@ if triton is not None:
         # One program walks the batch request by request (positions in request-major order), twice: the
         # positions per owner first, then each position's rank, slot and stores (the tokens' column
         # stride is 1: SGLang's req_to_token rows are contiguous, checked by the wrapper).
+        # ``out`` holds, in int64 words: positions, logical pages and slots ([M] each), the send entries
+        # ([N * S] and a dump entry), then the host lengths' device copy ([6 * B]); ``flags_out`` the
+        # status ([N + 1]) then the hint's wrong pages ([B]); ``table_out`` is int32 [B, width], contiguous.
+        positions_out = out
+        logical_out = out + num_positions
+        slots_out = out + 2 * num_positions
+        phys_out = out + 3 * num_positions
+        meta = phys_out + N * slots_per_rank + 1
+        status_out = flags_out
+        wrong_out = flags_out + N + 1
         lanes = tl.arange(0, BLOCK)
         # The host lengths into device scratch first, a block of loads at a time: ``meta_in`` may be pinned
         # host memory, whose loads cost a bus round trip each; the passes below read them per request.
@@ -424,8 +431,10 @@ def plan_batch(
     check_index("tokens", tokens, 2)
     check_index("rows", rows, 1)
     batch = rows.shape[0]
-    if meta.dtype != torch.int64 or meta.shape != (len(PLAN_META_ROWS), batch) or not meta.is_contiguous():
-        raise ValueError(f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}], got {tuple(meta.shape)}")
+    if meta.dtype != torch.int64 or meta.numel() != len(PLAN_META_ROWS) * batch or not meta.is_contiguous():
+        raise ValueError(
+            f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}] (or flat), got {tuple(meta.shape)}"
+        )
     if page_pos is not None and (page_pos.dtype != torch.int64 or page_pos.dim() != 1):
         raise ValueError(f"page_pos must be int64 [logical pages], got {page_pos.dtype} {tuple(page_pos.shape)}")
     if num_positions and slots_per_rank < 1:
@@ -442,20 +451,17 @@ def plan_batch(
         flags.copy_(torch.cat([plan.status, plan.wrong]), non_blocking=True)
         return replace(plan, status=flags[: cp_size + 1], wrong=flags[cp_size + 1 :])
     m, send = num_positions, cp_size * slots_per_rank
-    # positions, logical, slots, send entries (and the dump entry), then status and the hint's counts unless
-    # ``flags`` holds them: one allocation.
-    words = 3 * m + send + 1 + meta.numel() + (cp_size + 1 + batch if flags is None else 0)
+    # positions, logical, slots, send entries (and the dump entry), the host lengths' device copy: one buffer.
+    words = 3 * m + send + 1 + meta.numel()
+    if flags is None:
+        flags = torch.empty(cp_size + 1 + batch, dtype=torch.int64, device=tokens.device)
     if workspace is None:
         flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
         table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
     else:
         flat, table = workspace.take(words, batch, width, tokens.device)
-    positions, logical, slots, phys, staged, rest = flat.split(
-        [m, m, m, send + 1, meta.numel(), flat.shape[0] - 3 * m - send - 1 - meta.numel()]
-    )
-    status, wrong = (rest[: cp_size + 1 + batch] if flags is None else flags).split([cp_size + 1, batch])
-    args = (tokens, tokens.stride(0), rows, meta, staged, batch, width, page_size, positions, logical, slots, table)
-    args += (phys, status, wrong, flat if page_pos is None else page_pos, slots_per_rank, trash_page, pad, base, fill)
+    args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, flat if page_pos is None else page_pos)
+    args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill)
     args += (0 if page_pos is None else page_pos.shape[0],)
     constexprs = {
         "N": cp_size,
@@ -467,16 +473,17 @@ def plan_batch(
         launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
     else:
         workspace.launch(args, constexprs)
-    return BatchPlan(positions, logical, slots, table, phys[:send], status, wrong)
+    positions, logical, slots, phys = flat.split([m, m, m, send, flat.shape[0] - 3 * m - send])[:4]
+    status, wrong = flags.split([cp_size + 1, batch])
+    return BatchPlan(positions, logical, slots, table, phys, status, wrong)
 
 
 class PlanWorkspace:
     """The device memory and the launch a planner reuses batch after batch (``plan_batch(...,
     workspace=)``), instead of two allocations and a launch-site lookup per batch (host time).
 
-    ``take`` hands the whole int64 buffer (the caller splits it; the tail past its words unused) and a
-    ``[batch, width]`` int32 table at the start of the other buffer, each grown to twice the need when
-    too small. Reuse follows stream order: a plan is read by the kernels queued after it, and the next
+    ``take`` hands the whole int64 buffer (its tail past the batch's words unused) and a ``[batch, width]``
+    int32 table at the start of the other buffer, each grown to twice the need when too small. Reuse follows stream order: a plan is read by the kernels queued after it, and the next
     plan's launch is queued after those, on the same stream. A reader on another stream must be waited
     for before the next plan (the materializer drains its prefetch stream at each batch's end).
     """

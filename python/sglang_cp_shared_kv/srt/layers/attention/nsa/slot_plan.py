@@ -129,8 +129,8 @@ def plan_meta(
 ) -> torch.Tensor:
     """``plan_batch``'s ``meta`` (int64 ``[6, B]``, rows ``PLAN_META_ROWS``, on ``device``), written into
     one (pinned, on CUDA) host buffer and copied in one non-blocking copy; with ``out`` (int64 host
-    ``[6 * B]``, pinned on CUDA: ``DeviceFlagCheck.host_buffer``) written there and returned as is, for
-    a launch that reads it in place (nothing copied; the buffer stays untouched until that launch has
+    ``[6 * B]``, pinned on CUDA: ``DeviceFlagCheck.host_buffer``) written there, row after row, and
+    returned as is, for a launch that reads it in place (nothing copied; the buffer stays untouched until that launch has
     run).
 
     Request ``b`` has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default:
@@ -148,11 +148,13 @@ def plan_meta(
         plan_starts.append(plan_start)
         start += total - prefix
         plan_start += prefix - shared
-    table = [[s for _, s in hint], list(prefix_pages), list(pages), starts, [src for src, _ in hint], plan_starts]
-    shape = (len(PLAN_META_ROWS), len(pages))
-    host = torch.empty(shape, dtype=torch.int64, pin_memory=device.type == "cuda") if out is None else out.view(shape)
-    host.numpy()[:] = table  # sync-ok: a host tensor, filled before any launch reads it
-    return host if out is not None else host.to(device, non_blocking=True)
+    rows = [s for _, s in hint] + list(prefix_pages) + list(pages) + starts + [src for src, _ in hint] + plan_starts
+    if out is not None:  # flat, as the launch reads it (host time: no view)
+        out.numpy()[:] = rows  # sync-ok: a host tensor, filled before any launch reads it
+        return out
+    host = torch.empty((len(PLAN_META_ROWS), len(pages)), dtype=torch.int64, pin_memory=device.type == "cuda")
+    host.numpy().reshape(-1)[:] = rows  # sync-ok: a host tensor, filled before any launch reads it
+    return host.to(device, non_blocking=True)
 
 
 def slot_plan_of(

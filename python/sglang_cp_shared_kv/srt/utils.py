@@ -38,16 +38,31 @@ def current_stream_handle(device: torch.device) -> int:
     Without building a ``torch.cuda.Stream`` (``torch.cuda.current_stream(device)`` cost ~10 µs of
     host time per call on an H200 host: ``docs/benchmarks/host_calls.json``).
     """
-    import torch  # here, not at the top: this module imports without torch
+    index = device.index
+    if index is None:
+        import torch  # here, not at the top: this module imports without torch
 
-    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+        index = torch.cuda.current_device()
+    return _raw_stream(index)
+
+
+_RAW_STREAM = None  # torch's raw current-stream getter, looked up once (host time)
 
 
 def _raw_stream(index: int) -> int:
-    import torch
+    global _RAW_STREAM
+    raw = _RAW_STREAM
+    if raw is None:
+        import torch
 
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
+
+            def raw(i: int) -> int:
+                return torch.cuda.current_stream(i).cuda_stream
+
+        _RAW_STREAM = raw
+    return raw(index)
 
 
 # Stream objects by (device index, raw handle): see ``current_stream``.

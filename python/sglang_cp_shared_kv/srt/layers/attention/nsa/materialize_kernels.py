@@ -583,7 +583,7 @@ def translate_locs(
     # The kernel walks the locs as flat memory: a contiguous tensor of any shape as is (SGLang's page
     # tables are), anything else through one contiguous copy.
     flat = locs if locs.is_contiguous() else locs.contiguous()
-    out = torch.empty(locs.shape, dtype=out_dtype or locs.dtype, device=locs.device)
+    out = torch.empty_like(flat, dtype=out_dtype)  # the locs' shape, contiguous (``None``: their dtype)
     n = flat.numel()
     block = 1024
     launch(

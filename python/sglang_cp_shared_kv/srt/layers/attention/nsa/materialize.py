@@ -371,18 +371,34 @@ class ViewMaterializer:
             tuple(pages),
         ):
             raise ValueError("plan was built for another batch or pool layout than this begin_batch call")
-        self.plan = plan
-        if debug_enabled():
-            check_plan(self.plan, self.group)
-        copies = 2 if self.prefetch else 1
-        if self.arena is not None:
-            copies = arena_sets(self.arena, self.plan.view_pages + extra_pages, copies)
-        self._allocate(self.plan, copies, extra_pages)
-        self._slot_table = plan.slot_table
-        self._current_rows = None
+        self._start(plan, extra_pages)
         if self.prefetch and self._num_tokens:
             self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
         return self.counters
+
+    def begin_planned(self, plan: SlotPlan, kind: str, extra_pages: int) -> BatchCounters:
+        """``begin_batch`` for a caller that planned the batch's prefixes itself (``plan``, built for this
+        pool's layout) and stages the current chunk into the ``extra_pages`` past the view: nothing of the
+        chunk is gathered, so there are no lengths to check or plan here (host time). ``kind`` is the
+        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags."""
+        self.drain()  # a gather still in flight writes buffers this batch replaces
+        self.fence()
+        self.counters = BatchCounters(kind=kind)
+        self._num_tokens = self._current_pages = 0
+        self._start(plan, extra_pages)
+        return self.counters
+
+    def _start(self, plan: SlotPlan, extra_pages: int) -> None:
+        """Take ``plan`` as the batch's and set its view buffers up."""
+        self.plan = plan
+        if debug_enabled():
+            check_plan(plan, self.group)
+        copies = 2 if self.prefetch else 1
+        if self.arena is not None:
+            copies = arena_sets(self.arena, plan.view_pages + extra_pages, copies)
+        self._allocate(plan, copies, extra_pages)
+        self._slot_table = plan.slot_table
+        self._current_rows = None
 
     def _allocate(self, plan: SlotPlan, copies: int, extra_pages: int = 0) -> None:
         """The view buffers, and the slices the gather writes and the all-gather fills (built once per batch).

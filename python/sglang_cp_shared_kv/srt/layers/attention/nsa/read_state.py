@@ -398,11 +398,7 @@ class BatchReadState:
         # (padding locs of the write path) to the trash page past those.
         out = self._plan(batch, pages, prefix_pages, hint, s, base=view_pages, fill=view_pages + staged)
         plan = slot_plan_of(out, n, ps, plan_pages, s, self.latent.trash_page)
-        plan_lens = [p * ps for p in plan_pages]
-        self.counters = self.views.begin_batch(
-            plan.slot_table, plan_lens, plan_lens, plan=plan, request_ids=self.request_ids, extra_pages=staged + 1
-        )
-        self.counters.kind = batch_kind(prefix_lens)
+        self.counters = self.views.begin_planned(plan, batch_kind(prefix_lens), extra_pages=staged + 1)
         self.counters.pages_staged = staged
         self._stages = []
         for part in range(self.views.view_sets):

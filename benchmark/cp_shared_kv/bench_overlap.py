@@ -128,6 +128,7 @@ def local_copy_engine_group(arena: list[torch.Tensor], peer: list[torch.Tensor],
     g.signals = torch.zeros(2, CP, dtype=torch.int64, device=g.device)
     g.signals[:, 1] = 0 if late else 1 << 62
     g.outbox = torch.zeros(1, dtype=torch.int64, device=g.device)
+    g._signals_at, g._outbox_at = g.signals.data_ptr(), g.outbox.data_ptr()
     g.buffers = [b.view(torch.uint8).view(-1) for b in arena]
     g._sink = torch.zeros(2, CP, dtype=torch.int64, device=g.device)  # the peer's signal slots
     g._peer_signals = {1: g._sink.data_ptr()}

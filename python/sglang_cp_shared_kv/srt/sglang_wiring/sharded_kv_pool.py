@@ -294,10 +294,19 @@ class CPSharedIndexKeyCache(IndexKeyCache):
     """The DSA indexer K + scale pages of a CP-shared pool: masked writes, reads from the batch's buffer."""
 
     _last_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch pages, their kernel view)
+    _keyed_layers: tuple[bool, ...] | None = None  # per local layer: holds indexer keys (fixed buffers)
+
+    def _has_keys(self, local: int) -> bool:
+        """Whether local layer ``local`` holds indexer keys (SGLang leaves those of layers that skip top-k
+        empty); read once from the fixed buffers, not per read (host time)."""
+        keyed = self._keyed_layers
+        if keyed is None:
+            keyed = self._keyed_layers = tuple(b.shape[0] > 0 for b in self.buffer)
+        return keyed[local]
 
     def get_buffer(self, layer_id: int) -> torch.Tensor:
         pool = self.pool
-        if not pool._shard_extend_active or not self.buffer[layer_id - pool.start_layer].shape[0]:
+        if not pool._shard_extend_active or not self._has_keys(layer_id - pool.start_layer):
             return self.get_local_buffer(layer_id)
         counter = pool.layer_transfer_counter  # as the stock read: the layer's pages loaded first
         if counter is not None:
@@ -316,7 +325,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         pool = self.pool
         if not pool._shard_extend_active:
             raise RuntimeError("indexer pages of a CP-shared pool are read only inside a sharded extend batch")
-        if not self.buffer[layer_id - pool.start_layer].shape[0]:
+        if not self._has_keys(layer_id - pool.start_layer):
             raise RuntimeError(f"layer {layer_id} skips top-k and holds no indexer keys")
         return dsa_index_k_cache.GetKAndS.execute(
             pool,

@@ -1349,7 +1349,7 @@ def render_doc(stat: str) -> str:
         *_measurement_rows(),
         "",
         "Not measured in this form: a full server (model, scheduler) with the flag on, CP4/CP8, the 128K",
-        "workload to its end. The read path's host cost is above its goal (see `docs/benchmarks.md`).",
+        "workload to its end. The batch plan's host cost is above its goal (see `docs/benchmarks.md`).",
         "",
         _DOC_TESTS,
         "## The series",

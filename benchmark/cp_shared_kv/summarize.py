@@ -658,6 +658,7 @@ def _host_repeats() -> list[str]:
                 ("ours_vs_stock_layer_time_without_stand_ins", "same, w/o stand-ins"),
                 ("ours_plan_host_us", "ours plan host µs"),
                 ("stock_metadata_host_us", "stock metadata host µs"),
+                ("plan_host_vs_stock_metadata_host", "plan / stock metadata"),
                 ("ours_read_host_us_per_layer", "ours read host µs/layer"),
                 ("stock_read_host_us_per_layer", "stock read host µs/layer"),
                 ("read_host_ratio", "read host ours/stock"),
@@ -665,6 +666,13 @@ def _host_repeats() -> list[str]:
             ],
         )
         lines += ["", reps["note"] + ".", ""]
+        stock_meta = [r["stock_metadata_host_us"] for r in reps["rows"]]
+        lines += [
+            "The host runs faster or slower from run to run: SGLang's own `init_forward_metadata` over the stock",
+            f"pool, the same code every time, takes {min(stock_meta)}-{max(stock_meta)} µs across these rows. So",
+            "the plan is also given as a fraction of that call in the same run (`plan / stock metadata`).",
+            "",
+        ]
     if placed is not None:
         unstaged = _load("plan_meta_placement_unstaged")
         lines += ["## The plan's host lengths: device memory vs pinned, read in place (1 x H200)", ""]

@@ -229,8 +229,9 @@ class ViewMaterializer:
     With ``prefetch``, ``layer_view(l)`` also starts building layer ``l + 1``'s view (on GPU its
     gather on the compute stream, or with ``prefetch_gather="side"`` on the side stream, and its
     all-gather on the side stream at ``prefetch_priority``; at once on CPU), before the caller has
-    written layer ``l + 1``'s current chunk to the pool. Every rank holds that chunk, so ``layer_view(l + 1)`` then copies it
-    into its view rows: the view is byte-for-byte the one a gather after the write gives.
+    written layer ``l + 1``'s current chunk to the pool. Every rank holds that chunk, so
+    ``layer_view(l + 1)`` then copies it into its view rows: the view is byte-for-byte the one a gather
+    after the write gives.
 
     ``pool`` is a ``page_source.PageSource``.
 

@@ -243,9 +243,9 @@ def plan_batch_ref(
     """A batch's whole plan from its token table, composed of the references above.
 
     Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size`` (SGLang's
-    ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` (or flat) holds per
-    request (``PLAN_META_ROWS``) its shared, prefix and total pages, its first staged page, the source of
-    its shared pages (-1: none) and its first planned position. The plan covers pages ``[shared, prefix)``
+    ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` (or
+    flat) holds per request (``PLAN_META_ROWS``) its shared, prefix and total pages, its first staged page,
+    the source of its shared pages (-1: none) and its first planned position. The plan covers pages ``[shared, prefix)``
     of each request (``assign_slots_ref`` over the table shifted left by ``shared``), ``page_pos`` (None:
     no map) is the batch's page map (``map_batch_pages_ref``), and ``wrong[b]`` counts request ``b``'s
     first ``shared`` pages that are not its source's.
@@ -419,8 +419,8 @@ def plan_batch(
     workspace: PlanWorkspace | None = None,
 ) -> BatchPlan:
     """``plan_batch_ref`` in one launch of one program, which first fills ``page_pos`` (None: the plan
-    without a page map) with ``fill``: two allocations, no read-back. ``num_positions``
-    (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints.
+    without a page map) with ``fill``: its outputs in one int64 buffer and an int32 table, no read-back.
+    ``num_positions`` (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints.
 
     ``meta`` may be pinned host memory on a CUDA launch, which reads it in place: into device scratch in
     blocks of loads first (a bus round trip each), then per request from there. ``flags`` (int64
@@ -483,9 +483,10 @@ class PlanWorkspace:
     workspace=)``), instead of two allocations and a launch-site lookup per batch (host time).
 
     ``take`` hands the whole int64 buffer (its tail past the batch's words unused) and a ``[batch, width]``
-    int32 table at the start of the other buffer, each grown to twice the need when too small. Reuse follows stream order: a plan is read by the kernels queued after it, and the next
-    plan's launch is queued after those, on the same stream. A reader on another stream must be waited
-    for before the next plan (the materializer drains its prefetch stream at each batch's end).
+    int32 table at the start of the other buffer, each grown to twice the need when too small. Reuse
+    follows stream order: a plan is read by the kernels queued after it, and the next plan's launch is
+    queued after those, on the same stream. A reader on another stream must be waited for before the
+    next plan (the read state drains the materializer's prefetch stream before it plans a batch).
     """
 
     def __init__(self) -> None:

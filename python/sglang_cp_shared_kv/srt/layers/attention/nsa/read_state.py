@@ -272,7 +272,7 @@ class BatchReadState:
         hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
         hint = _check_shared_prefix(hint, [p // ps for p in prefix_lens])
         self.check_overflow()
-        if self.views is not None:  # a layer gathered ahead reads the plan this batch's overwrites
+        if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
             self.views.drain()
         self._layer_cache.clear()
         self.stage_rows.clear()

@@ -130,8 +130,8 @@ def plan_meta(
     """``plan_batch``'s ``meta`` (int64 ``[6, B]``, rows ``PLAN_META_ROWS``, on ``device``), written into
     one (pinned, on CUDA) host buffer and copied in one non-blocking copy; with ``out`` (int64 host
     ``[6 * B]``, pinned on CUDA: ``DeviceFlagCheck.host_buffer``) written there, row after row, and
-    returned as is, for a launch that reads it in place (nothing copied; the buffer stays untouched until that launch has
-    run).
+    returned as is, for a launch that reads it in place (nothing copied; the buffer stays untouched until
+    that launch has run).
 
     Request ``b`` has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default:
     all, none staged), the first ``hint[b] = (source, shared)`` of those the source's (default: none).

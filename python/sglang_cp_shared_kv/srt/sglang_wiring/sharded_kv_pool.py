@@ -294,15 +294,11 @@ class CPSharedIndexKeyCache(IndexKeyCache):
     """The DSA indexer K + scale pages of a CP-shared pool: masked writes, reads from the batch's buffer."""
 
     _last_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch pages, their kernel view)
-    _keyed_layers: tuple[bool, ...] | None = None  # per local layer: holds indexer keys (fixed buffers)
 
     def _has_keys(self, local: int) -> bool:
-        """Whether local layer ``local`` holds indexer keys (SGLang leaves those of layers that skip top-k
-        empty); read once from the fixed buffers, not per read (host time)."""
-        keyed = self._keyed_layers
-        if keyed is None:
-            keyed = self._keyed_layers = tuple(b.shape[0] > 0 for b in self.buffer)
-        return keyed[local]
+        """Whether local layer ``local`` holds indexer keys: the read state's pages over these buffers
+        know it (``PageBuffers.has_index``)."""
+        return self.pool.read.source.has_index[local]
 
     def get_buffer(self, layer_id: int) -> torch.Tensor:
         pool = self.pool

@@ -267,9 +267,6 @@ class ViewMaterializer:
         self.pool = pool
         self.group = group
         self.arena = arena
-        # Per layer, whether it has indexer pages (SGLang leaves those of layers that skip top-k empty):
-        # the pool's buffers are fixed, so once here rather than per read (host time).
-        self._has_index = tuple(pool.with_indexer and pool.index[k].shape[0] > 0 for k in range(pool.num_layers))
         self._slot_table: torch.Tensor | None = None  # the kernels' page table (the plan's)
         self.prefetch = prefetch
         self.prefetch_gather = prefetch_gather
@@ -524,8 +521,8 @@ class ViewMaterializer:
         return self._rows[layer % len(self._rows)]
 
     def _layer_has_index(self, layer: int) -> bool:
-        """Whether ``layer`` has indexer pages to gather. Host-known shapes."""
-        return self._has_index[layer]
+        """Whether ``layer`` has indexer pages to gather (``PageSource.has_index``)."""
+        return self.pool.has_index[layer]
 
     # -- the gather, now or ahead --
     def _gather(

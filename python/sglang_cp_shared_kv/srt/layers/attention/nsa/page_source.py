@@ -19,7 +19,8 @@ class PageSource(Protocol):
     - ``ownership``: which rank owns which logical page; ``rank``: this rank.
     - ``latent_pages(layer)``: uint8 ``[pages, page_size * row_bytes]``, this rank's physical pages.
     - ``index[layer]`` (only with ``with_indexer``): uint8 ``[pages, page_size * 132]``, the same pages'
-      indexer K + scale.
+      indexer K + scale; ``has_index[layer]``: whether that buffer holds pages (a layer that skips top-k
+      has none).
     - ``trash_page``: the physical page padding slots read.
     - ``page_bytes_per_layer``: bytes of one page in one layer, latent and indexer together.
     """
@@ -32,6 +33,7 @@ class PageSource(Protocol):
     device: torch.device
     trash_page: int
     with_indexer: bool
+    has_index: tuple[bool, ...]
     page_bytes_per_layer: int
 
     def latent_pages(self, layer: int) -> torch.Tensor: ...

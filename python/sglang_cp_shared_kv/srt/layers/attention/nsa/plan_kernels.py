@@ -21,12 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    PreparedLaunch,
-    check_index,
-    launch,
-    triton_enabled,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import check_index, launch, triton_enabled
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
 try:
@@ -469,18 +464,15 @@ def plan_batch(
         "BLOCK": 1024,
         "MAP": page_pos is not None,
     }
-    if workspace is None:
-        launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
-    else:
-        workspace.launch(args, constexprs)
+    launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
     positions, logical, slots, phys = flat.split([m, m, m, send, flat.shape[0] - 3 * m - send])[:4]
     status, wrong = flags.split([cp_size + 1, batch])
     return BatchPlan(positions, logical, slots, table, phys, status, wrong)
 
 
 class PlanWorkspace:
-    """The device memory and the launch a planner reuses batch after batch (``plan_batch(...,
-    workspace=)``), instead of two allocations and a launch-site lookup per batch (host time).
+    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``), instead of
+    two allocations per batch (host time).
 
     ``take`` hands the whole int64 buffer (its tail past the batch's words unused) and a ``[batch, width]``
     int32 table at the start of the other buffer, each grown to twice the need when too small. Reuse
@@ -492,8 +484,6 @@ class PlanWorkspace:
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
-        self._launch: PreparedLaunch | None = None
-        self._constexprs: dict | None = None
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""
@@ -503,15 +493,3 @@ class PlanWorkspace:
         if table is None or table.shape[0] < batch * width or table.device != device:
             table = self._table = torch.empty(max(2 * batch * width, 1), dtype=torch.int32, device=device)
         return flat, table.as_strided((batch, width), (width, 1))
-
-    def launch(self, args: tuple, constexprs: dict) -> None:
-        """``_plan_batch_kernel`` over ``args``: this workspace's launch rebound to them."""
-        prepared = self._launch
-        if prepared is None or constexprs != self._constexprs or prepared.device != args[0].device:
-            self._launch, self._constexprs = (
-                PreparedLaunch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8),
-                constexprs,
-            )
-            self._launch()
-            return
-        prepared.relaunch((1,), args)

@@ -115,7 +115,8 @@ class PageBuffers:
 
     ``buffers[layer]`` is a uint8 ``[pages, page_size * row_bytes]`` view of the pool's storage;
     ``index`` (optional) the same pages' indexer buffers, uint8 ``[pages, page_size * 132]`` (empty
-    for a layer that skips top-k). Padding slots read page 0, the pool's reserved page.
+    for a layer that skips top-k: ``has_index[layer]`` False). Padding slots read page 0, the pool's
+    reserved page.
     """
 
     trash_page = 0
@@ -138,6 +139,9 @@ class PageBuffers:
         if index is not None and len(index) != len(buffers):
             raise ValueError(f"index must have one buffer per layer ({len(buffers)}), got {len(index)}")
         self.num_layers = len(buffers)
+        # Per layer, whether it holds indexer pages (SGLang leaves those of layers that skip top-k empty):
+        # the buffers are fixed, so read once here, not per read (host time).
+        self.has_index = tuple(index is not None and index[k].shape[0] > 0 for k in range(self.num_layers))
         self.device = buffers[0].device
         self.page_bytes_per_layer = self.page_size * (row_bytes + (INDEX_TOKEN_BYTES if index is not None else 0))
 
@@ -212,7 +216,7 @@ class BatchReadState:
         # Per batch: the plan's host lengths and flags (overflow, the hint's wrong pages) in one pinned
         # buffer that its launch reads and writes in place, read back at a later begin or end.
         self.flags = DeviceFlagCheck()
-        # The plan's outputs and launch, reused every batch like ``page_pos`` (stream order).
+        # The plan's outputs, reused every batch like ``page_pos`` (stream order).
         self._workspace = PlanWorkspace()
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))

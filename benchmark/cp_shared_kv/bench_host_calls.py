@@ -25,6 +25,7 @@ asleep, or after other work that evicts the caches (``spacing`` in each row; ``l
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import statistics
 import time
@@ -114,7 +115,9 @@ def calls_under_test() -> dict[str, Callable[[], object]]:
         event.record(torch.cuda.current_stream(dev))
         side.wait_event(event)
 
+    graphs = captured_graphs(prepared, d, word, stream_handle)
     return {
+        **graphs,
         "torch_add_": lambda: small.add_(1),
         "torch_empty": lambda: torch.empty(64, dtype=torch.int64, device=dev),
         "index_select": lambda: small.index_select(0, ids),
@@ -129,6 +132,51 @@ def calls_under_test() -> dict[str, Callable[[], object]]:
         "driver_wait64": wait64,
         "pin_memory_copy": lambda: torch.from_numpy(host).pin_memory().to(dev, non_blocking=True),
     }
+
+
+def captured_graphs(
+    prepared, d, word: torch.Tensor, stream_handle: Callable[[], int]
+) -> dict[str, Callable[[], object]]:
+    """Replays of CUDA graphs holding calls above, each captured, replayed once and drained before it is
+    kept (progress printed: a capture or replay that never returns is named by the last line): the
+    gather launch alone (``graph_kernel``), then each of a batch start's device calls with it (a 64-bit
+    write, an 8-byte copy, a satisfied 64-bit wait, an event record), then all of them in one graph
+    (``graph_plan_fence``). A graph the driver refuses is left out, its error printed."""
+    done = torch.cuda.Event(external=True)
+
+    def write() -> None:
+        d.check(d.write64(stream_handle(), word.data_ptr(), 1, 0), "write")
+
+    def copy() -> None:
+        d.check(d.copy(word.data_ptr() + 8, word.data_ptr(), 8, stream_handle()), "copy")
+
+    def wait() -> None:  # satisfied: word[1] >= 0 always
+        d.check(d.wait64(stream_handle(), word.data_ptr() + 8, 0, WAIT_GEQ), "wait")
+
+    bodies = {
+        "graph_kernel": [prepared],
+        "graph_kernel_write64": [prepared, write],
+        "graph_kernel_copy8": [prepared, copy],
+        "graph_kernel_wait64": [prepared, wait],
+        "graph_kernel_event": [prepared, done.record],
+        "graph_plan_fence": [write, copy, wait, prepared, done.record],
+    }
+    out = {}
+    for name, calls in bodies.items():
+        graph = torch.cuda.CUDAGraph()
+        print(f"{name}: capturing", flush=True)
+        try:
+            with torch.cuda.graph(graph):
+                for call in calls:
+                    call()
+            print(f"{name}: replaying", flush=True)
+            graph.replay()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported, the other calls still timed
+            print(f"{name}: not captured: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        out[name] = graph.replay
+    return out
 
 
 def time_calls(calls: dict[str, Callable[[], object]], n: int, repeats: int, modes: Sequence[str]) -> list[dict]:
@@ -224,8 +272,10 @@ def main() -> None:
         choices=SPACINGS,
         help="time each call alone between these (loop: back to back, as without this option); sync-debug off",
     )
+    p.add_argument("--watchdog-s", type=int, default=600, help="print every stack and exit after this long")
     p.add_argument("--out", default="host_calls", help="result name under docs/benchmarks/ (default: %(default)s)")
     a = p.parse_args()
+    faulthandler.dump_traceback_later(a.watchdog_s, exit=True)  # a hung call: its stack, then exit
     if not torch.cuda.is_available():
         raise SystemExit("bench_host_calls times CUDA calls: it needs a CUDA GPU, and none is visible here")
     if a.peer:
@@ -250,6 +300,7 @@ def main() -> None:
                 rows.append(
                     {"call": name, "sync_debug": "default", "peer": "none", "spacing": spacing, "host_us": round(us, 2)}
                 )
+                print(f"{spacing} {name}: {us:.2f} us", flush=True)
     else:
         calls = calls_under_test()
         for fn in calls.values():  # compile, allocate, warm

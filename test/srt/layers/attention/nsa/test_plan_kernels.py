@@ -222,7 +222,8 @@ _PLAN_FIELDS = ("positions", "logical", "slots", "slot_table", "slot_phys", "sta
 @needs_triton
 def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
     """Batches of other sizes planned one after another over one workspace (its buffers grown, then reused
-    with the last batch's values still in them) give the plan that fresh buffers give."""
+    with the last batch's values still in them) give the plan that the reference gives in fresh buffers;
+    both write the flags, then the landed word."""
     workspace = PlanWorkspace()
     cases = [
         ([3, 5, 0], [5, 6, 2], [0, 2, 0], [-1, 0, -1], 4),
@@ -233,10 +234,13 @@ def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
     for i, case in enumerate(cases):
         tokens, rows, meta, width, m, s, logical = _plan_case(3, *case, seed=i)
         outs = []
-        for ws in (None, workspace):
+        for ws, use_triton in ((None, False), (workspace, True)):
             page_pos = torch.full((logical,), -3, dtype=torch.int64, device=DEVICE)
             args = (tokens.to(DEVICE), rows.to(DEVICE), case[-1], meta.to(DEVICE), width, m, 3, s, 77, page_pos)
-            outs.append((plan_batch(*args, base=50, fill=99, workspace=ws), page_pos))
+            flags = torch.zeros(3 + 2 + len(case[1]), dtype=torch.int64, device=DEVICE)  # status, wrong, landed
+            plan = plan_batch(*args, base=50, fill=99, workspace=ws, flags=flags, use_triton=use_triton)
+            assert flags.tolist() == plan.status.tolist() + plan.wrong.tolist() + [1]  # the landed word last
+            outs.append((plan, page_pos))
         (ref, ref_pos), (got, got_pos) = outs
         for name in _PLAN_FIELDS:
             a, b = getattr(got, name), getattr(ref, name)

@@ -52,22 +52,27 @@ def test_non_rotating_pages_plan_inside_the_view_and_fail_without_a_sync(cp_size
 
 def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memory():
     """The read path's plan: its host lengths in a pinned buffer the launch reads in place, its flags
-    written straight back into that buffer, watched by one event; equal to the plan of copied lengths
-    into device flags, no host sync, and the buffer serves the next batch once read."""
+    written straight back into that buffer, then its landed word, which the host polls (no event);
+    equal to the plan of copied lengths into device flags, no host sync, and the buffer serves the next
+    batch once read."""
     dev, n, pages = torch.device("cuda"), 2, [6, 2]
     table = torch.tensor([[1 + n * i for i in range(6)], [2, 3, 0, 0, 0, 0]], device=dev)
     rows = torch.arange(2, device=dev)
     s, m = slots_per_rank(pages, n), len(PLAN_META_ROWS) * len(pages)
     check = DeviceFlagCheck()
-    buf = check.host_buffer(m + n + 1 + len(pages), dev)
+    buf = check.host_buffer(m + n + 2 + len(pages), dev)
     assert buf.is_pinned()
+    buf.fill_(0)
     seen = []
     torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the launch lands well after the first polls below
     torch.cuda.set_sync_debug_mode("error")
     try:
         meta = plan_meta(pages, dev, out=buf[:m])
         pinned = plan_batch(table, rows, 1, meta, 6, sum(pages), n, s, 0, None, 0, 0, flags=buf[m:])
-        check.watch(buf, lambda host: seen.append(host[m:]) or RuntimeError("overflow"), dev)
+        check.watch(buf, lambda host: seen.append(host[m:]) or RuntimeError("overflow"), dev, landed=len(buf) - 1)
+        check.poll()  # not landed yet: nothing read, nothing waited for
+        assert check.pending == 1 and not seen
         device = plan_batch(table, rows, 1, plan_meta(pages, dev), 6, sum(pages), n, s, 0, None, 0, 0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -76,10 +81,10 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
     assert pinned.status.tolist() == device.status.tolist() and pinned.status.tolist()[0] == 1
     with pytest.raises(RuntimeError, match="overflow"):
         check.poll()
-    assert seen == [device.status.tolist() + device.wrong.tolist()]
+    assert seen == [device.status.tolist() + device.wrong.tolist() + [1]]
     assert check.host_buffer(m, dev).data_ptr() == buf.data_ptr()  # the landed buffer is reused
     # The torch formulation takes the same pinned lengths and flags (it copies the lengths over).
-    flags = torch.empty(n + 1 + len(pages), dtype=torch.int64, pin_memory=True)
+    flags = torch.zeros(n + 2 + len(pages), dtype=torch.int64, pin_memory=True)
     ref = plan_batch(table, rows, 1, meta, 6, sum(pages), n, s, 0, None, 0, 0, use_triton=False, flags=flags)
     torch.cuda.synchronize()
     assert torch.equal(ref.slot_table, device.slot_table) and flags.tolist() == seen[0]

@@ -314,7 +314,8 @@ if triton is not None:
         # stride is 1: SGLang's req_to_token rows are contiguous, checked by the wrapper).
         # ``out`` holds, in int64 words: positions, logical pages and slots ([M] each), the send entries
         # ([N * S] and a dump entry), then the host lengths' device copy ([6 * B]); ``flags_out`` the
-        # status ([N + 1]) then the hint's wrong pages ([B]); ``table_out`` is int32 [B, width], contiguous.
+        # status ([N + 1]), the hint's wrong pages ([B]) and a landed word, written last (1: the flags
+        # before it are visible); ``table_out`` is int32 [B, width], contiguous.
         positions_out = out
         logical_out = out + num_positions
         slots_out = out + 2 * num_positions
@@ -393,6 +394,10 @@ if triton is not None:
                 theirs = _table_pages(tokens, tok_stride0, src_row, j, live, page_size)
                 wrong += (live & (mine != theirs)).to(tl.int64)
             tl.store(wrong_out + b, tl.sum(wrong, axis=0))
+        # Every flag stored (and every length read) before the landed word, which a host thread polls in
+        # pinned memory: a block-wide barrier, then one store ordered after it at system scope.
+        tl.debug_barrier()
+        tl.atomic_xchg(wrong_out + batch, 1, sem="release", scope="sys")
 
 
 def plan_batch(
@@ -419,8 +424,10 @@ def plan_batch(
 
     ``meta`` may be pinned host memory on a CUDA launch, which reads it in place: into device scratch in
     blocks of loads first (a bus round trip each), then per request from there. ``flags`` (int64
-    ``[N + 1 + B]``; default: a device buffer) receives ``status`` then ``wrong``: pinned host memory
-    there puts them on the host with the launch, no copy (``slot_plan.DeviceFlagCheck.watch``).
+    ``[N + 2 + B]``; default: a device buffer) receives ``status``, ``wrong`` and last a landed word, 1
+    once the words before it are written (and ``meta`` read): pinned host memory there puts them on
+    the host with the launch, no copy, and the host sees them land with no CUDA call
+    (``slot_plan.DeviceFlagCheck.watch(..., landed=)``).
     ``workspace``: the outputs are views of its buffers, valid until the next plan over it (default:
     allocated here)."""
     check_index("tokens", tokens, 2)
@@ -435,21 +442,23 @@ def plan_batch(
     if num_positions and slots_per_rank < 1:
         raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
     args = (tokens, rows, page_size, meta, width, num_positions, cp_size, slots_per_rank, trash_page, page_pos)
-    if flags is not None and (flags.dtype != torch.int64 or flags.shape != (cp_size + 1 + batch,)):
-        raise ValueError(f"flags must be int64 [{cp_size + 1 + batch}], got {flags.dtype} {tuple(flags.shape)}")
+    if flags is not None and (flags.dtype != torch.int64 or flags.shape != (cp_size + 2 + batch,)):
+        raise ValueError(f"flags must be int64 [{cp_size + 2 + batch}], got {flags.dtype} {tuple(flags.shape)}")
     if not triton_enabled(tokens.device, use_triton) or batch == 0 or tokens.stride(1) != 1:
         if meta.device != tokens.device:  # host lengths the launch would have read in place
             args = (*args[:3], meta.to(tokens.device, non_blocking=True), *args[4:])
         plan = plan_batch_ref(*args, base, fill, pad)
         if flags is None:
             return plan
-        flags.copy_(torch.cat([plan.status, plan.wrong]), non_blocking=True)
-        return replace(plan, status=flags[: cp_size + 1], wrong=flags[cp_size + 1 :])
+        # The landed word in a second copy: stream order lands it after the flags.
+        flags[:-1].copy_(torch.cat([plan.status, plan.wrong]), non_blocking=True)
+        flags[-1:].copy_(torch.ones(1, dtype=torch.int64, device=plan.status.device), non_blocking=True)
+        return replace(plan, status=flags[: cp_size + 1], wrong=flags[cp_size + 1 : -1])
     m, send = num_positions, cp_size * slots_per_rank
     # positions, logical, slots, send entries (and the dump entry), the host lengths' device copy: one buffer.
     words = 3 * m + send + 1 + meta.numel()
     if flags is None:
-        flags = torch.empty(cp_size + 1 + batch, dtype=torch.int64, device=tokens.device)
+        flags = torch.empty(cp_size + 2 + batch, dtype=torch.int64, device=tokens.device)
     if workspace is None:
         flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
         table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
@@ -466,7 +475,7 @@ def plan_batch(
     }
     launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
     positions, logical, slots, phys = flat.split([m, m, m, send, flat.shape[0] - 3 * m - send])[:4]
-    status, wrong = flags.split([cp_size + 1, batch])
+    status, wrong, _ = flags.split([cp_size + 1, batch, 1])
     return BatchPlan(positions, logical, slots, table, phys, status, wrong)
 
 

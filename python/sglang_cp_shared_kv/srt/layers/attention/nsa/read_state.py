@@ -48,8 +48,8 @@ batch whose pages do not rotate owners reads the trash page past an owner's bloc
 raises a device flag; ``begin`` and ``end`` (the next batch, or SGLang's end of the extend
 batches) raise ``SlotOverflowError`` naming the batch's requests once that flag is on the host,
 without waiting for it: the plan's launch writes its flags (this one, the hint's check) straight into a
-pinned buffer that also carries the batch's host lengths in, watched by one event
-(``slot_plan.DeviceFlagCheck``).
+pinned buffer that also carries the batch's host lengths in, then a landed word the host reads
+(``slot_plan.DeviceFlagCheck``): no CUDA call watches them.
 """
 
 from __future__ import annotations
@@ -263,8 +263,9 @@ class BatchReadState:
         prefix_lens: Sequence[int],
         seq_lens: Sequence[int],
     ) -> BatchCounters:
-        prefix_lens = [int(p) for p in prefix_lens]
-        seq_lens = [int(n) for n in seq_lens]
+        # SGLang hands lists or CPU tensors: one conversion each (host time: no tensor per element).
+        prefix_lens = [int(p) for p in _host_ints(prefix_lens)]
+        seq_lens = [int(n) for n in _host_ints(seq_lens)]
         ps = self.page_size
         if len(prefix_lens) != len(seq_lens) or len(seq_lens) != req_pool_indices.shape[0]:
             raise ValueError(
@@ -310,7 +311,8 @@ class BatchReadState:
         req_to_token, req_pool_indices, width = batch
         b, n = len(pages), self.ownership.cp_size
         m = len(PLAN_META_ROWS) * b
-        buf = self.flags.host_buffer(m + n + 1 + b, self.device)
+        buf = self.flags.host_buffer(m + n + 2 + b, self.device)
+        buf.numpy()[-1] = 0  # sync-ok: a host tensor; the landed word, set by the launch below
         plan = plan_batch(
             req_to_token,
             req_pool_indices,
@@ -330,7 +332,7 @@ class BatchReadState:
         requests = self.request_ids
 
         def fail(host: list) -> Exception | None:
-            status, wrong = host[m : m + n + 1], host[m + n + 1 :]
+            status, wrong = host[m : m + n + 1], host[m + n + 1 : -1]
             if not (status[0] or any(wrong)):
                 return None
             names = request_names(requests, b)
@@ -338,7 +340,7 @@ class BatchReadState:
                 return SlotOverflowError(overflow_message(status, slots_per_rank, names))
             return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
 
-        self.flags.watch(buf, fail, self.device)
+        self.flags.watch(buf, fail, self.device, landed=buf.shape[0] - 1)
         return plan
 
     def _pool_pages(self) -> list[list[torch.Tensor]]:
@@ -482,6 +484,11 @@ class BatchReadState:
         if view is None:
             view = self._layer_cache[layer] = self.views.layer_view(layer)
         return view
+
+
+def _host_ints(values: Sequence[int] | torch.Tensor) -> Sequence[int]:
+    """``values`` as a sequence of Python or numpy ints: a (CPU) tensor through one ``tolist``."""
+    return values.tolist() if isinstance(values, torch.Tensor) else values  # sync-ok: SGLang's *_cpu lengths
 
 
 def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:

@@ -259,16 +259,19 @@ class DeviceFlagCheck:
     CUDA a non-blocking copy into pinned host memory and an event; on CPU the tensor itself.
     ``watch(host, fail)`` is ``record`` for flags the queued work writes straight into a pinned
     buffer of ``host_buffer`` (a kernel reaches pinned memory through unified addressing): one event,
-    no copy. ``poll()`` hands the host values of every record that has landed (``Event.query``: never
-    a wait), oldest first, to its ``fail``, and raises the exception ``fail`` returns (``None``:
-    nothing wrong), dropping the values of the records still pending (their buffers held until they
-    land); ``poll(wait=True)`` waits for them all, for a caller that synchronizes there anyway (the end
-    of a run, a test). A landed record's event and buffer serve later records: nothing is allocated per
-    batch once they exist.
+    no copy; ``watch(host, fail, landed=i)`` for work that also sets ``host[i]`` to 1 once every other
+    word is written: no event either, the host reads that word. ``poll()`` hands the host values of
+    every record that has landed (``Event.query`` or the landed word: never a wait), oldest first, to
+    its ``fail``, and raises the exception ``fail`` returns (``None``: nothing wrong), dropping the
+    values of the records still pending (their buffers held until they land); ``poll(wait=True)`` waits
+    for them all, for a caller that synchronizes there anyway (the end of a run, a test). A landed
+    record's event and buffer serve later records: nothing is allocated per batch once they exist.
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, Callable[[list], Exception | None]]] = []
+        # Per record: its host values, its event (None: on CPU, or watched by a landed word), that
+        # word's index (None: none), and ``fail``.
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, int | None, Callable]] = []
         # Events and pinned buffers of landed records, for later ones (created at first need).
         self._spare: list[torch.cuda.Event] = []
         self._buffers: list[torch.Tensor] = []
@@ -288,33 +291,55 @@ class DeviceFlagCheck:
             host.copy_(flags, non_blocking=True)
         self.watch(host, fail, flags.device)
 
-    def watch(self, host: torch.Tensor, fail: Callable[[list], Exception | None], device: torch.device) -> None:
+    def watch(
+        self,
+        host: torch.Tensor,
+        fail: Callable[[list], Exception | None],
+        device: torch.device,
+        landed: int | None = None,
+    ) -> None:
         """Read ``host`` (from ``host_buffer``) once the work queued so far on ``device``'s current stream is
-        done; on CPU at the next poll."""
+        done; with ``landed``, once that work has set ``host[landed]``, 0 when it was queued, to 1 (no
+        event); on CPU at the next poll."""
         event = None
-        if device.type == "cuda":
+        if device.type == "cuda" and landed is None:
             event = self._spare.pop() if self._spare else torch.cuda.Event()
             event.record(current_stream(device))
-        self._pending.append((host, event, fail))
+        self._pending.append((host, event, landed, fail))
 
     def poll(self, wait: bool = False) -> None:
         while self._pending:
-            flags, event, fail = self._pending[0]
-            if event is not None and not event.query():
+            flags, event, landed, fail = self._pending[0]
+            if not self._landed(flags, event, landed):
                 if not wait:
                     return  # not landed yet: read at a later poll, never waited for
-                event.synchronize()  # sync-ok: poll(wait=True) only, where the caller synchronizes anyway
+                self._wait(event)
             self._pending.pop(0)
             host = flags.tolist()  # sync-ok: a host tensor (its writes landed, or a CPU tensor)
-            if event is not None:  # the event and the pinned buffer serve later records
-                self._spare.append(event)
+            if flags.is_pinned():  # the event and the pinned buffer serve later records
+                if event is not None:
+                    self._spare.append(event)
                 self._buffers.append(flags if flags._base is None else flags._base)
             error = fail(host)
             if error is not None:
-                # The later records are dropped, but their buffers stay held until their events land: the
-                # launches still in flight read and write them.
-                self._pending = [(f, e, _no_error) for f, e, _ in self._pending if e is not None]
+                # The later records are dropped, but their buffers stay held until they land: the launches
+                # still in flight read and write them.
+                self._pending = [(f, e, i, _no_error) for f, e, i, _ in self._pending if f.is_pinned()]
                 raise error
+
+    @staticmethod
+    def _landed(flags: torch.Tensor, event: torch.cuda.Event | None, landed: int | None) -> bool:
+        if landed is not None:
+            return flags.numpy()[landed] == 1  # sync-ok: pinned host memory a kernel writes, no CUDA call
+        return event is None or event.query()
+
+    @staticmethod
+    def _wait(event: torch.cuda.Event | None) -> None:
+        """Until the record lands (``poll(wait=True)`` only, where the caller synchronizes anyway)."""
+        if event is not None:
+            event.synchronize()  # sync-ok: see above
+        else:  # a landed word not yet set: a CUDA launch queued to set it (on CPU it ran in line)
+            torch.cuda.synchronize()  # sync-ok: see above
 
     @property
     def pending(self) -> int:

@@ -337,10 +337,15 @@ class PreparedLaunch:
         self._all_args = (*raw[:index], value, *raw[index + 1 :])
 
     def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
-        """Queue this launch again with a new grid and all-new ``args`` (on the same device)."""
-        keyed = [_keyed(key, a) for key, a in zip(self._keyers, args)]
-        self._rekey(tuple(k for k, _ in keyed))
-        self.args, self._all_args = args, (*(raw for _, raw in keyed), *self._constants)
+        """Queue this launch again with a new grid and ``args`` (on the same device). An argument that is the
+        very object the last launch had (a pool buffer, a reused workspace), at the same address, keeps its
+        key (host time: a batch's launch changes a few of its arguments)."""
+        spec, raw, old = list(self._spec), list(self._all_args), self.args
+        for i, a in enumerate(args):
+            if a is not old[i] or (isinstance(a, torch.Tensor) and a.data_ptr() != raw[i]):
+                spec[i], raw[i] = _keyed(self._keyers[i], a)
+        self._rekey(tuple(spec))
+        self.args, self._all_args = args, tuple(raw)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self()
 

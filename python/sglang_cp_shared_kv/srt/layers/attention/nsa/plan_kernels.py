@@ -209,15 +209,28 @@ PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts)."""
+    """``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts).
+
+    ``status`` and ``wrong`` are views of ``flags``, taken when asked for: the read path reads the flags
+    on the host, as one list (host time: no split per batch)."""
 
     positions: torch.Tensor  # int64 [M]: b * width + j of each planned position
     logical: torch.Tensor  # int64 [M]
     slots: torch.Tensor  # int64 [M]
     slot_table: torch.Tensor  # int32 [B, width]
     slot_phys: torch.Tensor  # int64 [N * S]
-    status: torch.Tensor  # int64 [N + 1]
-    wrong: torch.Tensor  # int64 [B]: request b's shared pages that differ from its source's
+    flags: torch.Tensor  # int64 [N + 2 + B]: status, wrong, then the landed word (1)
+    cp_size: int
+
+    @property
+    def status(self) -> torch.Tensor:
+        """int64 ``[N + 1]``: the overflow flag, then the positions per owner (``assign_slots_ref``)."""
+        return self.flags[: self.cp_size + 1]
+
+    @property
+    def wrong(self) -> torch.Tensor:
+        """int64 ``[B]``: request b's shared pages that differ from its source's."""
+        return self.flags[self.cp_size + 1 : -1]
 
 
 def plan_batch_ref(
@@ -259,7 +272,8 @@ def plan_batch_ref(
         map_batch_pages_ref(page_pos, page_table, table, torch.stack([shared, prefix, pages, start]), base, fill)
     differs = page_table != page_table[source.clamp(min=0)]
     wrong = (differs & (cols < shared.unsqueeze(1))).sum(1)
-    return BatchPlan(positions, logical, slots, table, phys, status, wrong)
+    flags = torch.cat([status, wrong, torch.ones(1, dtype=torch.int64, device=status.device)])
+    return BatchPlan(positions, logical, slots, table, phys, flags, cp_size)
 
 
 if triton is not None:
@@ -451,9 +465,9 @@ def plan_batch(
         if flags is None:
             return plan
         # The landed word in a second copy: stream order lands it after the flags.
-        flags[:-1].copy_(torch.cat([plan.status, plan.wrong]), non_blocking=True)
-        flags[-1:].copy_(torch.ones(1, dtype=torch.int64, device=plan.status.device), non_blocking=True)
-        return replace(plan, status=flags[: cp_size + 1], wrong=flags[cp_size + 1 : -1])
+        flags[:-1].copy_(plan.flags[:-1], non_blocking=True)
+        flags[-1:].copy_(plan.flags[-1:], non_blocking=True)
+        return replace(plan, flags=flags)
     m, send = num_positions, cp_size * slots_per_rank
     # positions, logical, slots, send entries (and the dump entry), the host lengths' device copy: one buffer.
     words = 3 * m + send + 1 + meta.numel()
@@ -475,8 +489,7 @@ def plan_batch(
     }
     launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
     positions, logical, slots, phys = flat.split([m, m, m, send, flat.shape[0] - 3 * m - send])[:4]
-    status, wrong, _ = flags.split([cp_size + 1, batch, 1])
-    return BatchPlan(positions, logical, slots, table, phys, status, wrong)
+    return BatchPlan(positions, logical, slots, table, phys, flags, cp_size)
 
 
 class PlanWorkspace:

@@ -403,7 +403,7 @@ class BatchReadState:
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
         out = self._plan(batch, pages, prefix_pages, hint, s, base=view_pages, fill=view_pages + staged)
-        plan = slot_plan_of(out, n, ps, plan_pages, s, self.latent.trash_page)
+        plan = slot_plan_of(out, n, ps, plan_pages, s, self.latent.trash_page, with_status=False)  # flags: _plan
         self.counters = self.views.begin_planned(plan, batch_kind(prefix_lens), extra_pages=staged + 1)
         self.counters.pages_staged = staged
         self._stages = []

@@ -158,9 +158,16 @@ def plan_meta(
 
 
 def slot_plan_of(
-    plan: BatchPlan, cp_size: int, page_size: int, pages_per_req: Sequence[int], slots: int, trash_page: int
+    plan: BatchPlan,
+    cp_size: int,
+    page_size: int,
+    pages_per_req: Sequence[int],
+    slots: int,
+    trash_page: int,
+    with_status: bool = True,
 ) -> SlotPlan:
-    """The ``SlotPlan`` of ``plan_batch``'s outputs for a batch of ``pages_per_req`` planned pages."""
+    """The ``SlotPlan`` of ``plan_batch``'s outputs for a batch of ``pages_per_req`` planned pages; without
+    ``status`` for a caller that reads the plan's flags itself (``with_status=False``)."""
     return SlotPlan(
         cp_size=cp_size,
         page_size=page_size,
@@ -172,7 +179,7 @@ def slot_plan_of(
         slots=plan.slots,
         slot_table=plan.slot_table,
         slot_phys=plan.slot_phys,
-        status=plan.status,
+        status=plan.status if with_status else None,
     )
 
 
@@ -270,8 +277,9 @@ class DeviceFlagCheck:
 
     def __init__(self) -> None:
         # Per record: its host values, its event (None: on CPU, or watched by a landed word), that
-        # word's index (None: none), and ``fail``.
-        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, int | None, Callable]] = []
+        # word's index (None: none), whether the values are a pinned buffer of ``host_buffer`` (kept for
+        # later records once landed), and ``fail``.
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool, Callable]] = []
         # Events and pinned buffers of landed records, for later ones (created at first need).
         self._spare: list[torch.cuda.Event] = []
         self._buffers: list[torch.Tensor] = []
@@ -301,30 +309,30 @@ class DeviceFlagCheck:
         """Read ``host`` (from ``host_buffer``) once the work queued so far on ``device``'s current stream is
         done; with ``landed``, once that work has set ``host[landed]``, 0 when it was queued, to 1 (no
         event); on CPU at the next poll."""
-        event = None
-        if device.type == "cuda" and landed is None:
+        event, cuda = None, device.type == "cuda"
+        if cuda and landed is None:
             event = self._spare.pop() if self._spare else torch.cuda.Event()
             event.record(current_stream(device))
-        self._pending.append((host, event, landed, fail))
+        self._pending.append((host, event, landed, cuda, fail))
 
     def poll(self, wait: bool = False) -> None:
         while self._pending:
-            flags, event, landed, fail = self._pending[0]
+            flags, event, landed, pinned, fail = self._pending[0]
             if not self._landed(flags, event, landed):
                 if not wait:
                     return  # not landed yet: read at a later poll, never waited for
                 self._wait(event)
             self._pending.pop(0)
             host = flags.tolist()  # sync-ok: a host tensor (its writes landed, or a CPU tensor)
-            if flags.is_pinned():  # the event and the pinned buffer serve later records
-                if event is not None:
-                    self._spare.append(event)
+            if event is not None:
+                self._spare.append(event)
+            if pinned:  # the pinned buffer serves later records
                 self._buffers.append(flags if flags._base is None else flags._base)
             error = fail(host)
             if error is not None:
                 # The later records are dropped, but their buffers stay held until they land: the launches
                 # still in flight read and write them.
-                self._pending = [(f, e, i, _no_error) for f, e, i, _ in self._pending if f.is_pinned()]
+                self._pending = [(f, e, i, p, _no_error) for f, e, i, p, _ in self._pending if p]
                 raise error
 
     @staticmethod

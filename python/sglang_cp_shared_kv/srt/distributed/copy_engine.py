@@ -40,10 +40,10 @@ after that (every layer of a batch all-gathers into the same view buffers).
 The group can also map the peers' pools (``sources``, registered with the arena): then a view built
 in line needs no all-gather at all. Its kernel reads every owner's pages where they lie
 (``materialize_kernels.pull_pages``, through ``source_table``: each rank's buffer address per layer),
-and one ``fence`` per batch, ``ready[me] := k`` then ``wait ready[p] >= k``, orders the pools across
-ranks: a batch reads only pages written before it began, and rewrites only pages no earlier batch of
-any rank still reads. Per layer that is one launch where the all-gather took seven driver calls for
-two ranks.
+and one ``fence`` per batch (a word set on every peer, waited for from every peer and reset: one graph
+launch) orders the pools across ranks: a batch reads only pages written before it began, and rewrites
+only pages no earlier batch of any rank still reads. Per layer that is one launch where the all-gather
+took seven driver calls for two ranks.
 """
 
 from __future__ import annotations
@@ -104,6 +104,17 @@ class _Driver:
             [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint],
         )
         self.ipc_close = self._fn(("cuIpcCloseMemHandle",), [ctypes.c_uint64])
+        # Graphs of stream calls (``capture``); None where the driver lacks them.
+        try:
+            ptr = ctypes.POINTER(ctypes.c_void_p)
+            self.begin_capture = self._fn(("cuStreamBeginCapture_v2",), [ctypes.c_void_p, ctypes.c_int])
+            self.end_capture = self._fn(("cuStreamEndCapture",), [ctypes.c_void_p, ptr])
+            self.instantiate = self._fn(("cuGraphInstantiateWithFlags",), [ptr, ctypes.c_void_p, ctypes.c_uint64])
+            self.graph_launch = self._fn(("cuGraphLaunch",), [ctypes.c_void_p, ctypes.c_void_p])
+            self.graph_destroy = self._fn(("cuGraphDestroy",), [ctypes.c_void_p])
+            self.exec_destroy = self._fn(("cuGraphExecDestroy",), [ctypes.c_void_p])
+        except CopyEngineUnavailable:
+            self.begin_capture = None
         self._mapped: dict[bytes, list[int]] = {}  # IPC handle -> [address here, registrations]
         self._error_name = lib.cuGetErrorName
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -146,6 +157,24 @@ class _Driver:
         entry[1] += 1
         return entry[0]
 
+    def capture(self, stream: int, body) -> int | None:
+        """The stream calls ``body(stream)`` queues, captured on ``stream`` (idle, not the legacy default
+        stream) into an instantiated graph: its handle, for ``graph_launch``; None where this driver cannot
+        (``body``'s calls then have to be made one by one)."""
+        if self.begin_capture is None:
+            return None
+        graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.begin_capture(stream, CAPTURE_RELAXED), "cuStreamBeginCapture")
+        try:
+            body(stream)
+        finally:
+            self.check(self.end_capture(stream, ctypes.byref(graph)), "cuStreamEndCapture")
+        try:
+            self.check(self.instantiate(ctypes.byref(exe), graph, 0), "cuGraphInstantiateWithFlags")
+        finally:
+            self.graph_destroy(graph)
+        return exe.value
+
     def release(self, handle: bytes) -> None:
         entry = self._mapped.get(handle)
         if entry is not None:
@@ -156,6 +185,8 @@ class _Driver:
 
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: other threads' CUDA calls are not checked
 _driver: _Driver | None = None
 
 
@@ -185,8 +216,9 @@ class CopyEngineGroup:
         self.rank, self.size = group.rank, group.size
         self.device = buffers[0].device
         self._driver = d = driver()
-        # ready[p] then ack[p], written by peer p; read (waited on) only by this rank.
-        self.signals = torch.zeros(2, self.size, dtype=torch.int64, device=self.device)
+        # ready[p], ack[p], then the fence's two alternating words fence0[p], fence1[p], written by peer p;
+        # read (waited on) only by this rank.
+        self.signals = torch.zeros(4, self.size, dtype=torch.int64, device=self.device)
         # This rank's outgoing counter (a call's ready and ack carry the same value), copied from here
         # into the peers' signals.
         self.outbox = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -231,6 +263,7 @@ class CopyEngineGroup:
             self.close()
             raise CopyEngineUnavailable("; ".join(failures))
         self.calls = 0
+        self._init_fence()
         # Bytes this rank pulled from the others (a counter for benchmarks).
         self.bytes_received = 0
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
@@ -298,12 +331,56 @@ class CopyEngineGroup:
             next((layer[k].stride(0) // 4 for layer in sources if layer[k].numel()), 0) for k in range(kinds)
         ]
 
+    def _init_fence(self) -> None:
+        self.fences = 0  # fences queued so far (the same count on every rank)
+        self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # what a fence sends
+        self._fence_graphs: list[int | None] = [None, None]  # per parity, captured at its first fence
+        self._capture_stream: torch.cuda.Stream | None = None
+
     def fence(self, stream: torch.cuda.Stream | None = None) -> None:
         """Queue on ``stream`` (default: the current one) a point that every rank's stream passes only after
         every rank's has reached its own: what each rank queued before (pool writes, reads of the peers'
-        pools) is done on every rank before what any rank queues after. No host wait."""
-        handle = self._handle(stream)
-        self._wait_peers(handle, 0, self._announce(handle))
+        pools) is done on every rank before what any rank queues after. No host wait.
+
+        Fence ``f`` uses word ``q = f % 2`` of each pair: ``fence_q[me] := 1`` on every peer (after a
+        memory barrier), wait ``fence_q[p] == 1`` from every peer, then ``fence_q[p] := 0``. A peer sets
+        that word again only at its fence ``f + 2``, past its fence ``f + 1``, which waits for this rank's
+        fence ``f + 1``, queued after the reset: so no set is lost and none is seen twice. The values
+        never change, so the calls are one graph per parity, captured at its first fence and launched
+        after that: one driver call per fence instead of ``2 + 2 * peers`` (host time).
+        """
+        handle, q = self._handle(stream), self.fences % 2
+        self.fences += 1
+        exe = self._fence_graphs[q]
+        if exe is None:
+            exe = self._fence_graphs[q] = self._capture_fence(q)
+        if exe:
+            self._driver.check(self._driver.graph_launch(exe, handle), "cuGraphLaunch")
+        else:
+            self._fence_calls(handle, q)
+
+    def _fence_calls(self, stream: int, q: int) -> None:
+        """Fence ``q``'s calls (``fence``), queued on ``stream``."""
+        d, one, row = self._driver, self._one.data_ptr(), 2 + q
+        d.check(d.write64(stream, one, 1, 0), "cuStreamWriteValue64")  # the barrier: earlier work visible
+        for peer in self._peer_signals.values():
+            d.check(d.copy(peer + (row * self.size + self.rank) * 8, one, 8, stream), "cuMemcpyDtoDAsync")
+        mine = [self._signals_at + (row * self.size + p) * 8 for p in self._peer_signals]
+        for slot in mine:
+            d.check(d.wait64(stream, slot, 1, WAIT_EQ), "cuStreamWaitValue64")
+        for slot in mine:
+            d.check(d.write64(stream, slot, 0, 0), "cuStreamWriteValue64")
+
+    def _capture_fence(self, q: int) -> int:
+        """Fence ``q``'s calls as a graph (0 where the driver cannot capture them: made one by one)."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        try:
+            exe = self._driver.capture(self._capture_stream.cuda_stream, lambda h: self._fence_calls(h, q))
+        except RuntimeError as e:
+            logger.info("CP-shared KV: the copy engines' fence is made call by call (no graph: %s)", e)
+            exe = None
+        return exe or 0
 
     def _handle(self, stream: torch.cuda.Stream | None) -> int:
         """The raw handle of ``stream``, or of this device's current stream."""
@@ -327,6 +404,10 @@ class CopyEngineGroup:
 
     def close(self) -> None:
         """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
+        graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
+        for exe in graphs:
+            if exe:
+                self._driver.exec_destroy(exe)
         opened, self._opened = getattr(self, "_opened", []), []
         with torch.cuda.device(self.device):
             for handle in opened:

@@ -283,14 +283,25 @@ class DeviceFlagCheck:
         # Events and pinned buffers of landed records, for later ones (created at first need).
         self._spare: list[torch.cuda.Event] = []
         self._buffers: list[torch.Tensor] = []
+        self._slices: dict[tuple[int, int], torch.Tensor] = {}
 
     def host_buffer(self, numel: int, device: torch.device) -> torch.Tensor:
         """int64 ``[numel]`` for a ``watch`` record: pinned memory, one of a landed record's when one is
         large enough, on a CUDA ``device``; a plain tensor on CPU (the work writing it runs in line)."""
         for i, buf in enumerate(self._buffers):
             if buf.numel() >= numel:
-                return self._buffers.pop(i)[:numel]
-        return torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")[:numel]
+                return self._slice(self._buffers.pop(i), numel)
+        return self._slice(torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda"), numel)
+
+    def _slice(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        """``buf[:numel]``, kept per buffer and length: a batch's length recurs (host time: no op per batch)."""
+        key = (buf.data_ptr(), numel)
+        out = self._slices.get(key)
+        if out is None or out._base is not buf:
+            if len(self._slices) >= 64:
+                self._slices.clear()
+            out = self._slices[key] = buf[:numel]
+        return out
 
     def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:
         host = flags

@@ -16,6 +16,9 @@ records the CPUs this process may use and its cgroup's CPU limit.
     python -m benchmark.cp_shared_kv.bench_host_calls
     python -m benchmark.cp_shared_kv.bench_host_calls --peer idle gpu sync --out host_calls_peer
 
+Among the calls: replays of CUDA graphs that hold some of them (``captured_graphs``), and the copy
+engines' fence made call by call and as one captured graph.
+
 ``--spacing`` times each call made alone instead: after the device is drained, drained and the thread
 asleep, or after other work that evicts the caches (``spacing`` in each row; ``loop`` is back to back).
 
@@ -139,10 +142,12 @@ def captured_graphs(
 ) -> dict[str, Callable[[], object]]:
     """Replays of CUDA graphs holding calls above, each captured, replayed once and drained before it is
     kept (progress printed: a capture or replay that never returns is named by the last line): the
-    gather launch alone (``graph_kernel``), then each of a batch start's device calls with it (a 64-bit
-    write, an 8-byte copy, a satisfied 64-bit wait, an event record), then all of them in one graph
-    (``graph_plan_fence``). A graph the driver refuses is left out, its error printed."""
-    done = torch.cuda.Event(external=True)
+    gather launch alone (``graph_kernel``), with each of a batch start's stream calls (a 64-bit write, an
+    8-byte copy, a satisfied 64-bit wait), and with all three (``graph_plan_fence``). A graph the driver
+    refuses is left out, its error printed. Then the copy engines' fence path: the three stream calls one by
+    one (``driver_fence_calls``) and captured by the driver, one ``cuGraphLaunch`` (``driver_graph_fence``).
+    (An event record captured into a graph, replayed back to back,
+    crashed this process on an H200 with torch 2.11: not timed.)"""
 
     def write() -> None:
         d.check(d.write64(stream_handle(), word.data_ptr(), 1, 0), "write")
@@ -158,8 +163,7 @@ def captured_graphs(
         "graph_kernel_write64": [prepared, write],
         "graph_kernel_copy8": [prepared, copy],
         "graph_kernel_wait64": [prepared, wait],
-        "graph_kernel_event": [prepared, done.record],
-        "graph_plan_fence": [write, copy, wait, prepared, done.record],
+        "graph_plan_fence": [write, copy, wait, prepared],
     }
     out = {}
     for name, calls in bodies.items():
@@ -176,6 +180,18 @@ def captured_graphs(
             print(f"{name}: not captured: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         out[name] = graph.replay
+    # The copy engines' fence path: the three stream calls captured through the driver, launched by ctypes.
+    side = torch.cuda.Stream()
+
+    def fence_calls(h: int) -> None:
+        d.check(d.write64(h, word.data_ptr(), 1, 0), "write")
+        d.check(d.copy(word.data_ptr() + 8, word.data_ptr(), 8, h), "copy")
+        d.check(d.wait64(h, word.data_ptr() + 8, 0, WAIT_GEQ), "wait")
+
+    exe = d.capture(side.cuda_stream, fence_calls)
+    if exe:
+        out["driver_graph_fence"] = lambda: d.check(d.graph_launch(exe, stream_handle()), "cuGraphLaunch")
+        out["driver_fence_calls"] = lambda: fence_calls(stream_handle())
     return out
 
 

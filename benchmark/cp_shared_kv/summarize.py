@@ -603,6 +603,36 @@ def _host_cost() -> list[str]:
         "",
     ]
     lines += _in_forward_cost()
+    lines += _graph_calls()
+    return lines
+
+
+def _graph_calls() -> list[str]:
+    """Replays of captured CUDA graphs against the calls they hold, made alone in one run."""
+    run = _load("host_calls_graph")
+    if run is None:
+        return []
+    by_call: dict[str, dict] = {}
+    for r in run["rows"]:
+        by_call.setdefault(r["call"], {"call": r["call"]})[r["spacing"]] = r["host_us"]
+    names = [c for c in by_call if c.startswith(("graph_", "driver_"))]
+    lines = ["## Captured graphs against the calls they hold (1 x H200)", ""]
+    lines += [f"`{SGW_PREFIX}{run['command']}` ({_env(run)})", ""]
+    lines += _table(
+        [by_call[c] for c in names],
+        [("call", "call"), ("loop", "back to back µs"), ("churn", "after 8 MiB written µs")],
+    )
+    s = run["summary"]
+    lines += [
+        "",
+        "`graph_*`: a graph holding the prepared gather launch and the named stream calls (`graph_plan_fence`: a",
+        "64-bit write, an 8-byte copy and a satisfied wait, then the launch), replayed by torch. `driver_fence_calls`:",
+        "the write, copy and wait one by one through ctypes; `driver_graph_fence`: the same three captured by the",
+        "driver and launched with one `cuGraphLaunch`, as the copy engines' fence is. Made alone after 8 MiB",
+        f"written, the graph cost {s['driver_graph_fence_us_churn']:.2f} µs, its calls one by one "
+        f"{s['driver_fence_calls_us_churn']:.2f} µs.",
+        "",
+    ]
     return lines
 
 

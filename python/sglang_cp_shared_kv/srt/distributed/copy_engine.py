@@ -347,7 +347,7 @@ class CopyEngineGroup:
         that word again only at its fence ``f + 2``, past its fence ``f + 1``, which waits for this rank's
         fence ``f + 1``, queued after the reset: so no set is lost and none is seen twice. The values
         never change, so the calls are one graph per parity, captured at its first fence and launched
-        after that: one driver call per fence instead of ``2 + 2 * peers`` (host time).
+        after that: one driver call per fence instead of ``1 + 3 * peers`` (host time).
         """
         handle, q = self._handle(stream), self.fences % 2
         self.fences += 1

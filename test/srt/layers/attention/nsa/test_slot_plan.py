@@ -11,6 +11,7 @@ from page_fixtures import RotatingPages, page_table
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages_ref, triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    DeviceFlagCheck,
     build_slot_plan,
     pages_for_lens,
     plan_meta,
@@ -200,3 +201,22 @@ def test_bad_input_is_rejected(kwargs, message):
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         build_slot_plan(**args, use_triton=False)
+
+
+def test_flags_are_read_once_their_landed_word_is_set_and_in_order():
+    """``DeviceFlagCheck.watch(landed=)``: a record is read only once its landed word is 1, oldest first; a
+    later record waits behind an earlier one not yet landed; a ``fail`` that returns an error raises it, once."""
+    check, seen = DeviceFlagCheck(), []
+    cpu = torch.device("cpu")
+    first, second = check.host_buffer(4, cpu), check.host_buffer(4, cpu)
+    first[:] = torch.tensor([0, 7, 0, 0])  # flags 0, 7, 0 and the landed word, not yet set
+    second[:] = torch.tensor([1, 0, 0, 1])  # landed, and its first flag set
+    check.watch(first, lambda host: seen.append(host) or None, cpu, landed=3)
+    check.watch(second, lambda host: RuntimeError(f"flag {host[0]}") if host[0] else None, cpu, landed=3)
+    check.poll()
+    assert seen == [] and check.pending == 2  # the second has landed, but waits behind the first
+    first[3] = 1
+    with pytest.raises(RuntimeError, match="flag 1"):
+        check.poll()
+    assert seen == [[0, 7, 0, 1]] and check.pending == 0
+    check.poll()  # raised once

@@ -327,7 +327,7 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.slot_plan:DeviceFlagCheck.record",
     f"{_NSA}.slot_plan:DeviceFlagCheck.poll",
     f"{_NSA}.slot_plan:DeviceFlagCheck.watch",
-    f"{_NSA}.slot_plan:DeviceFlagCheck.host_buffer",
+    f"{_NSA}.slot_plan:DeviceFlagCheck.host_views",
     f"{_NSA}.materialize:ViewMaterializer.begin_batch",
     f"{_NSA}.materialize:ViewMaterializer._allocate",
     f"{_NSA}.materialize:ViewMaterializer.drain",

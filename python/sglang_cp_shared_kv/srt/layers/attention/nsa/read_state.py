@@ -218,7 +218,6 @@ class BatchReadState:
         self.flags = DeviceFlagCheck()
         # The plan's outputs, reused every batch like ``page_pos`` (stream order).
         self._workspace = PlanWorkspace()
-        self._host_views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
@@ -312,8 +311,7 @@ class BatchReadState:
         req_to_token, req_pool_indices, width = batch
         b, n = len(pages), self.ownership.cp_size
         m = len(PLAN_META_ROWS) * b
-        buf = self.flags.host_buffer(m + n + 2 + b, self.device)
-        meta, flags = self._split_host(buf, m)
+        buf, meta, flags = self.flags.host_views(m + n + 2 + b, self.device, m)
         buf.numpy()[-1] = 0  # sync-ok: a host tensor; the landed word, set by the launch below
         plan = plan_batch(
             req_to_token,
@@ -344,17 +342,6 @@ class BatchReadState:
 
         self.flags.watch(buf, fail, self.device, landed=buf.shape[0] - 1)
         return plan
-
-    def _split_host(self, buf: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(buf[:m], buf[m:])``, kept per buffer and split: the pinned buffers and batch sizes recur (host
-        time: no slicing op per batch)."""
-        key = (buf.data_ptr(), buf.shape[0], m)
-        views = self._host_views.get(key)
-        if views is None or views[0]._base is not buf._base:
-            if len(self._host_views) >= 64:
-                self._host_views.clear()
-            views = self._host_views[key] = (buf[:m], buf[m:])
-        return views
 
     def _pool_pages(self) -> list[list[torch.Tensor]]:
         """Per layer the pool's latent and indexer pages, which the copy engines' group maps on every peer."""

@@ -283,25 +283,31 @@ class DeviceFlagCheck:
         # Events and pinned buffers of landed records, for later ones (created at first need).
         self._spare: list[torch.cuda.Event] = []
         self._buffers: list[torch.Tensor] = []
-        self._slices: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def host_buffer(self, numel: int, device: torch.device) -> torch.Tensor:
         """int64 ``[numel]`` for a ``watch`` record: pinned memory, one of a landed record's when one is
         large enough, on a CUDA ``device``; a plain tensor on CPU (the work writing it runs in line)."""
-        for i, buf in enumerate(self._buffers):
-            if buf.numel() >= numel:
-                return self._slice(self._buffers.pop(i), numel)
-        return self._slice(torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda"), numel)
+        return self.host_views(numel, device, numel)[0]
 
-    def _slice(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
-        """``buf[:numel]``, kept per buffer and length: a batch's length recurs (host time: no op per batch)."""
-        key = (buf.data_ptr(), numel)
-        out = self._slices.get(key)
-        if out is None or out._base is not buf:
-            if len(self._slices) >= 64:
-                self._slices.clear()
-            out = self._slices[key] = buf[:numel]
-        return out
+    def host_views(
+        self, numel: int, device: torch.device, split: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``host_buffer(numel, device)`` and its first ``split`` words and the rest, as three views kept per
+        buffer, length and split: a batch's sizes recur (host time: no slicing op per batch)."""
+        i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
+        if i is None:
+            base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
+        else:
+            base = self._buffers.pop(i)
+        key = (base.data_ptr(), numel, split)
+        views = self._views.get(key)
+        if views is None or views[0]._base is not base:
+            if len(self._views) >= 64:
+                self._views.clear()
+            buf = base[:numel]
+            views = self._views[key] = (buf, buf[:split], buf[split:])
+        return views
 
     def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:
         host = flags

@@ -209,14 +209,19 @@ def test_plan_batch_equals_reference(cp_size, prefix, pages, shared, source, ps)
             plan = plan_batch(*args, base=50, fill=99, pad=-1, use_triton=use_triton)
             outs.append((plan, page_pos))
         (ref, ref_pos), (got, got_pos) = outs
-        for name in _PLAN_FIELDS:
-            a, b = getattr(got, name), getattr(ref, name)
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, rotate)
-        assert torch.equal(got_pos, ref_pos)
+        _assert_same_plan(got, ref, got_pos, ref_pos, rotate)
         assert got.wrong.tolist() == [0] * len(pages)  # the hints are right
 
 
 _PLAN_FIELDS = ("positions", "logical", "slots", "slot_table", "slot_phys", "status", "wrong")
+
+
+def _assert_same_plan(got, ref, got_pos: torch.Tensor, ref_pos: torch.Tensor, case) -> None:
+    """Every output of two plans equal in dtype, shape and value, and their page maps equal."""
+    for name in _PLAN_FIELDS:
+        a, b = getattr(got, name), getattr(ref, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, case)
+    assert torch.equal(got_pos, ref_pos)
 
 
 @needs_triton
@@ -242,10 +247,7 @@ def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
             assert flags.tolist() == plan.status.tolist() + plan.wrong.tolist() + [1]  # the landed word last
             outs.append((plan, page_pos))
         (ref, ref_pos), (got, got_pos) = outs
-        for name in _PLAN_FIELDS:
-            a, b = getattr(got, name), getattr(ref, name)
-            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, i)
-        assert torch.equal(got_pos, ref_pos)
+        _assert_same_plan(got, ref, got_pos, ref_pos, i)
         if i == 1:
             words = workspace._words
         if i >= 2:  # the grown buffers serve the smaller batches

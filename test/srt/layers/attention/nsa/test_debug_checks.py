@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 from page_fixtures import PagePool, page_table
 
 from reference.spawn import spawn_ranks
@@ -47,10 +48,17 @@ def test_unbalanced_pages_overflow_a_block():
 @pytest.mark.parametrize("field", ["slot_table", "slot_phys", "slots"])
 def test_corrupted_plan_is_inconsistent(field):
     plan = _plan(PAGES)
-    broken = getattr(plan, field).clone()
-    broken[[0, 1]] = broken[[1, 0]]
+    if field == "slots":  # a view of the plan's outputs: swap two of them there
+        words, m = plan.outputs.words.clone(), plan.num_positions
+        words[[2 * m, 2 * m + 1]] = words[[2 * m + 1, 2 * m]]
+        broken = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, words=words))
+        assert not torch.equal(broken.slots, plan.slots)
+    else:
+        swapped = getattr(plan, field).clone()
+        swapped[[0, 1]] = swapped[[1, 0]]
+        broken = dataclasses.replace(plan, **{field: swapped})
     with pytest.raises(CPSharedKVDebugError, match="slot plan is inconsistent"):
-        check_plan_local(dataclasses.replace(plan, **{field: broken}))
+        check_plan_local(broken)
 
 
 def _rank_corrupt(rank, world_size, debug):

@@ -593,7 +593,7 @@ def translate_locs(
     block = 1024
     launch(
         _translate_kernel,
-        (triton.cdiv(n, block),),
+        (-(-n // block),),  # host time: plain ints, no Triton helper
         (page_pos, flat, out, n, page_size, page_pos.shape[0]),
         {"BLOCK": block},
     )

@@ -211,16 +211,38 @@ PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
 class BatchPlan:
     """``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts).
 
-    ``status`` and ``wrong`` are views of ``flags``, taken when asked for: the read path reads the flags
-    on the host, as one list (host time: no split per batch)."""
+    The per-position outputs and the send entries are one int64 buffer (``words``), sliced only when
+    asked for; ``status`` and ``wrong`` are views of ``flags``, likewise: the read path hands the send
+    entries to the view's launches and reads the flags on the host as one list (host time: no split
+    per batch)."""
 
-    positions: torch.Tensor  # int64 [M]: b * width + j of each planned position
-    logical: torch.Tensor  # int64 [M]
-    slots: torch.Tensor  # int64 [M]
+    words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
     slot_table: torch.Tensor  # int32 [B, width]
-    slot_phys: torch.Tensor  # int64 [N * S]
     flags: torch.Tensor  # int64 [N + 2 + B]: status, wrong, then the landed word (1)
     cp_size: int
+    num_positions: int  # M
+    send_entries: int  # N * S
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 ``[M]``: ``b * width + j`` of each planned position."""
+        return self.words[: self.num_positions]
+
+    @property
+    def logical(self) -> torch.Tensor:
+        """int64 ``[M]``: the logical page each position reads."""
+        return self.words[self.num_positions : 2 * self.num_positions]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """int64 ``[M]``: the view slot of each position."""
+        return self.words[2 * self.num_positions : 3 * self.num_positions]
+
+    @property
+    def slot_phys(self) -> torch.Tensor:
+        """int64 ``[N * S]``: every owner's send block, owner-major (``assign_slots_ref``)."""
+        start = 3 * self.num_positions
+        return self.words[start : start + self.send_entries]
 
     @property
     def status(self) -> torch.Tensor:
@@ -273,7 +295,8 @@ def plan_batch_ref(
     differs = page_table != page_table[source.clamp(min=0)]
     wrong = (differs & (cols < shared.unsqueeze(1))).sum(1)
     flags = torch.cat([status, wrong, torch.ones(1, dtype=torch.int64, device=status.device)])
-    return BatchPlan(positions, logical, slots, table, phys, flags, cp_size)
+    words = torch.cat([positions, logical, slots, phys])
+    return BatchPlan(words, table, flags, cp_size, num_positions, phys.shape[0])
 
 
 if triton is not None:
@@ -483,13 +506,12 @@ def plan_batch(
     args += (0 if page_pos is None else page_pos.shape[0],)
     constexprs = {
         "N": cp_size,
-        "NP2": max(2, triton.next_power_of_2(cp_size)),
+        "NP2": max(2, 1 << (cp_size - 1).bit_length()),  # the next power of two (host time: no Triton helper)
         "BLOCK": 1024,
         "MAP": page_pos is not None,
     }
     launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
-    positions, logical, slots, phys = flat.split([m, m, m, send, flat.shape[0] - 3 * m - send])[:4]
-    return BatchPlan(positions, logical, slots, table, phys, flags, cp_size)
+    return BatchPlan(flat, table, flags, cp_size, m, send)
 
 
 class PlanWorkspace:

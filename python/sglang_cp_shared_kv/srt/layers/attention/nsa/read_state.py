@@ -81,10 +81,9 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     SlotOverflowError,
     overflow_message,
     pages_for_lens,
-    plan_meta,
+    plan_meta_rows,
     request_names,
     slot_plan_of,
-    slots_per_rank,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
@@ -264,29 +263,31 @@ class BatchReadState:
         seq_lens: Sequence[int],
     ) -> BatchCounters:
         # SGLang hands lists or CPU tensors: one conversion each (host time: no tensor per element).
-        prefix_lens = [int(p) for p in _host_ints(prefix_lens)]
-        seq_lens = [int(n) for n in _host_ints(seq_lens)]
+        prefix_lens, seq_lens = _host_ints(prefix_lens), _host_ints(seq_lens)
         ps = self.page_size
         if len(prefix_lens) != len(seq_lens) or len(seq_lens) != req_pool_indices.shape[0]:
             raise ValueError(
                 f"prefix_lens ({len(prefix_lens)}), seq_lens ({len(seq_lens)}) and req_pool_indices "
                 f"({req_pool_indices.shape[0]}) must agree"
             )
+        prefix_pages = [p // ps for p in prefix_lens]
         if any(p % ps for p in prefix_lens):
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
         hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
-        hint = _check_shared_prefix(hint, [p // ps for p in prefix_lens])
+        hint = _check_shared_prefix(hint, prefix_pages)
         self.check_overflow()
         if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
             self.views.drain()
         self._layer_cache.clear()
         self.stage_rows.clear()
         self.translate_pages_once.clear()
-        batch = (req_to_token, req_pool_indices, -(-max(seq_lens, default=0) // ps))
-        if batch_kind(prefix_lens) == "current":
-            self._begin_current(batch, seq_lens)
+        pages = [-(-n // ps) for n in seq_lens]
+        batch = (req_to_token, req_pool_indices, max(pages, default=0))
+        kind = batch_kind(prefix_lens)
+        if kind == "current":
+            self._begin_current(batch, pages)
         else:
-            self._begin_materialized(batch, seq_lens, prefix_lens, hint)
+            self._begin_materialized(batch, pages, prefix_pages, hint, kind)
         if debug_enabled():
             # The batch's logical pages by position: every page's first token loc // ps.
             page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : ps].long() // ps
@@ -300,26 +301,28 @@ class BatchReadState:
         prefix_pages: list[int],
         hint: list[tuple[int, int]],
         slots_per_rank: int,
+        num_positions: int,
         base: int,
         fill: int,
     ) -> BatchPlan:
         """The batch's plan and page map (``plan_batch``) in one launch and no copy: the host lengths
-        (``plan_meta``) go into one pinned buffer the launch reads in place and writes its flags back
+        (``plan_meta_rows``) go into one pinned buffer the launch reads in place and writes its flags back
         into; ``flags`` reads them once they land, at a later ``begin`` or ``end``, and raises
         ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed an owner's block
         (whose hint was wrong)."""
         req_to_token, req_pool_indices, width = batch
         b, n = len(pages), self.ownership.cp_size
         m = len(PLAN_META_ROWS) * b
-        buf, meta, flags = self.flags.host_views(m + n + 2 + b, self.device, m)
-        buf.numpy()[-1] = 0  # sync-ok: a host tensor; the landed word, set by the launch below
+        buf, meta, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
+        host[:m] = plan_meta_rows(pages, prefix_pages, hint)
+        host[-1] = 0  # the landed word, set by the launch below
         plan = plan_batch(
             req_to_token,
             req_pool_indices,
             self.page_size,
-            plan_meta(pages, self.device, prefix_pages, hint, out=meta),
+            meta,
             width,
-            sum(prefix_pages) - sum(s for _, s in hint),
+            num_positions,
             n,
             slots_per_rank,
             self.latent.trash_page,
@@ -331,8 +334,8 @@ class BatchReadState:
         )
         requests = self.request_ids
 
-        def fail(host: list) -> Exception | None:
-            status, wrong = host[m : m + n + 1], host[m + n + 1 : -1]
+        def fail(values: list) -> Exception | None:
+            status, wrong = values[m : m + n + 1], values[m + n + 1 : -1]
             if not (status[0] or any(wrong)):
                 return None
             names = request_names(requests, b)
@@ -340,7 +343,7 @@ class BatchReadState:
                 return SlotOverflowError(overflow_message(status, slots_per_rank, names))
             return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
 
-        self.flags.watch(buf, fail, self.device, landed=buf.shape[0] - 1)
+        self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
         return plan
 
     def _pool_pages(self) -> list[list[torch.Tensor]]:
@@ -351,18 +354,17 @@ class BatchReadState:
             for layer in range(source.num_layers)
         ]
 
-    def _begin_current(self, batch: tuple[torch.Tensor, torch.Tensor, int], seq_lens: list[int]) -> None:
+    def _begin_current(self, batch: tuple[torch.Tensor, torch.Tensor, int], pages: list[int]) -> None:
         if self.views is not None:  # the peers may still read pages this batch's writes reuse
             self.views.fence()
         ps = self.page_size
-        pages = pages_for_lens(seq_lens, ps)
         total = sum(pages)
         stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
         stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
         zeros = [0] * len(pages)
-        self._plan(batch, pages, zeros, [(-1, 0)] * len(pages), 0, base=1, fill=0)
+        self._plan(batch, pages, zeros, [(-1, 0)] * len(pages), 0, 0, base=1, fill=0)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
@@ -370,9 +372,10 @@ class BatchReadState:
     def _begin_materialized(
         self,
         batch: tuple[torch.Tensor, torch.Tensor, int],
-        seq_lens: list[int],
-        prefix_lens: list[int],
+        pages: list[int],
+        prefix_pages: list[int],
         hint: list[tuple[int, int]],
+        kind: str,
     ) -> None:
         if self.views is None:
             if callable(self.group):
@@ -390,25 +393,25 @@ class BatchReadState:
                 arena=self.arena,
                 prefetch=prefetch_on(group, self.prefetch),  # follows the transport chosen
             )
-        ps, n = self.page_size, self.ownership.cp_size
-        pages = pages_for_lens(seq_lens, ps)
-        prefix_pages = [p // ps for p in prefix_lens]  # page-aligned (checked in ``begin``)
-        staged = sum(pages) - sum(prefix_pages)
+        n = self.ownership.cp_size
+        # The planned pages: each request's prefix pages past those it shares (``slot_plan.slots_per_rank``).
         plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
-        s = slots_per_rank(plan_pages, n)
+        s = sum(-(-p // n) for p in plan_pages)
         view_pages = n * s
+        staged = sum(pages) - sum(prefix_pages)
         # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.
         if self.arena is not None:  # a batch past the arena fails before anything is written
             check_arena_fits(self.arena, view_pages + staged + 1)
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
-        out = self._plan(batch, pages, prefix_pages, hint, s, base=view_pages, fill=view_pages + staged)
-        plan = slot_plan_of(out, n, ps, plan_pages, s, self.latent.trash_page, with_status=False)  # flags: _plan
-        self.counters = self.views.begin_planned(plan, batch_kind(prefix_lens), extra_pages=staged + 1)
+        out = self._plan(batch, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged)
+        plan = slot_plan_of(out, n, self.page_size, plan_pages, s, self.latent.trash_page, with_status=False)
+        self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1)
         self.counters.pages_staged = staged
-        self._stages = []
-        for part in range(self.views.view_sets):
-            self._stages.append((self.views.view_rows(part), self.views.view_buffers(part).get("index")))
+        self._stages = [
+            (self.views.view_rows(part), self.views.view_buffers(part).get("index"))
+            for part in range(self.views.view_sets)
+        ]
         self.mode = "materialized"
 
     def end(self) -> None:
@@ -486,9 +489,11 @@ class BatchReadState:
         return view
 
 
-def _host_ints(values: Sequence[int] | torch.Tensor) -> Sequence[int]:
-    """``values`` as a sequence of Python or numpy ints: a (CPU) tensor through one ``tolist``."""
-    return values.tolist() if isinstance(values, torch.Tensor) else values  # sync-ok: SGLang's *_cpu lengths
+def _host_ints(values: Sequence[int] | torch.Tensor) -> list[int]:
+    """``values`` as a list of Python ints: a (CPU) tensor through one ``tolist``."""
+    if isinstance(values, torch.Tensor):
+        return values.tolist()  # sync-ok: SGLang's *_cpu lengths
+    return [int(v) for v in values]
 
 
 def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:

@@ -55,7 +55,8 @@ class SlotPlan:
     """Where each page position of one batch lives in the dense view (identical on every rank).
 
     Host-side: ``cp_size``, ``page_size``, ``pages_per_req``, ``slots_per_rank`` (``S``, every
-    owner's block) and ``trash_page``. Device-side:
+    owner's block) and ``trash_page``. Device-side (the first three views of ``outputs``, the
+    ``plan_batch`` outputs, taken when asked for: the view's launches read only the last two):
 
     - ``positions_flat`` int64 ``[M]``: ``b * max_pages + j`` of each position, request-major;
     - ``logical_pages`` int64 ``[M]``: the page each position reads (from the batch's page table);
@@ -75,16 +76,26 @@ class SlotPlan:
     pages_per_req: tuple[int, ...]
     slots_per_rank: int
     trash_page: int
-    positions_flat: torch.Tensor
-    logical_pages: torch.Tensor
-    slots: torch.Tensor
+    outputs: BatchPlan
     slot_table: torch.Tensor
     slot_phys: torch.Tensor
     status: torch.Tensor | None = None  # None: a plan built without the overflow report
 
     @property
+    def positions_flat(self) -> torch.Tensor:
+        return self.outputs.positions
+
+    @property
+    def logical_pages(self) -> torch.Tensor:
+        return self.outputs.logical
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.outputs.slots
+
+    @property
     def num_positions(self) -> int:
-        return len(self.positions_flat)
+        return self.outputs.num_positions
 
     @property
     def view_pages(self) -> int:
@@ -120,6 +131,28 @@ def host_to_device(vectors: Sequence[Sequence[int] | np.ndarray], device: torch.
     return list(copy_to_device(both, device).split([len(a) for a in arrays]))
 
 
+def plan_meta_rows(
+    pages: Sequence[int],
+    prefix_pages: Sequence[int] | None = None,
+    hint: Sequence[tuple[int, int]] | None = None,
+) -> list[int]:
+    """``plan_batch``'s ``meta`` as host ints, row after row (rows ``PLAN_META_ROWS``, ``B`` each).
+
+    Request ``b`` has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default:
+    all, none staged), the first ``hint[b] = (source, shared)`` of those the source's (default: none).
+    """
+    prefix_pages = pages if prefix_pages is None else prefix_pages
+    hint = [(-1, 0)] * len(pages) if hint is None else hint
+    # Plain ints for a batch's few requests (host time: no numpy call per row).
+    starts, plan_starts, start, plan_start = [], [], 0, 0
+    for total, prefix, (_, shared) in zip(pages, prefix_pages, hint):
+        starts.append(start)
+        plan_starts.append(plan_start)
+        start += total - prefix
+        plan_start += prefix - shared
+    return [s for _, s in hint] + list(prefix_pages) + list(pages) + starts + [src for src, _ in hint] + plan_starts
+
+
 def plan_meta(
     pages: Sequence[int],
     device: torch.device,
@@ -127,29 +160,18 @@ def plan_meta(
     hint: Sequence[tuple[int, int]] | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``plan_batch``'s ``meta`` (int64 ``[6, B]``, rows ``PLAN_META_ROWS``, on ``device``), written into
-    one (pinned, on CUDA) host buffer and copied in one non-blocking copy; with ``out`` (int64 host
-    ``[6 * B]``, pinned on CUDA: ``DeviceFlagCheck.host_buffer``) written there, row after row, and
-    returned as is, for a launch that reads it in place (nothing copied; the buffer stays untouched until
-    that launch has run).
+    """``plan_meta_rows`` as ``plan_batch``'s ``meta`` (int64 ``[6, B]`` on ``device``), written into one
+    (pinned, on CUDA) host buffer and copied in one non-blocking copy; with ``out`` (int64 host ``[6 * B]``,
+    pinned on CUDA) written there and returned as is, for a launch that reads it in place (nothing copied;
+    the buffer stays untouched until that launch has run).
 
-    Request ``b`` has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default:
-    all, none staged), the first ``hint[b] = (source, shared)`` of those the source's (default: none).
     Without a hint and prefix pages it depends on the lengths only, not on the page ids: a CUDA graph
     captures the plan with it built beforehand (``build_slot_plan(..., meta=...)``) and replays it on new
-    page tables of the same lengths.
+    page tables of the same lengths. (The read path writes the rows straight into the pinned buffer its
+    launch reads in place: ``read_state``.)
     """
-    prefix_pages = pages if prefix_pages is None else prefix_pages
-    hint = [(-1, 0)] * len(pages) if hint is None else hint
-    # Plain ints for a batch's few requests, then one conversion (host time: no numpy call per row).
-    starts, plan_starts, start, plan_start = [], [], 0, 0
-    for total, prefix, (_, shared) in zip(pages, prefix_pages, hint):
-        starts.append(start)
-        plan_starts.append(plan_start)
-        start += total - prefix
-        plan_start += prefix - shared
-    rows = [s for _, s in hint] + list(prefix_pages) + list(pages) + starts + [src for src, _ in hint] + plan_starts
-    if out is not None:  # flat, as the launch reads it (host time: no view)
+    rows = plan_meta_rows(pages, prefix_pages, hint)
+    if out is not None:
         out.numpy()[:] = rows  # sync-ok: a host tensor, filled before any launch reads it
         return out
     host = torch.empty((len(PLAN_META_ROWS), len(pages)), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -174,9 +196,7 @@ def slot_plan_of(
         pages_per_req=tuple(pages_per_req),
         slots_per_rank=slots,
         trash_page=trash_page,
-        positions_flat=plan.positions,
-        logical_pages=plan.logical,
-        slots=plan.slots,
+        outputs=plan,
         slot_table=plan.slot_table,
         slot_phys=plan.slot_phys,
         status=plan.status if with_status else None,
@@ -276,14 +296,14 @@ class DeviceFlagCheck:
     """
 
     def __init__(self) -> None:
-        # Per record: its host values, its event (None: on CPU, or watched by a landed word), that
-        # word's index (None: none), whether the values are a pinned buffer of ``host_buffer`` (kept for
-        # later records once landed), and ``fail``.
-        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, int | None, bool, Callable]] = []
+        # Per record: its host values (a tensor and the same memory as a numpy array), its event (None: on
+        # CPU, or watched by a landed word), that word's index (None: none), whether the values are a
+        # pinned buffer of ``host_buffer`` (kept for later records once landed), and ``fail``.
+        self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None, int | None, bool, Callable]] = []
         # Events and pinned buffers of landed records, for later ones (created at first need).
         self._spare: list[torch.cuda.Event] = []
         self._buffers: list[torch.Tensor] = []
-        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = {}
 
     def host_buffer(self, numel: int, device: torch.device) -> torch.Tensor:
         """int64 ``[numel]`` for a ``watch`` record: pinned memory, one of a landed record's when one is
@@ -292,21 +312,23 @@ class DeviceFlagCheck:
 
     def host_views(
         self, numel: int, device: torch.device, split: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``host_buffer(numel, device)`` and its first ``split`` words and the rest, as three views kept per
-        buffer, length and split: a batch's sizes recur (host time: no slicing op per batch)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+        """``host_buffer(numel, device)``, its first ``split`` words and the rest, and the buffer as a numpy
+        array (the same memory, for host writes and ``watch``), kept per buffer, length and split: a
+        batch's sizes recur (host time: no slicing op per batch)."""
         i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
         if i is None:
             base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
         else:
             base = self._buffers.pop(i)
-        key = (base.data_ptr(), numel, split)
+        # Keyed by the buffer's identity: a cached view holds its buffer, so no other object takes its id.
+        key = (id(base), numel, split)
         views = self._views.get(key)
-        if views is None or views[0]._base is not base:
+        if views is None:
             if len(self._views) >= 64:
                 self._views.clear()
             buf = base[:numel]
-            views = self._views[key] = (buf, buf[:split], buf[split:])
+            views = self._views[key] = (buf, buf[:split], buf[split:], buf.numpy())  # sync-ok: host memory
         return views
 
     def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:
@@ -322,25 +344,27 @@ class DeviceFlagCheck:
         fail: Callable[[list], Exception | None],
         device: torch.device,
         landed: int | None = None,
+        array: np.ndarray | None = None,
     ) -> None:
         """Read ``host`` (from ``host_buffer``) once the work queued so far on ``device``'s current stream is
         done; with ``landed``, once that work has set ``host[landed]``, 0 when it was queued, to 1 (no
-        event); on CPU at the next poll."""
+        event); on CPU at the next poll. ``array``: ``host`` as numpy (``host_views``), else taken here."""
         event, cuda = None, device.type == "cuda"
         if cuda and landed is None:
             event = self._spare.pop() if self._spare else torch.cuda.Event()
             event.record(current_stream(device))
-        self._pending.append((host, event, landed, cuda, fail))
+        array = host.numpy() if array is None else array  # sync-ok: a host tensor
+        self._pending.append((host, array, event, landed, cuda, fail))
 
     def poll(self, wait: bool = False) -> None:
         while self._pending:
-            flags, event, landed, pinned, fail = self._pending[0]
-            if not self._landed(flags, event, landed):
+            flags, array, event, landed, pinned, fail = self._pending[0]
+            if not (array[landed] == 1 if landed is not None else event is None or event.query()):
                 if not wait:
                     return  # not landed yet: read at a later poll, never waited for
                 self._wait(event)
             self._pending.pop(0)
-            host = flags.tolist()  # sync-ok: a host tensor (its writes landed, or a CPU tensor)
+            host = array.tolist()  # sync-ok: host memory (its writes landed, or a CPU tensor)
             if event is not None:
                 self._spare.append(event)
             if pinned:  # the pinned buffer serves later records
@@ -349,14 +373,8 @@ class DeviceFlagCheck:
             if error is not None:
                 # The later records are dropped, but their buffers stay held until they land: the launches
                 # still in flight read and write them.
-                self._pending = [(f, e, i, p, _no_error) for f, e, i, p, _ in self._pending if p]
+                self._pending = [(f, a, e, i, p, _no_error) for f, a, e, i, p, _ in self._pending if p]
                 raise error
-
-    @staticmethod
-    def _landed(flags: torch.Tensor, event: torch.cuda.Event | None, landed: int | None) -> bool:
-        if landed is not None:
-            return flags.numpy()[landed] == 1  # sync-ok: pinned host memory a kernel writes, no CUDA call
-        return event is None or event.query()
 
     @staticmethod
     def _wait(event: torch.cuda.Event | None) -> None:

@@ -308,7 +308,7 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.read_state:BatchReadState.index_pages",
     f"{_NSA}.read_state:BatchReadState.latent_rows",
     f"{_NSA}.read_state:plan_batch",
-    f"{_NSA}.read_state:plan_meta",
+    f"{_NSA}.read_state:plan_meta_rows",
     f"{_NSA}.read_state:slot_plan_of",
     f"{_NSA}.read_state:_check_shared_prefix",
     f"{_NSA}.read_state:check_arena_fits",

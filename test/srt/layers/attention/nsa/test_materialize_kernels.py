@@ -299,3 +299,23 @@ def test_a_launch_hands_the_launcher_tensors_by_address_and_keeps_the_tensors():
     assert launch.args == (src, dst, 5, 2)
     assert launch._all_args == (src.data_ptr(), dst.data_ptr(), 5, 2)
     assert launch._spec[:2] == ((torch.int64, src.data_ptr() % 16 == 0), (torch.float32, dst.data_ptr() % 16 == 0))
+
+
+@needs_triton
+def test_a_relaunch_keeps_the_key_of_equal_ints_and_rebinds_new_tensors():
+    """``relaunch`` keys again only what changed: an int equal to the last (another object) keeps its key and
+    value, a new tensor is handed by its new address, and the launch computes with the new arguments."""
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import _translate_kernel
+
+    page_pos = torch.tensor([3, 0, 1, 2, 7, 5, 4, 6], dtype=torch.int64, device=DEVICE)
+    locs = torch.arange(300, dtype=torch.int64, device=DEVICE) % 256
+    out = torch.empty_like(locs)
+    launch = PreparedLaunch(_translate_kernel, (1,), (page_pos, locs, out, 300, 32, 8), {"BLOCK": 512})
+    launch()
+    key = launch._key
+    again, n = torch.empty_like(locs), int("300")  # an equal int, built anew: another object
+    assert n == launch.args[3] and n is not launch.args[3]
+    launch.relaunch((1,), (page_pos, locs.flip(0), again, n, 32, 8))
+    assert launch._key == key and launch._all_args[2] == again.data_ptr() and launch.args[3] is n
+    assert torch.equal(again, translate_locs_ref(page_pos, locs.flip(0), 32))
+    assert torch.equal(out, translate_locs_ref(page_pos, locs, 32))  # the first launch's output untouched

@@ -339,11 +339,14 @@ class PreparedLaunch:
     def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
         """Queue this launch again with a new grid and ``args`` (on the same device). An argument that is the
         very object the last launch had (a pool buffer, a reused workspace), at the same address, keeps its
-        key (host time: a batch's launch changes a few of its arguments)."""
+        key, as does an int equal to the last one (host time: a batch's launch changes a few of its arguments)."""
         spec, raw, old = list(self._spec), list(self._all_args), self.args
         for i, a in enumerate(args):
-            if a is not old[i] or (isinstance(a, torch.Tensor) and a.data_ptr() != raw[i]):
-                spec[i], raw[i] = _keyed(self._keyers[i], a)
+            b = old[i]
+            if a is b or (type(a) is int and type(b) is int and a == b):
+                if not isinstance(a, torch.Tensor) or a.data_ptr() == raw[i]:
+                    continue
+            spec[i], raw[i] = _keyed(self._keyers[i], a)
         self._rekey(tuple(spec))
         self.args, self._all_args = args, tuple(raw)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))

@@ -84,6 +84,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     plan_meta_rows,
     request_names,
     slot_plan_of,
+    slots_per_rank,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
@@ -394,9 +395,9 @@ class BatchReadState:
                 prefetch=prefetch_on(group, self.prefetch),  # follows the transport chosen
             )
         n = self.ownership.cp_size
-        # The planned pages: each request's prefix pages past those it shares (``slot_plan.slots_per_rank``).
+        # The planned pages: each request's prefix pages past those it shares.
         plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
-        s = sum(-(-p // n) for p in plan_pages)
+        s = slots_per_rank(plan_pages, n)
         view_pages = n * s
         staged = sum(pages) - sum(prefix_pages)
         # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.

@@ -335,9 +335,12 @@ class CopyEngineGroup:
         self.fences = 0  # fences queued so far (the same count on every rank)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # what a fence sends
         self._fence_graphs: list[int | None] = [None, None]  # per parity, captured at its first fence
+        # Per parity and companion launch (``fence(then=)``): the fence and that launch as one graph.
+        self._fused_graphs: dict[tuple, int] = {}
+        self.fused_fences = 0  # fences launched with their companion inside the graph
         self._capture_stream: torch.cuda.Stream | None = None
 
-    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
+    def fence(self, stream: torch.cuda.Stream | None = None, then=None) -> None:
         """Queue on ``stream`` (default: the current one) a point that every rank's stream passes only after
         every rank's has reached its own: what each rank queued before (pool writes, reads of the peers'
         pools) is done on every rank before what any rank queues after. No host wait.
@@ -348,16 +351,38 @@ class CopyEngineGroup:
         fence ``f + 1``, queued after the reset: so no set is lost and none is seen twice. The values
         never change, so the calls are one graph per parity, captured at its first fence and launched
         after that: one driver call per fence instead of ``1 + 3 * peers`` (host time).
+
+        ``then`` (a ``PreparedLaunch`` of the current stream's next kernel, ``stream`` left None) is queued
+        right after the fence: inside the same graph once its kernel is compiled, one graph per parity and
+        per ``then.graph_key()`` (its kernel and every argument's value), so a launch whose arguments do not
+        change from call to call costs no launch of its own (host time); otherwise called after the fence.
         """
         handle, q = self._handle(stream), self.fences % 2
         self.fences += 1
-        exe = self._fence_graphs[q]
-        if exe is None:
-            exe = self._fence_graphs[q] = self._capture_fence(q)
+        key = then.graph_key() if then is not None and then.compiled() is not None else None
+        if key is None:
+            exe = self._fence_graphs[q]
+            if exe is None:
+                exe = self._fence_graphs[q] = self._capture_fence(q)
+        else:
+            exe = self._fused_graphs.get((q, key))
+            if exe is None:
+                if len(self._fused_graphs) >= 16:  # launches still in flight free theirs when done
+                    self._destroy(self._fused_graphs.values())
+                    self._fused_graphs = {}
+                exe = self._fused_graphs[(q, key)] = self._capture_fence(q, then)
         if exe:
             self._driver.check(self._driver.graph_launch(exe, handle), "cuGraphLaunch")
         else:
             self._fence_calls(handle, q)
+        if then is None:
+            return
+        if key is None:
+            then()
+        elif not exe:
+            then.launch_on(handle)
+        else:
+            self.fused_fences += 1
 
     def _fence_calls(self, stream: int, q: int) -> None:
         """Fence ``q``'s calls (``fence``), queued on ``stream``."""
@@ -371,12 +396,19 @@ class CopyEngineGroup:
         for slot in mine:
             d.check(d.write64(stream, slot, 0, 0), "cuStreamWriteValue64")
 
-    def _capture_fence(self, q: int) -> int:
-        """Fence ``q``'s calls as a graph (0 where the driver cannot capture them: made one by one)."""
+    def _capture_fence(self, q: int, then=None) -> int:
+        """Fence ``q``'s calls, and ``then``'s launch after them, as a graph (0 where the driver cannot
+        capture them: made one by one)."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
+
+        def body(h: int) -> None:
+            self._fence_calls(h, q)
+            if then is not None:
+                then.launch_on(h)
+
         try:
-            exe = self._driver.capture(self._capture_stream.cuda_stream, lambda h: self._fence_calls(h, q))
+            exe = self._driver.capture(self._capture_stream.cuda_stream, body)
         except RuntimeError as e:
             logger.info("CP-shared KV: the copy engines' fence is made call by call (no graph: %s)", e)
             exe = None
@@ -402,12 +434,17 @@ class CopyEngineGroup:
         self._signal(stream, 0)
         return self.calls
 
-    def close(self) -> None:
-        """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
-        graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
+    def _destroy(self, graphs) -> None:
+        """Free these captured graphs (0 and None: none was made)."""
         for exe in graphs:
             if exe:
                 self._driver.exec_destroy(exe)
+
+    def close(self) -> None:
+        """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
+        graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
+        self._destroy([*graphs, *getattr(self, "_fused_graphs", {}).values()])
+        self._fused_graphs = {}
         opened, self._opened = getattr(self, "_opened", []), []
         with torch.cuda.device(self.device):
             for handle in opened:

@@ -1,6 +1,8 @@
 """The batch plan's Triton kernel (``plan_batch``) equals its plain-torch references (interpreter on CPU,
 or CUDA), over SGLang's token table and over a page table (``build_slot_plan``)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,9 +15,15 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     map_batch_pages_ref,
     plan_batch,
     plan_batch_ref,
+    plan_header,
     plan_positions_ref,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_meta, slots_per_rank
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    build_slot_plan,
+    plan_meta,
+    plan_meta_rows,
+    slots_per_rank,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
@@ -252,6 +260,42 @@ def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
             words = workspace._words
         if i >= 2:  # the grown buffers serve the smaller batches
             assert workspace._words is words and got.positions.untyped_storage().data_ptr() == words.data_ptr()
+
+
+@needs_triton
+def test_plan_batch_reading_a_header_binds_one_launch_for_batches_of_other_sizes():
+    """``header=True``: the launch reads its per-batch values and the request rows' address from the host
+    buffer, so two batches of other sizes over one buffer, workspace and token table bind the same launch
+    (one graph key: a graph captured once serves both), and each plan, flags included, is the reference's."""
+    ps, n = 16, 3
+    tokens, rows, _, _, _, _, logical = _plan_case(n, [7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], ps, 5)
+    tokens, rows = tokens.to(DEVICE), rows.to(DEVICE)
+    batches = [
+        (rows, [7, 7, 7, 7], [9, 7, 8, 12], [(-1, 0), (0, 7), (1, 4), (-1, 0)]),
+        (rows[[3, 0]], [12, 3], [12, 9], [(-1, 0), (-1, 0)]),  # fewer requests, no hint
+    ]
+    buffer = torch.zeros(8 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=DEVICE.type == "cuda")
+    workspace, page_pos = PlanWorkspace(), torch.zeros(logical, dtype=torch.int64, device=DEVICE)
+    keys = []
+    for i, (r, prefix, pages, hint) in enumerate(batches):
+        b, width = len(pages), max(pages)
+        plan_pages = [q - sh for q, (_, sh) in zip(prefix, hint)]
+        m, s = sum(plan_pages), slots_per_rank(plan_pages, n)
+        lengths = plan_meta_rows(pages, prefix, hint)
+        buf = buffer[: 8 + 6 * b + n + 2 + b]
+        buf[: 8 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
+        args = (tokens, r, ps, buf, width, m, n, s, 77, page_pos, 50, 99)
+        plan, queued = plan_batch(*args, workspace=workspace, header=True, queue=False)
+        queued()
+        keys.append(queued.graph_key())
+        ref_pos = torch.full_like(page_pos, -3)
+        meta = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+        ref = plan_batch_ref(tokens, r, ps, meta, width, m, n, s, 77, ref_pos, 50, 99)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert buf[8 + 6 * b :].tolist() == ref.flags.tolist()  # status, wrong, then the landed word
+        _assert_same_plan(dataclasses.replace(plan, flags=plan.flags.to(DEVICE)), ref, page_pos, ref_pos, i)
+    assert keys[0] == keys[1]
 
 
 def test_plan_batch_counts_a_wrong_hint_and_rejects_bad_meta():

@@ -374,13 +374,14 @@ class ViewMaterializer:
             self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
         return self.counters
 
-    def begin_planned(self, plan: SlotPlan, kind: str, extra_pages: int) -> BatchCounters:
+    def begin_planned(self, plan: SlotPlan, kind: str, extra_pages: int, then=None) -> BatchCounters:
         """``begin_batch`` for a caller that planned the batch's prefixes itself (``plan``, built for this
         pool's layout) and stages the current chunk into the ``extra_pages`` past the view: nothing of the
         chunk is gathered, so there are no lengths to check or plan here (host time). ``kind`` is the
-        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags."""
+        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags. ``then``: the plan's launch,
+        bound and not yet queued (``fence``)."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
-        self.fence()
+        self.fence(then)
         self.counters = BatchCounters(kind=kind)
         self._num_tokens = self._current_pages = 0
         self._start(plan, extra_pages)
@@ -611,14 +612,19 @@ class ViewMaterializer:
             self.group.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
         return page_bytes
 
-    def fence(self) -> None:
+    def fence(self, then=None) -> None:
         """Where views are read straight from the peers' pools: a point on the current stream that every
         rank's stream passes together (``CopyEngineGroup.fence``), queued at each batch's start before its
         reads and writes. A batch reads only pages written before it started (its prefixes; its chunk is
         staged locally), and a page it reads is rewritten only by a later batch: so every read follows
-        the write it reads on its owner, and precedes the owner's next write of that page. No host wait."""
+        the write it reads on its owner, and precedes the owner's next write of that page. No host wait.
+
+        ``then`` (a bound ``PreparedLaunch``, or None) is queued after it: in the fence's graph where there
+        is one (``CopyEngineGroup.fence(then=)``), else called."""
         if self._source_table is not None:
-            self.group.fence()
+            self.group.fence(then=then)
+        elif then is not None:
+            then()
 
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device

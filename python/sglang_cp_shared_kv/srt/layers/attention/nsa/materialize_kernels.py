@@ -326,6 +326,25 @@ class PreparedLaunch:
         stream = current_stream_handle(self.device)
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
 
+    def compiled(self):
+        """The compiled kernel this launch runs directly, or None where its next launch goes through the JIT
+        (not yet compiled, under the interpreter, or with launch hooks set)."""
+        kernel = self._kernel or _COMPILED.get(self._key)
+        return kernel if kernel is not None and _no_launch_hooks() else None
+
+    def launch_on(self, stream: int) -> None:
+        """Queue this launch on raw stream ``stream`` through its compiled kernel (``compiled()``), for a
+        caller that captures it into a graph."""
+        kernel = self._kernel = self.compiled()
+        if kernel is None:
+            raise RuntimeError("launch_on needs a compiled kernel (compiled() is None)")
+        g0, g1, g2 = self.grid
+        kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
+
+    def graph_key(self) -> tuple:
+        """What a captured launch bakes in: the compiled kernel's key, the grid and every argument's value."""
+        return (self._key, self.grid, self._all_args)
+
     def set_free_int(self, index: int, value: int) -> None:
         """``set_args({index: value})`` for an int the kernel names in ``do_not_specialize`` (a layer index):
         where it keys as the one it replaces (the same width), only that argument changes (host time)."""
@@ -336,7 +355,7 @@ class PreparedLaunch:
         self.args = (*args[:index], value, *args[index + 1 :])
         self._all_args = (*raw[:index], value, *raw[index + 1 :])
 
-    def relaunch(self, grid: tuple[int, ...], args: tuple) -> None:
+    def relaunch(self, grid: tuple[int, ...], args: tuple, queue: bool = True) -> None:
         """Queue this launch again with a new grid and ``args`` (on the same device). An argument that is the
         very object the last launch had (a pool buffer, a reused workspace), at the same address, keeps its
         key, as does an int equal to the last one (host time: a batch's launch changes a few of its arguments)."""
@@ -350,7 +369,8 @@ class PreparedLaunch:
         self._rekey(tuple(spec))
         self.args, self._all_args = args, tuple(raw)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self()
+        if queue:
+            self()
 
     def rebind(self, changes: dict[int, object]) -> PreparedLaunch:
         """This launch with ``args[i]`` replaced by ``changes[i]``; the kernel-cache key is kept where every
@@ -388,19 +408,23 @@ class PreparedLaunch:
 _SITES: dict[tuple, PreparedLaunch] = {}
 
 
-def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> None:
+def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict, queue: bool = True, **options) -> PreparedLaunch:
     """``fn[grid](*args, **constexprs, **options)`` through ``PreparedLaunch``'s kernel cache, each site's
-    launch kept and relaunched with the new arguments (host time: no key built per call)."""
+    launch kept and relaunched with the new arguments (host time: no key built per call). Returns the site's
+    launch; ``queue=False`` binds the arguments without queueing it (the caller does: ``launch_on`` inside a
+    captured graph, else a call)."""
     device = args[0].device if isinstance(args[0], torch.Tensor) else None
     site = (fn, device, tuple(constexprs.items()), tuple(options.items()))
     prepared = _SITES.get(site)
     if prepared is None or prepared.device != device:
         if len(_SITES) >= _COMPILED_LIMIT:
             _SITES.clear()
-        _SITES[site] = PreparedLaunch(fn, grid, args, constexprs, **options)
-        _SITES[site]()
-        return
-    prepared.relaunch(grid, args)
+        prepared = _SITES[site] = PreparedLaunch(fn, grid, args, constexprs, **options)
+        if queue:
+            prepared()
+        return prepared
+    prepared.relaunch(grid, args, queue)
+    return prepared
 
 
 def gather_pages(

@@ -21,7 +21,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import check_index, launch, triton_enabled
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    PreparedLaunch,
+    check_index,
+    launch,
+    triton_enabled,
+)
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
 try:
@@ -205,6 +210,9 @@ def map_batch_pages_ref(
 
 # Rows of ``plan_batch``'s per-request ``meta``.
 PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
+# Words ahead of them in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values, the
+# address of the request rows (int64), and a spare word.
+PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows", "spare")
 
 
 @dataclass(frozen=True)
@@ -345,6 +353,7 @@ if triton is not None:
         NP2: tl.constexpr,
         BLOCK: tl.constexpr,
         MAP: tl.constexpr,
+        HEADER: tl.constexpr,
     ):
         # One program walks the batch request by request (positions in request-major order), twice: the
         # positions per owner first, then each position's rank, slot and stores (the tokens' column
@@ -353,6 +362,19 @@ if triton is not None:
         # ([N * S] and a dump entry), then the host lengths' device copy ([6 * B]); ``flags_out`` the
         # status ([N + 1]), the hint's wrong pages ([B]) and a landed word, written last (1: the flags
         # before it are visible); ``table_out`` is int32 [B, width], contiguous.
+        # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``: the request
+        # rows by address), its lengths and then the flags following: the launch's arguments stay the same
+        # from batch to batch, so it can be captured once into a graph.
+        if HEADER:
+            batch = tl.load(meta_in)
+            width = tl.load(meta_in + 1)
+            num_positions = tl.load(meta_in + 2)
+            slots_per_rank = tl.load(meta_in + 3)
+            base = tl.load(meta_in + 4)
+            fill = tl.load(meta_in + 5)
+            rows = tl.load(meta_in + 6).to(tl.pointer_type(tl.int64))
+            meta_in = meta_in + 8
+            flags_out = meta_in + 6 * batch
         positions_out = out
         logical_out = out + num_positions
         slots_out = out + 2 * num_positions
@@ -454,7 +476,9 @@ def plan_batch(
     use_triton: bool | None = None,
     flags: torch.Tensor | None = None,
     workspace: PlanWorkspace | None = None,
-) -> BatchPlan:
+    header: bool = False,
+    queue: bool = True,
+) -> BatchPlan | tuple[BatchPlan, PreparedLaunch | None]:
     """``plan_batch_ref`` in one launch of one program, which first fills ``page_pos`` (None: the plan
     without a page map) with ``fill``: its outputs in one int64 buffer and an int32 table, no read-back.
     ``num_positions`` (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints.
@@ -466,11 +490,31 @@ def plan_batch(
     the host with the launch, no copy, and the host sees them land with no CUDA call
     (``slot_plan.DeviceFlagCheck.watch(..., landed=)``).
     ``workspace``: the outputs are views of its buffers, valid until the next plan over it (default:
-    allocated here)."""
+    allocated here).
+
+    ``header``: ``meta`` is one host buffer, int64 ``[8 + 6 * B + N + 2 + B]``: ``plan_header`` of this
+    call's values, the lengths, then room for the flags (``flags``, if given, must be that tail); the
+    launch reads everything from it, so its arguments do not change from batch to batch while the buffer,
+    the workspace and the pool's tensors stay. ``queue=False``: returns ``(plan, launch)`` with the launch
+    bound, not queued, for the caller to queue (a call, or ``launch_on`` inside a captured graph); None
+    where the plan was computed without one (the reference path)."""
     check_index("tokens", tokens, 2)
     check_index("rows", rows, 1)
     batch = rows.shape[0]
-    if meta.dtype != torch.int64 or meta.numel() != len(PLAN_META_ROWS) * batch or not meta.is_contiguous():
+    lengths = len(PLAN_META_ROWS) * batch
+    if header:
+        if meta.dtype != torch.int64 or meta.numel() != 8 + lengths + cp_size + 2 + batch or meta.device.type != "cpu":
+            raise ValueError(
+                f"a header buffer must be host int64 [{8 + lengths + cp_size + 2 + batch}], got {meta.dtype} "
+                f"{tuple(meta.shape)} on {meta.device}"
+            )
+        if rows.dtype != torch.int64:
+            raise ValueError(
+                f"a header buffer passes the request rows by address: rows must be int64, got {rows.dtype}"
+            )
+        if flags is None:
+            flags = meta[8 + lengths :]
+    elif meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
         raise ValueError(
             f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}] (or flat), got {tuple(meta.shape)}"
         )
@@ -478,22 +522,23 @@ def plan_batch(
         raise ValueError(f"page_pos must be int64 [logical pages], got {page_pos.dtype} {tuple(page_pos.shape)}")
     if num_positions and slots_per_rank < 1:
         raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
-    args = (tokens, rows, page_size, meta, width, num_positions, cp_size, slots_per_rank, trash_page, page_pos)
+    lengths_in = meta[8 : 8 + lengths] if header else meta
+    args = (tokens, rows, page_size, lengths_in, width, num_positions, cp_size, slots_per_rank, trash_page, page_pos)
     if flags is not None and (flags.dtype != torch.int64 or flags.shape != (cp_size + 2 + batch,)):
         raise ValueError(f"flags must be int64 [{cp_size + 2 + batch}], got {flags.dtype} {tuple(flags.shape)}")
     if not triton_enabled(tokens.device, use_triton) or batch == 0 or tokens.stride(1) != 1:
         if meta.device != tokens.device:  # host lengths the launch would have read in place
-            args = (*args[:3], meta.to(tokens.device, non_blocking=True), *args[4:])
+            args = (*args[:3], lengths_in.to(tokens.device, non_blocking=True), *args[4:])
         plan = plan_batch_ref(*args, base, fill, pad)
-        if flags is None:
-            return plan
-        # The landed word in a second copy: stream order lands it after the flags.
-        flags[:-1].copy_(plan.flags[:-1], non_blocking=True)
-        flags[-1:].copy_(plan.flags[-1:], non_blocking=True)
-        return replace(plan, flags=flags)
+        if flags is not None:
+            # The landed word in a second copy: stream order lands it after the flags.
+            flags[:-1].copy_(plan.flags[:-1], non_blocking=True)
+            flags[-1:].copy_(plan.flags[-1:], non_blocking=True)
+            plan = replace(plan, flags=flags)
+        return plan if queue else (plan, None)
     m, send = num_positions, cp_size * slots_per_rank
     # positions, logical, slots, send entries (and the dump entry), the host lengths' device copy: one buffer.
-    words = 3 * m + send + 1 + meta.numel()
+    words = 3 * m + send + 1 + lengths
     if flags is None:
         flags = torch.empty(cp_size + 2 + batch, dtype=torch.int64, device=tokens.device)
     if workspace is None:
@@ -501,17 +546,37 @@ def plan_batch(
         table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
     else:
         flat, table = workspace.take(words, batch, width, tokens.device)
-    args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, flat if page_pos is None else page_pos)
-    args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill)
-    args += (0 if page_pos is None else page_pos.shape[0],)
+    pages_out = flat if page_pos is None else page_pos
+    num_pages = 0 if page_pos is None else page_pos.shape[0]
+    if header:  # the buffer in place of the rows and the flags, the per-batch ints read from it (0 here)
+        args = (tokens, tokens.stride(0), meta, meta, flat, workspace_table(table), meta, pages_out)
+        args += (0, 0, page_size, 0, 0, trash_page, pad, 0, 0, num_pages)
+    else:
+        args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, pages_out)
+        args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill, num_pages)
     constexprs = {
         "N": cp_size,
         "NP2": max(2, 1 << (cp_size - 1).bit_length()),  # the next power of two (host time: no Triton helper)
         "BLOCK": 1024,
         "MAP": page_pos is not None,
+        "HEADER": header,
     }
-    launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
-    return BatchPlan(flat, table, flags, cp_size, m, send)
+    prepared = launch(_plan_batch_kernel, (1,), args, constexprs, queue, num_warps=8)
+    plan = BatchPlan(flat, table, flags, cp_size, m, send)
+    return plan if queue else (plan, prepared)
+
+
+def plan_header(
+    batch: int, width: int, num_positions: int, slots_per_rank: int, base: int, fill: int, rows: torch.Tensor
+) -> list[int]:
+    """The ``PLAN_HEADER`` words of a ``plan_batch(..., header=True)`` call with these values (host ints)."""
+    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr(), 0]
+
+
+def workspace_table(table: torch.Tensor) -> torch.Tensor:
+    """The buffer a ``PlanWorkspace`` table is a view of (the same address): one argument object batch after
+    batch."""
+    return table if table._base is None else table._base
 
 
 class PlanWorkspace:

@@ -69,12 +69,13 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     arena_pages,
     check_arena_fits,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import PreparedLaunch, translate_locs
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_META_ROWS,
     BatchPlan,
     PlanWorkspace,
     plan_batch,
+    plan_header,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
@@ -305,23 +306,28 @@ class BatchReadState:
         num_positions: int,
         base: int,
         fill: int,
-    ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``) in one launch and no copy: the host lengths
-        (``plan_meta_rows``) go into one pinned buffer the launch reads in place and writes its flags back
-        into; ``flags`` reads them once they land, at a later ``begin`` or ``end``, and raises
-        ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed an owner's block
-        (whose hint was wrong)."""
+    ) -> tuple[BatchPlan, PreparedLaunch | None]:
+        """The batch's plan and page map (``plan_batch``) from one pinned buffer and no copy: the launch's
+        values and the host lengths (``plan_header``, ``plan_meta_rows``) go into it, the launch reads them in
+        place and writes its flags back into it; ``flags`` reads them once they land, at a later ``begin`` or
+        ``end``, and raises ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed
+        an owner's block (whose hint was wrong). Returns the plan and its launch, bound but not queued (None:
+        the plan was computed without one): the caller queues it, in the copy engines' fence graph where
+        there is one (the launch's arguments are the same batch after batch)."""
         req_to_token, req_pool_indices, width = batch
         b, n = len(pages), self.ownership.cp_size
-        m = len(PLAN_META_ROWS) * b
-        buf, meta, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
-        host[:m] = plan_meta_rows(pages, prefix_pages, hint)
-        host[-1] = 0  # the landed word, set by the launch below
-        plan = plan_batch(
+        m = 8 + len(PLAN_META_ROWS) * b  # the header, then the lengths
+        rows = req_pool_indices if req_pool_indices.dtype == torch.int64 else req_pool_indices.long()
+        buf, _, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
+        host[:m] = plan_header(b, width, num_positions, slots_per_rank, base, fill, rows) + plan_meta_rows(
+            pages, prefix_pages, hint
+        )
+        host[-1] = 0  # the landed word, set by the launch
+        plan, queued = plan_batch(
             req_to_token,
-            req_pool_indices,
+            rows,
             self.page_size,
-            meta,
+            buf,
             width,
             num_positions,
             n,
@@ -332,6 +338,8 @@ class BatchReadState:
             fill,
             flags=flags,
             workspace=self._workspace,
+            header=True,
+            queue=False,
         )
         requests = self.request_ids
 
@@ -345,7 +353,7 @@ class BatchReadState:
             return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
-        return plan
+        return plan, queued
 
     def _pool_pages(self) -> list[list[torch.Tensor]]:
         """Per layer the pool's latent and indexer pages, which the copy engines' group maps on every peer."""
@@ -356,8 +364,6 @@ class BatchReadState:
         ]
 
     def _begin_current(self, batch: tuple[torch.Tensor, torch.Tensor, int], pages: list[int]) -> None:
-        if self.views is not None:  # the peers may still read pages this batch's writes reuse
-            self.views.fence()
         ps = self.page_size
         total = sum(pages)
         stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
@@ -365,7 +371,11 @@ class BatchReadState:
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
         zeros = [0] * len(pages)
-        self._plan(batch, pages, zeros, [(-1, 0)] * len(pages), 0, 0, base=1, fill=0)
+        _, queued = self._plan(batch, pages, zeros, [(-1, 0)] * len(pages), 0, 0, base=1, fill=0)
+        if self.views is not None:  # the peers may still read pages this batch's writes reuse
+            self.views.fence(queued)
+        elif queued is not None:
+            queued()
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
@@ -405,9 +415,9 @@ class BatchReadState:
             check_arena_fits(self.arena, view_pages + staged + 1)
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
-        out = self._plan(batch, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged)
+        out, queued = self._plan(batch, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged)
         plan = slot_plan_of(out, n, self.page_size, plan_pages, s, self.latent.trash_page, with_status=False)
-        self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1)
+        self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1, then=queued)
         self.counters.pages_staged = staged
         self._stages = [
             (self.views.view_rows(part), self.views.view_buffers(part).get("index"))

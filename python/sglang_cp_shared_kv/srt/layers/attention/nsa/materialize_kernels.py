@@ -356,9 +356,10 @@ class PreparedLaunch:
         self._all_args = (*raw[:index], value, *raw[index + 1 :])
 
     def relaunch(self, grid: tuple[int, ...], args: tuple, queue: bool = True) -> None:
-        """Queue this launch again with a new grid and ``args`` (on the same device). An argument that is the
-        very object the last launch had (a pool buffer, a reused workspace), at the same address, keeps its
-        key, as does an int equal to the last one (host time: a batch's launch changes a few of its arguments)."""
+        """Queue this launch again with a new grid and ``args`` (on the same device; ``queue=False``: bind them
+        only). An argument that is the very object the last launch had (a pool buffer, a reused workspace), at
+        the same address, keeps its key, as does an int equal to the last one (host time: a batch's launch
+        changes a few of its arguments)."""
         spec, raw, old = list(self._spec), list(self._all_args), self.args
         for i, a in enumerate(args):
             b = old[i]

@@ -373,7 +373,7 @@ if triton is not None:
             base = tl.load(meta_in + 4)
             fill = tl.load(meta_in + 5)
             rows = tl.load(meta_in + 6).to(tl.pointer_type(tl.int64))
-            meta_in = meta_in + 8
+            meta_in = meta_in + 8  # len(PLAN_HEADER)
             flags_out = meta_in + 6 * batch
         positions_out = out
         logical_out = out + num_positions
@@ -492,8 +492,8 @@ def plan_batch(
     ``workspace``: the outputs are views of its buffers, valid until the next plan over it (default:
     allocated here).
 
-    ``header``: ``meta`` is one host buffer, int64 ``[8 + 6 * B + N + 2 + B]``: ``plan_header`` of this
-    call's values, the lengths, then room for the flags (``flags``, if given, must be that tail); the
+    ``header``: ``meta`` is one host buffer, int64 ``[8 + 6 * B + N + 2 + B]``: ``plan_header`` of this call's
+    values (8 words), the lengths, then room for the flags (``flags``, if given, must be that tail); the
     launch reads everything from it, so its arguments do not change from batch to batch while the buffer,
     the workspace and the pool's tensors stay. ``queue=False``: returns ``(plan, launch)`` with the launch
     bound, not queued, for the caller to queue (a call, or ``launch_on`` inside a captured graph); None
@@ -501,11 +501,15 @@ def plan_batch(
     check_index("tokens", tokens, 2)
     check_index("rows", rows, 1)
     batch = rows.shape[0]
-    lengths = len(PLAN_META_ROWS) * batch
+    lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
     if header:
-        if meta.dtype != torch.int64 or meta.numel() != 8 + lengths + cp_size + 2 + batch or meta.device.type != "cpu":
+        if (
+            meta.dtype != torch.int64
+            or meta.numel() != head + lengths + cp_size + 2 + batch
+            or meta.device.type != "cpu"
+        ):
             raise ValueError(
-                f"a header buffer must be host int64 [{8 + lengths + cp_size + 2 + batch}], got {meta.dtype} "
+                f"a header buffer must be host int64 [{head + lengths + cp_size + 2 + batch}], got {meta.dtype} "
                 f"{tuple(meta.shape)} on {meta.device}"
             )
         if rows.dtype != torch.int64:
@@ -513,7 +517,7 @@ def plan_batch(
                 f"a header buffer passes the request rows by address: rows must be int64, got {rows.dtype}"
             )
         if flags is None:
-            flags = meta[8 + lengths :]
+            flags = meta[head + lengths :]
     elif meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
         raise ValueError(
             f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}] (or flat), got {tuple(meta.shape)}"
@@ -522,7 +526,7 @@ def plan_batch(
         raise ValueError(f"page_pos must be int64 [logical pages], got {page_pos.dtype} {tuple(page_pos.shape)}")
     if num_positions and slots_per_rank < 1:
         raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
-    lengths_in = meta[8 : 8 + lengths] if header else meta
+    lengths_in = meta[head : head + lengths] if header else meta
     args = (tokens, rows, page_size, lengths_in, width, num_positions, cp_size, slots_per_rank, trash_page, page_pos)
     if flags is not None and (flags.dtype != torch.int64 or flags.shape != (cp_size + 2 + batch,)):
         raise ValueError(f"flags must be int64 [{cp_size + 2 + batch}], got {flags.dtype} {tuple(flags.shape)}")
@@ -570,7 +574,7 @@ def plan_header(
     batch: int, width: int, num_positions: int, slots_per_rank: int, base: int, fill: int, rows: torch.Tensor
 ) -> list[int]:
     """The ``PLAN_HEADER`` words of a ``plan_batch(..., header=True)`` call with these values (host ints)."""
-    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr(), 0]
+    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr(), 0]  # PLAN_HEADER's order
 
 
 def workspace_table(table: torch.Tensor) -> torch.Tensor:

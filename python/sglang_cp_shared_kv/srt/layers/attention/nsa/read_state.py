@@ -71,6 +71,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import PreparedLaunch, translate_locs
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
+    PLAN_HEADER,
     PLAN_META_ROWS,
     BatchPlan,
     PlanWorkspace,
@@ -283,7 +284,7 @@ class BatchReadState:
         self._layer_cache.clear()
         self.stage_rows.clear()
         self.translate_pages_once.clear()
-        pages = [-(-n // ps) for n in seq_lens]
+        pages = pages_for_lens(seq_lens, ps)
         batch = (req_to_token, req_pool_indices, max(pages, default=0))
         kind = batch_kind(prefix_lens)
         if kind == "current":
@@ -316,9 +317,9 @@ class BatchReadState:
         there is one (the launch's arguments are the same batch after batch)."""
         req_to_token, req_pool_indices, width = batch
         b, n = len(pages), self.ownership.cp_size
-        m = 8 + len(PLAN_META_ROWS) * b  # the header, then the lengths
+        m = len(PLAN_HEADER) + len(PLAN_META_ROWS) * b  # the header, then the lengths
         rows = req_pool_indices if req_pool_indices.dtype == torch.int64 else req_pool_indices.long()
-        buf, _, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
+        buf, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
         host[:m] = plan_header(b, width, num_positions, slots_per_rank, base, fill, rows) + plan_meta_rows(
             pages, prefix_pages, hint
         )

@@ -303,19 +303,17 @@ class DeviceFlagCheck:
         # Events and pinned buffers of landed records, for later ones (created at first need).
         self._spare: list[torch.cuda.Event] = []
         self._buffers: list[torch.Tensor] = []
-        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
 
     def host_buffer(self, numel: int, device: torch.device) -> torch.Tensor:
         """int64 ``[numel]`` for a ``watch`` record: pinned memory, one of a landed record's when one is
         large enough, on a CUDA ``device``; a plain tensor on CPU (the work writing it runs in line)."""
         return self.host_views(numel, device, numel)[0]
 
-    def host_views(
-        self, numel: int, device: torch.device, split: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-        """``host_buffer(numel, device)``, its first ``split`` words and the rest, and the buffer as a numpy
-        array (the same memory, for host writes and ``watch``), kept per buffer, length and split: a
-        batch's sizes recur (host time: no slicing op per batch)."""
+    def host_views(self, numel: int, device: torch.device, split: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """``host_buffer(numel, device)``, its words from ``split`` on, and the buffer as a numpy array (the
+        same memory, for host writes and ``watch``), kept per buffer, length and split: a batch's sizes
+        recur (host time: no slicing op per batch)."""
         i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
         if i is None:
             base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -328,7 +326,7 @@ class DeviceFlagCheck:
             if len(self._views) >= 64:
                 self._views.clear()
             buf = base[:numel]
-            views = self._views[key] = (buf, buf[:split], buf[split:], buf.numpy())  # sync-ok: host memory
+            views = self._views[key] = (buf, buf[split:], buf.numpy())  # sync-ok: host memory
         return views
 
     def record(self, flags: torch.Tensor, fail: Callable[[list], Exception | None]) -> None:

@@ -284,6 +284,23 @@ _COMPILED: dict[tuple, object] = {}
 _COMPILED_LIMIT = 256
 
 
+class GraphKey:
+    """A launch's ``graph_key`` value with its hash kept: a dict of captured graphs looks it up per batch."""
+
+    __slots__ = ("value", "args", "_hash")
+
+    def __init__(self, value: tuple, args: tuple):
+        self.value, self.args, self._hash = value, args, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, GraphKey) and self._hash == other._hash and self.value == other.value
+        )
+
+
 class PreparedLaunch:
     """One Triton launch with fixed arguments, queued on every call (on the current stream).
 
@@ -311,6 +328,7 @@ class PreparedLaunch:
         self._all_args = (*(raw for _, raw in keyed), *self._constants)
         self._key = (fn, self.device, tuple(sorted(options.items())), tuple(constexprs.items()), self._spec)
         self._kernel = None
+        self._graph_key: GraphKey | None = None
 
     def __call__(self) -> None:
         kernel = self._kernel or _COMPILED.get(self._key)
@@ -341,9 +359,13 @@ class PreparedLaunch:
         g0, g1, g2 = self.grid
         kernel.run(g0, g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *self._all_args)
 
-    def graph_key(self) -> tuple:
-        """What a captured launch bakes in: the compiled kernel's key, the grid and every argument's value."""
-        return (self._key, self.grid, self._all_args)
+    def graph_key(self) -> GraphKey:
+        """What a captured launch bakes in: the compiled kernel's key, the grid and every argument's value; the
+        same object while the arguments are (host time: hashed once)."""
+        key = self._graph_key
+        if key is None or key.args is not self._all_args:
+            key = self._graph_key = GraphKey((self._key, self.grid, self._all_args), self._all_args)
+        return key
 
     def set_free_int(self, index: int, value: int) -> None:
         """``set_args({index: value})`` for an int the kernel names in ``do_not_specialize`` (a layer index):

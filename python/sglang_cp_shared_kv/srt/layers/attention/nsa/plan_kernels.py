@@ -497,10 +497,25 @@ def plan_batch(
     launch reads everything from it, so its arguments do not change from batch to batch while the buffer,
     the workspace and the pool's tensors stay. ``queue=False``: returns ``(plan, launch)`` with the launch
     bound, not queued, for the caller to queue (a call, or ``launch_on`` inside a captured graph); None
-    where the plan was computed without one (the reference path)."""
-    check_index("tokens", tokens, 2)
+    where the plan was computed without one (the reference path). A header launch over a ``workspace`` is
+    bound once per buffer: a later call with the same tensors and ints (a batch of the same size) checks only
+    the rows and the sizes and hands back that launch (host time)."""
     check_index("rows", rows, 1)
     batch = rows.shape[0]
+    m, send = num_positions, cp_size * slots_per_rank
+    if header and workspace is not None:
+        if rows.dtype != torch.int64:
+            raise ValueError(
+                f"a header buffer passes the request rows by address: rows must be int64, got {rows.dtype}"
+            )
+        if m and slots_per_rank < 1:
+            raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
+        plan = workspace.rebound(
+            meta, tokens, page_pos, flags, (batch, page_size, cp_size, trash_page, pad), width, m, send
+        )
+        if plan is not None:
+            return plan if queue else (plan, workspace.launch)
+    check_index("tokens", tokens, 2)
     lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
     if header:
         if (
@@ -540,7 +555,6 @@ def plan_batch(
             flags[-1:].copy_(plan.flags[-1:], non_blocking=True)
             plan = replace(plan, flags=flags)
         return plan if queue else (plan, None)
-    m, send = num_positions, cp_size * slots_per_rank
     # positions, logical, slots, send entries (and the dump entry), the host lengths' device copy: one buffer.
     words = 3 * m + send + 1 + lengths
     if flags is None:
@@ -567,6 +581,8 @@ def plan_batch(
     }
     prepared = launch(_plan_batch_kernel, (1,), args, constexprs, queue, num_warps=8)
     plan = BatchPlan(flat, table, flags, cp_size, m, send)
+    if header and workspace is not None:
+        workspace.bind(prepared, meta, tokens, page_pos, flags, (batch, page_size, cp_size, trash_page, pad), plan)
     return plan if queue else (plan, prepared)
 
 
@@ -597,6 +613,39 @@ class PlanWorkspace:
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
+        # The header launch last bound over these buffers, with what it was bound to (``bind``).
+        self._bound: tuple | None = None
+
+    @property
+    def launch(self) -> PreparedLaunch | None:
+        """The header launch last bound over this workspace (``plan_batch(..., header=True)``)."""
+        return None if self._bound is None else self._bound[0]
+
+    def bind(self, launch: PreparedLaunch, meta, tokens, page_pos, flags, ints: tuple, plan: BatchPlan) -> None:
+        """Keep ``launch``, just bound by a header plan over these buffers, for ``rebound``."""
+        self._bound = (launch, launch.args, meta, tokens, page_pos, flags, ints, plan.words, self._table, plan.flags)
+
+    def rebound(self, meta, tokens, page_pos, flags, ints: tuple, width: int, m: int, send: int) -> BatchPlan | None:
+        """The plan of a header launch over the same tensors and ints (``ints``: batch, page size, CP size,
+        trash page, pad) as the bound one, whose arguments therefore do not change: the buffers taken for
+        its ``m`` positions and ``send`` entries, or None where anything differs (a buffer grown, the launch
+        bound since by another caller)."""
+        bound = self._bound
+        if bound is None:
+            return None
+        launch, args, b_meta, b_tokens, b_pos, b_flags, b_ints, b_words, b_table, plan_flags = bound
+        if (
+            not (
+                meta is b_meta and tokens is b_tokens and page_pos is b_pos and flags is b_flags and launch.args is args
+            )
+            or ints != b_ints
+        ):
+            return None
+        batch, cp_size = ints[0], ints[2]
+        flat, table = self.take(3 * m + send + 1 + len(PLAN_META_ROWS) * batch, batch, width, tokens.device)
+        if flat is not b_words or self._table is not b_table:
+            return None
+        return BatchPlan(flat, table, plan_flags, cp_size, m, send)
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""

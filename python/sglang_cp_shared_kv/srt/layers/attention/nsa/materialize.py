@@ -280,7 +280,10 @@ class ViewMaterializer:
         # gather needs: (this rank's page ids, its part of each view, each whole view).
         self._views: list[dict[str, torch.Tensor]] = []
         self._rows: list[torch.Tensor] = []  # per view set: its latent buffer as rows
-        self._arena_sets: dict[tuple[int, int], list] = {}  # (pages, sets) -> the arena's view sets, rows
+        # Per view set: its latent rows and indexer pages, which a caller stages the current chunk into.
+        self.stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        # (pages, sets wanted) -> the arena's view sets: buffers, rows, stages (the same lists every batch).
+        self._arena_sets: dict[tuple[int, int], tuple[list, list, list]] = {}
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         self._checked = False  # a gather of this materializer's buffers has passed prepare_gather's checks
         # Host time: each layer's pool pages with their int32 word views (the pool's buffers are fixed),
@@ -392,10 +395,7 @@ class ViewMaterializer:
         self.plan = plan
         if debug_enabled():
             check_plan(plan, self.group)
-        copies = 2 if self.prefetch else 1
-        if self.arena is not None:
-            copies = arena_sets(self.arena, plan.view_pages + extra_pages, copies)
-        self._allocate(plan, copies, extra_pages)
+        self._allocate(plan, 2 if self.prefetch else 1, extra_pages)
         self._slot_table = plan.slot_table
         self._current_rows = None
 
@@ -407,29 +407,33 @@ class ViewMaterializer:
         ``extra_pages`` follow the view in every buffer, untouched.
         """
         pool = self.pool
-        widths = {"latent": pool.page_size * pool.row_bytes}
-        if pool.with_indexer:
-            widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
         self._parts, self._part_words, self._launches = [], [], []
         pages = plan.view_pages + extra_pages
         # The arena's view sets of a size are the same slices every batch: built once (host time).
         sets = self._arena_sets.get((pages, copies)) if self.arena is not None else None
         if sets is None:
-            sets = []
+            widths = {"latent": pool.page_size * pool.row_bytes}
+            if pool.with_indexer:
+                widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
+            wanted = copies
+            if self.arena is not None:  # as many as the arena holds
+                copies = arena_sets(self.arena, pages, copies)
+            views = []
             for part in range(copies):
                 if self.arena is not None:
-                    views = {k: arena_pages(self.arena, k, pages, w, part) for k, w in widths.items()}
+                    views.append({k: arena_pages(self.arena, k, pages, w, part) for k, w in widths.items()})
                 else:
-                    views = {
-                        k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()
-                    }
-                sets.append((views, views["latent"].view(-1, pool.row_bytes)))
+                    views.append(
+                        {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
+                    )
+            # Per set: its buffers, its latent buffer as rows, and the buffers the write path stages into.
+            sets = (views, [v["latent"].view(-1, pool.row_bytes) for v in views], [])
+            sets[2].extend((rows, v.get("index")) for rows, v in zip(sets[1], views))
             if self.arena is not None:
                 if len(self._arena_sets) >= 64:
                     self._arena_sets.clear()
-                self._arena_sets[(pages, copies)] = sets
-        self._views = [views for views, _ in sets]
-        self._rows = [rows for _, rows in sets]
+                self._arena_sets[(pages, wanted)] = sets
+        self._views, self._rows, self.stages = sets
         if self._source_table is None:
             send, (start, end) = plan.send_pages(pool.rank), plan.rank_view_slots(pool.rank)
             for views in self._views:

@@ -437,9 +437,11 @@ def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict, queue: bool
     launch; ``queue=False`` binds the arguments without queueing it (the caller does: ``launch_on`` inside a
     captured graph, else a call)."""
     device = args[0].device if isinstance(args[0], torch.Tensor) else None
-    site = (fn, device, tuple(constexprs.items()), tuple(options.items()))
+    # The kernel by identity: its hash is its source's (host time). A kept site holds the kernel, so no other
+    # object takes its id.
+    site = (id(fn), device, *constexprs.items(), *options.items())
     prepared = _SITES.get(site)
-    if prepared is None or prepared.device != device:
+    if prepared is None or prepared.device != device or prepared.fn is not fn:
         if len(_SITES) >= _COMPILED_LIMIT:
             _SITES.clear()
         prepared = _SITES[site] = PreparedLaunch(fn, grid, args, constexprs, **options)

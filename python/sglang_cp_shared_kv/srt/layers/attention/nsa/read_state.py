@@ -274,7 +274,7 @@ class BatchReadState:
                 f"({req_pool_indices.shape[0]}) must agree"
             )
         prefix_pages = [p // ps for p in prefix_lens]
-        if any(p % ps for p in prefix_lens):
+        if sum(prefix_lens) != ps * sum(prefix_pages):  # the sum of every p % ps (each >= 0): one is not 0
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
         hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
         hint = _check_shared_prefix(hint, prefix_pages)
@@ -420,10 +420,7 @@ class BatchReadState:
         plan = slot_plan_of(out, n, self.page_size, plan_pages, s, self.latent.trash_page, with_status=False)
         self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1, then=queued)
         self.counters.pages_staged = staged
-        self._stages = [
-            (self.views.view_rows(part), self.views.view_buffers(part).get("index"))
-            for part in range(self.views.view_sets)
-        ]
+        self._stages = self.views.stages
         self.mode = "materialized"
 
     def end(self) -> None:

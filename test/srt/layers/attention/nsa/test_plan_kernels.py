@@ -298,6 +298,48 @@ def test_plan_batch_reading_a_header_binds_one_launch_for_batches_of_other_sizes
     assert keys[0] == keys[1]
 
 
+@needs_triton
+def test_a_header_plan_of_a_batch_of_the_same_size_reuses_the_bound_launch_until_it_is_rebound():
+    """Over one header buffer and workspace, a later batch of the same size gets the launch back without
+    binding it again (its arguments are the very objects); once another workspace's plan has bound that
+    kernel's launch to its own buffers, the next plan binds it again. Every plan equals the reference."""
+    ps, n = 16, 3
+    tokens, rows, _, _, _, _, logical = _plan_case(n, [7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], ps, 5)
+    tokens, rows = tokens.to(DEVICE), rows.to(DEVICE)
+    pin = DEVICE.type == "cuda"
+    page_pos = torch.zeros(logical, dtype=torch.int64, device=DEVICE)
+
+    def plan_once(workspace, buf, r, prefix, pages):
+        b, width = len(pages), max(pages)
+        m, s = sum(prefix), slots_per_rank(prefix, n)
+        lengths = plan_meta_rows(pages, prefix)
+        buf[: 8 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
+        plan, queued = plan_batch(
+            tokens, r, ps, buf, width, m, n, s, 77, page_pos, 50, 99, workspace=workspace, header=True, queue=False
+        )
+        queued()
+        ref_pos = torch.full_like(page_pos, -3)
+        meta = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+        ref = plan_batch_ref(tokens, r, ps, meta, width, m, n, s, 77, ref_pos, 50, 99)
+        if pin:
+            torch.cuda.synchronize()
+        assert buf[8 + 6 * b :].tolist() == ref.flags.tolist()
+        _assert_same_plan(dataclasses.replace(plan, flags=plan.flags.to(DEVICE)), ref, page_pos, ref_pos, 0)
+        return queued
+
+    ours, theirs = PlanWorkspace(), PlanWorkspace()
+    buf = torch.zeros(8 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=pin)
+    other = torch.zeros(8 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pin)
+    first = plan_once(ours, buf, rows, [7, 7, 7, 7], [9, 7, 8, 12])
+    bound = first.args
+    again = plan_once(ours, buf, rows[[3, 2, 1, 0]], [4, 7, 3, 7], [12, 8, 7, 9])  # same size, other lengths
+    assert again is first and first.args is bound  # handed back, not bound again
+    plan_once(theirs, other, rows[[1, 2]], [3, 5], [7, 8])  # binds the kernel's launch to its own buffers
+    assert first.args is not bound
+    plan_once(ours, buf, rows, [7, 7, 7, 7], [9, 7, 8, 12])  # bound again: the reference's plan all the same
+    assert first.args[2] is buf
+
+
 def test_plan_batch_counts_a_wrong_hint_and_rejects_bad_meta():
     tokens, rows, meta, width, m, s, logical = _plan_case(2, [4, 4], [5, 6], [0, 3], [-1, 0], 4, 1)
     tokens[rows[1], 4:8] += 4  # request 1's second shared page is not its source's

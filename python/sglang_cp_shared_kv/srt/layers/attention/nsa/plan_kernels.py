@@ -517,6 +517,7 @@ def plan_batch(
             return plan if queue else (plan, workspace.launch)
     check_index("tokens", tokens, 2)
     lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
+    given_flags = flags  # what a later call passes to be handed this one's launch back
     if header:
         if (
             meta.dtype != torch.int64
@@ -582,7 +583,9 @@ def plan_batch(
     prepared = launch(_plan_batch_kernel, (1,), args, constexprs, queue, num_warps=8)
     plan = BatchPlan(flat, table, flags, cp_size, m, send)
     if header and workspace is not None:
-        workspace.bind(prepared, meta, tokens, page_pos, flags, (batch, page_size, cp_size, trash_page, pad), plan)
+        workspace.bind(
+            prepared, meta, tokens, page_pos, given_flags, (batch, page_size, cp_size, trash_page, pad), plan
+        )
     return plan if queue else (plan, prepared)
 
 

@@ -381,19 +381,20 @@ class ViewMaterializer:
         """``begin_batch`` for a caller that planned the batch's prefixes itself (``plan``, built for this
         pool's layout) and stages the current chunk into the ``extra_pages`` past the view: nothing of the
         chunk is gathered, so there are no lengths to check or plan here (host time). ``kind`` is the
-        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags. ``then``: the plan's launch,
-        bound and not yet queued (``fence``)."""
+        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags, and checks the plan in debug
+        mode (``debug_checks.check_plan``). ``then``: the plan's launch, bound and not yet queued (``fence``)."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
         self.fence(then)
         self.counters = BatchCounters(kind=kind)
         self._num_tokens = self._current_pages = 0
-        self._start(plan, extra_pages)
+        self._start(plan, extra_pages, check=False)
         return self.counters
 
-    def _start(self, plan: SlotPlan, extra_pages: int) -> None:
-        """Take ``plan`` as the batch's and set its view buffers up."""
+    def _start(self, plan: SlotPlan, extra_pages: int, check: bool = True) -> None:
+        """Take ``plan`` as the batch's and set its view buffers up (``check``: in debug mode check it here;
+        a caller that planned the batch itself checks it where it checks the rest)."""
         self.plan = plan
-        if debug_enabled():
+        if check and debug_enabled():
             check_plan(plan, self.group)
         self._allocate(plan, 2 if self.prefetch else 1, extra_pages)
         self._slot_table = plan.slot_table

@@ -645,10 +645,12 @@ class PlanWorkspace:
         ):
             return None
         batch, cp_size = ints[0], ints[2]
-        flat, table = self.take(3 * m + send + 1 + len(PLAN_META_ROWS) * batch, batch, width, tokens.device)
-        if flat is not b_words or self._table is not b_table:
+        # The bound buffers are this workspace's (on the token table's device): ``take`` without its checks.
+        if b_words is not self._words or b_table is not self._table:
             return None
-        return BatchPlan(flat, table, plan_flags, cp_size, m, send)
+        if b_words.shape[0] < 3 * m + send + 1 + len(PLAN_META_ROWS) * batch or b_table.shape[0] < batch * width:
+            return None
+        return BatchPlan(b_words, b_table.as_strided((batch, width), (width, 1)), plan_flags, cp_size, m, send)
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""

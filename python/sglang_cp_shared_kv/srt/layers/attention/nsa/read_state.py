@@ -61,6 +61,7 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.copy_engine import prefetch_on, view_group
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
+from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     BatchCounters,
     LayerView,
@@ -292,6 +293,8 @@ class BatchReadState:
         else:
             self._begin_materialized(batch, pages, prefix_pages, hint, kind)
         if debug_enabled():
+            if self.mode == "materialized":
+                check_plan(self.views.plan, self.views.group)
             # The batch's logical pages by position: every page's first token loc // ps.
             page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : ps].long() // ps
             self._check_translation(page_table, seq_lens)

@@ -314,11 +314,15 @@ class DeviceFlagCheck:
         """``host_buffer(numel, device)``, its words from ``split`` on, and the buffer as a numpy array (the
         same memory, for host writes and ``watch``), kept per buffer, length and split: a batch's sizes
         recur (host time: no slicing op per batch)."""
-        i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
-        if i is None:
-            base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
+        buffers = self._buffers
+        if buffers and buffers[-1].numel() >= numel:  # the buffer landed last (host time: no search)
+            base = buffers.pop()
         else:
-            base = self._buffers.pop(i)
+            i = next((i for i, b in enumerate(buffers) if b.numel() >= numel), None)
+            if i is None:
+                base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
+            else:
+                base = buffers.pop(i)
         # Keyed by the buffer's identity: a cached view holds its buffer, so no other object takes its id.
         key = (id(base), numel, split)
         views = self._views.get(key)

@@ -368,14 +368,15 @@ class _PoolProbe:
             for name in names:
                 fn = getattr(pool, name, None)
                 if fn is not None:
-                    setattr(pool, name, self._wrap(kind, fn))
+                    setattr(pool, name, self._wrap(kind, fn, name))
 
     def reset(self) -> None:
         self.host = {"plan": 0.0, "read": 0.0, "write": 0.0}
+        self.plan_calls: dict[str, float] = {}  # the plan's host seconds per pool call (where it goes)
         self.drained = 0.0  # host seconds spent draining the device before calls (the host pass)
         self.events: dict[str, list] = {"plan": [], "read": []}
 
-    def _wrap(self, kind: str, fn):
+    def _wrap(self, kind: str, fn, name: str):
         def call(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
@@ -389,7 +390,10 @@ class _PoolProbe:
                 ev[0].record()
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            self.host[kind] += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.host[kind] += spent
+            if kind == "plan":
+                self.plan_calls[name] = self.plan_calls.get(name, 0.0) + spent
             if ev is not None:
                 ev[1].record()
                 self.events[kind].append(ev)
@@ -760,6 +764,9 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     ("write_host_us_per_layer", probe.host["write"] * 1e6 / layers),
                 ):
                     row[f"{name}_{key}"] = round(min(us, row.get(f"{name}_{key}", float("inf"))), 1)
+                for call, sec in probe.plan_calls.items():  # the plan's calls, each its minimum over the passes
+                    key = f"{name}_plan_host_us_{call}"
+                    row[key] = round(min(sec * 1e6, row.get(key, float("inf"))), 1)
             if not timed:
                 return
             row[f"{name}_layer_time_us"] = round(wall * 1e6 / layers, 1)
@@ -971,6 +978,10 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
             vals = [r.get(f"{name}_{key}") for r in rows if r["kind"] != "current"]
             if any(v is not None for v in vals):
                 s[f"{name}_{key}"] = _median(vals)
+        for call in PLAN_CALLS:  # where the plan's host time goes, call by call
+            vals = [r.get(f"{name}_plan_host_us_{call}") for r in rows if r["kind"] != "current"]
+            if any(v is not None for v in vals):
+                s[f"{name}_plan_host_us_{call}"] = _median(vals)
     # Each stand-in's time per forward (median over the paths' timed forwards).
     stand = {}
     for r in rows:

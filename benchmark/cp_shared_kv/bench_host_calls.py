@@ -20,9 +20,11 @@ Among the calls: replays of CUDA graphs that hold some of them (``captured_graph
 engines' fence made call by call and as one captured graph.
 
 ``--spacing`` times each call made alone instead: after the device is drained, drained and the thread
-asleep, or after other work that evicts the caches (``spacing`` in each row; ``loop`` is back to back).
+asleep, after other work that evicts the caches, or after waiting for queued GPU work in the driver or
+in a busy loop (``spacing`` in each row; ``loop`` is back to back).
 
     python -m benchmark.cp_shared_kv.bench_host_calls --spacing loop drained idle churn --out host_calls_spacing
+    python -m benchmark.cp_shared_kv.bench_host_calls --spacing loop waited polled --calls 300 --out host_calls_wait
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ import torch
 from benchmark.cp_shared_kv.bench_common import write_result
 from sglang_cp_shared_kv.srt.distributed.copy_engine import WAIT_GEQ, driver
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import prefetch_stream
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, prepare_gather
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    gather_page_buffers,
+    prepare_gather,
+    translate_locs,
+)
 from sglang_cp_shared_kv.srt.utils import current_stream_handle
 
 
@@ -59,16 +65,27 @@ def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-SPACINGS = ("loop", "drained", "idle", "churn")
+SPACINGS = ("loop", "drained", "idle", "churn", "waited", "polled")
+# GPU cycles of the sleep kernel queued before a "waited" or "polled" call: about 2 ms on an H200.
+_SLEEP_CYCLES = 4_000_000
 
 
 def spaced_call_us(fn: Callable[[], object], calls: int, spacing: str, scratch: np.ndarray) -> float:
     """Median host µs of one call made alone, ``calls`` times: after the device is drained (``drained``,
     as the side-by-side harness's host pass makes each pool call), drained and the thread asleep 2 ms
     (``idle``), or after writing ``scratch`` (``churn``: other work evicting the caches, as a forward's
-    other code does between two pool calls)."""
+    other code does between two pool calls); or after waiting for 2 ms of queued GPU work, in
+    ``torch.cuda.synchronize`` (``waited``: as the side-by-side harness's host pass drains by default) or in a
+    busy loop on an event (``polled``: its ``--host-drain poll``)."""
     times = []
     for _ in range(calls):
+        if spacing in ("waited", "polled"):
+            torch.cuda._sleep(_SLEEP_CYCLES)
+            if spacing == "polled":
+                done = torch.cuda.Event()
+                done.record()
+                while not done.query():
+                    pass
         torch.cuda.synchronize()
         if spacing == "idle":
             time.sleep(2e-3)
@@ -96,6 +113,9 @@ def calls_under_test() -> dict[str, Callable[[], object]]:
     _, prepared = prepare_gather([latent, index], ids, outs)
     event, side = torch.cuda.Event(), prefetch_stream(dev)
     host = np.arange(65, dtype=np.int64)
+    # The read state's translate_locs on a 4-request page table of 8K tokens each (SGLang's int32 locs).
+    page_pos = torch.arange(4 * 8192 // 64, dtype=torch.int32, device=dev)
+    locs = torch.arange(4 * 8192, dtype=torch.int32, device=dev).view(4, 8192)
 
     def stream_handle() -> int:
         return current_stream_handle(dev)
@@ -130,6 +150,7 @@ def calls_under_test() -> dict[str, Callable[[], object]]:
         "set_stream_twice": switch_streams,
         "triton_gather_jit": lambda: gather_page_buffers([latent, index], ids, outs),
         "triton_gather_prepared": prepared,
+        "translate_locs": lambda: translate_locs(page_pos, locs, 64),
         "driver_write64": write64,
         "driver_copy8": copy8,
         "driver_wait64": wait64,

@@ -229,6 +229,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _drain(device: torch.device, poll: bool) -> None:
+    """Wait for the device's queued work before a host-pass call: ``torch.cuda.synchronize`` (``poll``
+    False), or a loop on an event of the current stream, then the synchronize (which then finds at most the
+    side streams' last work): the thread stays busy, as a server's scheduler is between its batches' calls,
+    instead of waiting for milliseconds in the driver."""
+    if device.type != "cuda":
+        return
+    if poll:
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            pass
+    torch.cuda.synchronize(device)
+
+
 def _calibrate(device: torch.device, calls: int = 200) -> dict[str, float]:
     """Host µs per call of two small calls (a stream lookup, a one-element torch op) back to back, the device
     drained first (``bench_host_calls.per_call_us``, one repeat): this process's host speed at this moment."""
@@ -358,8 +373,8 @@ class _PoolProbe:
     time per call class and, on CUDA, events around each call (the stream time the call's work takes
     where it is queued). Off between timed forwards."""
 
-    def __init__(self, pool, device: torch.device):
-        self.device, self.active = device, False
+    def __init__(self, pool, device: torch.device, poll: bool = False):
+        self.device, self.active, self.poll = device, False, poll
         # The host pass: the device drained before each call, so a call's host time is its own, not
         # time spent blocked on a launch queue the forward's earlier kernels filled.
         self.sync_each = False
@@ -383,7 +398,7 @@ class _PoolProbe:
             ev = None
             if self.sync_each:
                 t = time.perf_counter()
-                _sync(self.device)
+                _drain(self.device, self.poll)
                 self.drained += time.perf_counter() - t
             elif self.device.type == "cuda" and kind != "write":
                 ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -547,7 +562,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 pools[name], req_to_token, published["config"], ps, scale.context_len, device
             )
     attn_layers = sgl.make_layers(layers, scale.heads)
-    probes = {name: _PoolProbe(pools[name], device) for name in paths}
+    poll = args.get("host_drain") == "poll"
+    probes = {name: _PoolProbe(pools[name], device, poll) for name in paths}
     sgl_bytes = {name: [0] for name in paths}
     for name in ("upstream", "layersplit"):
         if name in pools:
@@ -612,6 +628,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         "stand_ins": stand_ins.describe(),
         "paths": paths,
         "host_passes": args.get("host_passes", 1) if device.type == "cuda" else 0,
+        "host_drain": args.get("host_drain", "sync") if device.type == "cuda" else None,
     }
     static_env.update(_scratch(rank, world, ps, scale, page_bytes, arena_bytes_default))
     if device.type == "cuda":  # host speed before any forward (the peer at the same point, not yet busy)
@@ -707,7 +724,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     row[f"{name}_calibration_{key}_us"] = min(us, row.get(f"{name}_calibration_{key}_us", float("inf")))
             with ctx(name), counter:
                 if host_pass:
-                    _sync(device)
+                    _drain(device, poll)
                 h = time.perf_counter()
                 if name == "ours":  # the plugin's ForwardBatch.init_new hook hands the batch its hint
                     pool.read.shared_prefix = hint
@@ -1119,6 +1136,13 @@ def main(argv: list[str] | None = None) -> None:
         default=3,
         help="host passes per batch and path (GPU runs); each host figure is its minimum over them",
     )
+    ap.add_argument(
+        "--host-drain",
+        choices=("sync", "poll"),
+        default="sync",
+        help="how the host pass waits for the device before each pool call: torch.cuda.synchronize, or a busy "
+        "loop on an event (the thread kept running, as a server's between its calls)",
+    )
     a = ap.parse_args(argv)
     if a.host_passes < 1:
         raise SystemExit(f"--host-passes must be at least 1, got {a.host_passes}")
@@ -1141,6 +1165,7 @@ def main(argv: list[str] | None = None) -> None:
         args = dict(device=a.device, scale=sc, kv_format=a.kv_format, page_size=a.page_size, paths=paths)
         args["profile_host"] = a.profile_host
         args["host_passes"] = a.host_passes
+        args["host_drain"] = a.host_drain
         args["batches"] = a.batches
         args["partial_out"] = f"{a.out}_partial"
         per_rank = spawn_ranks(_rank, world, args, backend=backend, timeout_s=a.timeout)

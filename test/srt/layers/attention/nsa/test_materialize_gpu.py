@@ -13,11 +13,13 @@ from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     _COMPILED,
+    LocTranslator,
     _no_launch_hooks,
     gather_pages,
     gather_pages_ref,
     positions_to_view_rows,
     prepare_gather,
+    translate_locs_ref,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, predicted_view_pages
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
@@ -177,3 +179,33 @@ def test_prepared_gather_launches_equal_the_reference():
     assert torch.equal(other_outs[0], gather_pages_ref(latent[1:], few))
     assert torch.equal(odd_outs[0], gather_pages_ref(odd, few))
     assert torch.equal(odd_outs[1], gather_pages_ref(index[:39], few))
+
+
+def test_a_loc_translator_hands_its_compiled_kernels_the_addresses_without_syncing():
+    """After each dtype pair's first translation (the JIT), ``LocTranslator`` launches that kernel directly:
+    every translation equals the reference over the map as rewritten before it, with no host sync; locs
+    that are not aligned or not contiguous take the JIT's path, and are right too."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(11)
+    page_pos = torch.zeros(512, dtype=torch.int64, device=dev)
+    translate = LocTranslator(page_pos, PS)
+    pairs = ((torch.int32, None), (torch.int32, torch.int64), (torch.int64, None))
+    made = []
+    for batch in range(4):
+        if batch == 1:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # the direct launches, from the second batch on
+        try:
+            page_pos.copy_(torch.randperm(512, generator=gen).to(dev) * (batch + 1))
+            for dtype, out_dtype in pairs:
+                locs = torch.randint(0, 512 * PS, (4, 8192), generator=gen).to(dtype).to(dev)
+                made.append((page_pos.clone(), locs, out_dtype, translate(locs, out_dtype)))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    if _no_launch_hooks():
+        assert set(translate._kernels) == {(d, o or d) for d, o in pairs}
+    for pos, locs, out_dtype, got in made:
+        assert torch.equal(got, translate_locs_ref(pos, locs, PS, out_dtype))
+    odd = made[-1][1].view(-1)[1:4097]  # 8 bytes past an aligned address
+    assert torch.equal(translate(odd), translate_locs_ref(page_pos, odd, PS))
+    assert torch.equal(translate(made[-1][1][:, ::3]), translate_locs_ref(page_pos, made[-1][1][:, ::3], PS))

@@ -5,6 +5,7 @@ import torch
 
 from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    LocTranslator,
     PreparedLaunch,
     gather_launch,
     gather_page_buffers,
@@ -239,6 +240,23 @@ def test_translate_locs_equals_torch_indexing(use_triton, dtype):
     assert translate_locs(page_pos, pages, 1, torch.int64, use_triton=use_triton).tolist() == [
         [pp[x] for x in row] for row in pages.tolist()
     ]
+
+
+def test_a_loc_translator_follows_its_page_map_as_it_is_rewritten():
+    """``LocTranslator`` equals ``translate_locs_ref`` over the map it holds, batch after batch as the map is
+    rewritten in place, for either locs dtype, another output dtype, and locs neither contiguous nor aligned."""
+    g = torch.Generator().manual_seed(8)
+    page_pos = torch.zeros(40, dtype=torch.int64, device=DEVICE)
+    locs_of, pages_of = LocTranslator(page_pos, 16), LocTranslator(page_pos, 1)
+    for batch in range(3):
+        page_pos.copy_(torch.randperm(40, generator=g).to(DEVICE) * (batch + 1))
+        for dtype in (torch.int32, torch.int64):
+            locs = torch.randint(0, 40 * 16, (3, 37), generator=g).to(dtype).to(DEVICE)
+            assert torch.equal(locs_of(locs), translate_locs_ref(page_pos, locs, 16))
+            assert torch.equal(locs_of(locs, torch.int64), translate_locs_ref(page_pos, locs, 16, torch.int64))
+            odd = locs.view(-1)[1:].view(2, 55)  # 4 or 8 bytes past an aligned address
+            assert torch.equal(locs_of(odd), translate_locs_ref(page_pos, odd, 16))
+            assert torch.equal(pages_of(locs[:, ::2] // 16), translate_locs_ref(page_pos, locs[:, ::2] // 16, 1))
 
 
 def _scaled_copy(src, dst, n, scale):  # a kernel body is never run here: only its parameters are read

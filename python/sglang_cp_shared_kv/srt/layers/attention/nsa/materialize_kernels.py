@@ -625,6 +625,9 @@ if triton is not None:
         tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
 
 
+_TRANSLATE_BLOCK = 1024
+
+
 def translate_locs(
     page_pos: torch.Tensor,
     locs: torch.Tensor,
@@ -633,20 +636,71 @@ def translate_locs(
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """``translate_locs_ref`` in one launch (page ids with ``page_size`` 1)."""
+    return _translate(page_pos, locs, page_size, out_dtype, use_triton)[0]
+
+
+def _translate(
+    page_pos: torch.Tensor,
+    locs: torch.Tensor,
+    page_size: int,
+    out_dtype: torch.dtype | None,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, PreparedLaunch | None]:
+    """``translate_locs`` and the launch that made it (None: the reference did)."""
     if locs.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"locs must be int32 or int64, got {locs.dtype}")
     if not triton_enabled(page_pos.device, use_triton) or locs.numel() == 0:
-        return translate_locs_ref(page_pos, locs, page_size, out_dtype)
+        return translate_locs_ref(page_pos, locs, page_size, out_dtype), None
     # The kernel walks the locs as flat memory: a contiguous tensor of any shape as is (SGLang's page
     # tables are), anything else through one contiguous copy.
     flat = locs if locs.is_contiguous() else locs.contiguous()
     out = torch.empty_like(flat, dtype=out_dtype)  # the locs' shape, contiguous (``None``: their dtype)
     n = flat.numel()
-    block = 1024
-    launch(
+    prepared = launch(
         _translate_kernel,
-        (-(-n // block),),  # host time: plain ints, no Triton helper
+        (-(-n // _TRANSLATE_BLOCK),),  # host time: plain ints, no Triton helper
         (page_pos, flat, out, n, page_size, page_pos.shape[0]),
-        {"BLOCK": block},
+        {"BLOCK": _TRANSLATE_BLOCK},
     )
-    return out
+    return out, prepared
+
+
+class LocTranslator:
+    """``translate_locs`` over one page map that its owner rewrites in place batch after batch (``page_pos``,
+    int64 ``[pages]``), for SGLang's per-batch page-table translation.
+
+    The first translation of each (locs dtype, out dtype) goes through ``launch``, which compiles or finds
+    the kernel; later ones whose locs are contiguous, 16-byte aligned and fewer than 2**31 (what that kernel
+    was specialized on: the out buffer is a fresh allocation, aligned) hand its launcher the three addresses
+    and the lengths, nothing else looked up or keyed (host time: a translation's own launch is what it
+    costs). Anything else, and every launch under the interpreter or with Triton's launch hooks set, goes
+    through ``translate_locs``.
+    """
+
+    def __init__(self, page_pos: torch.Tensor, page_size: int):
+        self.page_pos, self.page_size = page_pos, page_size
+        self._address, self._pages, self._device = page_pos.data_ptr(), page_pos.shape[0], page_pos.device
+        self._kernels: dict[tuple, object] = {}  # (locs dtype, out dtype) -> that pair's compiled kernel
+
+    def __call__(self, locs: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``translate_locs(page_pos, locs, page_size, out_dtype)``."""
+        dtype = out_dtype or locs.dtype
+        kernel = self._kernels.get((locs.dtype, dtype))
+        n = locs.numel()
+        if kernel is not None and 0 < n < (1 << 31) and locs.is_contiguous() and _no_launch_hooks():
+            address = locs.data_ptr()
+            if address % 16 == 0 and locs.device == self._device:  # the launcher takes addresses unchecked
+                out = torch.empty_like(locs, dtype=dtype)  # contiguous, as the locs are
+                stream = current_stream_handle(self._device)
+                kernel.run(
+                    -(-n // _TRANSLATE_BLOCK), 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                    self._address, address, out.data_ptr(), n, self.page_size, self._pages, _TRANSLATE_BLOCK,
+                )  # fmt: skip
+                return out
+        out, prepared = _translate(self.page_pos, locs, self.page_size, out_dtype)
+        # The kernel this launch ran, kept where it was specialized as the direct path's launches are (the
+        # site's launch object itself is relaunched by every other translation).
+        kernel = None if prepared is None else prepared.compiled()
+        if kernel is not None and prepared.args[1] is locs and 0 < n < (1 << 31) and locs.data_ptr() % 16 == 0:
+            self._kernels[(locs.dtype, dtype)] = kernel
+        return out

@@ -70,7 +70,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     arena_pages,
     check_arena_fits,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import PreparedLaunch, translate_locs
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import LocTranslator, PreparedLaunch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_HEADER,
     PLAN_META_ROWS,
@@ -204,6 +204,9 @@ class BatchReadState:
         self.device = latent.device
         # Per batch: the page of the read buffer each logical page maps to.
         self.page_pos = torch.zeros(logical_pages, dtype=torch.int64, device=self.device)
+        # Token locs and page ids through it, rewritten in place every batch.
+        self._translate_locs = LocTranslator(self.page_pos, self.page_size)
+        self._translate_pages = LocTranslator(self.page_pos, 1)
         self.mode: str | None = None  # None (no extend in flight), "current" or "materialized"
         self.counters: BatchCounters | None = None
         # Per view buffer (one, or two alternating by layer when prefetching): the latent rows and
@@ -453,11 +456,11 @@ class BatchReadState:
     # -- translation --
     def translate(self, locs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Logical token locs -> rows of this batch's read buffer (same shape; ``dtype``, default the locs')."""
-        return translate_locs(self.page_pos, locs, self.page_size, dtype)
+        return self._translate_locs(locs, dtype)
 
     def translate_pages(self, logical_pages: torch.Tensor) -> torch.Tensor:
         """Logical page ids -> pages of this batch's read buffer."""
-        return translate_locs(self.page_pos, logical_pages, 1)
+        return self._translate_pages(logical_pages)
 
     def _check_translation(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
         """Debug: every position of every request maps inside the read buffer."""

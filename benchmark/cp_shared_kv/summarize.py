@@ -673,6 +673,41 @@ def _in_forward_cost() -> list[str]:
     ]
 
 
+def _waited_calls() -> list[str]:
+    """Calls made right after the host waited for the device, in the driver or in a busy loop."""
+    run = _load("host_calls_wait")
+    if run is None:
+        return []
+    us = {(r["spacing"], r["call"]): r["host_us"] for r in run["rows"]}
+    calls = [c for c in ("torch_add_", "torch_empty", "triton_gather_prepared", "translate_locs", "driver_graph_fence")]
+    lines = ["## Calls after a wait for the device (1 x H200)", "", f"`{SGW_PREFIX}{run['command']}` ({_env(run)})", ""]
+    lines += [
+        "Each call made alone after 2 ms of queued GPU work, waited for in `torch.cuda.synchronize`",
+        "(`waited`, how the side-by-side harness's host pass drains by default) or in a busy loop on an event",
+        "(`polled`, its `--host-drain poll`), beside the same call back to back (`loop`) and after a 2 ms sleep",
+        "(`idle`); host µs, median of the calls:",
+        "",
+        "| call | loop | waited | polled | idle |",
+        "|---|---|---|---|---|",
+    ]
+    for c in calls:
+        if ("loop", c) in us:
+            lines.append(
+                f"| `{c}` | " + " | ".join(str(us.get((sp, c))) for sp in ("loop", "waited", "polled", "idle")) + " |"
+            )
+    shown = [c for c in calls if ("loop", c) in us]
+    ratio = {sp: [us[(sp, c)] / us[("loop", c)] for c in shown] for sp in ("waited", "polled")}
+    lines += [
+        "",
+        f"After a wait these calls cost {min(ratio['waited']):.1f}-{max(ratio['waited']):.1f}x their loop figure "
+        f"when it was waited for in the driver and {min(ratio['polled']):.1f}-{max(ratio['polled']):.1f}x in a "
+        "busy loop: neither way of waiting keeps the next call at its loop cost, so the host pass's drain puts each",
+        "pool call in that state whichever wait it uses (both paths' calls alike).",
+        "",
+    ]
+    return lines
+
+
 def _host_repeats() -> list[str]:
     """The side-by-side harness's host figures over repeated runs, and the plan's pinned host lengths."""
     reps, placed, unstaged = _load("vs_upstream_1gpu_repeats"), _load("plan_meta_placement"), None
@@ -687,12 +722,15 @@ def _host_repeats() -> list[str]:
                 ("ours_vs_stock_layer_time", "layer time stock/ours"),
                 ("ours_vs_stock_layer_time_without_stand_ins", "same, w/o stand-ins"),
                 ("ours_plan_host_us", "ours plan host µs"),
+                ("ours_plan_host_us_begin_shard_extend", "of which begin µs"),
+                ("ours_plan_host_us_translate_loc_to_scratch", "of which translate µs"),
                 ("stock_metadata_host_us", "stock metadata host µs"),
                 ("plan_host_vs_stock_metadata_host", "plan / stock metadata"),
                 ("ours_read_host_us_per_layer", "ours read host µs/layer"),
                 ("stock_read_host_us_per_layer", "stock read host µs/layer"),
                 ("read_host_ratio", "read host ours/stock"),
                 ("host_passes", "host passes"),
+                ("host_drain", "drain"),
             ],
         )
         lines += ["", reps["note"] + ".", ""]
@@ -807,6 +845,7 @@ def render() -> str:
     lines += _side_by_side()
     lines += _host_cost()
     lines += _host_repeats()
+    lines += _waited_calls()
     lines += _section(
         "PD transfer through SGLang's Mooncake connector: the plugin's sharded send vs SGLang's stock send (CPU, TCP loopback)",
         _load("pd_transfer"),

@@ -190,16 +190,18 @@ def test_a_loc_translator_hands_its_compiled_kernels_the_addresses_without_synci
     page_pos = torch.zeros(512, dtype=torch.int64, device=dev)
     translate = LocTranslator(page_pos, PS)
     pairs = ((torch.int32, None), (torch.int32, torch.int64), (torch.int64, None))
+    # Every batch's page map and locs on the device first: only the translations run in sync-debug mode.
+    maps = [torch.randperm(512, generator=gen).to(dev) * (batch + 1) for batch in range(4)]
+    locs_of = [[torch.randint(0, 512 * PS, (4, 8192), generator=gen).to(d).to(dev) for d, _ in pairs] for _ in maps]
     made = []
-    for batch in range(4):
+    for batch, pos in enumerate(maps):
         if batch == 1:
             torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")  # the direct launches, from the second batch on
+        torch.cuda.set_sync_debug_mode("error" if batch else 0)  # the direct launches, from the second batch on
         try:
-            page_pos.copy_(torch.randperm(512, generator=gen).to(dev) * (batch + 1))
-            for dtype, out_dtype in pairs:
-                locs = torch.randint(0, 512 * PS, (4, 8192), generator=gen).to(dtype).to(dev)
-                made.append((page_pos.clone(), locs, out_dtype, translate(locs, out_dtype)))
+            page_pos.copy_(pos)
+            for (_, out_dtype), locs in zip(pairs, locs_of[batch]):
+                made.append((pos, locs, out_dtype, translate(locs, out_dtype)))
         finally:
             torch.cuda.set_sync_debug_mode(0)
     if _no_launch_hooks():

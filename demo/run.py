@@ -375,6 +375,10 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
     """The decode server: SGLang's stock pool and Mooncake receivers with the plugin's manifest check."""
     import numpy as np
     import torch
+
+    # One thread, as every prefill rank: CPU matmuls split their reductions by thread count, and the decode
+    # step is compared with rank 0's byte for byte.
+    torch.set_num_threads(1)
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import KVTransferError

@@ -257,6 +257,8 @@ def test_a_loc_translator_follows_its_page_map_as_it_is_rewritten():
             odd = locs.view(-1)[1:].view(2, 55)  # 4 or 8 bytes past an aligned address
             assert torch.equal(locs_of(odd), translate_locs_ref(page_pos, odd, 16))
             assert torch.equal(pages_of(locs[:, ::2] // 16), translate_locs_ref(page_pos, locs[:, ::2] // 16, 1))
+    with pytest.raises(ValueError, match="translate on one device"):  # never an address of another device
+        locs_of(torch.zeros(4, dtype=torch.int32, device="meta"))
 
 
 def _scaled_copy(src, dst, n, scale):  # a kernel body is never run here: only its parameters are read

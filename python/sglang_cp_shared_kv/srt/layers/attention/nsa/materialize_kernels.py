@@ -649,6 +649,8 @@ def _translate(
     """``translate_locs`` and the launch that made it (None: the reference did)."""
     if locs.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"locs must be int32 or int64, got {locs.dtype}")
+    if locs.device != page_pos.device:  # a launch hands the kernel addresses: both on one device
+        raise ValueError(f"locs are on {locs.device}, the page map on {page_pos.device}: translate on one device")
     if not triton_enabled(page_pos.device, use_triton) or locs.numel() == 0:
         return translate_locs_ref(page_pos, locs, page_size, out_dtype), None
     # The kernel walks the locs as flat memory: a contiguous tensor of any shape as is (SGLang's page

@@ -70,6 +70,15 @@ def flush_l2(buf: list[torch.Tensor] = []) -> None:  # noqa: B006 - one scratch 
     buf[0].zero_()
 
 
+def wait_polled() -> None:
+    """Wait for the current stream's queued work in a busy loop on an event (the thread keeps running,
+    never blocked in the driver)."""
+    done = torch.cuda.Event()
+    done.record()
+    while not done.query():
+        pass
+
+
 def cuda_time_us(
     fn: Callable[[], Any], iters: int = 50, warmup: int = 5, graph: bool = False, cold: bool = False
 ) -> float:

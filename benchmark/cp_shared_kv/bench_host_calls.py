@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmark.cp_shared_kv.bench_common import write_result
+from benchmark.cp_shared_kv.bench_common import wait_polled, write_result
 from sglang_cp_shared_kv.srt.distributed.copy_engine import WAIT_GEQ, driver
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import prefetch_stream
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
@@ -82,10 +82,7 @@ def spaced_call_us(fn: Callable[[], object], calls: int, spacing: str, scratch: 
         if spacing in ("waited", "polled"):
             torch.cuda._sleep(_SLEEP_CYCLES)
             if spacing == "polled":
-                done = torch.cuda.Event()
-                done.record()
-                while not done.query():
-                    pass
+                wait_polled()
         torch.cuda.synchronize()
         if spacing == "idle":
             time.sleep(2e-3)

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmark.cp_shared_kv.bench_common import save_plot, write_result
+from benchmark.cp_shared_kv.bench_common import save_plot, wait_polled, write_result
 from benchmark.cp_shared_kv.host_timer import HostTimer
 
 PATHS = ("stock", "upstream", "layersplit", "ours")
@@ -237,10 +237,7 @@ def _drain(device: torch.device, poll: bool) -> None:
     if device.type != "cuda":
         return
     if poll:
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query():
-            pass
+        wait_polled()
     torch.cuda.synchronize(device)
 
 

@@ -679,7 +679,7 @@ def _waited_calls() -> list[str]:
     if run is None:
         return []
     us = {(r["spacing"], r["call"]): r["host_us"] for r in run["rows"]}
-    calls = [c for c in ("torch_add_", "torch_empty", "triton_gather_prepared", "translate_locs", "driver_graph_fence")]
+    calls = ("torch_add_", "torch_empty", "triton_gather_prepared", "translate_locs", "driver_graph_fence")
     lines = ["## Calls after a wait for the device (1 x H200)", "", f"`{SGW_PREFIX}{run['command']}` ({_env(run)})", ""]
     lines += [
         "Each call made alone after 2 ms of queued GPU work, waited for in `torch.cuda.synchronize`",

@@ -689,9 +689,9 @@ class LocTranslator:
         dtype = out_dtype or locs.dtype
         kernel = self._kernels.get((locs.dtype, dtype))
         n = locs.numel()
-        if kernel is not None and 0 < n < (1 << 31) and locs.is_contiguous() and _no_launch_hooks():
-            address = locs.data_ptr()
-            if address % 16 == 0 and locs.device == self._device:  # the launcher takes addresses unchecked
+        if kernel is not None and _no_launch_hooks() and locs.device == self._device:  # addresses go unchecked
+            address = _direct_address(locs, n)
+            if address is not None:
                 out = torch.empty_like(locs, dtype=dtype)  # contiguous, as the locs are
                 stream = current_stream_handle(self._device)
                 kernel.run(
@@ -703,6 +703,16 @@ class LocTranslator:
         # The kernel this launch ran, kept where it was specialized as the direct path's launches are (the
         # site's launch object itself is relaunched by every other translation).
         kernel = None if prepared is None else prepared.compiled()
-        if kernel is not None and prepared.args[1] is locs and 0 < n < (1 << 31) and locs.data_ptr() % 16 == 0:
+        if kernel is not None and prepared.args[1] is locs and _direct_address(locs, n) is not None:
             self._kernels[(locs.dtype, dtype)] = kernel
         return out
+
+
+def _direct_address(locs: torch.Tensor, n: int) -> int | None:
+    """The address of ``locs`` (``n`` elements) where a translation's compiled kernel takes them as its
+    specialization did (contiguous, 16-byte aligned, fewer than 2**31), else None."""
+    if 0 < n < (1 << 31) and locs.is_contiguous():
+        address = locs.data_ptr()
+        if address % 16 == 0:
+            return address
+    return None

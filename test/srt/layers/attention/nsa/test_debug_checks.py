@@ -53,10 +53,15 @@ def test_corrupted_plan_is_inconsistent(field):
         words[[2 * m, 2 * m + 1]] = words[[2 * m + 1, 2 * m]]
         broken = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, words=words))
         assert not torch.equal(broken.slots, plan.slots)
+    elif field == "slot_phys":  # the send entries, in the same buffer
+        words, start = plan.outputs.words.clone(), plan.outputs.send_start
+        words[[start, start + 1]] = words[[start + 1, start]]
+        broken = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, words=words))
+        assert not torch.equal(broken.slot_phys, plan.slot_phys)
     else:
-        swapped = getattr(plan, field).clone()
+        swapped = plan.slot_table.clone()
         swapped[[0, 1]] = swapped[[1, 0]]
-        broken = dataclasses.replace(plan, **{field: swapped})
+        broken = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, table=swapped, table_shape=None))
     with pytest.raises(CPSharedKVDebugError, match="slot plan is inconsistent"):
         check_plan_local(broken)
 
@@ -81,7 +86,8 @@ def _rank_broken_plan(rank, world_size):
     """Rank 1's slot table is scrambled after planning; its own check fails, and every rank hears of it."""
     plan = _plan(PAGES, world_size)
     if rank == 1:
-        plan = dataclasses.replace(plan, slot_table=plan.slot_table.flip(1).contiguous())
+        flipped = plan.slot_table.flip(1).contiguous()
+        plan = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, table=flipped, table_shape=None))
     try:
         check_plan(plan, CPGroup())
     except CPSharedKVDebugError as e:

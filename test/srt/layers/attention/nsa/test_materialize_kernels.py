@@ -5,6 +5,8 @@ import torch
 
 from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    PULL_LAYER_ARG,
+    PULL_START_ARG,
     LocTranslator,
     PreparedLaunch,
     gather_launch,
@@ -201,13 +203,26 @@ def test_pull_pages_reads_each_block_from_its_owners_pool(cp_size):
     strides = [ps * row_bytes // 4, ps * INDEX_TOKEN_BYTES // 4]
     first = pull_launch(table, slot_phys, s, words, strides)
     for layer in range(layers):
-        launch = first if layer == 0 else first.rebind({4: layer})
+        launch = first if layer == 0 else first.rebind({PULL_LAYER_ARG: layer})
         launch()
         assert torch.equal(outs[0], pull_pages_ref([latent[o][layer] for o in range(cp_size)], slot_phys, s)), layer
         assert torch.equal(outs[1], pull_pages_ref([index[o][layer] for o in range(cp_size)], slot_phys, s)), layer
     # The reference against plain indexing: slot x from owner x // S.
     expected = torch.stack([latent[x // s][1][slot_phys[x]] for x in range(cp_size * s)])
     assert torch.equal(pull_pages_ref([latent[o][1] for o in range(cp_size)], slot_phys, s), expected)
+    # The entries inside a larger buffer (a plan's words, from its send_start): a later batch's entries in
+    # the same buffer are one int away.
+    other = torch.randint(0, pages, (cp_size * s,), generator=g).to(DEVICE)
+    buf = torch.cat([other, slot_phys, torch.zeros(3, dtype=torch.int64, device=DEVICE)])
+    launch = pull_launch(table, buf, s, words, strides, layer=1, start=cp_size * s, slots=cp_size * s)
+    launch()
+    assert torch.equal(outs[0], pull_pages_ref([latent[o][1] for o in range(cp_size)], slot_phys, s))
+    launch.set_free_int(PULL_START_ARG, 0)
+    launch()
+    assert torch.equal(outs[0], pull_pages_ref([latent[o][1] for o in range(cp_size)], other, s))
+    assert torch.equal(outs[1], pull_pages_ref([index[o][1] for o in range(cp_size)], other, s))
+    with pytest.raises(ValueError, match="past slot_phys"):
+        pull_launch(table, buf, s, words, strides, start=cp_size * s + 4, slots=cp_size * s)
     # A latent-only layer: one column, the indexer view untouched.
     outs[1].zero_()
     pull_launch(table, slot_phys, s, words[:1], strides[:1], layer=0)()

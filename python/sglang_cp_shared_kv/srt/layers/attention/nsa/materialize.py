@@ -37,7 +37,7 @@ pool (``materialize_kernels.pull_pages``), and ``begin_batch`` queues the group'
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,6 +46,8 @@ from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    PULL_LAYER_ARG,
+    PULL_START_ARG,
     PreparedLaunch,
     gather_launch,
     positions_to_view_rows,
@@ -115,7 +117,6 @@ def prefetch_stream(device: torch.device, priority: int = HIGHEST_STREAM_PRIORIT
     return torch.cuda.Stream(device, priority=priority)
 
 
-@dataclass
 class LayerView:
     """What the indexer and MLA kernels read for one layer.
 
@@ -123,14 +124,28 @@ class LayerView:
     without an indexer, or for a layer whose indexer buffer is empty); ``page_table`` int32
     ``[B, max_pages]`` into both (a token at position ``p`` of request ``b`` is row
     ``page_table[b, p // page_size] * page_size + p % page_size``). Both buffers may hold
-    ``extra_pages`` past the view (``begin_batch``): pages the caller fills itself.
+    ``extra_pages`` past the view (``begin_batch``): pages the caller fills itself. The page table may
+    be given as the ``SlotPlan`` it comes from, and is taken from it at its first read (SGLang's read
+    path reads the buffers only: no tensor op for it per batch).
     """
 
-    kv_rows: torch.Tensor
-    index_pages: torch.Tensor | None
-    page_table: torch.Tensor
-    page_size: int
-    use_triton: bool | None = field(default=None, repr=False)
+    __slots__ = ("kv_rows", "index_pages", "page_size", "use_triton", "_table")
+
+    def __init__(
+        self,
+        kv_rows: torch.Tensor,
+        index_pages: torch.Tensor | None,
+        page_table: torch.Tensor | SlotPlan,
+        page_size: int,
+        use_triton: bool | None = None,
+    ):
+        self.kv_rows, self.index_pages, self.page_size, self.use_triton = kv_rows, index_pages, page_size, use_triton
+        self._table = page_table
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        table = self._table
+        return table if isinstance(table, torch.Tensor) else table.slot_table
 
     def rows(self, positions: torch.Tensor, q_req: torch.Tensor) -> torch.Tensor:
         """Token positions (top-k output, -1 padded) of request ``q_req[t]`` -> rows of ``kv_rows``."""
@@ -267,7 +282,6 @@ class ViewMaterializer:
         self.pool = pool
         self.group = group
         self.arena = arena
-        self._slot_table: torch.Tensor | None = None  # the kernels' page table (the plan's)
         self.prefetch = prefetch
         self.prefetch_gather = prefetch_gather
         self.prefetch_priority = prefetch_priority
@@ -397,7 +411,6 @@ class ViewMaterializer:
         if check and debug_enabled():
             check_plan(plan, self.group)
         self._allocate(plan, 2 if self.prefetch else 1, extra_pages)
-        self._slot_table = plan.slot_table
         self._current_rows = None
 
     def _allocate(self, plan: SlotPlan, copies: int, extra_pages: int = 0) -> None:
@@ -454,7 +467,7 @@ class ViewMaterializer:
         pos = np.arange(len(req), dtype=np.int64) - starts[req] + np.asarray(prefix_lens, dtype=np.int64)[req]
         device = self.pool.device
         req_d, pos_d = host_to_device([req, pos], device)
-        rows = positions_to_view_rows(pos_d.unsqueeze(1), req_d, self._slot_table, self.pool.page_size)
+        rows = positions_to_view_rows(pos_d.unsqueeze(1), req_d, self.plan.slot_table, self.pool.page_size)
         return rows.squeeze(1)
 
     def layer_view(
@@ -499,7 +512,7 @@ class ViewMaterializer:
         view = self._layer_views.get(key)
         if view is None:
             index = self._views[slot].get("index") if key[1] else None
-            view = LayerView(self._rows[slot], index, self._slot_table, pool.page_size, self.use_triton)
+            view = LayerView(self._rows[slot], index, self.plan, pool.page_size, self.use_triton)
             self._layer_views[key] = view
         return view
 
@@ -597,20 +610,31 @@ class ViewMaterializer:
         bytes of one slot's pages. Every layer rebinds one launch per buffer count and view size, kept
         across the batches that read the same arena pages (host time)."""
         plan, used = self.plan, 2 if self._layer_has_index(layer) else 1
+        outputs = plan.outputs  # the send entries: its buffer from send_start on
         key = (used, plan.view_pages)
         found = self._pull_launches.get(key)
         if found is None:
             views = list(self._views[0].values())[:used]
             words = [word_view(v[: plan.view_pages]) for v in views]
             strides = self.group.source_strides[:used]
-            launch = pull_launch(self._source_table, plan.slot_phys, plan.slots_per_rank, words, strides, layer)
+            launch = pull_launch(
+                self._source_table,
+                outputs.words,
+                plan.slots_per_rank,
+                words,
+                strides,
+                layer,
+                outputs.send_start,
+                plan.view_pages,
+            )
             if len(self._pull_launches) >= 64:
                 self._pull_launches.clear()
             found = self._pull_launches[key] = (launch, sum(v.shape[1] for v in views))
-        elif found[0].args[0] is not plan.slot_phys:  # its own launch, rebound in place: this batch's send entries
-            found[0].set_args({0: plan.slot_phys, 4: layer})
-        else:  # later layers of the batch: the layer index only
-            found[0].set_free_int(4, layer)
+        elif found[0].args[0] is not outputs.words:  # the plan's buffer grown since: rebound in place
+            found[0].set_args({0: outputs.words, PULL_START_ARG: outputs.send_start, PULL_LAYER_ARG: layer})
+        else:  # this batch's entries in the same buffer, and the layer: two ints
+            found[0].set_free_int(PULL_START_ARG, outputs.send_start)
+            found[0].set_free_int(PULL_LAYER_ARG, layer)
         launch, page_bytes = found
         if plan.slots_per_rank:
             launch()

@@ -477,9 +477,10 @@ def pull_pages_ref(
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["layer"])
+    @triton.jit(do_not_specialize=["start", "layer"])
     def _pull_pages_kernel(
         slot_phys,
+        start,
         num_slots,
         slots_per_rank,
         table,
@@ -493,6 +494,7 @@ if triton is not None:
         stride_b,
         BLOCK: tl.constexpr,
     ):
+        # slot_phys: int64, the view's send entries from word ``start`` on (a plan's output buffer).
         # table: int64 [layers, 2, cp_size], the address of owner o's buffer k (0 latent, 1 indexer) of a
         # layer, int32 words apart by stride_k per page. Program (i, k) copies slots i, i + G, ... of buffer
         # k (grid column k), each from the pool of the owner whose block holds it.
@@ -500,12 +502,16 @@ if triton is not None:
         k = tl.program_id(1)
         owners = table + (layer.to(tl.int64) * 2 + k) * cp_size
         for slot in range(first, num_slots, tl.num_programs(0)):
-            page = tl.load(slot_phys + slot).to(tl.int64)
+            page = tl.load(slot_phys + start + slot).to(tl.int64)
             src = tl.load(owners + slot // slots_per_rank).to(tl.pointer_type(tl.int32))
             if k == 0:
                 _copy_page(src + page * stride_a, out_a + slot * words_a, words_a, BLOCK)
             else:
                 _copy_page(src + page * stride_b, out_b + slot * words_b, words_b, BLOCK)
+
+
+# The arguments of a pull launch that change between batches and layers (``set_free_int``/``set_args``).
+PULL_START_ARG, PULL_LAYER_ARG = 1, 5
 
 
 def pull_launch(
@@ -515,19 +521,26 @@ def pull_launch(
     outs: Sequence[torch.Tensor],
     source_strides: Sequence[int],
     layer: int = 0,
+    start: int = 0,
+    slots: int | None = None,
 ) -> PreparedLaunch:
     """The launch that fills whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of
     ``layer`` from every owner's pool pages, through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer
     addresses, ``copy_engine.CopyEngineGroup.source_table``); ``source_strides[k]``: words from one page of
-    buffer ``k`` to the next. ``set_args({4: layer})`` (or ``rebind``) serves another layer into the same views."""
+    buffer ``k`` to the next. The view's send entries are ``slots`` (default: all past ``start``) words of
+    ``slot_phys`` from ``start`` on: a plan's output buffer and its ``send_start``, so the next batch
+    changes an int, not a tensor. ``set_free_int(PULL_LAYER_ARG, layer)`` serves another layer into the
+    same views, ``set_free_int(PULL_START_ARG, start)`` another batch's entries in the same buffer."""
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
     a, b = args[0], args[-1]
-    slots = slot_phys.shape[0]
+    slots = slot_phys.shape[0] - start if slots is None else slots
+    if start < 0 or slots < 0 or start + slots > slot_phys.shape[0]:
+        raise ValueError(f"send entries [{start}, {start + slots}) past slot_phys's {slot_phys.shape[0]} words")
     block = min(4096, triton.next_power_of_2(max(w for _, w, _ in args)))
     return PreparedLaunch(
         _pull_pages_kernel,
         (slots, len(args)),
-        (slot_phys, slots, slots_per_rank, table, layer, table.shape[2], *a, *b),
+        (slot_phys, start, slots, slots_per_rank, table, layer, table.shape[2], *a, *b),
         {"BLOCK": block},
         num_warps=8 if block >= 2048 else 4,
     )

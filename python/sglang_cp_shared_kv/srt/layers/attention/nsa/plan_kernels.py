@@ -18,6 +18,7 @@ tests); otherwise the reference. ``use_triton`` forces either. Nothing reads dev
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -221,15 +222,28 @@ class BatchPlan:
 
     The per-position outputs and the send entries are one int64 buffer (``words``), sliced only when
     asked for; ``status`` and ``wrong`` are views of ``flags``, likewise: the read path hands the send
-    entries to the view's launches and reads the flags on the host as one list (host time: no split
-    per batch)."""
+    entries to the view's launches by offset (``send_start``) and reads the flags on the host as one list.
+    The slot table is ``table`` itself, or with ``table_shape`` the start of that flat buffer, shaped at
+    its first read (SGLang's read path never reads it). Host time: no tensor op per batch."""
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
-    slot_table: torch.Tensor  # int32 [B, width]
+    table: torch.Tensor  # int32 [B, width], or a flat buffer holding it first (``table_shape``)
     flags: torch.Tensor  # int64 [N + 2 + B]: status, wrong, then the landed word (1)
     cp_size: int
     num_positions: int  # M
     send_entries: int  # N * S
+    table_shape: tuple[int, int] | None = None  # (B, width) where ``table`` is the flat buffer
+
+    @cached_property
+    def slot_table(self) -> torch.Tensor:
+        """int32 ``[B, width]``: the kernels' page table, in view slots."""
+        shape = self.table_shape
+        return self.table if shape is None else self.table.as_strided(shape, (shape[1], 1))
+
+    @property
+    def send_start(self) -> int:
+        """Offset of the send entries in ``words``."""
+        return 3 * self.num_positions
 
     @property
     def positions(self) -> torch.Tensor:
@@ -246,7 +260,7 @@ class BatchPlan:
         """int64 ``[M]``: the view slot of each position."""
         return self.words[2 * self.num_positions : 3 * self.num_positions]
 
-    @property
+    @cached_property
     def slot_phys(self) -> torch.Tensor:
         """int64 ``[N * S]``: every owner's send block, owner-major (``assign_slots_ref``)."""
         start = 3 * self.num_positions
@@ -626,7 +640,9 @@ class PlanWorkspace:
 
     def bind(self, launch: PreparedLaunch, meta, tokens, page_pos, flags, ints: tuple, plan: BatchPlan) -> None:
         """Keep ``launch``, just bound by a header plan over these buffers, for ``rebound``."""
-        self._bound = (launch, launch.args, meta, tokens, page_pos, flags, ints, plan.words, self._table, plan.flags)
+        words, table = plan.words, self._table
+        sizes = (words.shape[0], table.shape[0])  # host ints, checked per batch
+        self._bound = (launch, launch.args, meta, tokens, page_pos, flags, ints, words, table, plan.flags, sizes)
 
     def rebound(self, meta, tokens, page_pos, flags, ints: tuple, width: int, m: int, send: int) -> BatchPlan | None:
         """The plan of a header launch over the same tensors and ints (``ints``: batch, page size, CP size,
@@ -636,7 +652,7 @@ class PlanWorkspace:
         bound = self._bound
         if bound is None:
             return None
-        launch, args, b_meta, b_tokens, b_pos, b_flags, b_ints, b_words, b_table, plan_flags = bound
+        launch, args, b_meta, b_tokens, b_pos, b_flags, b_ints, b_words, b_table, plan_flags, sizes = bound
         if (
             not (
                 meta is b_meta and tokens is b_tokens and page_pos is b_pos and flags is b_flags and launch.args is args
@@ -648,9 +664,9 @@ class PlanWorkspace:
         # The bound buffers are this workspace's (on the token table's device): ``take`` without its checks.
         if b_words is not self._words or b_table is not self._table:
             return None
-        if b_words.shape[0] < 3 * m + send + 1 + len(PLAN_META_ROWS) * batch or b_table.shape[0] < batch * width:
+        if sizes[0] < 3 * m + send + 1 + len(PLAN_META_ROWS) * batch or sizes[1] < batch * width:
             return None
-        return BatchPlan(b_words, b_table.as_strided((batch, width), (width, 1)), plan_flags, cp_size, m, send)
+        return BatchPlan(b_words, b_table, plan_flags, cp_size, m, send, (batch, width))
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""

@@ -216,6 +216,7 @@ class BatchReadState:
         # Names of the next batch's requests (SGLang's rids, set by ``pool_hooks``), for errors.
         self.request_ids: Sequence[str] | None = None
         self.arena: dict[str, torch.Tensor] | None = None
+        self._arena_pages = float("inf")  # the pages every arena buffer holds (host time: read once)
         self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
         # The next batch's shared prefix pages, ``(source request, pages)`` per request (one batch).
         self.shared_prefix: Sequence[tuple[int, int]] | None = None
@@ -247,6 +248,7 @@ class BatchReadState:
             prefetch,
         )
         self.prefetch = prefetch
+        self._arena_pages = min(buf.shape[0] for buf in self.arena.values())
         return sum(t.numel() for t in self.arena.values())
 
     def _buffer(self, key: str, pages: int, width: int) -> torch.Tensor:
@@ -326,10 +328,12 @@ class BatchReadState:
         m = len(PLAN_HEADER) + len(PLAN_META_ROWS) * b  # the header, then the lengths
         rows = req_pool_indices if req_pool_indices.dtype == torch.int64 else req_pool_indices.long()
         buf, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
-        host[:m] = plan_header(b, width, num_positions, slots_per_rank, base, fill, rows) + plan_meta_rows(
-            pages, prefix_pages, hint
+        # One host write: the header, the lengths, and the flags zeroed (the landed word, set by the launch).
+        host[:] = (
+            plan_header(b, width, num_positions, slots_per_rank, base, fill, rows)
+            + plan_meta_rows(pages, prefix_pages, hint)
+            + [0] * (n + 2 + b)
         )
-        host[-1] = 0  # the landed word, set by the launch
         plan, queued = plan_batch(
             req_to_token,
             rows,
@@ -418,7 +422,7 @@ class BatchReadState:
         view_pages = n * s
         staged = sum(pages) - sum(prefix_pages)
         # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.
-        if self.arena is not None:  # a batch past the arena fails before anything is written
+        if view_pages + staged + 1 > self._arena_pages:  # a batch past the arena fails before anything is written
             check_arena_fits(self.arena, view_pages + staged + 1)
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.

@@ -55,8 +55,9 @@ class SlotPlan:
     """Where each page position of one batch lives in the dense view (identical on every rank).
 
     Host-side: ``cp_size``, ``page_size``, ``pages_per_req``, ``slots_per_rank`` (``S``, every
-    owner's block) and ``trash_page``. Device-side (the first three views of ``outputs``, the
-    ``plan_batch`` outputs, taken when asked for: the view's launches read only the last two):
+    owner's block) and ``trash_page``. Device-side (views of ``outputs``, the ``plan_batch`` outputs,
+    taken when asked for: SGLang's read path takes none of them, its view launches read the send
+    entries by offset):
 
     - ``positions_flat`` int64 ``[M]``: ``b * max_pages + j`` of each position, request-major;
     - ``logical_pages`` int64 ``[M]``: the page each position reads (from the batch's page table);
@@ -77,9 +78,15 @@ class SlotPlan:
     slots_per_rank: int
     trash_page: int
     outputs: BatchPlan
-    slot_table: torch.Tensor
-    slot_phys: torch.Tensor
     status: torch.Tensor | None = None  # None: a plan built without the overflow report
+
+    @property
+    def slot_table(self) -> torch.Tensor:
+        return self.outputs.slot_table
+
+    @property
+    def slot_phys(self) -> torch.Tensor:
+        return self.outputs.slot_phys
 
     @property
     def positions_flat(self) -> torch.Tensor:
@@ -197,8 +204,6 @@ def slot_plan_of(
         slots_per_rank=slots,
         trash_page=trash_page,
         outputs=plan,
-        slot_table=plan.slot_table,
-        slot_phys=plan.slot_phys,
         status=plan.status if with_status else None,
     )
 

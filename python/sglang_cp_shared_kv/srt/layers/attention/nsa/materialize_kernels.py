@@ -695,6 +695,7 @@ class LocTranslator:
     def __init__(self, page_pos: torch.Tensor, page_size: int):
         self.page_pos, self.page_size = page_pos, page_size
         self._address, self._pages, self._device = page_pos.data_ptr(), page_pos.shape[0], page_pos.device
+        self._device_index = page_pos.get_device()  # -1 on CPU: compared as an int (host time: no device object)
         self._kernels: dict[tuple, object] = {}  # (locs dtype, out dtype) -> that pair's compiled kernel
 
     def __call__(self, locs: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -702,7 +703,7 @@ class LocTranslator:
         dtype = out_dtype or locs.dtype
         kernel = self._kernels.get((locs.dtype, dtype))
         n = locs.numel()
-        if kernel is not None and _no_launch_hooks() and locs.device == self._device:  # addresses go unchecked
+        if kernel is not None and _no_launch_hooks() and locs.get_device() == self._device_index:  # addresses unchecked
             address = _direct_address(locs, n)
             if address is not None:
                 out = torch.empty_like(locs, dtype=dtype)  # contiguous, as the locs are

@@ -60,6 +60,7 @@ HOST_RESULTS = {
     "shape",
     "dtype",
     "device",
+    "get_device",
     "ndim",
     "is_cuda",
     "size",

@@ -299,6 +299,28 @@ def test_plan_batch_reading_a_header_binds_one_launch_for_batches_of_other_sizes
 
 
 @needs_triton
+def test_plan_batch_reads_strided_request_rows_as_the_reference():
+    """The launch reads the request rows one after another: rows that are a strided view are made
+    contiguous first (they read other requests' pages, or past the table, otherwise), and a header, which
+    hands the launch their address, must have contiguous ones."""
+    ps, n = 4, 2
+    tokens, rows, meta, width, m, s, logical = _plan_case(n, [3, 5, 0], [5, 6, 2], [0, 2, 0], [-1, 0, -1], ps, n)
+    tokens, meta = tokens.to(DEVICE), meta.to(DEVICE)
+    strided = torch.stack([rows, (rows + 1) % tokens.shape[0]], 1).to(DEVICE)[:, 0]  # other rows between
+    assert not strided.is_contiguous()
+    outs = []
+    for use_triton, r in ((False, rows.to(DEVICE)), (True, strided)):
+        page_pos = torch.full((logical,), -3, dtype=torch.int64, device=DEVICE)
+        plan = plan_batch(tokens, r, ps, meta, width, m, n, s, 77, page_pos, 50, 99, pad=-1, use_triton=use_triton)
+        outs.append((plan, page_pos))
+    (ref, ref_pos), (got, got_pos) = outs
+    _assert_same_plan(got, ref, got_pos, ref_pos, "strided rows")
+    buf = torch.zeros(8 + 6 * 3 + n + 2 + 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        plan_batch(tokens, strided, ps, buf, width, m, n, s, 77, None, 0, 0, header=True)
+
+
+@needs_triton
 def test_a_header_plan_of_a_batch_of_the_same_size_reuses_the_bound_launch_until_it_is_rebound():
     """Over one header buffer and workspace, a later batch of the same size gets the launch back without
     binding it again (its arguments are the very objects); once another workspace's plan has bound that

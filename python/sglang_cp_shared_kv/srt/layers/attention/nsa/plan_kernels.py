@@ -513,8 +513,20 @@ def plan_batch(
     bound, not queued, for the caller to queue (a call, or ``launch_on`` inside a captured graph); None
     where the plan was computed without one (the reference path). A header launch over a ``workspace`` is
     bound once per buffer: a later call with the same tensors and ints (a batch of the same size) checks only
-    the rows and the sizes and hands back that launch (host time)."""
+    the rows and the sizes and hands back that launch (host time).
+
+    The launch reads the request ``rows`` one after another from their address: they must be on the token
+    table's device, and a header's rows contiguous (its address was written by the caller); other rows are
+    made contiguous here."""
     check_index("rows", rows, 1)
+    if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
+        raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
+    if not rows.is_contiguous():
+        if header:
+            raise ValueError(
+                f"a header buffer passes the request rows by address: rows must be contiguous, got stride {rows.stride()}"
+            )
+        rows = rows.contiguous()
     batch = rows.shape[0]
     m, send = num_positions, cp_size * slots_per_rank
     if header and workspace is not None:

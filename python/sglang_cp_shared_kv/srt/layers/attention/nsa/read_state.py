@@ -326,7 +326,9 @@ class BatchReadState:
         req_to_token, req_pool_indices, width = batch
         b, n = len(pages), self.ownership.cp_size
         m = len(PLAN_HEADER) + len(PLAN_META_ROWS) * b  # the header, then the lengths
-        rows = req_pool_indices if req_pool_indices.dtype == torch.int64 else req_pool_indices.long()
+        rows = req_pool_indices  # read by address in the launch: int64, one after another
+        if rows.dtype != torch.int64 or not rows.is_contiguous():
+            rows = rows.to(torch.int64).contiguous()
         buf, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
         # One host write: the header, the lengths, and the flags zeroed (the landed word, set by the launch).
         host[:] = (

@@ -316,7 +316,7 @@ def test_plan_batch_reads_strided_request_rows_as_the_reference():
     (ref, ref_pos), (got, got_pos) = outs
     _assert_same_plan(got, ref, got_pos, ref_pos, "strided rows")
     buf = torch.zeros(8 + 6 * 3 + n + 2 + 3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="rows must be contiguous"):
+    with pytest.raises(ValueError, match="rows must be contiguous int64"):
         plan_batch(tokens, strided, ps, buf, width, m, n, s, 77, None, 0, 0, header=True)
 
 

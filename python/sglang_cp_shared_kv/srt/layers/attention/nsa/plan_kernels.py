@@ -263,7 +263,7 @@ class BatchPlan:
     @cached_property
     def slot_phys(self) -> torch.Tensor:
         """int64 ``[N * S]``: every owner's send block, owner-major (``assign_slots_ref``)."""
-        start = 3 * self.num_positions
+        start = self.send_start
         return self.words[start : start + self.send_entries]
 
     @property
@@ -521,19 +521,16 @@ def plan_batch(
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
+    if header and (rows.dtype != torch.int64 or not rows.is_contiguous()):
+        raise ValueError(
+            "a header buffer passes the request rows by address: rows must be contiguous int64, got "
+            f"{rows.dtype} with stride {rows.stride()}"
+        )
     if not rows.is_contiguous():
-        if header:
-            raise ValueError(
-                f"a header buffer passes the request rows by address: rows must be contiguous, got stride {rows.stride()}"
-            )
         rows = rows.contiguous()
     batch = rows.shape[0]
     m, send = num_positions, cp_size * slots_per_rank
     if header and workspace is not None:
-        if rows.dtype != torch.int64:
-            raise ValueError(
-                f"a header buffer passes the request rows by address: rows must be int64, got {rows.dtype}"
-            )
         if m and slots_per_rank < 1:
             raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
         plan = workspace.rebound(
@@ -553,10 +550,6 @@ def plan_batch(
             raise ValueError(
                 f"a header buffer must be host int64 [{head + lengths + cp_size + 2 + batch}], got {meta.dtype} "
                 f"{tuple(meta.shape)} on {meta.device}"
-            )
-        if rows.dtype != torch.int64:
-            raise ValueError(
-                f"a header buffer passes the request rows by address: rows must be int64, got {rows.dtype}"
             )
         if flags is None:
             flags = meta[head + lengths :]

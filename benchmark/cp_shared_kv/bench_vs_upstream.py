@@ -25,10 +25,15 @@ FlashMLA's fp8 paged kernel with sparse indices over the pool's own buffer), and
 the indexer's projections and norms (model weights; the same for every path).
 
 Each forward runs several times on a GPU. The first warms compiles and registrations. Then the host
-pass, ``--host-passes`` times (default 3): the device is drained before each pool call, so a call's
-host time is its own work (``*_plan_host_us``, ``*_read_host_us_per_layer``, each the minimum over the
-passes: interference on the shared host only adds), not time blocked on a launch queue that the
-layer's kernels filled. The last is timed: wall clock and CUDA events for the forward, and events around each
+pass, ``--host-passes`` times (default 3): the device is drained before ``init_forward_metadata`` and
+before each layer's pool calls, so a call's host time is its own work (``*_plan_host_us``,
+``*_read_host_us_per_layer``, each the minimum over the passes: interference on the shared host only
+adds), not time blocked on a launch queue that the layer's kernels filled. The plan's calls
+(``begin_shard_extend``, ``translate_loc_to_scratch``) run inside ``init_forward_metadata`` as SGLang runs
+them, after its first small launches and without a wait between them: nothing there can fill the launch
+queue, and SGLang never waits there. ``--plan-drained-passes`` more passes drain before each plan call
+as well (``*_plan_host_us_drained``: each call then starts on a just-drained device, which costs the host
+more at its first CUDA calls). The last is timed: wall clock and CUDA events for the forward, and events around each
 pool read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its
 outputs (attention output per layer, index K reads) are kept and compared across the paths after
 timing, by exact digests. Bytes are the
@@ -389,9 +394,11 @@ class _PoolProbe:
 
     def __init__(self, pool, device: torch.device, poll: bool = False):
         self.device, self.active, self.poll = device, False, poll
-        # The host pass: the device drained before each call, so a call's host time is its own, not
-        # time spent blocked on a launch queue the forward's earlier kernels filled.
+        # The host pass: the device drained before each read and write call, so a call's host time is its
+        # own, not time spent blocked on a launch queue the forward's earlier kernels filled; before the plan
+        # calls too with ``drain_plan`` (they run inside the metadata call, which starts drained).
         self.sync_each = False
+        self.drain_plan = False
         self.reset()
         for kind, names in (("plan", PLAN_CALLS), ("read", READ_CALLS), ("write", WRITE_CALLS)):
             for name in names:
@@ -410,7 +417,7 @@ class _PoolProbe:
             if not self.active:
                 return fn(*args, **kwargs)
             ev = None
-            if self.sync_each:
+            if self.sync_each and (kind != "plan" or self.drain_plan):
                 t = time.perf_counter()
                 _drain(self.device, self.poll)
                 self.drained += time.perf_counter() - t
@@ -643,6 +650,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         "paths": paths,
         "host_passes": args.get("host_passes", 1) if device.type == "cuda" else 0,
         "host_drain": args.get("host_drain", "sync") if device.type == "cuda" else None,
+        # Where the host pass drains: before the metadata call and each read and write call ("metadata"), or
+        # before each plan call as well ("each": the ``*_plan_host_us_drained`` figures).
+        "plan_drain": "metadata" if device.type == "cuda" else None,
+        "plan_drained_passes": args.get("plan_drained_passes", 0) if device.type == "cuda" else 0,
     }
     static_env.update(_scratch(rank, world, ps, scale, page_bytes, arena_bytes_default))
     if device.type == "cuda":  # host speed before any forward (the peer at the same point, not yet busy)
@@ -714,16 +725,20 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         digests: dict[str, list] = {}
         samples: dict[str, list] = {}
 
-        def forward(name: str, timed: bool, host_pass: bool = False, profile: bool = False) -> None:
+        def forward(
+            name: str, timed: bool, host_pass: bool = False, profile: bool = False, drain_plan: bool = False
+        ) -> None:
             """One forward of the batch: a warm-up (no flag), the host pass (each pool call's host time with
-            the device drained before it: CUDA only; with ``profile`` under cProfile, its figures not kept)
-            or the timed one."""
+            the device drained before the metadata call and before each read and write call, ``drain_plan``:
+            before each plan call too, only the plan's figures kept: CUDA only; with ``profile`` timed by name,
+            its figures not kept) or the timed one."""
             pool, backend, probe = pools[name], backends[name], probes[name]
             stand_ins.spans = spans
             stand_ins.take_us()
             probe.reset()
             probe.active = timed or host_pass
             probe.sync_each = host_pass
+            probe.drain_plan = drain_plan
             counter = _SyncCounter(device)
             outs, reads = [], []
             gate()
@@ -744,7 +759,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     pool.read.shared_prefix = hint
                 drained = probe.drained
                 backend.init_forward_metadata(fb)
-                # The host pass drains the device before each plan call inside: not the metadata's own time.
+                # With ``drain_plan`` the device is drained before each plan call inside: not the metadata's time.
                 meta_host = time.perf_counter() - h - (probe.drained - drained)
                 for layer in range(layers):
                     nope, rope, k, kscale = kv_new[layer]
@@ -782,11 +797,15 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 ev[1].record()
             _sync(device)
             wall = time.perf_counter() - t0
-            probe.active = probe.sync_each = False
+            probe.active = probe.sync_each = probe.drain_plan = False
             if profile and timer is not None:
                 timer.stop()
             stand = stand_ins.take_us()
-            if (host_pass and not profile) or (timed and device.type != "cuda"):  # on CPU calls run to their end
+            if host_pass and drain_plan:  # the plan's calls each on a just-drained device: those figures only
+                _keep_min(row, f"{name}_plan_host_us_drained", probe.host["plan"] * 1e6)
+                for call, sec in probe.plan_calls.items():
+                    _keep_min(row, f"{name}_plan_host_us_drained_{call}", sec * 1e6)
+            elif (host_pass and not profile) or (timed and device.type != "cuda"):  # on CPU calls run to their end
                 # Repeated host passes keep each figure's minimum: the shared host's interference only adds.
                 for key, us in (
                     ("metadata_host_us", meta_host * 1e6),
@@ -794,10 +813,9 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     ("read_host_us_per_layer", probe.host["read"] * 1e6 / layers),
                     ("write_host_us_per_layer", probe.host["write"] * 1e6 / layers),
                 ):
-                    row[f"{name}_{key}"] = round(min(us, row.get(f"{name}_{key}", float("inf"))), 1)
+                    _keep_min(row, f"{name}_{key}", us)
                 for call, sec in probe.plan_calls.items():  # the plan's calls, each its minimum over the passes
-                    key = f"{name}_plan_host_us_{call}"
-                    row[key] = round(min(sec * 1e6, row.get(key, float("inf"))), 1)
+                    _keep_min(row, f"{name}_plan_host_us_{call}", sec * 1e6)
             if not timed:
                 return
             row[f"{name}_layer_time_us"] = round(wall * 1e6 / layers, 1)
@@ -822,6 +840,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             if device.type == "cuda":
                 for _ in range(args.get("host_passes", 1)):
                     forward(name, False, host_pass=True)
+                for _ in range(args.get("plan_drained_passes", 0)):
+                    forward(name, False, host_pass=True, drain_plan=True)
                 if args.get("profile_host"):  # a second host pass (every rank), timed by name on rank 0
                     forward(name, False, host_pass=True, profile=True)
             before = received(name)
@@ -889,7 +909,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     if timer is not None:
         env["ours_forward_host_profile"] = "".join(
             f"## {name}: inclusive host time of each named function over the measured batches' second host pass "
-            f"({timer.forwards.get(name, 0)} forwards, rank 0, the device drained before each pool call)\n"
+            f"({timer.forwards.get(name, 0)} forwards, rank 0, the device drained before the metadata call and each read and write call)\n"
             f"{timer.report(name)}\n"
             for name in timer.totals
         )
@@ -940,6 +960,11 @@ def _scratch(rank: int, world: int, ps: int, scale: Scale, page_bytes: int, aren
 # ----------------------------------------------------------------------------------------------
 # driver
 # ----------------------------------------------------------------------------------------------
+
+
+def _keep_min(row: dict, key: str, us: float) -> None:
+    """``row[key]``: the least of the figures given for it, to 0.1 µs (a shared host's interference only adds)."""
+    row[key] = round(min(us, row.get(key, float("inf"))), 1)
 
 
 def _median(xs):
@@ -1009,10 +1034,12 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
             vals = [r.get(f"{name}_{key}") for r in rows if r["kind"] != "current"]
             if any(v is not None for v in vals):
                 s[f"{name}_{key}"] = _median(vals)
-        for call in PLAN_CALLS:  # where the plan's host time goes, call by call
-            vals = [r.get(f"{name}_plan_host_us_{call}") for r in rows if r["kind"] != "current"]
+        keys = [f"plan_host_us_{call}" for call in PLAN_CALLS]  # where the plan's host time goes, call by call
+        keys += ["plan_host_us_drained"] + [f"plan_host_us_drained_{call}" for call in PLAN_CALLS]
+        for key in keys:
+            vals = [r.get(f"{name}_{key}") for r in rows if r["kind"] != "current"]
             if any(v is not None for v in vals):
-                s[f"{name}_plan_host_us_{call}"] = _median(vals)
+                s[f"{name}_{key}"] = _median(vals)
     # Each stand-in's time per forward (median over the paths' timed forwards).
     stand = {}
     for r in rows:
@@ -1142,13 +1169,20 @@ def main(argv: list[str] | None = None) -> None:
         "--profile-host",
         action="store_true",
         help="time the named host calls of each path's forward on rank 0 (HOST_TIMER_TARGETS; GPU runs: a second "
-        "host pass, the device drained before each pool call, figures not kept), written to <out>_host_profile.txt",
+        "host pass drained as the others, figures not kept), written to <out>_host_profile.txt",
     )
     ap.add_argument(
         "--host-passes",
         type=int,
         default=3,
         help="host passes per batch and path (GPU runs); each host figure is its minimum over them",
+    )
+    ap.add_argument(
+        "--plan-drained-passes",
+        type=int,
+        default=2,
+        help="host passes more per batch and path (GPU runs) that drain the device before each plan call too, "
+        "for the *_plan_host_us_drained figures",
     )
     ap.add_argument(
         "--host-drain",
@@ -1160,6 +1194,8 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.host_passes < 1:
         raise SystemExit(f"--host-passes must be at least 1, got {a.host_passes}")
+    if a.plan_drained_passes < 0:
+        raise SystemExit(f"--plan-drained-passes must be at least 0, got {a.plan_drained_passes}")
     if a.merge:
         merge(a.merge, a.out)
         return
@@ -1179,6 +1215,7 @@ def main(argv: list[str] | None = None) -> None:
         args = dict(device=a.device, scale=sc, kv_format=a.kv_format, page_size=a.page_size, paths=paths)
         args["profile_host"] = a.profile_host
         args["host_passes"] = a.host_passes
+        args["plan_drained_passes"] = a.plan_drained_passes
         args["host_drain"] = a.host_drain
         args["batches"] = a.batches
         args["partial_out"] = f"{a.out}_partial"

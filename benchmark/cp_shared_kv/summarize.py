@@ -439,10 +439,21 @@ def _one_gpu_notes(d: dict) -> list[str]:
         f"pages' bytes on {len(exact)} of {len(rows)} batches (`current_chunk_bytes_gathered` 0): nothing of the",
         "current chunk moves.",
         "",
-        "Host cost, from the host pass (the device drained before each pool call"
+        "Host cost, from the host pass (the device drained before "
+        + (
+            "the metadata call and each layer's pool calls: the plan's calls run inside the metadata call as in SGLang"
+            if env.get("plan_drain") == "metadata"
+            else "each pool call"
+        )
         + (f"; each figure the minimum of {env['host_passes']} passes" if env.get("host_passes", 1) > 1 else "")
         + "; median over batches): our",
-        f"batch plan {s.get('ours_plan_host_us')} µs (goal 200 µs: {_met(s.get('ours_plan_host_us'), 200, False)}), inside",
+        f"batch plan {s.get('ours_plan_host_us')} µs (goal 200 µs: {_met(s.get('ours_plan_host_us'), 200, False)}"
+        + (
+            f"; {s['ours_plan_host_us_drained']} µs with the device drained before each of its calls too"
+            if s.get("ours_plan_host_us_drained") is not None
+            else ""
+        )
+        + "), inside",
         f"SGLang's `init_forward_metadata` of {s.get('ours_metadata_host_us')} µs ({s.get('stock_metadata_host_us')} µs over the",
         f"stock pool); a layer's reads {s.get('ours_read_host_us_per_layer')} µs against the stock pool's",
         f"{s.get('stock_read_host_us_per_layer')} µs, {_span(host_ratio, 'r', 1)}x per batch (goal 1.5x: "

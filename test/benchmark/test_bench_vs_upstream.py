@@ -172,3 +172,39 @@ def test_the_stand_ins_compute_what_the_ops_they_replace_compute():
         want = torch.sort(-scores[m, start : start + n]).indices[:16] if n > 16 else torch.arange(n)
         assert sorted(out[m][out[m] >= 0].tolist()) == sorted(table[b, want].tolist()), m
         assert (out[m] >= 0).sum() == min(n, 16)
+
+
+class _Calls:
+    """A pool's call surface as the harness's probe wraps it, recording the order of calls."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def begin_shard_extend(self, *a):
+        self.log.append("begin_shard_extend")
+
+    def translate_loc_to_scratch(self, loc):
+        self.log.append("translate_loc_to_scratch")
+        return loc
+
+    def get_key_buffer(self, layer):
+        self.log.append("get_key_buffer")
+
+
+@pytest.mark.parametrize("drain_plan", [False, True])
+def test_host_pass_drains_before_reads_and_only_with_drain_plan_before_the_plans_calls(monkeypatch, drain_plan):
+    import benchmark.cp_shared_kv.bench_vs_upstream as bench
+
+    log: list = []
+    monkeypatch.setattr(bench, "_drain", lambda device, poll: log.append("drain"))
+    pool = _Calls(log)
+    probe = bench._PoolProbe(pool, torch.device("cpu"))
+    probe.active = probe.sync_each = True
+    probe.drain_plan = drain_plan
+    pool.begin_shard_extend()
+    pool.translate_loc_to_scratch(torch.zeros(1))
+    pool.get_key_buffer(0)
+    plan = ["drain", "begin_shard_extend", "drain", "translate_loc_to_scratch"]
+    expected = plan if drain_plan else plan[1::2]
+    assert log == [*expected, "drain", "get_key_buffer"]
+    assert set(probe.plan_calls) == {"begin_shard_extend", "translate_loc_to_scratch"}

@@ -108,3 +108,37 @@ def test_a_failed_record_keeps_the_later_buffers_until_they_land():
     check.poll(wait=True)  # its values are dropped: no error, its buffer recycled
     assert check.pending == 0
     assert check.host_buffer(8, dev).data_ptr() in (first.data_ptr(), second.data_ptr())
+
+
+def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
+    """Kernels get their tensors by address: a request-row tensor on the host (not pinned) or a relaunch with
+    one is one clear ValueError before anything is queued; pinned host memory is a valid argument."""
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import plan_header
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import plan_meta_rows
+
+    dev = torch.device("cuda")
+    ps, n = 4, 2
+    tokens = torch.arange(6 * 16, dtype=torch.int32, device=dev).view(6, 16)
+    rows = torch.tensor([1, 3], dtype=torch.int64, device=dev)
+    pages, prefix = [4, 3], [2, 1]
+    m, s = sum(prefix), slots_per_rank(prefix, n)
+    lengths = plan_meta_rows(pages, prefix)
+    meta = torch.tensor(lengths, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match="rows must be on the token table's device"):
+        plan_batch(tokens, rows.cpu(), ps, meta, 4, m, n, s, 0, None, 0, 0)
+    # A header buffer in pinned host memory is read in place; one that is not pinned is refused.
+    for pinned in (True, False):
+        buf = torch.zeros(8 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pinned)
+        buf[: 8 + 6 * 2] = torch.tensor(plan_header(2, 4, m, s, 0, 0, rows) + lengths)
+        if pinned:
+            plan = plan_batch(tokens, rows, ps, buf, 4, m, n, s, 0, None, 0, 0, header=True)
+            torch.cuda.synchronize()
+            assert buf[-1].item() == 1 and plan.num_positions == m  # the landed word
+        else:
+            with pytest.raises(ValueError, match="got a tensor on cpu"):
+                plan_batch(tokens, rows, ps, buf, 4, m, n, s, 0, None, 0, 0, header=True)
+    page_pos = torch.arange(24, dtype=torch.int64, device=dev)
+    assert translate_locs(page_pos, tokens[:2], ps).device == dev
+    with pytest.raises(ValueError, match="locs are on cpu"):
+        translate_locs(page_pos, tokens[:2].cpu(), ps)

@@ -261,12 +261,21 @@ def _free_specialization(arg) -> tuple:
     return _specialization(arg)
 
 
-def _keyed(keyer, arg) -> tuple[tuple, object]:
+def _keyed(keyer, arg, device: int) -> tuple[tuple, object]:
     """``(keyer(arg), what the compiled launcher is handed for arg)``: a tensor goes by its address, read once
     with its alignment. Handed an int, the launcher neither calls ``data_ptr`` nor asks the driver whether the
     pointer is a device one (a driver call per tensor per launch: host time); the launch keeps the tensor
-    (``args``) for as long as it holds the address."""
+    (``args``) for as long as it holds the address. So the device is checked here, as an int: a tensor must be
+    on the launch's ``device`` (``get_device()``: -1 for the host), or pinned host memory, which a CUDA kernel
+    reaches through unified addressing."""
     if isinstance(arg, torch.Tensor):
+        where = arg.get_device()
+        if where != device and not (where < 0 and arg.is_pinned()):
+            on = "the host" if device < 0 else f"cuda:{device}"
+            raise ValueError(
+                f"a kernel launched on {on} got a tensor on {arg.device}: its arguments must be on the launch's "
+                "device (or pinned host memory)"
+            )
         return _tensor_key(arg)
     return keyer(arg), arg
 
@@ -319,10 +328,14 @@ class PreparedLaunch:
     def __init__(self, fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options):
         self.fn, self.args, self.constexprs, self.options = fn, args, constexprs, options
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        # The launch's device: its first tensor's, or the first one's off the host (pinned host memory may come
+        # first); the index kept as an int (host time).
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        first = next((a for a in tensors if a.get_device() >= 0), tensors[0])
+        self.device, self._device_index = first.device, first.get_device()
         self._constants = tuple(constexprs.values())
         self._keyers = _specializers(fn, len(args))
-        keyed = [_keyed(key, a) for key, a in zip(self._keyers, args)]
+        keyed = [_keyed(key, a, self._device_index) for key, a in zip(self._keyers, args)]
         self._spec = tuple(k for k, _ in keyed)
         # What the compiled launcher is handed: tensors by address (``_keyed``), then the constexprs.
         self._all_args = (*(raw for _, raw in keyed), *self._constants)
@@ -388,7 +401,7 @@ class PreparedLaunch:
             if a is b or (type(a) is int and type(b) is int and a == b):
                 if not isinstance(a, torch.Tensor) or a.data_ptr() == raw[i]:
                     continue
-            spec[i], raw[i] = _keyed(self._keyers[i], a)
+            spec[i], raw[i] = _keyed(self._keyers[i], a, self._device_index)
         self._rekey(tuple(spec))
         self.args, self._all_args = args, tuple(raw)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -410,7 +423,7 @@ class PreparedLaunch:
         args, spec, raw = list(self.args), list(self._spec), list(self._all_args)
         for i, arg in changes.items():
             args[i] = arg
-            spec[i], raw[i] = _keyed(self._keyers[i], arg)
+            spec[i], raw[i] = _keyed(self._keyers[i], arg, self._device_index)
         self.args, self._all_args = tuple(args), tuple(raw)
         self._rekey(tuple(spec))
 

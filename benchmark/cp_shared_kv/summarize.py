@@ -735,6 +735,7 @@ def _host_repeats() -> list[str]:
                 ("ours_plan_host_us", "ours plan host µs"),
                 ("ours_plan_host_us_begin_shard_extend", "of which begin µs"),
                 ("ours_plan_host_us_translate_loc_to_scratch", "of which translate µs"),
+                ("ours_plan_host_us_drained", "plan host µs, drained before each call"),
                 ("stock_metadata_host_us", "stock metadata host µs"),
                 ("plan_host_vs_stock_metadata_host", "plan / stock metadata"),
                 ("ours_read_host_us_per_layer", "ours read host µs/layer"),
@@ -742,6 +743,7 @@ def _host_repeats() -> list[str]:
                 ("read_host_ratio", "read host ours/stock"),
                 ("host_passes", "host passes"),
                 ("host_drain", "drain"),
+                ("plan_drain", "plan drained before"),
             ],
         )
         lines += ["", reps["note"] + ".", ""]
@@ -787,7 +789,8 @@ def render() -> str:
         "(the 2-GPU tests skip; [`log`](benchmarks/gpu_tests_1gpu.txt); at 93882a9 one failure, the translator",
         "test's own host-to-device copies under sync-debug mode, [`log`](benchmarks/gpu_tests_1gpu_93882a9.txt);",
         "at 9d5ff84 28 passed, that test fixed, [`log`](benchmarks/gpu_tests_1gpu_9d5ff84.txt); at 807319d 28 passed,",
-        "[`log`](benchmarks/gpu_tests_1gpu_807319d.txt));",
+        "[`log`](benchmarks/gpu_tests_1gpu_807319d.txt); at 9dfb09b 28 passed and one failure, its new test's own",
+        "device comparison, which passes fixed, [`log`](benchmarks/gpu_tests_1gpu_9dfb09b.txt));",
         "2 x H200, `source .sgw/setup.sh; python3 -m",
         "pytest -q -m gpu --timeout 60 test/srt/distributed/test_copy_engine_gpu.py",
         "test/srt/layers/attention/nsa/test_read_state_ranks.py` ([`log`](benchmarks/gpu_tests_2gpu_copy_engine.txt),",

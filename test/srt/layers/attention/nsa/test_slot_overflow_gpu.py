@@ -139,6 +139,6 @@ def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
             with pytest.raises(ValueError, match="got a tensor on cpu"):
                 plan_batch(tokens, rows, ps, buf, 4, m, n, s, 0, None, 0, 0, header=True)
     page_pos = torch.arange(24, dtype=torch.int64, device=dev)
-    assert translate_locs(page_pos, tokens[:2], ps).device == dev
+    assert translate_locs(page_pos, tokens[:2], ps).is_cuda
     with pytest.raises(ValueError, match="locs are on cpu"):
         translate_locs(page_pos, tokens[:2].cpu(), ps)

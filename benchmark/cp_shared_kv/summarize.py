@@ -454,7 +454,7 @@ def _one_gpu_notes(d: dict) -> list[str]:
             else ""
         )
         + "), inside",
-        f"SGLang's `init_forward_metadata` of {s.get('ours_metadata_host_us')} µs ({s.get('stock_metadata_host_us')} µs over the",
+        f"SGLang's `init_forward_metadata` of {s.get('ours_metadata_host_us')} µs ({s.get('stock_metadata_host_us')} µs with the",
         f"stock pool); a layer's reads {s.get('ours_read_host_us_per_layer')} µs against the stock pool's",
         f"{s.get('stock_read_host_us_per_layer')} µs, {_span(host_ratio, 'r', 1)}x per batch (goal 1.5x: "
         f"{_met(read_ratio, 1.5, False)}). In the",

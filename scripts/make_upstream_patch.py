@@ -1221,6 +1221,13 @@ _DOC_EXTENSION_POINTS = """\
    `CommonKVManager._connect` makes sockets that never reconnect (a socket made during a partition
    delivers nothing, ever), and `CommonKVManager.update_status` lets destinations that arrive after a
    room was cleared open it again, with nothing left to clear it.
+
+One more, for host time rather than for a hook: the DSA backend builds the table it hands
+`translate_loc_to_scratch` from `req_to_token`, `req_pool_indices` and the lengths it has just passed to
+`begin_shard_extend`, so the pool could translate it inside the batch plan's graph, one launch fewer per
+batch (the translation is one of the plan's two launches, `docs/design.md`, host cost). That needs the
+backend to hand the pool that table with the lengths, or to ask the pool for it translated: today the
+pool cannot tell, without reading it on the device, that a tensor it is handed is that table.
 """
 
 

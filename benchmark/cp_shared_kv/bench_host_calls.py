@@ -20,11 +20,12 @@ Among the calls: replays of CUDA graphs that hold some of them (``captured_graph
 engines' fence made call by call and as one captured graph.
 
 ``--spacing`` times each call made alone instead: after the device is drained, drained and the thread
-asleep, after other work that evicts the caches, or after waiting for queued GPU work in the driver or
-in a busy loop (``spacing`` in each row; ``loop`` is back to back).
+asleep, after other work that evicts the caches, after waiting for queued GPU work in the driver or
+in a busy loop, or while the device runs queued work (``spacing`` in each row; ``loop`` is back to back).
 
     python -m benchmark.cp_shared_kv.bench_host_calls --spacing loop drained idle churn --out host_calls_spacing
     python -m benchmark.cp_shared_kv.bench_host_calls --spacing loop waited polled --calls 300 --out host_calls_wait
+    python -m benchmark.cp_shared_kv.bench_host_calls --spacing loop drained busy --calls 300 --out host_calls_busy
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-SPACINGS = ("loop", "drained", "idle", "churn", "waited", "polled")
-# GPU cycles of the sleep kernel queued before a "waited" or "polled" call: about 2 ms on an H200.
+SPACINGS = ("loop", "drained", "idle", "churn", "waited", "polled", "busy")
+# GPU cycles of the sleep kernel queued before a "waited", "polled" or "busy" call: about 2 ms on an H200.
 _SLEEP_CYCLES = 4_000_000
 
 
@@ -76,7 +77,9 @@ def spaced_call_us(fn: Callable[[], object], calls: int, spacing: str, scratch: 
     (``idle``), or after writing ``scratch`` (``churn``: other work evicting the caches, as a forward's
     other code does between two pool calls); or after waiting for 2 ms of queued GPU work, in
     ``torch.cuda.synchronize`` (``waited``: as the side-by-side harness's host pass drains by default) or in a
-    busy loop on an event (``polled``: its ``--host-drain poll``)."""
+    busy loop on an event (``polled``: its ``--host-drain poll``); or after the device is drained and 2 ms of
+    GPU work queued, the call made while that work runs (``busy``: as a server makes a batch's calls while its
+    previous batch runs, the harness's ``--busy-passes``)."""
     times = []
     for _ in range(calls):
         if spacing in ("waited", "polled"):
@@ -84,7 +87,9 @@ def spaced_call_us(fn: Callable[[], object], calls: int, spacing: str, scratch: 
             if spacing == "polled":
                 wait_polled()
         torch.cuda.synchronize()
-        if spacing == "idle":
+        if spacing == "busy":
+            torch.cuda._sleep(_SLEEP_CYCLES)
+        elif spacing == "idle":
             time.sleep(2e-3)
         elif spacing == "churn":
             scratch += 1

@@ -33,11 +33,15 @@ adds), not time blocked on a launch queue that the layer's kernels filled. The p
 them, after its first small launches and without a wait between them: nothing there can fill the launch
 queue, and SGLang never waits there. ``--plan-drained-passes`` more passes drain before each plan call
 as well (``*_plan_host_us_drained``: each call then starts on a just-drained device, which costs the host
-more at its first CUDA calls). The last is timed: wall clock and CUDA events for the forward, and events around each
-pool read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its
-outputs (attention output per layer, index K reads) are kept and compared across the paths after
-timing, by exact digests. Bytes are the
-transports' own counts (ours: the transport's byte counter; SGLang's: its NCCL calls' sizes).
+more at its first CUDA calls). ``--busy-passes`` more passes keep the device busy instead: after each drain
+a sleep kernel of about 4 ms is queued, so the metadata call and each layer's pool calls are made while the
+device runs earlier work, as under SGLang's overlap scheduler (its default: a batch's metadata and launches
+are made while the previous batch's forward runs), without a launch queue to wait on (``*_busy`` figures;
+``*_busy_ended_calls``: timed calls at whose end the sleep had already finished, 0 when it covered them
+all). The last forward is timed: wall clock and CUDA events for the forward, and events around each pool
+read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its outputs
+(attention output per layer, index K reads) are kept and compared across the paths after timing, by exact
+digests. Bytes are the transports' own counts (ours: the transport's byte counter; SGLang's: its NCCL calls' sizes).
 
     python -m benchmark.cp_shared_kv.bench_vs_upstream                 # 2 GPUs, writes vs_upstream.json
     python -m benchmark.cp_shared_kv.bench_vs_upstream --device cpu --scale smoke --out vs_upstream_cpu
@@ -246,6 +250,22 @@ def _drain(device: torch.device, poll: bool) -> None:
     torch.cuda.synchronize(device)
 
 
+# GPU cycles of the sleep kernel a busy host pass queues before each timed call: about 4 ms on an H200,
+# longer than SGLang's metadata call or a layer's pool calls take the host.
+BUSY_CYCLES = 8_000_000
+
+
+def _occupy(device: torch.device, cycles: int):
+    """Queue ``cycles`` of a sleep kernel on the current stream and return an event recorded after it (None on
+    CPU): the calls made next run while the device is busy, as a server's are while its previous batch runs."""
+    if device.type != "cuda":
+        return None
+    torch.cuda._sleep(cycles)
+    done = torch.cuda.Event()
+    done.record()
+    return done
+
+
 def _calibrate(device: torch.device, calls: int = 200) -> dict[str, float]:
     """Host µs per call of two small calls (a stream lookup, a one-element torch op) back to back, the device
     drained first (``bench_host_calls.per_call_us``, one repeat): this process's host speed at this moment."""
@@ -399,6 +419,7 @@ class _PoolProbe:
         # calls too with ``drain_plan`` (they run inside the metadata call, which starts drained).
         self.sync_each = False
         self.drain_plan = False
+        self.busy_cycles = 0  # > 0: after each drain, this much sleep queued before the call (``_occupy``)
         self.reset()
         for kind, names in (("plan", PLAN_CALLS), ("read", READ_CALLS), ("write", WRITE_CALLS)):
             for name in names:
@@ -410,16 +431,19 @@ class _PoolProbe:
         self.host = {"plan": 0.0, "read": 0.0, "write": 0.0}
         self.plan_calls: dict[str, float] = {}  # the plan's host seconds per pool call (where it goes)
         self.drained = 0.0  # host seconds spent draining the device before calls (the host pass)
+        self.busy_ended = 0  # calls of a busy pass at whose end the device had finished the sleep
         self.events: dict[str, list] = {"plan": [], "read": []}
 
     def _wrap(self, kind: str, fn, name: str):
         def call(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
-            ev = None
+            ev = busy = None
             if self.sync_each and (kind != "plan" or self.drain_plan):
                 t = time.perf_counter()
                 _drain(self.device, self.poll)
+                if self.busy_cycles:
+                    busy = _occupy(self.device, self.busy_cycles)
                 self.drained += time.perf_counter() - t
             elif self.device.type == "cuda" and kind != "write":
                 ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -427,6 +451,8 @@ class _PoolProbe:
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             spent = time.perf_counter() - t0
+            if busy is not None and busy.query():
+                self.busy_ended += 1
             self.host[kind] += spent
             if kind == "plan":
                 self.plan_calls[name] = self.plan_calls.get(name, 0.0) + spent
@@ -654,6 +680,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         # before each plan call as well ("each": the ``*_plan_host_us_drained`` figures).
         "plan_drain": "metadata" if device.type == "cuda" else None,
         "plan_drained_passes": args.get("plan_drained_passes", 0) if device.type == "cuda" else 0,
+        "busy_passes": args.get("busy_passes", 0) if device.type == "cuda" else 0,
+        "busy_cycles": BUSY_CYCLES,
     }
     static_env.update(_scratch(rank, world, ps, scale, page_bytes, arena_bytes_default))
     if device.type == "cuda":  # host speed before any forward (the peer at the same point, not yet busy)
@@ -726,12 +754,18 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         samples: dict[str, list] = {}
 
         def forward(
-            name: str, timed: bool, host_pass: bool = False, profile: bool = False, drain_plan: bool = False
+            name: str,
+            timed: bool,
+            host_pass: bool = False,
+            profile: bool = False,
+            drain_plan: bool = False,
+            busy: bool = False,
         ) -> None:
             """One forward of the batch: a warm-up (no flag), the host pass (each pool call's host time with
             the device drained before the metadata call and before each read and write call, ``drain_plan``:
-            before each plan call too, only the plan's figures kept: CUDA only; with ``profile`` timed by name,
-            its figures not kept) or the timed one."""
+            before each plan call too, only the plan's figures kept; ``busy``: a sleep queued after each drain,
+            the ``*_busy`` figures: CUDA only; with ``profile`` timed by name, its figures not kept) or the
+            timed one."""
             pool, backend, probe = pools[name], backends[name], probes[name]
             stand_ins.spans = spans
             stand_ins.take_us()
@@ -739,6 +773,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             probe.active = timed or host_pass
             probe.sync_each = host_pass
             probe.drain_plan = drain_plan
+            probe.busy_cycles = BUSY_CYCLES if busy else 0
             counter = _SyncCounter(device)
             outs, reads = [], []
             gate()
@@ -752,8 +787,11 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 for key, us in _calibrate(device).items():
                     row[f"{name}_calibration_{key}_us"] = min(us, row.get(f"{name}_calibration_{key}_us", float("inf")))
             with ctx(name), counter:
+                occupied = None
                 if host_pass:
                     _drain(device, poll)
+                    if busy:
+                        occupied = _occupy(device, BUSY_CYCLES)
                 h = time.perf_counter()
                 if name == "ours":  # the plugin's ForwardBatch.init_new hook hands the batch its hint
                     pool.read.shared_prefix = hint
@@ -761,6 +799,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                 backend.init_forward_metadata(fb)
                 # With ``drain_plan`` the device is drained before each plan call inside: not the metadata's time.
                 meta_host = time.perf_counter() - h - (probe.drained - drained)
+                if occupied is not None and occupied.query():
+                    probe.busy_ended += 1
                 for layer in range(layers):
                     nope, rope, k, kscale = kv_new[layer]
                     # The indexer: store this chunk's index K (its owner only, under layer split), read the
@@ -798,6 +838,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             _sync(device)
             wall = time.perf_counter() - t0
             probe.active = probe.sync_each = probe.drain_plan = False
+            probe.busy_cycles = 0
             if profile and timer is not None:
                 timer.stop()
             stand = stand_ins.take_us()
@@ -807,15 +848,18 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     _keep_min(row, f"{name}_plan_host_us_drained_{call}", sec * 1e6)
             elif (host_pass and not profile) or (timed and device.type != "cuda"):  # on CPU calls run to their end
                 # Repeated host passes keep each figure's minimum: the shared host's interference only adds.
+                suffix = "_busy" if busy else ""
+                if busy:
+                    row[f"{name}_busy_ended_calls"] = row.get(f"{name}_busy_ended_calls", 0) + probe.busy_ended
                 for key, us in (
                     ("metadata_host_us", meta_host * 1e6),
                     ("plan_host_us", probe.host["plan"] * 1e6),
                     ("read_host_us_per_layer", probe.host["read"] * 1e6 / layers),
                     ("write_host_us_per_layer", probe.host["write"] * 1e6 / layers),
                 ):
-                    _keep_min(row, f"{name}_{key}", us)
+                    _keep_min(row, f"{name}_{key}{suffix}", us)
                 for call, sec in probe.plan_calls.items():  # the plan's calls, each its minimum over the passes
-                    _keep_min(row, f"{name}_plan_host_us_{call}", sec * 1e6)
+                    _keep_min(row, f"{name}_plan_host_us{suffix}_{call}", sec * 1e6)
             if not timed:
                 return
             row[f"{name}_layer_time_us"] = round(wall * 1e6 / layers, 1)
@@ -842,6 +886,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     forward(name, False, host_pass=True)
                 for _ in range(args.get("plan_drained_passes", 0)):
                     forward(name, False, host_pass=True, drain_plan=True)
+                for _ in range(args.get("busy_passes", 0)):
+                    forward(name, False, host_pass=True, busy=True)
                 if args.get("profile_host"):  # a second host pass (every rank), timed by name on rank 0
                     forward(name, False, host_pass=True, profile=True)
             before = received(name)
@@ -1027,15 +1073,20 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
     )
     for name in paths:
         s[f"host_syncs_{name}_per_forward"] = _median([r.get(f"{name}_forward_host_syncs") for r in rows])
+        if any(f"{name}_busy_ended_calls" in r for r in rows):
+            s[f"{name}_busy_ended_calls"] = _total(rows, f"{name}_busy_ended_calls")
     # Host cost: what queuing the plan and each layer's reads costs the host, median over the batches
     # that read a prefix (history and mixed), and SGLang's whole init_forward_metadata beside it.
     for name in paths:
-        for key in ("plan_host_us", "metadata_host_us", "read_host_us_per_layer"):
+        for key in ("plan_host_us", "metadata_host_us", "read_host_us_per_layer") + tuple(
+            f"{k}_busy" for k in ("plan_host_us", "metadata_host_us", "read_host_us_per_layer")
+        ):
             vals = [r.get(f"{name}_{key}") for r in rows if r["kind"] != "current"]
             if any(v is not None for v in vals):
                 s[f"{name}_{key}"] = _median(vals)
         keys = [f"plan_host_us_{call}" for call in PLAN_CALLS]  # where the plan's host time goes, call by call
         keys += ["plan_host_us_drained"] + [f"plan_host_us_drained_{call}" for call in PLAN_CALLS]
+        keys += [f"plan_host_us_busy_{call}" for call in PLAN_CALLS]
         for key in keys:
             vals = [r.get(f"{name}_{key}") for r in rows if r["kind"] != "current"]
             if any(v is not None for v in vals):
@@ -1185,6 +1236,13 @@ def main(argv: list[str] | None = None) -> None:
         "for the *_plan_host_us_drained figures",
     )
     ap.add_argument(
+        "--busy-passes",
+        type=int,
+        default=2,
+        help="host passes more per batch and path (GPU runs) with a sleep kernel queued after each drain, so the "
+        "calls run while the device is busy, as under SGLang's overlap scheduler: the *_busy figures",
+    )
+    ap.add_argument(
         "--host-drain",
         choices=("sync", "poll"),
         default="sync",
@@ -1196,6 +1254,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--host-passes must be at least 1, got {a.host_passes}")
     if a.plan_drained_passes < 0:
         raise SystemExit(f"--plan-drained-passes must be at least 0, got {a.plan_drained_passes}")
+    if a.busy_passes < 0:
+        raise SystemExit(f"--busy-passes must be at least 0, got {a.busy_passes}")
     if a.merge:
         merge(a.merge, a.out)
         return
@@ -1216,6 +1276,7 @@ def main(argv: list[str] | None = None) -> None:
         args["profile_host"] = a.profile_host
         args["host_passes"] = a.host_passes
         args["plan_drained_passes"] = a.plan_drained_passes
+        args["busy_passes"] = a.busy_passes
         args["host_drain"] = a.host_drain
         args["batches"] = a.batches
         args["partial_out"] = f"{a.out}_partial"

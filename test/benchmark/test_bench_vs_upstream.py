@@ -208,3 +208,37 @@ def test_host_pass_drains_before_reads_and_only_with_drain_plan_before_the_plans
     expected = plan if drain_plan else plan[1::2]
     assert log == [*expected, "drain", "get_key_buffer"]
     assert set(probe.plan_calls) == {"begin_shard_extend", "translate_loc_to_scratch"}
+
+
+def test_a_busy_host_pass_queues_work_after_each_drain_and_counts_calls_that_outlast_it(monkeypatch):
+    import benchmark.cp_shared_kv.bench_vs_upstream as bench
+
+    log: list = []
+
+    class Done:
+        """The event after the queued sleep: finished once the call after it has run twice."""
+
+        def query(self):
+            return log.count("get_key_buffer") > 1
+
+    def occupy(device, cycles):
+        log.append(f"occupy {cycles}")
+        return Done()
+
+    monkeypatch.setattr(bench, "_drain", lambda device, poll: log.append("drain"))
+    monkeypatch.setattr(bench, "_occupy", occupy)
+    pool = _Calls(log)
+    probe = bench._PoolProbe(pool, torch.device("cpu"))
+    probe.active = probe.sync_each = True
+    probe.busy_cycles = bench.BUSY_CYCLES
+    pool.begin_shard_extend()
+    pool.translate_loc_to_scratch(torch.zeros(1))
+    pool.get_key_buffer(0)
+    pool.get_key_buffer(1)
+    busy = f"occupy {bench.BUSY_CYCLES}"
+    # The plan's calls run inside the metadata call, which the forward occupies: nothing queued before them.
+    reads = ["drain", busy, "get_key_buffer"] * 2
+    assert log == ["begin_shard_extend", "translate_loc_to_scratch", *reads]
+    assert probe.busy_ended == 1  # the second read ended after its sleep: counted, so the run shows it
+    probe.reset()
+    assert probe.busy_ended == 0

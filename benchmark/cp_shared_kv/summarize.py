@@ -453,11 +453,24 @@ def _one_gpu_notes(d: dict) -> list[str]:
             if s.get("ours_plan_host_us_drained") is not None
             else ""
         )
+        + (
+            f"; {s['ours_plan_host_us_busy']} µs with the device busy throughout, as under SGLang's overlap scheduler"
+            if s.get("ours_plan_host_us_busy") is not None
+            else ""
+        )
         + "), inside",
         f"SGLang's `init_forward_metadata` of {s.get('ours_metadata_host_us')} µs ({s.get('stock_metadata_host_us')} µs with the",
         f"stock pool); a layer's reads {s.get('ours_read_host_us_per_layer')} µs against the stock pool's",
         f"{s.get('stock_read_host_us_per_layer')} µs, {_span(host_ratio, 'r', 1)}x per batch (goal 1.5x: "
-        f"{_met(read_ratio, 1.5, False)}). In the",
+        f"{_met(read_ratio, 1.5, False)}"
+        + (
+            f"; with the device busy {s['ours_read_host_us_per_layer_busy']} µs against "
+            f"{s['stock_read_host_us_per_layer_busy']} µs, SGLang's metadata call {s['ours_metadata_host_us_busy']} "
+            f"µs ({s['stock_metadata_host_us_busy']} µs with the stock pool)"
+            if s.get("ours_read_host_us_per_layer_busy") is not None
+            else ""
+        )
+        + "). In the",
         f"timed forward the pool calls' host time is {timed}x the stock pool's, launch-queue back-pressure",
         "included (`*_pool_host_us_timed_pass`). Host syncs: 0 per forward for both paths,",
         "`init_forward_metadata` included (CUDA sync-debug mode).",
@@ -570,11 +583,14 @@ def _host_cost() -> list[str]:
         by_call.setdefault(r["call"], {"call": r["call"]})[r["sync_debug"]] = r["host_us"]
         if r["sync_debug"] == "default":
             by_call[r["call"]]["ratio"] = r["vs_torch_op"]
-    peer, spaced = _load("host_calls_peer"), _load("host_calls_spacing")
+    peer, spaced, busy = _load("host_calls_peer"), _load("host_calls_spacing"), _load("host_calls_busy")
     for r in peer["rows"] if peer is not None else []:
         by_call.setdefault(r["call"], {"call": r["call"]})[f"peer_{r['peer']}"] = r["host_us"]
     for r in spaced["rows"] if spaced is not None else []:
         by_call.setdefault(r["call"], {"call": r["call"]})[f"alone_{r['spacing']}"] = r["host_us"]
+    for r in busy["rows"] if busy is not None else []:
+        if r["spacing"] != "loop":  # the busy run's own back-to-back and drained figures: in its JSON
+            by_call.setdefault(r["call"], {"call": r["call"]})[f"alone_{r['spacing']}"] = r["host_us"]
     lines += _table(
         list(by_call.values()),
         [
@@ -590,6 +606,7 @@ def _host_cost() -> list[str]:
             ("alone_drained", "after a drain"),
             ("alone_idle", "after a 2 ms sleep"),
             ("alone_churn", "after 8 MiB written"),
+            ("alone_busy", "while 2 ms of GPU work runs"),
         ],
     )
     if peer is not None:
@@ -598,7 +615,13 @@ def _host_cost() -> list[str]:
             f"The peer columns: `{SGW_PREFIX}{peer['command']}` ({_env(peer)}; {peer['cpus_allowed']} CPUs allowed).",
         ]
     if spaced is not None:
-        lines += ["", f"The last four columns: `{SGW_PREFIX}{spaced['command']}` ({_env(spaced)})."]
+        lines += ["", f"The alone columns: `{SGW_PREFIX}{spaced['command']}` ({_env(spaced)})."]
+    if busy is not None:
+        lines += [
+            "",
+            f"The last column: `{SGW_PREFIX}{busy['command']}` ({_env(busy)}): each call made right after 2 ms of",
+            "GPU work is queued, the device drained before that (which waits for the previous call's 2 ms).",
+        ]
     lines += [
         "",
         "Each call alone, back to back, the GPU idle (`torch_add_`: one small torch op, the unit). On this",
@@ -613,6 +636,19 @@ def _host_cost() -> list[str]:
         "(more than a core's L2), as a forward's other code runs between two pool calls.",
         "",
     ]
+    if busy is not None:
+        alone = {(r["spacing"], r["call"]): r["host_us"] for r in busy["rows"]}
+        pair = [
+            (c, alone.get(("drained", c)), alone.get(("busy", c))) for c in ("translate_locs", "driver_graph_fence")
+        ]
+        lines += [
+            "Made while queued GPU work runs (as SGLang's overlap scheduler makes a batch's calls while the",
+            "previous batch runs), after the host waited for earlier work as the harness's busy passes do, a call",
+            "costs the host more than on a drained device, not less: in the same run "
+            + ", ".join(f"`{c}` {b} µs busy against {d} drained" for c, d, b in pair if d is not None)
+            + ".",
+            "",
+        ]
     lines += _in_forward_cost()
     lines += _graph_calls()
     return lines
@@ -736,11 +772,13 @@ def _host_repeats() -> list[str]:
                 ("ours_plan_host_us_begin_shard_extend", "of which begin µs"),
                 ("ours_plan_host_us_translate_loc_to_scratch", "of which translate µs"),
                 ("ours_plan_host_us_drained", "plan host µs, drained before each call"),
+                ("ours_plan_host_us_busy", "plan host µs, device busy"),
                 ("stock_metadata_host_us", "stock metadata host µs"),
                 ("plan_host_vs_stock_metadata_host", "plan / stock metadata"),
                 ("ours_read_host_us_per_layer", "ours read host µs/layer"),
                 ("stock_read_host_us_per_layer", "stock read host µs/layer"),
                 ("read_host_ratio", "read host ours/stock"),
+                ("read_host_ratio_busy", "same, device busy"),
                 ("host_passes", "host passes"),
                 ("host_drain", "drain"),
                 ("plan_drain", "plan drained before"),

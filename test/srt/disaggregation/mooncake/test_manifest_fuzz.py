@@ -125,6 +125,9 @@ def test_codec_refuses_oversized_and_deeply_nested_messages():
         cm.decode(b"[" * 200_000)
     with pytest.raises(cm.ControlMessageError, match=r"page_table\[0\] must be an int >= 0 and <= 2147483647"):
         cm.decode(json.dumps({"v": 1, "type": "manifest", "request_id": "1", "rank": 0, "page_table": [2**70], "positions": [0], "nbytes": 0}).encode())  # fmt: skip
+    # An integer past Python's digit limit for str -> int: json raises a plain ValueError for it.
+    with pytest.raises(cm.ControlMessageError, match="not valid JSON: Exceeds the limit"):
+        cm.decode(b'{"v": 1, "type": "manifest", "rank": ' + b"9" * 4301 + b"}")
 
 
 # ------------------------------------------------------------------------------ one request's messages

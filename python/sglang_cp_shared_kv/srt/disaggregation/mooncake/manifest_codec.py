@@ -93,8 +93,8 @@ def decode(data: bytes) -> Manifest:
         raise ControlMessageError(f"control message has {len(data)} bytes, at most {MAX_MESSAGE_BYTES} allowed")
     try:
         obj = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ControlMessageError(f"control message is not valid JSON: {e}") from None
+    except ValueError as e:  # bad UTF-8, bad JSON, or an integer past Python's digit limit
+        raise ControlMessageError(f"control message is not valid JSON: {str(e)[:200]}") from None
     except RecursionError:  # nesting deeper than the parser's stack
         raise ControlMessageError("control message is not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):

@@ -60,6 +60,48 @@ def _worker(mla_dir: str, link: str, host: str, endpoints: list[str]) -> None:
     os._exit(0)
 
 
+def _race(mla_dir: str) -> None:
+    """Two sender threads reach a new endpoint together: thread B enters ``_connect`` before thread A makes
+    the socket, and SGLang hands B the socket A made and sent on. Prints what a PULL socket received."""
+    import types
+
+    import zmq
+    from sglang.srt.disaggregation.common.conn import CommonKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    sys.path.insert(0, HERE)
+    from test_plugin_decode_manifest import _manager
+
+    from sglang_cp_shared_kv.srt.sglang_wiring.connector_sockets import reconnect_new_sockets
+
+    argv = ["--model-path", mla_dir, "--device", "cpu", "--skip-tokenizer-init", "--disaggregation-mode", "decode"]
+    args = prepare_server_args(argv + ["--disaggregation-transfer-backend", "mooncake", "--enable-cp-shared-kv"])
+    args.resolve_once()
+    publish(args, role="scheduler")
+    mgr = _manager(
+        DisaggregationMode.PREFILL, None, types.SimpleNamespace(kv_item_lens=[1], state_item_lens=[[1]]), 0, 1
+    )
+    pull = zmq.Context().socket(zmq.PULL)
+    endpoint = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def a_then_sglang(m, ep, is_ipv6=False):  # thread A's whole send lands between B's entry and SGLang's call
+        m._send_multipart_locked(ep, [b"A"])
+        return CommonKVManager._connect.__wrapped__(m, ep, is_ipv6=is_ipv6)
+
+    sock = reconnect_new_sockets(a_then_sglang, mgr, endpoint)  # thread B
+    with mgr._socket_send_locks[endpoint]:
+        sock.send_multipart([b"B"])
+    got = []
+    while pull.poll(2000):
+        got.append(pull.recv().decode())
+    print("GOT" + json.dumps(got), flush=True)
+    os._exit(0)
+
+
 def _receiver(endpoints: list[str], timeout_s: float) -> None:
     import zmq
 
@@ -126,8 +168,24 @@ def test_the_plugin_delivers_what_was_sent_during_and_after_it(delivered):
     assert delivered[True] == ["during", "after"]
 
 
+def test_two_threads_reaching_a_new_endpoint_together_both_deliver(tmp_path):
+    """The socket is set up once, by whichever thread takes its send lock first: the other thread's
+    message, already queued on it, is not dropped by a second reconnect."""
+    from plugin_models import write_model_dirs
+
+    write_model_dirs(tmp_path, ["mla"])
+    env = {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv"}
+    run = subprocess.run(
+        [sys.executable, __file__, "race", str(tmp_path / "mla")], capture_output=True, text=True, timeout=240, env=env
+    )
+    got = [json.loads(x[3:]) for x in run.stdout.splitlines() if x.startswith("GOT")]
+    assert got == [["A", "B"]], run.stderr[-3000:]
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "worker":
+    if sys.argv[1] == "race":
+        _race(sys.argv[2])
+    elif sys.argv[1] == "worker":
         _worker(sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5]))
     else:
         _receiver(json.loads(sys.argv[2]), 300)

@@ -13,6 +13,9 @@ prefill runs (a bare ZMQ PUSH behind a downed veth shows it).
 has just made ZMQ's reconnect (every 100 ms) before anything is sent on it: the first connect is
 dropped and made again with reconnect on. A socket made during a partition then connects when the
 link comes back and delivers what was queued; a disconnect still drops the socket as SGLang does.
+Several sender threads may reach a new endpoint at once and get the same socket: the first to take
+the endpoint's send lock sets it up, and the manager remembers that socket per endpoint, so no later
+thread drops its connection (and a message another thread queued on it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import runtime_enabled
 
 RECONNECT_MS = 100
+# Per manager: the socket set up per endpoint (SGLang replaces a disconnected one with a new object).
+_READY_ATTR = "_cp_shared_kv_ready_sockets"
 
 
 def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
@@ -28,16 +33,17 @@ def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
         return original(mgr, endpoint, is_ipv6=is_ipv6)
     import zmq
 
-    before = mgr._socket_cache.get(endpoint)
     sock = original(mgr, endpoint, is_ipv6=is_ipv6)
-    if sock is not before:  # made (and connected once, without reconnect) by this call; nothing sent yet
-        with mgr._socket_send_locks[endpoint]:
+    with mgr._socket_send_locks[endpoint]:  # every send holds it: nothing is queued while it is set up
+        ready = mgr.__dict__.setdefault(_READY_ATTR, {})
+        if ready.get(endpoint) is not sock:  # made by SGLang just now (connected once, without reconnect)
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
             try:
                 sock.disconnect(endpoint)
             except zmq.ZMQError:  # the failed connect is already gone
                 pass
             sock.connect(endpoint)
+            ready[endpoint] = sock
     return sock
 
 

@@ -6,7 +6,7 @@ where they cannot be made). In the prefill's namespace a worker loads the plugin
 SGLang's ``_send_multipart_locked`` to each of two ZMQ PULL sockets in the decode's namespace (SGLang's
 ``_connect`` makes each PUSH socket then, and its connect fails): the first with the flag off (SGLang
 as is), the second with it on (``connector_sockets``). The link comes back and one more message
-follows on each cached socket. SGLang alone delivers neither; with the plugin both arrive.
+follows on each cached socket, each with its flag as before. SGLang alone delivers neither; with the plugin both arrive.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ def _worker(mla_dir: str, link: str, host: str, endpoints: list[str]) -> None:
     time.sleep(1.0)
     subprocess.run(["ip", "link", "set", "dev", link, "up"], check=True, timeout=10)
     time.sleep(2.0)
-    for endpoint in endpoints:
+    for flag, endpoint in zip((False, True), endpoints):
+        args.__dict__["enable_cp_shared_kv"] = flag
+        publish(args, role="scheduler")
         mgr._send_multipart_locked(endpoint, [b"after"])  # the same cached socket
     time.sleep(2.0)
     print("SENT", flush=True)

@@ -444,6 +444,40 @@ def _worker(model_dir: str) -> None:
         d_mgr.request_status.pop(room)
     out["forged"] = parsed
 
+    # -- a prefill whose cache is not sharded (not running the flag): SGLang pulls from fewer of its CP
+    # ranks than it has, which the decode finds when it arms the request's check --
+    import logging
+
+    from sglang_cp_shared_kv.srt.sglang_wiring import decode_manifest
+
+    addr_stock = "127.0.0.1:2"
+    info_stock = _prefill_info(N, PS, sharded=False)
+    d_mgr._resolve_rank_mapping(info_stock)
+    d_mgr.prefill_info_table[addr_stock] = info_stock
+    for cp in info_stock.target_cp_ranks:
+        d_mgr.connection_pool[f"{addr_stock}_0_{cp}_{info_stock.target_tp_rank}"] = [
+            {"rank_ip": "127.0.0.1", "rank_port": p_mgrs[cp].rank_port, "is_dummy": False}
+        ]
+    logged: list = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    decode_manifest.logger.addHandler(handler)
+    room = 950
+    receiver = MooncakeKVReceiver(d_mgr, addr_stock, room)
+    receiver.init(0)
+    dst = np.asarray([free_dst[-1], free_dst[-2]], dtype=np.int32)
+    receiver.send_metadata(dst, 0, [dst.copy()], 0)
+    rejected = REGISTRY.get_sample_value("sglang:cp_shared_kv_manifest_rejections_total", labels)
+    got = d_mgr.parse_kv_status_message(status(room, 0, [tag, b"2", manifest(room, 0, [0])]))
+    out["stock_prefill"] = {
+        "required": info_stock.required_prefill_response_num,
+        "parsed": list(got) if got else got,
+        "counted": REGISTRY.get_sample_value("sglang:cp_shared_kv_manifest_rejections_total", labels) - rejected,
+        "logged": logged,
+    }
+    decode_manifest.logger.removeHandler(handler)
+    receiver.clear()
+
     # -- hostile manifests at scale: test_manifest_fuzz's requests (N ranks, any of them hostile)
     # through the hooked parser and SGLang's apply_prefill_status, the decode pool watched --
     import hashlib
@@ -608,6 +642,15 @@ def test_a_forged_status_is_held_then_fails(results, case, phrase):
     room, status, rank, reason = got["last"]
     assert status == FAILED and rank == 0
     assert reason.startswith(f"{FLAG}: manifest check failed: request {room}: ") and phrase in reason, reason
+
+
+def test_a_prefill_without_the_flag_fails_the_request_once_logged_and_counted(results):
+    got = results["stock_prefill"]
+    assert got["required"] < N  # SGLang pulls from fewer CP ranks than the prefill has
+    room, status, _rank, reason = got["parsed"]
+    assert status == FAILED and f"SGLang waits for {got['required']} prefill senders" in reason, reason
+    assert got["counted"] == 1 and len(got["logged"]) == 1, got
+    assert got["logged"][0].startswith(f"{FLAG}: manifest check failed: request {room}: "), got["logged"]
 
 
 def test_hostile_manifests_fail_their_request_in_sglang_and_write_nothing(results):

@@ -54,6 +54,7 @@ class RoomCheck:
     senders: int  # success statuses SGLang waits for before it marks the request ready
     reported: set[int] = field(default_factory=set)  # prefill ranks whose Success arrived
     error: str | None = None  # the first thing found wrong
+    logged: bool = False  # the error logged and counted (once per request)
 
 
 def _checking_decode(mgr: Any) -> bool:
@@ -146,7 +147,6 @@ def check_status_message(original, mgr, msg):
                 return parsed
             why = f"request {room}: prefill rank {prefill_rank} reported success before the decode sent its destination pages"
             return room, failed, prefill_rank, f"{FLAG}: manifest check failed: {why}"
-        was_ok = check.error is None
         _judge(check, msg, room, prefill_rank)
         if check.error is None:
             if check.collector.complete and debug_enabled():
@@ -158,7 +158,8 @@ def check_status_message(original, mgr, msg):
                     check.collector.n_pages,
                 )
             return parsed
-        if was_ok:
+        if not check.logged:  # found here or when the check was armed: reported at the first Success
+            check.logged = True
             logger.error("%s: manifest check failed: %s", FLAG, check.error)
             metrics.count_manifest_rejection()
         if len(check.reported) < check.senders:

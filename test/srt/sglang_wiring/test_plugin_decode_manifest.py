@@ -478,6 +478,42 @@ def _worker(model_dir: str) -> None:
     decode_manifest.logger.removeHandler(handler)
     receiver.clear()
 
+    # -- a prefill rank whose only destination is a dummy (a decode rank that takes nothing from it): SGLang's
+    # transfer worker marks the request Success and sends no status message, so no manifest is attached --
+    room = 960
+    dummy_sender = MooncakeKVSender(p_mgrs[1], addr, room)
+    dummy_sender.init(2, aux_index=0)
+    dummy = d_mgr.build_receiver_metadata_message(
+        bootstrap_room=room,
+        required_dst_info_num=1,
+        kv_indices=np.zeros(0, dtype=np.int32),
+        aux_index=None,
+        state_indices=None,
+        decode_prefix_len=None,
+        is_dummy=True,
+    )
+    d_mgr._send_multipart_locked(f"tcp://127.0.0.1:{p_mgrs[1].rank_port}", dummy)
+    _deadline_wait(lambda: dummy_sender.poll() == KVPoll.WaitingForInput, "dummy destination")
+    dummy_sender.send(np.asarray(pages[0][:2], dtype=np.int32))
+    _deadline_wait(lambda: dummy_sender.poll() == KVPoll.Success, "dummy transfer")
+    dummy_sender.clear()
+    out["dummy_destination"] = {"share_left": room in p_mgrs[1].__dict__.get(transfer._SHARES_ATTR, {})}
+    # Debug mode's own record of what a rank sent: a request cleared after its first chunk (aborted) drops it.
+    room = 961
+    os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
+    aborted = MooncakeKVSender(p_mgrs[1], addr, room)
+    aborted.init(4, aux_index=0)
+    d_mgr._send_multipart_locked(f"tcp://127.0.0.1:{p_mgrs[1].rank_port}", [str(room).encode(), *dummy[1:]])
+    _deadline_wait(lambda: aborted.poll() == KVPoll.WaitingForInput, "aborted request's destination")
+    aborted.send(np.asarray(pages[0][:2], dtype=np.int32))  # the first of two chunks
+    recorded = room in p_mgrs[1].__dict__.get(transfer._SENT_ATTR, {})
+    aborted.clear()
+    os.environ.pop("SGLANG_DEBUG_CP_SHARED_KV")
+    out["aborted_debug_record"] = {
+        "recorded": recorded,
+        "left": room in p_mgrs[1].__dict__.get(transfer._SENT_ATTR, {}),
+    }
+
     # -- hostile manifests at scale: test_manifest_fuzz's requests (N ranks, any of them hostile)
     # through the hooked parser and SGLang's apply_prefill_status, the decode pool watched --
     import hashlib
@@ -651,6 +687,14 @@ def test_a_prefill_without_the_flag_fails_the_request_once_logged_and_counted(re
     assert status == FAILED and f"SGLang waits for {got['required']} prefill senders" in reason, reason
     assert got["counted"] == 1 and len(got["logged"]) == 1, got
     assert got["logged"][0].startswith(f"{FLAG}: manifest check failed: request {room}: "), got["logged"]
+
+
+def test_a_rank_that_sends_only_to_a_dummy_destination_keeps_no_record(results):
+    assert results["dummy_destination"]["share_left"] is False, results["dummy_destination"]
+
+
+def test_debug_modes_record_of_an_aborted_request_goes_with_its_sender(results):
+    assert results["aborted_debug_record"] == {"recorded": True, "left": False}
 
 
 def test_hostile_manifests_fail_their_request_in_sglang_and_write_nothing(results):

@@ -64,8 +64,8 @@ class SendShareError(AssertionError):
     """A prefill rank's sender selected pages it does not own, or missed some it does."""
 
 
-# Debug only: per bootstrap room, (all logical pages in order, positions this rank sent).
-_SENT: dict[int, tuple[list[int], list[int]]] = {}
+# Debug only, on a prefill KV manager: {bootstrap room: (all logical pages in order, positions this rank sent)}.
+_SENT_ATTR = "_cp_shared_kv_sent"
 
 
 def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,11 +95,12 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
         raise SendShareError(
             f"{FLAG}: rank {rank} selected pages/positions it does not own in room {sender.bootstrap_room}"
         )
-    seen, sent = _SENT.setdefault(sender.bootstrap_room, ([], []))
+    sent_by_room = mgr.__dict__.setdefault(_SENT_ATTR, {})
+    seen, sent = sent_by_room.setdefault(sender.bootstrap_room, ([], []))
     seen.extend(pages.tolist())
     sent.extend(want_pos.tolist())
     if is_last:
-        _SENT.pop(sender.bootstrap_room, None)
+        sent_by_room.pop(sender.bootstrap_room, None)
         expected = [p for p, lp in enumerate(seen) if page_owner(lp, cp_size) == rank]
         if sent != expected:
             raise SendShareError(f"{FLAG}: rank {rank} sent positions {sent}, owns {expected}")
@@ -136,6 +137,11 @@ def record_sent_share(result, sender, kv_indices, state_indices=None):
     """
     mgr = sender.kv_mgr
     if not _sharded_prefill(mgr):
+        return None
+    infos = getattr(mgr, "transfer_infos", {}).get(sender.bootstrap_room)
+    if infos and all(getattr(info, "is_dummy", False) for info in infos.values()):
+        # Every destination is a dummy (a decode rank that takes nothing from this one): SGLang's transfer
+        # worker marks the request Success and sends no status message, so there is no manifest to record.
         return None
     pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
     positions = result[1]
@@ -181,13 +187,15 @@ def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
 
 
 def drop_unsent_share(_result, sender) -> None:
-    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success.
+    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success, and the debug check's
+    record of a request cleared before its last chunk (aborted).
 
     A concluded Success keeps its record: the transfer worker marks the room Success before it
     encodes the status message, so the scheduler may clear the sender first.
     """
     from sglang.srt.disaggregation.base.conn import KVPoll
 
+    sender.kv_mgr.__dict__.get(_SENT_ATTR, {}).pop(sender.bootstrap_room, None)
     shares = sender.kv_mgr.__dict__.get(_SHARES_ATTR)
     if shares and sender.conclude_state != KVPoll.Success:
         shares.pop(sender.bootstrap_room, None)

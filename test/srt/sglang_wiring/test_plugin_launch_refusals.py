@@ -85,12 +85,12 @@ def _assert_clean(rc: int, lines: list[str]) -> None:
 def test_bare_flag_lists_every_problem_cleanly():
     rc, lines, _ = _launch(["--model-path", "x", FLAG])
     _assert_clean(rc, lines)
-    fixes = ["huggingface-cli download x", "add --enable-prefill-cp", "--attn-cp-size N with N > 1"]
+    fixes = ["huggingface-cli download x", "add --enable-prefill-cp"]
     fixes += ["use --cp-strategy interleave", "(--disaggregation-mode prefill)"]
     assert len(lines) == len(fixes), lines
     for fix, line in zip(fixes, lines):
         assert fix in line, (fix, line)
-    assert "--cp-strategy is not set" in lines[3] and "--disaggregation-mode is not set" in lines[4], lines
+    assert "--cp-strategy is not set" in lines[2] and "--disaggregation-mode is not set" in lines[3], lines
 
 
 def test_model_config_is_checked_before_the_network():

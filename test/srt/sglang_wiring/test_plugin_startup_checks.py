@@ -54,7 +54,6 @@ def _with(argv: list[str], flag: str, value: str) -> list[str]:
 CASES = [
     # -- rejections by the early hook, through the real pipeline --
     ("prefill_cp_off", "dsa", "pipeline", _without(GOOD, "--enable-prefill-cp", False), "add --enable-prefill-cp"),
-    ("attn_cp_size_1", "dsa", "pipeline", _with(GOOD, "--attn-cp-size", "1"), "--attn-cp-size N with N > 1"),
     ("zigzag", "dsa", "pipeline", _with(GOOD, "--cp-strategy", "zigzag"), "use --cp-strategy interleave"),
     ("no_pd", "dsa", "pipeline", _without(GOOD, "--disaggregation-mode"), "--disaggregation-mode prefill"),
     ("pd_decode", "dsa", "pipeline", _with(GOOD, "--disaggregation-mode", "decode"), "--disaggregation-mode prefill"),
@@ -95,6 +94,9 @@ CASES = [
     # -- rejections by the late hook, through the real pipeline (these models resolve on CPU) --
     ("not_mla", "gqa", "pipeline", GOOD + ["--device", "cpu"], "is not an MLA model"),
     ("cpu_device", "mla", "pipeline", GOOD + ["--device", "cpu"], "--device cpu"),
+    # SGLang sets a DeepSeek model's attention CP size itself: judged on what it resolves to
+    ("cp_resolves_to_1", "mla", "pipeline", GOOD + ["--attn-dp-size", "8", "--device", "cpu"], "nothing to shard over"),
+    ("no_attn_cp_size", "mla", "pipeline", _without(GOOD, "--attn-cp-size") + ["--device", "cpu"], "--device cpu"),
     # -- rejections by the late check on explicitly resolved values --
     (
         "dsa_kernel_tilelang",
@@ -116,6 +118,27 @@ CASES = [
         "resolved",
         GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "flashmla_sparse"],
         "index_kpool",
+    ),
+    (  # the page size SGLang sets for a pooled indexer (64 x the pool factor): the pooled indexer's line alone
+        "dsa_index_kpool_page_256",
+        "dsa_kpool",
+        "resolved",
+        _with(GOOD + DSA_RESOLVED, "--page-size", "256") + ["--dsa-prefill-backend", "flashmla_sparse"],
+        "index_kpool",
+    ),
+    (
+        "dsa_prefill_backend_flag",
+        "dsa",
+        "resolved",
+        GOOD + DSA_RESOLVED + ["--prefill-attention-backend", "flashmla"],
+        "drop --prefill-attention-backend flashmla and use --attention-backend dsa",
+    ),
+    (  # the plugin's environment settings (CASE_ENV), each a line of its own
+        "bad_settings",
+        "dsa",
+        "resolved",
+        GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "flashmla_sparse"],
+        "SGLANG_CP_SHARED_KV_TRANSPORT must be one of auto, copy_engine, nccl, got 'bogus'",
     ),
     (
         "mla_triton",
@@ -173,6 +196,16 @@ CASES = [
 ]
 
 
+# Environment settings per case, set for its resolution only.
+CASE_ENV = {
+    "bad_settings": {
+        "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS": "0",
+        "SGLANG_CP_SHARED_KV_PREFETCH": "2",
+        "SGLANG_CP_SHARED_KV_TRANSPORT": "bogus",
+    }
+}
+
+
 def _worker(model_dir: str) -> None:
     """Runs every case in this process; prints one JSON line."""
     from sglang.srt.plugins import load_plugins
@@ -189,6 +222,8 @@ def _worker(model_dir: str) -> None:
         real_version = sglang.version.__version__
         if mode == "other_version":  # what the checks read: SGLang's own version module
             sglang.version.__version__ = "0.5.24"
+        saved = {name: os.environ.get(name) for name in CASE_ENV.get(case_id, {})}
+        os.environ.update(CASE_ENV.get(case_id, {}))
         try:
             server_args = prepare_server_args(["--model-path", path] + argv)
             if mode in ("pipeline", "other_version"):
@@ -202,6 +237,11 @@ def _worker(model_dir: str) -> None:
             results[case_id] = {"accepted": False, "error": f"{type(e).__name__}: {e}"}
         finally:
             sglang.version.__version__ = real_version
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     print("RESULT:" + json.dumps(results))
 
 
@@ -228,12 +268,26 @@ def test_startup_check(results, case_id, model, mode, argv, expected):
 
 def test_each_rejection_is_alone_in_its_case(results):
     """A case with one bad flag gets exactly one line (no collateral rejections hide which flag is wrong)."""
-    multi = {"cpu_device", "dummy_model"}  # these legitimately bring more than one line
+    # These legitimately bring more than one line (a CPU device, or several bad settings).
+    multi = {"cpu_device", "dummy_model", "cp_resolves_to_1", "no_attn_cp_size", "bad_settings"}
     for case_id, _, _, _, expected in CASES:
         if expected is None or case_id in multi:
             continue
         lines = results[case_id]["error"].split("\n")
         assert len(lines) == 1, (case_id, lines)
+
+
+def test_an_attention_cp_size_sglang_sets_itself_is_not_refused(results):
+    """Without --attn-cp-size SGLang gives a DeepSeek model --tp-size / --attn-dp-size CP ranks: only the CPU
+    device is refused; with --attn-dp-size 8 of 8 it resolves to 1, and the line names the flags that set it."""
+    assert "nothing to shard over" not in results["no_attn_cp_size"]["error"], results["no_attn_cp_size"]
+    line = [x for x in results["cp_resolves_to_1"]["error"].split("\n") if "nothing to shard over" in x]
+    assert len(line) == 1 and "resolves to 1 (--tp-size 8, --attn-dp-size 8)" in line[0], line
+
+
+def test_each_bad_setting_is_a_line_of_its_own(results):
+    lines = results["bad_settings"]["error"].split("\n")
+    assert len(lines) == 3 and all(any(name in x for x in lines) for name in CASE_ENV["bad_settings"]), lines
 
 
 def test_another_sglang_version_names_both_versions_and_the_override(results):

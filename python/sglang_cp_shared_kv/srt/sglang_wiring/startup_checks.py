@@ -238,11 +238,6 @@ def flag_rejections(cfg: Any) -> list[str]:
             "add --enable-prefill-cp",
         ),
         (
-            cfg.attn_cp_size is None or cfg.attn_cp_size <= 1,
-            f"{_given('--attn-cp-size', cfg.attn_cp_size)}: nothing to shard over",
-            "set --attn-cp-size N with N > 1",
-        ),
-        (
             cfg.cp_strategy != "interleave",
             f"{_not_wired('--cp-strategy', cfg.cp_strategy)} (the write path needs every rank to hold the whole chunk "
             "after the interleave all-gather; DeepSeek-V3.2 / GLM-5 require interleave)",
@@ -293,7 +288,22 @@ def flag_rejections(cfg: Any) -> list[str]:
         ),
     ]
     out += [_line(what, fix) for rejected, what, fix in checks if rejected]
-    return out + _plumbing_rejections(cfg)
+    return out + _plumbing_rejections(cfg) + _setting_rejections()
+
+
+def _setting_rejections() -> list[str]:
+    """The plugin's environment settings, read here as the pools and their read path read them later, so a bad
+    value stops the server at startup instead of in each scheduler once its pool is sized."""
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
+    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts, prefetch_enabled
+
+    out = []
+    for read in (arena_contexts, prefetch_enabled, transport_setting):
+        try:
+            read()
+        except ValueError as e:
+            out.append(_line(str(e), "set a valid value or unset it"))
+    return out
 
 
 def _plumbing_rejections(cfg: Any) -> list[str]:
@@ -363,6 +373,16 @@ def resolved_rejections(server_args: Any) -> list[str]:
     out = flag_rejections(cfg)
     if cfg.disaggregation_mode == "decode":  # the decode pool, model and kernels stay stock
         return out
+    if cfg.enable_prefill_cp and (cfg.attn_cp_size is None or cfg.attn_cp_size <= 1):
+        # SGLang sets a DeepSeek model's attention CP size itself (--tp-size / --attn-dp-size unless an
+        # interleaved --attn-cp-size N > 1 is given): judged here, on what it resolved to.
+        out.append(
+            _line(
+                f"the prefill's attention CP size resolves to {cfg.attn_cp_size or 1} (--tp-size {cfg.tp_size}, "
+                f"--attn-dp-size {cfg.attn_dp_size}): nothing to shard over",
+                "give it N > 1 CP ranks: --tp-size N with --attn-dp-size 1, or --attn-cp-size N",
+            )
+        )
     if str(cfg.model_path).lower() in ("none", "dummy"):
         return out
     model_config = model_config_of(server_args)
@@ -386,11 +406,13 @@ def resolved_rejections(server_args: Any) -> list[str]:
     prefill_backend, _ = attention_backends_of(resolved_view(server_args))
     if is_deepseek_dsa(hf_config):
         if prefill_backend != "dsa":
-            out.append(
-                _line(
-                    f"DSA model {arch} on prefill attention backend {prefill_backend!r}", "use --attention-backend dsa"
-                )
+            chosen = getattr(cfg, "prefill_attention_backend", None)
+            fix = (
+                f"drop --prefill-attention-backend {chosen} and use --attention-backend dsa"
+                if chosen
+                else "use --attention-backend dsa"
             )
+            out.append(_line(f"DSA model {arch} on prefill attention backend {prefill_backend!r}", fix))
         elif cfg.dsa_prefill_backend not in DSA_PREFILL_BACKENDS:
             out.append(
                 _line(
@@ -405,14 +427,15 @@ def resolved_rejections(server_args: Any) -> list[str]:
                     "serve a model with 128-dim indexer keys",
                 )
             )
-        if cfg.page_size != _DSA_PAGE_SIZE:
+        pooled = get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config)
+        if cfg.page_size != _DSA_PAGE_SIZE and not pooled:  # a pooled indexer sets the page size itself
             out.append(
                 _line(
                     f"--page-size {cfg.page_size}: SGLang's DSA pool stores {_DSA_PAGE_SIZE}-token indexer pages",
                     f"set --page-size {_DSA_PAGE_SIZE}",
                 )
             )
-        if get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config):
+        if pooled:
             out.append(
                 _line(
                     "the model pools indexer keys (index_kpool > 1 or compressed), not wired",

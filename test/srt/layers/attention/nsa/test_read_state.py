@@ -1,8 +1,11 @@
-"""``read_state.TensorMemo``: a translation runs once per input tensor, again after an in-place change."""
+"""``read_state``: ``TensorMemo`` runs a translation once per input tensor, again after an in-place change;
+``BatchReadState.begin`` refuses lengths that cannot describe a batch."""
 
+import pytest
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import TensorMemo
+from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers, TensorMemo
+from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
 def test_memo_returns_the_first_result_for_the_same_unmodified_tensor():
@@ -28,3 +31,24 @@ def test_memo_returns_the_first_result_for_the_same_unmodified_tensor():
     memo.clear()
     memo(b)
     assert len(calls) == 6
+
+
+@pytest.mark.parametrize(
+    "prefix_lens,seq_lens",
+    [
+        ([32, 0], [16, 16]),  # a prefix past its request's end
+        ([-16, 0], [16, 16]),  # a negative prefix
+        ([0, 0], [16, 5 * 16]),  # a request longer than the token table's rows
+    ],
+)
+def test_begin_refuses_lengths_that_cannot_describe_a_batch_and_keeps_its_state(prefix_lens, seq_lens):
+    ps, row = 16, 8
+    ownership = PageOwnership(2, ps, logical_pages=16)
+    latent = PageBuffers(ownership, 0, row, [torch.zeros((8, ps * row), dtype=torch.uint8)])
+    state = BatchReadState(ownership, 0, 16, latent, None, None)
+    table, rows = torch.arange(2 * 4 * ps, dtype=torch.int32).view(2, 4 * ps), torch.arange(2)
+    with pytest.raises(ValueError, match=r"prefix_lens must lie in \[0, seq_len\] and seq_lens within .* 64 columns"):
+        state.begin(table, rows, prefix_lens, seq_lens)
+    assert state.mode is None and state.counters is None
+    state.begin(table, rows, [0, 0], [16, 4 * ps])  # a batch that fits still runs
+    assert state.mode == "current"

@@ -279,6 +279,15 @@ class BatchReadState:
                 f"prefix_lens ({len(prefix_lens)}), seq_lens ({len(seq_lens)}) and req_pool_indices "
                 f"({req_pool_indices.shape[0]}) must agree"
             )
+        if seq_lens and (
+            min(prefix_lens) < 0
+            or max(seq_lens) > req_to_token.shape[1]
+            or any(p > q for p, q in zip(prefix_lens, seq_lens))
+        ):
+            raise ValueError(
+                f"prefix_lens must lie in [0, seq_len] and seq_lens within the token table's {req_to_token.shape[1]} "
+                f"columns, got prefix_lens {prefix_lens} and seq_lens {seq_lens}"
+            )
         prefix_pages = [p // ps for p in prefix_lens]
         if sum(prefix_lens) != ps * sum(prefix_pages):  # the sum of every p % ps (each >= 0): one is not 0
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")

@@ -318,6 +318,10 @@ def test_plan_batch_reads_strided_request_rows_as_the_reference():
     buf = torch.zeros(8 + 6 * 3 + n + 2 + 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="rows must be contiguous int64"):
         plan_batch(tokens, strided, ps, buf, width, m, n, s, 77, None, 0, 0, header=True)
+    # A header launch writes its flags into the buffer's tail: other flags would never see them.
+    other = torch.zeros(n + 2 + 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="flags must be its buffer's tail"):
+        plan_batch(tokens, rows.to(DEVICE), ps, buf, width, m, n, s, 77, None, 0, 0, header=True, flags=other)
 
 
 @needs_triton

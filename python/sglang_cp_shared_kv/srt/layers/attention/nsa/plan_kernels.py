@@ -553,6 +553,10 @@ def plan_batch(
             )
         if flags is None:
             flags = meta[head + lengths :]
+        elif flags.data_ptr() != meta.data_ptr() + 8 * (head + lengths):  # the launch writes the buffer's tail
+            raise ValueError(
+                "a header plan's flags must be its buffer's tail (meta[8 + 6 * B:]), where the launch writes"
+            )
     elif meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
         raise ValueError(
             f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}] (or flat), got {tuple(meta.shape)}"

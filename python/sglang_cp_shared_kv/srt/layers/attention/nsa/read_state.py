@@ -271,6 +271,7 @@ class BatchReadState:
         prefix_lens: Sequence[int],
         seq_lens: Sequence[int],
     ) -> BatchCounters:
+        hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only, whether it starts or not
         # SGLang hands lists or CPU tensors: one conversion each (host time: no tensor per element).
         prefix_lens, seq_lens = _host_ints(prefix_lens), _host_ints(seq_lens)
         ps = self.page_size
@@ -291,7 +292,6 @@ class BatchReadState:
         prefix_pages = [p // ps for p in prefix_lens]
         if sum(prefix_lens) != ps * sum(prefix_pages):  # the sum of every p % ps (each >= 0): one is not 0
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
-        hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only
         hint = _check_shared_prefix(hint, prefix_pages)
         self.check_overflow()
         if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites

@@ -46,11 +46,19 @@ def _rank_bad(group, world_size):
         ([], []),
         ([torch.zeros(3 * world_size)], [torch.zeros(2)]),
         ([torch.zeros((world_size, 4))[:, :2]], [torch.zeros((1, 2))]),
+        ([torch.zeros((world_size, 4))], [torch.zeros((1, 4), dtype=torch.float16)]),  # another dtype
+        ([torch.zeros(world_size)], [torch.tensor(1.0)]),  # a 0-dim part
     ):
         try:
             group.all_gather_into_many(outs, locals_)
         except ValueError as e:
             errors.append(str(e))
+    before = group.bytes_received
+    try:  # the single call too, counting nothing it did not receive
+        group.all_gather_into(torch.zeros((world_size, 4)), torch.zeros((1, 4), dtype=torch.float16))
+    except ValueError as e:
+        errors.append(str(e))
+    errors.append(group.bytes_received - before)
     return errors
 
 
@@ -64,6 +72,8 @@ def _rank_main(rank, world_size):
 def test_all_gather_into_many_is_rank_major(world_size):
     for results, errors in spawn_ranks(_rank_main, world_size, timeout_s=120):
         assert results == [True] * len(VARIANTS)
-        assert len(errors) == 4
+        assert len(errors) == 8
         assert "pair up" in errors[0] and "pair up" in errors[1]
         assert "out must be" in errors[2] and "contiguous" in errors[3]
+        assert all("share a dtype and have a first dimension" in e for e in errors[4:7]), errors
+        assert errors[7] == 0

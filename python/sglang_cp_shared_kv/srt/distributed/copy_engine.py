@@ -490,9 +490,10 @@ class CopyEngineGroup:
         buffers every layer of a batch, so later calls only look the list up (host time).
         """
         key = tuple(
-            (o.data_ptr(), o.numel(), o.is_contiguous(), x.data_ptr(), x.numel()) for o, x in zip(outs, locals_)
+            (o.data_ptr(), o.numel(), o.is_contiguous(), o.dtype, x.data_ptr(), x.numel(), x.dtype)
+            for o, x in zip(outs, locals_)
         )
-        key += (len(outs), len(locals_), outs[0].element_size() if outs else 0)
+        key += (len(outs), len(locals_))
         found = self._pull_cache.get(key)
         if found is not None:
             return found

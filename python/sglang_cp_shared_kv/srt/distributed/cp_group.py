@@ -119,6 +119,7 @@ class CPGroup:
         dist.barrier(group=self.group)
 
     def _byte_pair(self, out: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_pair(out, local)
         if out.shape[0] != local.shape[0] * self.size or out.shape[1:] != local.shape[1:]:
             raise ValueError(f"out must be [{self.size} * {local.shape[0]}, ...], got {tuple(out.shape)}")
         return _as_bytes(out), _as_bytes(local)
@@ -131,9 +132,20 @@ class CPGroup:
 
 
 def check_pairs(outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> None:
-    """The arguments of an ``all_gather_into_many``: as many outputs as local parts, at least one."""
+    """The arguments of an ``all_gather_into_many``: as many outputs as local parts, at least one, each pair
+    of one dtype and at least one dimension (a part's bytes are taken from its local tensor)."""
     if len(outs) != len(locals_) or not outs:
         raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
+    for out, local in zip(outs, locals_):
+        _check_pair(out, local)
+
+
+def _check_pair(out: torch.Tensor, local: torch.Tensor) -> None:
+    if out.dim() == 0 or local.dim() == 0 or out.dtype != local.dtype:
+        raise ValueError(
+            f"out and local must share a dtype and have a first dimension, got {out.dtype} {tuple(out.shape)} "
+            f"and {local.dtype} {tuple(local.shape)}"
+        )
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -506,7 +506,8 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
         f"{'  view / scratch buffers':<34}{'0 B':>20}"
         f"{(_fmt_bytes(r0['upstream_scratch']) if r0['upstream_scratch'] else 'n/a'):>20}"
         f"{_fmt_bytes(r0['arena']):>22}",
-        "  (kv-cache-sharding on CPU: SGLang's sizing for its pool, not a run: its gather needs CUDA)",
+        "  (kv-cache-sharding on CPU: not run, its gather needs CUDA; its KV held is taken as ours, each page on one",
+        "   rank in both; its scratch is SGLang's own sizing)",
         "",
         f"{'batch':<7}{'requests (id:prefix->len)':<44}{'read':<20}"
         + "".join(f"{'rank ' + str(r) + ' recv':>12}" for r in range(min(n, 4))),
@@ -519,7 +520,7 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
     lines.append("  (stock: nothing received, every rank holds every page)")
     lines.append("")
     sent = "  ".join(f"rank {r}: {_fmt_bytes(res['sent'][r]['bytes_sent'])}" for r in sorted(res["sent"]))
-    lines.append(f"KV written to the decode by each prefill rank (its owned pages): {sent}")
+    lines.append(f"written to the decode by each prefill rank (its owned pages and each request's aux slot): {sent}")
     peak = "  ".join(f"rank {r}: {_fmt_bytes(res['rss'][r])}" for r in sorted(res["rss"]))
     lines.append(f"peak memory per process: {peak}  decode: {_fmt_bytes(_peak_rss())}")
     floor = "  ".join(f"rank {r}: {_fmt_bytes(pre[r]['rss_after_imports'])}" for r in sorted(pre))

@@ -46,6 +46,7 @@ class CPGroup:
         Moves raw bytes: fp8 and other dtypes gloo cannot reduce are gathered as uint8.
         ``local`` may be this rank's slice of ``out`` (an in-place all-gather).
         """
+        check_pairs([out], [local])
         out_b, local_b = self._byte_pair(out, local)
         self._all_gather_bytes(out_b, local_b)
         self.bytes_received += out_b.numel() - local_b.numel()
@@ -119,7 +120,6 @@ class CPGroup:
         dist.barrier(group=self.group)
 
     def _byte_pair(self, out: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _check_pair(out, local)
         if out.shape[0] != local.shape[0] * self.size or out.shape[1:] != local.shape[1:]:
             raise ValueError(f"out must be [{self.size} * {local.shape[0]}, ...], got {tuple(out.shape)}")
         return _as_bytes(out), _as_bytes(local)

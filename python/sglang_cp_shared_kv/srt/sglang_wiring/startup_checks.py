@@ -65,11 +65,6 @@ def _line(what: str, fix: str) -> str:
     return f"{FLAG}: {what}; {fix}."
 
 
-def _given(flag: str, value: Any) -> str:
-    """How a flag reads in a rejection: ``--flag value``, or ``no --flag`` when it was not set."""
-    return f"no {flag}" if value in (None, "null", "") else f"{flag} {value}"
-
-
 def _not_wired(flag: str, value: Any) -> str:
     return f"{flag} is not set" if value in (None, "null", "") else f"{flag} {value} is not wired"
 

@@ -280,10 +280,8 @@ class BatchReadState:
                 f"prefix_lens ({len(prefix_lens)}), seq_lens ({len(seq_lens)}) and req_pool_indices "
                 f"({req_pool_indices.shape[0]}) must agree"
             )
-        if seq_lens and (
-            min(prefix_lens) < 0
-            or max(seq_lens) > req_to_token.shape[1]
-            or any(p > q for p, q in zip(prefix_lens, seq_lens))
+        if max(seq_lens, default=0) > req_to_token.shape[1] or any(
+            not 0 <= p <= q for p, q in zip(prefix_lens, seq_lens)
         ):
             raise ValueError(
                 f"prefix_lens must lie in [0, seq_len] and seq_lens within the token table's {req_to_token.shape[1]} "

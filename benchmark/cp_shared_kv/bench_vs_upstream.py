@@ -38,7 +38,9 @@ a sleep kernel of about 4 ms is queued, so the metadata call and each layer's po
 device runs earlier work, as under SGLang's overlap scheduler (its default: a batch's metadata and launches
 are made while the previous batch's forward runs), without a launch queue to wait on (``*_busy`` figures;
 ``*_busy_ended_calls``: timed calls at whose end the sleep had already finished, 0 when it covered them
-all). The last forward is timed: wall clock and CUDA events for the forward, and events around each pool
+all). ``ours_planned_translations``: timed forwards whose page-table translation was queued with the
+batch's plan (one launch for both), one per forward when SGLang's translation is the batch's first pool
+call. The last forward is timed: wall clock and CUDA events for the forward, and events around each pool
 read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its outputs
 (attention output per layer, index K reads) are kept and compared across the paths after timing, by exact
 digests. Bytes are the transports' own counts (ours: the transport's byte counter; SGLang's: its NCCL calls' sizes).
@@ -776,6 +778,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             probe.busy_cycles = BUSY_CYCLES if busy else 0
             counter = _SyncCounter(device)
             outs, reads = [], []
+            read_state = getattr(pool, "read", None)  # the sharded pools' per-batch read state (ours)
+            planned = getattr(read_state, "planned_translations", None)
             gate()
             if profile and timer is not None:
                 timer.start(name)
@@ -872,6 +876,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             sglang_ops = sum(v for k, v in stand.items() if k != MOE)  # the MoE is the layer's own compute
             row[f"{name}_stand_ins_us_per_layer"] = round(sglang_ops / layers, 1)
             row[f"{name}_forward_host_syncs"] = counter.count
+            if planned is not None:  # SGLang's page table translated in one launch with the batch's plan
+                row[f"{name}_planned_translations"] = read_state.planned_translations - planned
             # The timed forward's outputs: digests now, a few rows kept to bound any difference.
             digests[name] = [(_digest(o), _digest(kf), _digest(kscl)) for o, (kf, kscl) in zip(outs, reads)]
             samples[name] = [o.reshape(new_tokens, -1)[sample].float().cpu() for o in outs]
@@ -1075,6 +1081,8 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
         s[f"host_syncs_{name}_per_forward"] = _median([r.get(f"{name}_forward_host_syncs") for r in rows])
         if any(f"{name}_busy_ended_calls" in r for r in rows):
             s[f"{name}_busy_ended_calls"] = _total(rows, f"{name}_busy_ended_calls")
+        if any(f"{name}_planned_translations" in r for r in rows):
+            s[f"{name}_planned_translations"] = _total(rows, f"{name}_planned_translations")
     # Host cost: what queuing the plan and each layer's reads costs the host, median over the batches
     # that read a prefix (history and mixed), and SGLang's whole init_forward_metadata beside it.
     for name in paths:

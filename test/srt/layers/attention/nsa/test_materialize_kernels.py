@@ -7,6 +7,7 @@ from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     PULL_LAYER_ARG,
     PULL_START_ARG,
+    LaunchSequence,
     LocTranslator,
     PreparedLaunch,
     gather_launch,
@@ -14,6 +15,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     gather_pages,
     gather_pages_ref,
     interpreting,
+    planned_translation,
     positions_to_view_rows,
     positions_to_view_rows_ref,
     pull_launch,
@@ -274,6 +276,32 @@ def test_a_loc_translator_follows_its_page_map_as_it_is_rewritten():
             assert torch.equal(pages_of(locs[:, ::2] // 16), translate_locs_ref(page_pos, locs[:, ::2] // 16, 1))
     with pytest.raises(ValueError, match="translate on one device"):  # never an address of another device
         locs_of(torch.zeros(4, dtype=torch.int32, device="meta"))
+
+
+@needs_triton
+def test_a_planned_translation_reads_its_table_from_the_device_words():
+    """``planned_translation`` equals ``translate_locs_ref`` for the int32 table its words name (rows strided,
+    a 1-D table, a negative loc), with the same arguments every time; a count of 0 writes nothing."""
+    g = torch.Generator().manual_seed(9)
+    page_pos = torch.randint(0, 1000, (40,), generator=g, dtype=torch.int64).to(DEVICE)
+    params = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    launch = planned_translation(page_pos, params, 16)
+    tokens = torch.randint(0, 40 * 16, (5, 3000), generator=g, dtype=torch.int32).to(DEVICE)
+    tokens[1, 7] = -1  # torch's negative index: the last page
+    # Rows strided by the token table's width; more than one pass of the fixed grid; a 1-D table.
+    for locs in (tokens[:3, :37], tokens[:, :2999], tokens[4, 5:40]):
+        out = torch.full(locs.shape, -7, dtype=torch.int32, device=DEVICE)
+        cols = locs.shape[-1]
+        stride = locs.stride(0) if locs.dim() == 2 else cols
+        params.copy_(torch.tensor([locs.data_ptr(), locs.numel(), cols, stride, out.data_ptr(), 0, 0, 0]))
+        LaunchSequence(launch)()
+        assert torch.equal(out, translate_locs_ref(page_pos, locs, 16))
+    params[1] = 0
+    out.fill_(-7)
+    launch()
+    assert bool((out == -7).all()) and launch.args == (page_pos, params, 16, 40)
+    with pytest.raises(ValueError, match="params must be int64"):
+        planned_translation(page_pos, params[:4], 16)
 
 
 def _scaled_copy(src, dst, n, scale):  # a kernel body is never run here: only its parameters are read

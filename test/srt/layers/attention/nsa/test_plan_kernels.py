@@ -274,7 +274,7 @@ def test_plan_batch_reading_a_header_binds_one_launch_for_batches_of_other_sizes
         (rows, [7, 7, 7, 7], [9, 7, 8, 12], [(-1, 0), (0, 7), (1, 4), (-1, 0)]),
         (rows[[3, 0]], [12, 3], [12, 9], [(-1, 0), (-1, 0)]),  # fewer requests, no hint
     ]
-    buffer = torch.zeros(8 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=DEVICE.type == "cuda")
+    buffer = torch.zeros(12 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=DEVICE.type == "cuda")
     workspace, page_pos = PlanWorkspace(), torch.zeros(logical, dtype=torch.int64, device=DEVICE)
     keys = []
     for i, (r, prefix, pages, hint) in enumerate(batches):
@@ -282,8 +282,8 @@ def test_plan_batch_reading_a_header_binds_one_launch_for_batches_of_other_sizes
         plan_pages = [q - sh for q, (_, sh) in zip(prefix, hint)]
         m, s = sum(plan_pages), slots_per_rank(plan_pages, n)
         lengths = plan_meta_rows(pages, prefix, hint)
-        buf = buffer[: 8 + 6 * b + n + 2 + b]
-        buf[: 8 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
+        buf = buffer[: 12 + 6 * b + n + 2 + b]
+        buf[: 12 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
         args = (tokens, r, ps, buf, width, m, n, s, 77, page_pos, 50, 99)
         plan, queued = plan_batch(*args, workspace=workspace, header=True, queue=False)
         queued()
@@ -293,7 +293,7 @@ def test_plan_batch_reading_a_header_binds_one_launch_for_batches_of_other_sizes
         ref = plan_batch_ref(tokens, r, ps, meta, width, m, n, s, 77, ref_pos, 50, 99)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
-        assert buf[8 + 6 * b :].tolist() == ref.flags.tolist()  # status, wrong, then the landed word
+        assert buf[12 + 6 * b :].tolist() == ref.flags.tolist()  # status, wrong, then the landed word
         _assert_same_plan(dataclasses.replace(plan, flags=plan.flags.to(DEVICE)), ref, page_pos, ref_pos, i)
     assert keys[0] == keys[1]
 
@@ -315,7 +315,7 @@ def test_plan_batch_reads_strided_request_rows_as_the_reference():
         outs.append((plan, page_pos))
     (ref, ref_pos), (got, got_pos) = outs
     _assert_same_plan(got, ref, got_pos, ref_pos, "strided rows")
-    buf = torch.zeros(8 + 6 * 3 + n + 2 + 3, dtype=torch.int64)
+    buf = torch.zeros(12 + 6 * 3 + n + 2 + 3, dtype=torch.int64)
     with pytest.raises(ValueError, match="rows must be contiguous int64"):
         plan_batch(tokens, strided, ps, buf, width, m, n, s, 77, None, 0, 0, header=True)
     # A header launch writes its flags into the buffer's tail: other flags would never see them.
@@ -325,45 +325,66 @@ def test_plan_batch_reads_strided_request_rows_as_the_reference():
 
 
 @needs_triton
-def test_a_header_plan_of_a_batch_of_the_same_size_reuses_the_bound_launch_until_it_is_rebound():
+def test_a_header_plan_of_a_batch_of_the_same_size_reuses_its_workspace_launch_and_no_other_rebinds_it():
     """Over one header buffer and workspace, a later batch of the same size gets the launch back without
-    binding it again (its arguments are the very objects); once another workspace's plan has bound that
-    kernel's launch to its own buffers, the next plan binds it again. Every plan equals the reference."""
+    binding it again (its arguments are the very objects). The launch is the workspace's own: another
+    workspace's plan, made between a plan's binding and its queueing (two pools of one process, each
+    deferring its launch), binds its own, and each plan equals the reference."""
     ps, n = 16, 3
     tokens, rows, _, _, _, _, logical = _plan_case(n, [7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], ps, 5)
     tokens, rows = tokens.to(DEVICE), rows.to(DEVICE)
     pin = DEVICE.type == "cuda"
-    page_pos = torch.zeros(logical, dtype=torch.int64, device=DEVICE)
+    page_pos = {name: torch.zeros(logical, dtype=torch.int64, device=DEVICE) for name in ("ours", "theirs")}
 
-    def plan_once(workspace, buf, r, prefix, pages):
+    def bind(workspace, buf, r, prefix, pages, name):
         b, width = len(pages), max(pages)
         m, s = sum(prefix), slots_per_rank(prefix, n)
         lengths = plan_meta_rows(pages, prefix)
-        buf[: 8 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
+        buf[: 12 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
         plan, queued = plan_batch(
-            tokens, r, ps, buf, width, m, n, s, 77, page_pos, 50, 99, workspace=workspace, header=True, queue=False
+            tokens,
+            r,
+            ps,
+            buf,
+            width,
+            m,
+            n,
+            s,
+            77,
+            page_pos[name],
+            50,
+            99,
+            workspace=workspace,
+            header=True,
+            queue=False,
         )
-        queued()
-        ref_pos = torch.full_like(page_pos, -3)
-        meta = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
-        ref = plan_batch_ref(tokens, r, ps, meta, width, m, n, s, 77, ref_pos, 50, 99)
-        if pin:
-            torch.cuda.synchronize()
-        assert buf[8 + 6 * b :].tolist() == ref.flags.tolist()
-        _assert_same_plan(dataclasses.replace(plan, flags=plan.flags.to(DEVICE)), ref, page_pos, ref_pos, 0)
-        return queued
+
+        def check():
+            ref_pos = torch.full_like(page_pos[name], -3)
+            meta = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+            ref = plan_batch_ref(tokens, r, ps, meta, width, m, n, s, 77, ref_pos, 50, 99)
+            if pin:
+                torch.cuda.synchronize()
+            assert buf[12 + 6 * b :].tolist() == ref.flags.tolist()
+            _assert_same_plan(dataclasses.replace(plan, flags=plan.flags.to(DEVICE)), ref, page_pos[name], ref_pos, 0)
+
+        return queued, check
 
     ours, theirs = PlanWorkspace(), PlanWorkspace()
-    buf = torch.zeros(8 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=pin)
-    other = torch.zeros(8 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pin)
-    first = plan_once(ours, buf, rows, [7, 7, 7, 7], [9, 7, 8, 12])
+    buf = torch.zeros(12 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=pin)
+    other = torch.zeros(12 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pin)
+    first, check = bind(ours, buf, rows, [7, 7, 7, 7], [9, 7, 8, 12], "ours")
+    first()
+    check()
     bound = first.args
-    again = plan_once(ours, buf, rows[[3, 2, 1, 0]], [4, 7, 3, 7], [12, 8, 7, 9])  # same size, other lengths
+    again, check = bind(ours, buf, rows[[3, 2, 1, 0]], [4, 7, 3, 7], [12, 8, 7, 9], "ours")  # other lengths
     assert again is first and first.args is bound  # handed back, not bound again
-    plan_once(theirs, other, rows[[1, 2]], [3, 5], [7, 8])  # binds the kernel's launch to its own buffers
-    assert first.args is not bound
-    plan_once(ours, buf, rows, [7, 7, 7, 7], [9, 7, 8, 12])  # bound again: the reference's plan all the same
-    assert first.args[2] is buf
+    theirs_launch, check_theirs = bind(theirs, other, rows[[1, 2]], [3, 5], [7, 8], "theirs")
+    assert theirs_launch is not first and first.args is bound
+    theirs_launch()  # queued before ours, bound first
+    first()
+    check_theirs()
+    check()
 
 
 def test_plan_batch_counts_a_wrong_hint_and_rejects_bad_meta():

@@ -27,6 +27,7 @@ PS, LAYERS, ROW, INDEX_ROW, PHYS = 16, 2, 64, 132, 9
 
 def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> dict:
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs_ref
     from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
     from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
@@ -101,6 +102,12 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
         state.begin(req_to_token, torch.arange(len(batch_pages), device=device), prefix_lens, seq_lens)
         count_calls(state.views)
         group.calls.clear()
+        # SGLang's DSA backend translates its int32 token table first (rows strided by the token table's
+        # width): queued with the batch's plan, in the fence's graph on the copy engines.
+        table_1 = req_to_token[:, : max(seq_lens)]
+        planned = state.planned_translations
+        rows_1 = state.translate(table_1)
+        planned = state.planned_translations - planned
         new = torch.cat([e[q:] for e, q in zip(every, prefix_lens)])
         out = {"mode": state.mode, "every": every, "latent": [], "index": [], "counters": state.counters}
         out["view_sets"] = state.views.view_sets if state.mode == "materialized" else 0
@@ -118,6 +125,7 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
             if state.mode != "current":
                 out["index"].append((state.index_pages(layer).clone(), state.translate_pages(table), table))
         out["collectives"] = list(group.calls)
+        out["table_1"] = (table_1, rows_1, translate_locs_ref(state.page_pos, table_1, PS), planned)
         return out
 
     def check(out: dict) -> dict:
@@ -133,6 +141,17 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
         res["index_exact"] = [
             bool(torch.equal(buf[p], ref_index[layer][t])) for layer, (buf, p, t) in enumerate(out["index"])
         ]
+        # The token table's translation: the reference's over the batch's page map, and each request's rows
+        # those its locs translate to one by one.
+        table_1, rows_1, ref_rows, res["planned"] = out["table_1"]
+        lens = [len(e) for e in out["every"]]
+        starts = [sum(lens[:r]) for r in range(len(lens))]
+        rows = out["latent"][0][1]
+        res["table_exact"] = rows_1.dtype == torch.int32 and bool(torch.equal(rows_1, ref_rows))
+        res["table_exact"] &= all(
+            bool(torch.equal(rows_1[r, :n].long(), rows[s : s + n].long()))
+            for r, (s, n) in enumerate(zip(starts, lens))
+        )
         # Page by page (for the overflow batch): which of the batch's pages read their own bytes.
         buf, r = out["latent"][0]
         res["pages_exact"] = [
@@ -225,6 +244,10 @@ def _check_results(results: list[dict], prefetch: bool = False, pulled: bool = F
         assert skewed["inside"], skewed
         assert skewed["pages_exact"] == [True, False, True, True, True, True], skewed
         assert res["errors"][:4] == [None] * 4, res["errors"]
+        # Every batch's token table, translated first, was queued with its plan and is exact (the skewed
+        # batch's too: its wrong pages read the trash slot through the same page map).
+        assert all(b["table_exact"] for b in res["batches"]), res["batches"]
+        assert [b["planned"] for b in res["batches"]] == [1] * 5, res["batches"]
         # Shared prefix read once: the same bytes from a view of 2 slots per owner instead of 3.
         for b in (dup, once):
             assert b["mode"] == "materialized" and all(b["latent_exact"]) and all(b["index_exact"]), b

@@ -129,8 +129,8 @@ def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
         plan_batch(tokens, rows.cpu(), ps, meta, 4, m, n, s, 0, None, 0, 0)
     # A header buffer in pinned host memory is read in place; one that is not pinned is refused.
     for pinned in (True, False):
-        buf = torch.zeros(8 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pinned)
-        buf[: 8 + 6 * 2] = torch.tensor(plan_header(2, 4, m, s, 0, 0, rows) + lengths)
+        buf = torch.zeros(12 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pinned)
+        buf[: 12 + 6 * 2] = torch.tensor(plan_header(2, 4, m, s, 0, 0, rows) + lengths)
         if pinned:
             plan = plan_batch(tokens, rows, ps, buf, 4, m, n, s, 0, None, 0, 0, header=True)
             torch.cuda.synchronize()

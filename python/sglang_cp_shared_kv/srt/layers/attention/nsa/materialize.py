@@ -391,14 +391,14 @@ class ViewMaterializer:
             self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
         return self.counters
 
-    def begin_planned(self, plan: SlotPlan, kind: str, extra_pages: int, then=None) -> BatchCounters:
+    def begin_planned(self, plan: SlotPlan, kind: str, extra_pages: int) -> BatchCounters:
         """``begin_batch`` for a caller that planned the batch's prefixes itself (``plan``, built for this
         pool's layout) and stages the current chunk into the ``extra_pages`` past the view: nothing of the
         chunk is gathered, so there are no lengths to check or plan here (host time). ``kind`` is the
-        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags, and checks the plan in debug
-        mode (``debug_checks.check_plan``). ``then``: the plan's launch, bound and not yet queued (``fence``)."""
+        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags, checks the plan in debug
+        mode (``debug_checks.check_plan``), and queues the batch's ``fence`` (with the plan's launch) before
+        its first read or write."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
-        self.fence(then)
         self.counters = BatchCounters(kind=kind)
         self._num_tokens = self._current_pages = 0
         self._start(plan, extra_pages, check=False)

@@ -743,3 +743,75 @@ def _direct_address(locs: torch.Tensor, n: int) -> int | None:
         if address % 16 == 0:
             return address
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# A translation whose table is named on the device (queued in one graph with the batch's plan)
+# ---------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["page_size", "num_pages"])
+    def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        # ``words`` (int64, device): the locs' address, their count (0: nothing to do), row length and row
+        # stride, then the address of the contiguous rows out; locs and rows int32. A fixed grid walks any
+        # count, so the launch's arguments never change and it can sit in a captured graph. (No parameter
+        # may be named ``params``: Triton's argument binder takes that name for its own dict.)
+        n = tl.load(words + 1)
+        locs = tl.load(words).to(tl.pointer_type(tl.int32))
+        cols = tl.load(words + 2)
+        stride = tl.load(words + 3)
+        out = tl.load(words + 4).to(tl.pointer_type(tl.int32))
+        lanes = tl.arange(0, BLOCK)
+        for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
+            i = i0 + lanes
+            live = i < n
+            r = i // cols
+            loc = tl.load(locs + r * stride + (i - r * cols), mask=live, other=0).to(tl.int64)
+            # As ``_translate_kernel``: floor division, and negative pages from the end, as torch indexes.
+            offset = loc % page_size
+            offset = tl.where(offset < 0, offset + page_size, offset)
+            page = (loc - offset) // page_size
+            page = tl.where(page < 0, page + num_pages, page)
+            row = tl.load(page_pos + page, mask=live, other=0) * page_size + offset
+            tl.store(out + i, row.to(tl.int32), mask=live)
+
+
+_PLANNED_PROGRAMS = 128  # one wave on an H200 (132 SMs); a 32K-token table is one pass of them
+
+
+def planned_translation(page_pos: torch.Tensor, params: torch.Tensor, page_size: int) -> PreparedLaunch:
+    """A bound, unqueued launch of ``translate_locs_ref(page_pos, locs, page_size)`` for int32 locs named by
+    ``params`` (int64 ``[>= 5]`` on ``page_pos``'s device: the locs' address, count, row length, row stride
+    and the out address), which earlier work on the stream writes: its arguments are the same batch after
+    batch, so it is captured into a graph with the plan that writes them (``LaunchSequence``). The launch is
+    the caller's own object, not a shared site's (a site's is rebound by its other callers)."""
+    if params.dtype != torch.int64 or params.numel() < 5 or params.device != page_pos.device:
+        raise ValueError(f"params must be int64 [>= 5] on {page_pos.device}, got {params.dtype} on {params.device}")
+    args = (page_pos, params, page_size, page_pos.shape[0])
+    return PreparedLaunch(
+        _translate_planned_kernel, (_PLANNED_PROGRAMS,), args, {"BLOCK": 1024, "PROGRAMS": _PLANNED_PROGRAMS}
+    )
+
+
+class LaunchSequence:
+    """Bound launches queued one after another, taken as one by ``CopyEngineGroup.fence(then=)``: in one
+    captured graph once every one is compiled."""
+
+    def __init__(self, *launches: PreparedLaunch):
+        self.launches = launches
+
+    def __call__(self) -> None:
+        for one in self.launches:
+            one()
+
+    def compiled(self) -> LaunchSequence | None:
+        """This sequence where every launch has a compiled kernel (``PreparedLaunch.compiled``), else None."""
+        return self if all(one.compiled() is not None for one in self.launches) else None
+
+    def launch_on(self, stream: int) -> None:
+        for one in self.launches:
+            one.launch_on(stream)
+
+    def graph_key(self) -> tuple[GraphKey, ...]:
+        return tuple(one.graph_key() for one in self.launches)

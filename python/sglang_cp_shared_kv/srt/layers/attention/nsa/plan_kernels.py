@@ -212,8 +212,16 @@ def map_batch_pages_ref(
 # Rows of ``plan_batch``'s per-request ``meta``.
 PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
 # Words ahead of them in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values, the
-# address of the request rows (int64), and a spare word.
-PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows", "spare")
+# address of the request rows (int64), then the words of a translation queued after the plan
+# (``TRANSLATION_WORDS``), which the launch copies to the workspace's ``params`` for it.
+PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows") + (
+    "locs",  # the address of an int32 table of token locs
+    "count",  # its elements (0: no translation)
+    "cols",  # its row length
+    "stride",  # its row stride, in elements (its columns are one apart)
+    "out",  # the address of the int32 rows out, contiguous
+)
+TRANSLATION_WORDS = PLAN_HEADER[PLAN_HEADER.index("locs") :]
 
 
 @dataclass(frozen=True)
@@ -353,6 +361,7 @@ if triton is not None:
         table_out,
         flags_out,
         page_pos,
+        params_out,
         batch,
         width,
         page_size,
@@ -378,7 +387,8 @@ if triton is not None:
         # before it are visible); ``table_out`` is int32 [B, width], contiguous.
         # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``: the request
         # rows by address), its lengths and then the flags following: the launch's arguments stay the same
-        # from batch to batch, so it can be captured once into a graph.
+        # from batch to batch, so it can be captured once into a graph. ``params_out`` (int64 [8], device)
+        # receives the header's translation words; unused without ``HEADER``.
         if HEADER:
             batch = tl.load(meta_in)
             width = tl.load(meta_in + 1)
@@ -387,7 +397,11 @@ if triton is not None:
             base = tl.load(meta_in + 4)
             fill = tl.load(meta_in + 5)
             rows = tl.load(meta_in + 6).to(tl.pointer_type(tl.int64))
-            meta_in = meta_in + 8  # len(PLAN_HEADER)
+            # The translation's words, for the launch queued after this one (it reads them on the device:
+            # this buffer may be reused once the landed word is set).
+            k = tl.arange(0, 8)
+            tl.store(params_out + k, tl.load(meta_in + 7 + k, mask=k < 5), mask=k < 5)
+            meta_in = meta_in + 12  # len(PLAN_HEADER)
             flags_out = meta_in + 6 * batch
         positions_out = out
         logical_out = out + num_positions
@@ -504,10 +518,10 @@ def plan_batch(
     the host with the launch, no copy, and the host sees them land with no CUDA call
     (``slot_plan.DeviceFlagCheck.watch(..., landed=)``).
     ``workspace``: the outputs are views of its buffers, valid until the next plan over it (default:
-    allocated here).
+    allocated here); a header launch copies the header's translation words to its ``params``.
 
-    ``header``: ``meta`` is one host buffer, int64 ``[8 + 6 * B + N + 2 + B]``: ``plan_header`` of this call's
-    values (8 words), the lengths, then room for the flags (``flags``, if given, must be that tail); the
+    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` of this call's
+    values (``PLAN_HEADER``, 12 words), the lengths, then room for the flags (``flags``, if given, must be that tail); the
     launch reads everything from it, so its arguments do not change from batch to batch while the buffer,
     the workspace and the pool's tensors stay. ``queue=False``: returns ``(plan, launch)`` with the launch
     bound, not queued, for the caller to queue (a call, or ``launch_on`` inside a captured graph); None
@@ -555,7 +569,7 @@ def plan_batch(
             flags = meta[head + lengths :]
         elif flags.data_ptr() != meta.data_ptr() + 8 * (head + lengths):  # the launch writes the buffer's tail
             raise ValueError(
-                "a header plan's flags must be its buffer's tail (meta[8 + 6 * B:]), where the launch writes"
+                "a header plan's flags must be its buffer's tail (meta[12 + 6 * B:]), where the launch writes"
             )
     elif meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
         raise ValueError(
@@ -591,10 +605,11 @@ def plan_batch(
     pages_out = flat if page_pos is None else page_pos
     num_pages = 0 if page_pos is None else page_pos.shape[0]
     if header:  # the buffer in place of the rows and the flags, the per-batch ints read from it (0 here)
-        args = (tokens, tokens.stride(0), meta, meta, flat, workspace_table(table), meta, pages_out)
+        params = torch.empty(8, dtype=torch.int64, device=tokens.device) if workspace is None else workspace.params
+        args = (tokens, tokens.stride(0), meta, meta, flat, workspace_table(table), meta, pages_out, params)
         args += (0, 0, page_size, 0, 0, trash_page, pad, 0, 0, num_pages)
     else:
-        args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, pages_out)
+        args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, pages_out, flat)
         args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill, num_pages)
     constexprs = {
         "N": cp_size,
@@ -603,7 +618,18 @@ def plan_batch(
         "MAP": page_pos is not None,
         "HEADER": header,
     }
-    prepared = launch(_plan_batch_kernel, (1,), args, constexprs, queue, num_warps=8)
+    if header and workspace is not None:
+        # The workspace's own launch, not a shared site's: its caller may queue it later (``queue=False``),
+        # after another planner in the process has bound the site's to its own tensors.
+        prepared = workspace.launch
+        if prepared is not None and prepared.constexprs == constexprs and prepared.device == tokens.device:
+            prepared.relaunch((1,), args, queue)
+        else:
+            prepared = PreparedLaunch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
+            if queue:
+                prepared()
+    else:
+        prepared = launch(_plan_batch_kernel, (1,), args, constexprs, queue, num_warps=8)
     plan = BatchPlan(flat, table, flags, cp_size, m, send)
     if header and workspace is not None:
         workspace.bind(
@@ -616,7 +642,7 @@ def plan_header(
     batch: int, width: int, num_positions: int, slots_per_rank: int, base: int, fill: int, rows: torch.Tensor
 ) -> list[int]:
     """The ``PLAN_HEADER`` words of a ``plan_batch(..., header=True)`` call with these values (host ints)."""
-    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr(), 0]  # PLAN_HEADER's order
+    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr(), 0, 0, 0, 0, 0]  # no translation
 
 
 def workspace_table(table: torch.Tensor) -> torch.Tensor:
@@ -639,6 +665,8 @@ class PlanWorkspace:
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
+        # int64 [8]: a header launch's translation words (``TRANSLATION_WORDS``), for ``translate_planned``.
+        self.params: torch.Tensor | None = None
         # The header launch last bound over these buffers, with what it was bound to (``bind``).
         self._bound: tuple | None = None
 
@@ -680,6 +708,8 @@ class PlanWorkspace:
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""
         flat, table = self._words, self._table
+        if self.params is None or self.params.device != device:
+            self.params = torch.zeros(8, dtype=torch.int64, device=device)
         if flat is None or flat.shape[0] < words or flat.device != device:
             flat = self._words = torch.empty(2 * words, dtype=torch.int64, device=device)
         if table is None or table.shape[0] < batch * width or table.device != device:

@@ -50,6 +50,14 @@ batches) raise ``SlotOverflowError`` naming the batch's requests once that flag 
 without waiting for it: the plan's launch writes its flags (this one, the hint's check) straight into a
 pinned buffer that also carries the batch's host lengths in, then a landed word the host reads
 (``slot_plan.DeviceFlagCheck``): no CUDA call watches them.
+
+**One launch per batch start.** ``begin`` queues nothing: the batch's fence and plan wait for its
+first call that reads or writes device memory. When that call is SGLang's translation of its int32
+page table, the table's and the output's addresses go into the plan's pinned buffer, the plan copies
+them to the device, and a translation with a fixed grid runs right after the plan, in the fence's
+captured graph: the batch's start and its page table cost one driver call between them. Any other
+first call (and ``end``) queues the fence and the plan alone, so every rank still makes one fence per
+batch.
 """
 
 from __future__ import annotations
@@ -70,10 +78,16 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     arena_pages,
     check_arena_fits,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import LocTranslator, PreparedLaunch
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
+    LaunchSequence,
+    LocTranslator,
+    PreparedLaunch,
+    planned_translation,
+)
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_HEADER,
     PLAN_META_ROWS,
+    TRANSLATION_WORDS,
     BatchPlan,
     PlanWorkspace,
     plan_batch,
@@ -91,6 +105,9 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
+
+# Where the translation's words start in a plan's pinned buffer.
+_TRANSLATION_AT = PLAN_HEADER.index(TRANSLATION_WORDS[0])
 
 
 class SharedPrefixError(RuntimeError):
@@ -204,6 +221,7 @@ class BatchReadState:
         self.device = latent.device
         # Per batch: the page of the read buffer each logical page maps to.
         self.page_pos = torch.zeros(logical_pages, dtype=torch.int64, device=self.device)
+        self._device_index = self.page_pos.get_device()  # -1 on CPU (host time: compared as an int)
         # Token locs and page ids through it, rewritten in place every batch.
         self._translate_locs = LocTranslator(self.page_pos, self.page_size)
         self._translate_pages = LocTranslator(self.page_pos, 1)
@@ -225,6 +243,13 @@ class BatchReadState:
         self.flags = DeviceFlagCheck()
         # The plan's outputs, reused every batch like ``page_pos`` (stream order).
         self._workspace = PlanWorkspace()
+        # This batch's plan launch (None: computed in line) and whether the copy engines' fence goes before
+        # it, queued at the batch's first device call (``_queue_plan``); None once queued.
+        self._deferred: tuple[PreparedLaunch | None, bool] | None = None
+        self._header = self._rows = None  # this batch's pinned buffer as numpy, and its request rows (``_plan``)
+        self._translation: PreparedLaunch | None = None  # planned_translation over the workspace's params
+        self._sequence: LaunchSequence | None = None  # the plan's launch, then that translation
+        self.planned_translations = 0  # translations queued with their batch's plan, since start-up
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
@@ -261,6 +286,8 @@ class BatchReadState:
         """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose overflow (wrong
         hint) flag is on the host; ``wait``: wait for the flags still in flight. Every batch's plan records
         its flags here (its materializer, handed the plan, records none)."""
+        if wait:
+            self._queue_plan()
         self.flags.poll(wait=wait)
 
     # -- batch lifecycle --
@@ -291,6 +318,7 @@ class BatchReadState:
         if sum(prefix_lens) != ps * sum(prefix_pages):  # the sum of every p % ps (each >= 0): one is not 0
             raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
         hint = _check_shared_prefix(hint, prefix_pages)
+        self._queue_plan()  # a batch that made no device call after its begin still has its fence made
         self.check_overflow()
         if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
             self.views.drain()
@@ -305,6 +333,7 @@ class BatchReadState:
         else:
             self._begin_materialized(batch, pages, prefix_pages, hint, kind)
         if debug_enabled():
+            self._queue_plan()  # the checks read the plan
             if self.mode == "materialized":
                 check_plan(self.views.plan, self.views.group)
             # The batch's logical pages by position: every page's first token loc // ps.
@@ -373,6 +402,9 @@ class BatchReadState:
             return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
+        # The buffer's numpy view (the translation's words go there), and the rows the launch reads by
+        # address, held until it is queued (a caller's temporary would be freed).
+        self._header, self._rows = host, rows
         return plan, queued
 
     def _pool_pages(self) -> list[list[torch.Tensor]]:
@@ -392,10 +424,8 @@ class BatchReadState:
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
         zeros = [0] * len(pages)
         _, queued = self._plan(batch, pages, zeros, [(-1, 0)] * len(pages), 0, 0, base=1, fill=0)
-        if self.views is not None:  # the peers may still read pages this batch's writes reuse
-            self.views.fence(queued)
-        elif queued is not None:
-            queued()
+        # The peers may still read pages this batch's writes reuse: fenced where there are views.
+        self._deferred = (queued, self.views is not None)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
@@ -437,12 +467,60 @@ class BatchReadState:
         # (padding locs of the write path) to the trash page past those.
         out, queued = self._plan(batch, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged)
         plan = slot_plan_of(out, n, self.page_size, plan_pages, s, self.latent.trash_page, with_status=False)
-        self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1, then=queued)
+        self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1)
+        self._deferred = (queued, True)
         self.counters.pages_staged = staged
         self._stages = self.views.stages
         self.mode = "materialized"
 
+    def _queue_plan(self, translation: PreparedLaunch | None = None) -> None:
+        """Queue the batch's deferred fence and plan (``begin``), with ``translation`` after the plan (in the
+        fence's graph where there is one); nothing once they are queued."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        self._deferred = None
+        launch, fence = deferred
+        if translation is not None:
+            sequence = self._sequence
+            if sequence is None or sequence.launches[0] is not launch or sequence.launches[1] is not translation:
+                sequence = self._sequence = LaunchSequence(launch, translation)
+            launch = sequence
+        if fence:
+            self.views.fence(launch)
+        elif launch is not None:
+            launch()
+        self._rows = None  # queued: stream order keeps its memory until the launch has read it
+
+    def _translate_planned(self, locs: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+        """``translate(locs)`` queued in one graph with the batch's plan, still deferred (``_queue_plan``),
+        for int32 locs on the pool's device whose columns are one apart (SGLang's page tables); None for
+        anything else, or where the plan was computed in line."""
+        launch = self._deferred[0]
+        if launch is None or locs.dtype != torch.int32 or dtype not in (None, torch.int32):
+            return None
+        n = locs.numel()
+        if n == 0 or locs.get_device() != self._device_index:
+            return None
+        if locs.dim() == 2 and locs.stride(1) == 1:
+            cols, stride = locs.shape[1], locs.stride(0)
+        elif locs.dim() == 1 and locs.stride(0) == 1:
+            cols = stride = n
+        else:
+            return None
+        params = self._workspace.params
+        translation = self._translation
+        if translation is None or translation.args[1] is not params:
+            translation = self._translation = planned_translation(self.page_pos, params, self.page_size)
+        out = torch.empty(locs.shape, dtype=torch.int32, device=self.device)
+        at = _TRANSLATION_AT
+        self._header[at : at + len(TRANSLATION_WORDS)] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
+        self._queue_plan(translation)
+        self.planned_translations += 1
+        return out
+
     def end(self) -> None:
+        self._queue_plan()
         self.mode = None
         self._stages = []
         self._layer_cache.clear()
@@ -455,6 +533,7 @@ class BatchReadState:
     # -- the buffers the write path stages the current chunk into --
     def stage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(latent rows, indexer pages)`` that local ``layer`` stages its chunk into and reads."""
+        self._queue_plan()  # writes follow the fence
         return self._stages[layer % len(self._stages)]
 
     @property
@@ -469,10 +548,16 @@ class BatchReadState:
     # -- translation --
     def translate(self, locs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Logical token locs -> rows of this batch's read buffer (same shape; ``dtype``, default the locs')."""
+        if self._deferred is not None:
+            out = self._translate_planned(locs, dtype)
+            if out is not None:
+                return out
+            self._queue_plan()
         return self._translate_locs(locs, dtype)
 
     def translate_pages(self, logical_pages: torch.Tensor) -> torch.Tensor:
         """Logical page ids -> pages of this batch's read buffer."""
+        self._queue_plan()
         return self._translate_pages(logical_pages)
 
     def _check_translation(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
@@ -489,6 +574,7 @@ class BatchReadState:
     # -- buffers the kernels read --
     def latent_rows(self, layer: int) -> torch.Tensor:
         """uint8 ``[rows, row_bytes]``: the latent rows ``translate`` points into, for local ``layer``."""
+        self._queue_plan()
         if self.mode == "current":
             return self.stage(layer)[0]
         return self._layer_view(layer).kv_rows
@@ -497,6 +583,7 @@ class BatchReadState:
         """uint8 ``[pages, ps * 132]``: the indexer pages ``translate_pages`` points into."""
         if self.index is None:
             raise ValueError("this pool has no indexer")
+        self._queue_plan()
         if self.mode == "current":
             return self.stage(layer)[1]
         pages = self._layer_view(layer).index_pages

@@ -438,10 +438,14 @@ def resolved_rejections(server_args: Any) -> list[str]:
                 )
             )
     elif prefill_backend not in MLA_PREFILL_BACKENDS:
+        # SGLang moves fa3 to triton for an fp8_e5m2 cache (FA3 reads fp8 as e4m3 only): the dtype is the fix.
+        e5m2 = cfg.kv_cache_dtype == "fp8_e5m2"
         out.append(
             _line(
-                f"prefill attention backend {prefill_backend!r} for MLA model {arch} reads the pool outside the sharded read contract",
-                f"use --prefill-attention-backend {' or '.join(MLA_PREFILL_BACKENDS)}",
+                f"prefill attention backend {prefill_backend!r} for MLA model {arch} reads the pool outside the sharded read contract"
+                + (" (SGLang moves fa3 to triton for --kv-cache-dtype fp8_e5m2)" if e5m2 else ""),
+                ("use --kv-cache-dtype fp8_e4m3 or auto with " if e5m2 else "use ")
+                + f"--prefill-attention-backend {' or '.join(MLA_PREFILL_BACKENDS)}",
             )
         )
     if not _is_pow2(cfg.page_size) or cfg.page_size == 1:

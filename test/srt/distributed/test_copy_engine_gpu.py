@@ -4,7 +4,8 @@ that read a part before its owner wrote it, or an owner that overwrote it while 
 read, shows as wrong bytes), on a side stream too, and without a host sync. Views read straight from
 the peers' mapped pools, batch by batch behind the group's fence (launched as captured graphs), are
 exact over many rounds with a host running late now and then (without the fence the same rounds read
-wrong bytes on one H200), and pools that differ in shape are mapped on no rank."""
+wrong bytes on one H200), and pools that differ in shape are mapped on no rank. A graph capture whose body
+raises ends the capture and raises the body's error."""
 
 import pytest
 import torch
@@ -251,3 +252,24 @@ def test_views_read_from_the_peers_pools_follow_every_write_and_precede_the_next
 def test_pools_of_different_shapes_are_mapped_on_no_rank():
     """Every rank keeps the arena all-gather alike (none maps, none hangs)."""
     assert spawn_ranks(_pull_rank, 2, True, timeout_s=120) == [{"mapped": False}] * 2
+
+
+def test_a_capture_whose_body_raises_ends_the_capture_and_raises_the_bodys_error():
+    """``_Driver.capture``: an error inside the captured body reaches the caller as it was raised, and the
+    stream is out of capture mode (the next capture on it, and plain work, run)."""
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import driver
+
+    d = driver()
+    stream = torch.cuda.Stream()
+    x = torch.zeros(4, device="cuda")
+
+    def broken(h: int) -> None:
+        raise ValueError("body failed")
+
+    with pytest.raises(ValueError, match="body failed"):
+        d.capture(stream.cuda_stream, broken)
+    assert d.capture(stream.cuda_stream, lambda h: None) is not None  # an empty graph: capture works again
+    with torch.cuda.stream(stream):
+        x += 1
+    stream.synchronize()
+    assert x.tolist() == [1.0] * 4

@@ -167,8 +167,13 @@ class _Driver:
         self.check(self.begin_capture(stream, CAPTURE_RELAXED), "cuStreamBeginCapture")
         try:
             body(stream)
-        finally:
-            self.check(self.end_capture(stream, ctypes.byref(graph)), "cuStreamEndCapture")
+        except BaseException:
+            # The stream leaves capture mode and what was captured is dropped; the caller sees the body's
+            # error, not the end call's (a failed call may have invalidated the capture).
+            if self.end_capture(stream, ctypes.byref(graph)) == 0 and graph.value:
+                self.graph_destroy(graph)
+            raise
+        self.check(self.end_capture(stream, ctypes.byref(graph)), "cuStreamEndCapture")
         try:
             self.check(self.instantiate(ctypes.byref(exe), graph, 0), "cuGraphInstantiateWithFlags")
         finally:

@@ -1224,10 +1224,11 @@ _DOC_EXTENSION_POINTS = """\
 
 One more, for host time rather than for a hook: the DSA backend builds the table it hands
 `translate_loc_to_scratch` from `req_to_token`, `req_pool_indices` and the lengths it has just passed to
-`begin_shard_extend`, so the pool could translate it inside the batch plan's graph, one launch fewer per
-batch (the translation is one of the plan's two launches, `docs/design.md`, host cost). That needs the
-backend to hand the pool that table with the lengths, or to ask the pool for it translated: today the
-pool cannot tell, without reading it on the device, that a tensor it is handed is that table.
+`begin_shard_extend`. Today the pool defers the batch's plan to that call and runs the translation in the
+plan's graph (`docs/design.md`, host cost), which needs the translation to be the batch's first device
+call. If the backend asked the pool for that table translated (or handed it the table with the lengths),
+`begin_shard_extend` could launch the plan and the translation itself, with no call order to rely on:
+today the pool cannot tell, without reading it on the device, that a tensor it is handed is that table.
 """
 
 

@@ -466,9 +466,9 @@ class BatchReadState:
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
         out, queued = self._plan(batch, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged)
+        self._deferred = (queued, True)  # its flags are watched: queued at the latest by the next begin or end
         plan = slot_plan_of(out, n, self.page_size, plan_pages, s, self.latent.trash_page, with_status=False)
         self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1)
-        self._deferred = (queued, True)
         self.counters.pages_staged = staged
         self._stages = self.views.stages
         self.mode = "materialized"

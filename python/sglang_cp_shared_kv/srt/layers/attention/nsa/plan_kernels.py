@@ -222,6 +222,8 @@ PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fil
     "out",  # the address of the int32 rows out, contiguous
 )
 TRANSLATION_WORDS = PLAN_HEADER[PLAN_HEADER.index("locs") :]
+# The device words a header launch copies them to (``PlanWorkspace.params``): one power-of-two block.
+PARAMS_WORDS = 8
 
 
 @dataclass(frozen=True)
@@ -387,7 +389,7 @@ if triton is not None:
         # before it are visible); ``table_out`` is int32 [B, width], contiguous.
         # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``: the request
         # rows by address), its lengths and then the flags following: the launch's arguments stay the same
-        # from batch to batch, so it can be captured once into a graph. ``params_out`` (int64 [8], device)
+        # from batch to batch, so it can be captured once into a graph. ``params_out`` (int64 [PARAMS_WORDS], device)
         # receives the header's translation words; unused without ``HEADER``.
         if HEADER:
             batch = tl.load(meta_in)
@@ -605,7 +607,11 @@ def plan_batch(
     pages_out = flat if page_pos is None else page_pos
     num_pages = 0 if page_pos is None else page_pos.shape[0]
     if header:  # the buffer in place of the rows and the flags, the per-batch ints read from it (0 here)
-        params = torch.empty(8, dtype=torch.int64, device=tokens.device) if workspace is None else workspace.params
+        params = (
+            torch.empty(PARAMS_WORDS, dtype=torch.int64, device=tokens.device)
+            if workspace is None
+            else workspace.params
+        )
         args = (tokens, tokens.stride(0), meta, meta, flat, workspace_table(table), meta, pages_out, params)
         args += (0, 0, page_size, 0, 0, trash_page, pad, 0, 0, num_pages)
     else:
@@ -642,7 +648,7 @@ def plan_header(
     batch: int, width: int, num_positions: int, slots_per_rank: int, base: int, fill: int, rows: torch.Tensor
 ) -> list[int]:
     """The ``PLAN_HEADER`` words of a ``plan_batch(..., header=True)`` call with these values (host ints)."""
-    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr(), 0, 0, 0, 0, 0]  # no translation
+    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr()] + [0] * len(TRANSLATION_WORDS)
 
 
 def workspace_table(table: torch.Tensor) -> torch.Tensor:
@@ -665,7 +671,7 @@ class PlanWorkspace:
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
-        # int64 [8]: a header launch's translation words (``TRANSLATION_WORDS``), for ``translate_planned``.
+        # int64 [PARAMS_WORDS]: a header launch's translation words (``TRANSLATION_WORDS``), for ``translate_planned``.
         self.params: torch.Tensor | None = None
         # The header launch last bound over these buffers, with what it was bound to (``bind``).
         self._bound: tuple | None = None
@@ -709,7 +715,7 @@ class PlanWorkspace:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""
         flat, table = self._words, self._table
         if self.params is None or self.params.device != device:
-            self.params = torch.zeros(8, dtype=torch.int64, device=device)
+            self.params = torch.zeros(PARAMS_WORDS, dtype=torch.int64, device=device)
         if flat is None or flat.shape[0] < words or flat.device != device:
             flat = self._words = torch.empty(2 * words, dtype=torch.int64, device=device)
         if table is None or table.shape[0] < batch * width or table.device != device:

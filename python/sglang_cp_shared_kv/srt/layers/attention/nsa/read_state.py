@@ -574,7 +574,6 @@ class BatchReadState:
     # -- buffers the kernels read --
     def latent_rows(self, layer: int) -> torch.Tensor:
         """uint8 ``[rows, row_bytes]``: the latent rows ``translate`` points into, for local ``layer``."""
-        self._queue_plan()
         if self.mode == "current":
             return self.stage(layer)[0]
         return self._layer_view(layer).kv_rows
@@ -583,7 +582,6 @@ class BatchReadState:
         """uint8 ``[pages, ps * 132]``: the indexer pages ``translate_pages`` points into."""
         if self.index is None:
             raise ValueError("this pool has no indexer")
-        self._queue_plan()
         if self.mode == "current":
             return self.stage(layer)[1]
         pages = self._layer_view(layer).index_pages
@@ -599,7 +597,8 @@ class BatchReadState:
         this read also starts gathering layer ``l + 1`` into the other view buffer.
         """
         view = self._layer_cache.get(layer)
-        if view is None:
+        if view is None:  # the batch's first read of the layer: its fence and plan go first
+            self._queue_plan()
             view = self._layer_cache[layer] = self.views.layer_view(layer)
         return view
 

@@ -800,18 +800,28 @@ class LaunchSequence:
 
     def __init__(self, *launches: PreparedLaunch):
         self.launches = launches
+        self._graph_key: GraphKey | None = None
 
     def __call__(self) -> None:
         for one in self.launches:
             one()
 
     def compiled(self) -> LaunchSequence | None:
-        """This sequence where every launch has a compiled kernel (``PreparedLaunch.compiled``), else None."""
-        return self if all(one.compiled() is not None for one in self.launches) else None
+        """This sequence where every launch has a compiled kernel (``PreparedLaunch.compiled``), else None;
+        Triton's launch hooks looked up once for all (host time)."""
+        if not _no_launch_hooks():
+            return None
+        return self if all((one._kernel or _COMPILED.get(one._key)) is not None for one in self.launches) else None
 
     def launch_on(self, stream: int) -> None:
         for one in self.launches:
             one.launch_on(stream)
 
-    def graph_key(self) -> tuple[GraphKey, ...]:
-        return tuple(one.graph_key() for one in self.launches)
+    def graph_key(self) -> GraphKey:
+        """The launches' ``graph_key`` s as one key, the same object while each launch's is (host time: one hash
+        per batch, not one per launch)."""
+        keys = tuple(one.graph_key() for one in self.launches)
+        key = self._graph_key
+        if key is None or any(a is not b for a, b in zip(keys, key.args)):
+            key = self._graph_key = GraphKey(keys, keys)
+        return key

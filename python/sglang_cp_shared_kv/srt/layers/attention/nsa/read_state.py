@@ -62,6 +62,7 @@ batch.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -301,33 +302,24 @@ class BatchReadState:
         hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only, whether it starts or not
         # SGLang hands lists or CPU tensors: one conversion each (host time: no tensor per element).
         prefix_lens, seq_lens = _host_ints(prefix_lens), _host_ints(seq_lens)
-        ps = self.page_size
         if len(prefix_lens) != len(seq_lens) or len(seq_lens) != req_pool_indices.shape[0]:
             raise ValueError(
                 f"prefix_lens ({len(prefix_lens)}), seq_lens ({len(seq_lens)}) and req_pool_indices "
                 f"({req_pool_indices.shape[0]}) must agree"
             )
-        if max(seq_lens, default=0) > req_to_token.shape[1] or any(
-            not 0 <= p <= q for p, q in zip(prefix_lens, seq_lens)
-        ):
-            raise ValueError(
-                f"prefix_lens must lie in [0, seq_len] and seq_lens within the token table's {req_to_token.shape[1]} "
-                f"columns, got prefix_lens {prefix_lens} and seq_lens {seq_lens}"
-            )
-        prefix_pages = [p // ps for p in prefix_lens]
-        if sum(prefix_lens) != ps * sum(prefix_pages):  # the sum of every p % ps (each >= 0): one is not 0
-            raise ValueError(f"prefix_lens must be page-aligned (page size {ps}), got {prefix_lens}")
-        hint = _check_shared_prefix(hint, prefix_pages)
-        self._queue_plan()  # a batch that made no device call after its begin still has its fence made
-        self.check_overflow()
+        pages, prefix_pages = _batch_pages(prefix_lens, seq_lens, self.page_size, req_to_token.shape[1])
+        if hint is not None:
+            hint = _check_shared_prefix(hint, prefix_pages)
+        if self._deferred is not None:  # a batch that made no device call after its begin still has its fence made
+            self._queue_plan()
+        self.flags.poll()  # ``check_overflow``: the earlier batches' flags that have landed
         if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
             self.views.drain()
         self._layer_cache.clear()
         self.stage_rows.clear()
         self.translate_pages_once.clear()
-        pages = pages_for_lens(seq_lens, ps)
         batch = (req_to_token, req_pool_indices, max(pages, default=0))
-        kind = batch_kind(prefix_lens)
+        kind = batch_kind(prefix_pages)
         if kind == "current":
             self._begin_current(batch, pages)
         else:
@@ -337,8 +329,8 @@ class BatchReadState:
             if self.mode == "materialized":
                 check_plan(self.views.plan, self.views.group)
             # The batch's logical pages by position: every page's first token loc // ps.
-            page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : ps].long() // ps
-            self._check_translation(page_table, seq_lens)
+            page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : self.page_size].long()
+            self._check_translation(page_table // self.page_size, seq_lens)
         return self.counters
 
     def _plan(
@@ -346,7 +338,7 @@ class BatchReadState:
         batch: tuple[torch.Tensor, torch.Tensor, int],
         pages: list[int],
         prefix_pages: list[int],
-        hint: list[tuple[int, int]],
+        hint: list[tuple[int, int]] | None,
         slots_per_rank: int,
         num_positions: int,
         base: int,
@@ -399,7 +391,7 @@ class BatchReadState:
             names = request_names(requests, b)
             if status[0]:
                 return SlotOverflowError(overflow_message(status, slots_per_rank, names))
-            return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
+            return SharedPrefixError(shared_prefix_message(wrong, hint or [(-1, 0)] * b, prefix_pages, names))
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
         # The buffer's numpy view (the translation's words go there), and the rows the launch reads by
@@ -422,8 +414,7 @@ class BatchReadState:
         stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
-        zeros = [0] * len(pages)
-        _, queued = self._plan(batch, pages, zeros, [(-1, 0)] * len(pages), 0, 0, base=1, fill=0)
+        _, queued = self._plan(batch, pages, [0] * len(pages), None, 0, 0, base=1, fill=0)
         # The peers may still read pages this batch's writes reuse: fenced where there are views.
         self._deferred = (queued, self.views is not None)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
@@ -435,7 +426,7 @@ class BatchReadState:
         batch: tuple[torch.Tensor, torch.Tensor, int],
         pages: list[int],
         prefix_pages: list[int],
-        hint: list[tuple[int, int]],
+        hint: list[tuple[int, int]] | None,
         kind: str,
     ) -> None:
         if self.views is None:
@@ -456,7 +447,7 @@ class BatchReadState:
             )
         n = self.ownership.cp_size
         # The planned pages: each request's prefix pages past those it shares.
-        plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
+        plan_pages = prefix_pages if hint is None else [q - s for q, (_, s) in zip(prefix_pages, hint)]
         s = slots_per_rank(plan_pages, n)
         view_pages = n * s
         staged = sum(pages) - sum(prefix_pages)
@@ -608,6 +599,26 @@ def _host_ints(values: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(values, torch.Tensor):
         return values.tolist()  # sync-ok: SGLang's *_cpu lengths
     return [int(v) for v in values]
+
+
+def _batch_pages(
+    prefix_lens: list[int], seq_lens: list[int], page_size: int, columns: int
+) -> tuple[list[int], list[int]]:
+    """Per request the pages it reads (``ceil(seq_len / ps)``) and its prefix pages, its lengths checked:
+    a prefix within ``[0, seq_len]`` and page-aligned, ``seq_len`` within the token table's ``columns``.
+    Host ints, through builtins (host time)."""
+    pages = [-(-q // page_size) for q in seq_lens]
+    prefix_pages = [p // page_size for p in prefix_lens]
+    if prefix_lens and (
+        min(prefix_lens) < 0 or max(seq_lens) > columns or any(map(operator.gt, prefix_lens, seq_lens))
+    ):
+        raise ValueError(
+            f"prefix_lens must lie in [0, seq_len] and seq_lens within the token table's {columns} "
+            f"columns, got prefix_lens {prefix_lens} and seq_lens {seq_lens}"
+        )
+    if sum(prefix_lens) != page_size * sum(prefix_pages):  # the sum of every p % ps (each >= 0): one is not 0
+        raise ValueError(f"prefix_lens must be page-aligned (page size {page_size}), got {prefix_lens}")
+    return pages, prefix_pages
 
 
 def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:

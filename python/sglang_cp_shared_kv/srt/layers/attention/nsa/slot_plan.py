@@ -149,15 +149,17 @@ def plan_meta_rows(
     all, none staged), the first ``hint[b] = (source, shared)`` of those the source's (default: none).
     """
     prefix_pages = pages if prefix_pages is None else prefix_pages
-    hint = [(-1, 0)] * len(pages) if hint is None else hint
+    b = len(pages)
+    shared = [0] * b if hint is None else [s for _, s in hint]
     # Plain ints for a batch's few requests (host time: no numpy call per row).
     starts, plan_starts, start, plan_start = [], [], 0, 0
-    for total, prefix, (_, shared) in zip(pages, prefix_pages, hint):
+    for total, prefix, skip in zip(pages, prefix_pages, shared):
         starts.append(start)
         plan_starts.append(plan_start)
         start += total - prefix
-        plan_start += prefix - shared
-    return [s for _, s in hint] + list(prefix_pages) + list(pages) + starts + [src for src, _ in hint] + plan_starts
+        plan_start += prefix - skip
+    sources = [-1] * b if hint is None else [src for src, _ in hint]
+    return [*shared, *prefix_pages, *pages, *starts, *sources, *plan_starts]
 
 
 def plan_meta(

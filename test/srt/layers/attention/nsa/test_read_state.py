@@ -33,22 +33,27 @@ def test_memo_returns_the_first_result_for_the_same_unmodified_tensor():
     assert len(calls) == 6
 
 
+_OUT_OF_RANGE = r"prefix_lens must lie in \[0, seq_len\] and seq_lens within .* 64 columns"
+
+
 @pytest.mark.parametrize(
-    "prefix_lens,seq_lens",
+    "prefix_lens,seq_lens,message",
     [
-        ([32, 0], [16, 16]),  # a prefix past its request's end
-        ([-16, 0], [16, 16]),  # a negative prefix
-        ([0, 0], [16, 5 * 16]),  # a request longer than the token table's rows
+        ([32, 0], [16, 16], _OUT_OF_RANGE),  # a prefix past its request's end
+        ([-16, 0], [16, 16], _OUT_OF_RANGE),  # a negative prefix
+        ([0, 0], [16, 5 * 16], _OUT_OF_RANGE),  # a request longer than the token table's rows
+        ([24, 8], [32, 16], r"prefix_lens must be page-aligned \(page size 16\), got \[24, 8\]"),  # sum aligned
+        ([0, 8], [16, 16], r"prefix_lens must be page-aligned \(page size 16\), got \[0, 8\]"),
     ],
 )
-def test_begin_refuses_lengths_that_cannot_describe_a_batch_and_keeps_its_state(prefix_lens, seq_lens):
+def test_begin_refuses_lengths_that_cannot_describe_a_batch_and_keeps_its_state(prefix_lens, seq_lens, message):
     ps, row = 16, 8
     ownership = PageOwnership(2, ps, logical_pages=16)
     latent = PageBuffers(ownership, 0, row, [torch.zeros((8, ps * row), dtype=torch.uint8)])
     state = BatchReadState(ownership, 0, 16, latent, None, None)
     table, rows = torch.arange(2 * 4 * ps, dtype=torch.int32).view(2, 4 * ps), torch.arange(2)
     state.shared_prefix = [(-1, 0), (0, 1)]
-    with pytest.raises(ValueError, match=r"prefix_lens must lie in \[0, seq_len\] and seq_lens within .* 64 columns"):
+    with pytest.raises(ValueError, match=message):
         state.begin(table, rows, prefix_lens, seq_lens)
     assert state.mode is None and state.counters is None
     assert state.shared_prefix is None  # the refused batch's hint is not left for the next one

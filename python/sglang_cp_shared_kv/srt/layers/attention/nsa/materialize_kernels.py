@@ -807,11 +807,8 @@ class LaunchSequence:
             one()
 
     def compiled(self) -> LaunchSequence | None:
-        """This sequence where every launch has a compiled kernel (``PreparedLaunch.compiled``), else None;
-        Triton's launch hooks looked up once for all (host time)."""
-        if not _no_launch_hooks():
-            return None
-        return self if all((one._kernel or _COMPILED.get(one._key)) is not None for one in self.launches) else None
+        """This sequence where every launch has a compiled kernel (``PreparedLaunch.compiled``), else None."""
+        return self if all(one.compiled() is not None for one in self.launches) else None
 
     def launch_on(self, stream: int) -> None:
         for one in self.launches:

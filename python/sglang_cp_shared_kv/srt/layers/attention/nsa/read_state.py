@@ -308,11 +308,9 @@ class BatchReadState:
                 f"({req_pool_indices.shape[0]}) must agree"
             )
         pages, prefix_pages = _batch_pages(prefix_lens, seq_lens, self.page_size, req_to_token.shape[1])
-        if hint is not None:
-            hint = _check_shared_prefix(hint, prefix_pages)
-        if self._deferred is not None:  # a batch that made no device call after its begin still has its fence made
-            self._queue_plan()
-        self.flags.poll()  # ``check_overflow``: the earlier batches' flags that have landed
+        hint = _check_shared_prefix(hint, prefix_pages)
+        self._queue_plan()  # a batch that made no device call after its begin still has its fence made
+        self.check_overflow()
         if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
             self.views.drain()
         self._layer_cache.clear()
@@ -338,7 +336,7 @@ class BatchReadState:
         batch: tuple[torch.Tensor, torch.Tensor, int],
         pages: list[int],
         prefix_pages: list[int],
-        hint: list[tuple[int, int]] | None,
+        hint: list[tuple[int, int]],
         slots_per_rank: int,
         num_positions: int,
         base: int,
@@ -391,7 +389,7 @@ class BatchReadState:
             names = request_names(requests, b)
             if status[0]:
                 return SlotOverflowError(overflow_message(status, slots_per_rank, names))
-            return SharedPrefixError(shared_prefix_message(wrong, hint or [(-1, 0)] * b, prefix_pages, names))
+            return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
         # The buffer's numpy view (the translation's words go there), and the rows the launch reads by
@@ -414,7 +412,7 @@ class BatchReadState:
         stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
-        _, queued = self._plan(batch, pages, [0] * len(pages), None, 0, 0, base=1, fill=0)
+        _, queued = self._plan(batch, pages, [0] * len(pages), [(-1, 0)] * len(pages), 0, 0, base=1, fill=0)
         # The peers may still read pages this batch's writes reuse: fenced where there are views.
         self._deferred = (queued, self.views is not None)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
@@ -426,7 +424,7 @@ class BatchReadState:
         batch: tuple[torch.Tensor, torch.Tensor, int],
         pages: list[int],
         prefix_pages: list[int],
-        hint: list[tuple[int, int]] | None,
+        hint: list[tuple[int, int]],
         kind: str,
     ) -> None:
         if self.views is None:
@@ -447,7 +445,7 @@ class BatchReadState:
             )
         n = self.ownership.cp_size
         # The planned pages: each request's prefix pages past those it shares.
-        plan_pages = prefix_pages if hint is None else [q - s for q, (_, s) in zip(prefix_pages, hint)]
+        plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
         s = slots_per_rank(plan_pages, n)
         view_pages = n * s
         staged = sum(pages) - sum(prefix_pages)
@@ -607,7 +605,7 @@ def _batch_pages(
     """Per request the pages it reads (``ceil(seq_len / ps)``) and its prefix pages, its lengths checked:
     a prefix within ``[0, seq_len]`` and page-aligned, ``seq_len`` within the token table's ``columns``.
     Host ints, through builtins (host time)."""
-    pages = [-(-q // page_size) for q in seq_lens]
+    pages = pages_for_lens(seq_lens, page_size)
     prefix_pages = [p // page_size for p in prefix_lens]
     if prefix_lens and (
         min(prefix_lens) < 0 or max(seq_lens) > columns or any(map(operator.gt, prefix_lens, seq_lens))

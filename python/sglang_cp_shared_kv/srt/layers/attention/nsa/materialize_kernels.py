@@ -637,17 +637,22 @@ def translate_locs_ref(
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n", "page_size", "num_pages"])
-    def _translate_kernel(page_pos, locs, out, n, page_size, num_pages, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        loc = tl.load(locs + i, mask=live, other=0).to(tl.int64)
+    @triton.jit
+    def _translated_rows(page_pos, loc, live, page_size, num_pages):
+        """The read-buffer rows of int64 token locs ``loc`` (``translate_locs_ref``; 0 where not ``live``)."""
         # Floor division and a non-negative remainder, and negative pages from the end, as torch indexes.
         offset = loc % page_size
         offset = tl.where(offset < 0, offset + page_size, offset)
         page = (loc - offset) // page_size
         page = tl.where(page < 0, page + num_pages, page)
-        row = tl.load(page_pos + page, mask=live, other=0) * page_size + offset
+        return tl.load(page_pos + page, mask=live, other=0) * page_size + offset
+
+    @triton.jit(do_not_specialize=["n", "page_size", "num_pages"])
+    def _translate_kernel(page_pos, locs, out, n, page_size, num_pages, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        loc = tl.load(locs + i, mask=live, other=0).to(tl.int64)
+        row = _translated_rows(page_pos, loc, live, page_size, num_pages)
         tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
 
 
@@ -768,12 +773,7 @@ if triton is not None:
             live = i < n
             r = i // cols
             loc = tl.load(locs + r * stride + (i - r * cols), mask=live, other=0).to(tl.int64)
-            # As ``_translate_kernel``: floor division, and negative pages from the end, as torch indexes.
-            offset = loc % page_size
-            offset = tl.where(offset < 0, offset + page_size, offset)
-            page = (loc - offset) // page_size
-            page = tl.where(page < 0, page + num_pages, page)
-            row = tl.load(page_pos + page, mask=live, other=0) * page_size + offset
+            row = _translated_rows(page_pos, loc, live, page_size, num_pages)
             tl.store(out + i, row.to(tl.int32), mask=live)
 
 

@@ -327,8 +327,9 @@ class BatchReadState:
             if self.mode == "materialized":
                 check_plan(self.views.plan, self.views.group)
             # The batch's logical pages by position: every page's first token loc // ps.
-            page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : self.page_size].long()
-            self._check_translation(page_table // self.page_size, seq_lens)
+            ps = self.page_size
+            page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : ps].long() // ps
+            self._check_translation(page_table, seq_lens)
         return self.counters
 
     def _plan(

@@ -154,17 +154,22 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
     req_to_token = torch.zeros((len(lengths), max_len), dtype=torch.int32)
     rows, mismatches = [], []
     batches = schedule(lengths, chunk, ps)
+    alloc = sp.extend_allocation(allocator, len(lengths), max_len)  # SGLang's scheduler-side allocation
+    reqs = [SimpleNamespace(last_node=None, kv_rotation_base=None) for _ in lengths]  # what it reads of a Req
     with sp.no_dcp():
         for bi, batch in enumerate(batches):
-            for req, prefix, seq in batch:  # SGLang's allocator: the same logical pages on every rank
-                t = lambda v: torch.tensor([v])  # noqa: E731
-                last = int(req_to_token[req, prefix - 1]) if prefix else 0
-                locs = allocator.alloc_extend(
-                    t(prefix), t(prefix), t(seq), t(seq), t(last), seq - prefix, rotation_bases=[None]
-                )
-                if locs is None:
-                    raise MemoryError(f"SGLang's allocator is out of pages at request {req}")
-                req_to_token[req, prefix:seq] = locs.to(torch.int32)
+            # One allocation per batch, the same logical pages on every rank; a request's later chunks
+            # continue the rotation base its first chunk drew, so its pages cycle through the owners.
+            locs = alloc(
+                [reqs[r] for r, _, _ in batch],
+                [p for _, p, _ in batch],
+                [n for _, _, n in batch],
+                [int(req_to_token[r, p - 1]) if p else 0 for r, p, _ in batch],
+            )
+            at = 0
+            for req, prefix, seq in batch:
+                req_to_token[req, prefix:seq] = locs[at : at + seq - prefix].to(torch.int32)
+                at += seq - prefix
             new = torch.cat([tokens[r][p:n] for r, p, n in batch])
             fb = SimpleNamespace(
                 forward_mode=ForwardMode.EXTEND,

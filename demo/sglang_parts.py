@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 _MLA = {
@@ -285,3 +286,40 @@ def prefill_info(cp_size: int, page_size: int, sharded: bool = True):
         follow_bootstrap_room=False,
         enable_kv_cache_sharding=sharded,
     )
+
+
+def extend_allocation(allocator, max_requests: int, max_context: int):
+    """SGLang's extend-batch allocation (``alloc_paged_token_slots_extend``) as its scheduler runs it with
+    ``--disable-radix-cache``: a disabled ``UnifiedRadixCache`` over ``allocator``, so a request's first
+    chunk draws a new rotation base and every later chunk continues the base SGLang recorded on the request
+    (``req.kv_rotation_base``): the request's k-th page is on owner ``(base + k) % cp_size``.
+
+    Returns ``alloc(reqs, prefix_lens, seq_lens, last_locs) -> locs`` for one batch; ``reqs`` are objects
+    with ``last_node`` and ``kv_rotation_base`` (SGLang's ``Req`` fields this path reads and writes).
+    """
+    import torch
+    from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    req_to_token = ReqToTokenPool(size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+    tree = UnifiedRadixCache(
+        CacheInitParams(
+            disable=True,
+            req_to_token_pool=req_to_token,
+            token_to_kv_pool_allocator=allocator,
+            page_size=allocator.page_size,
+            tree_components=(ComponentType.FULL,),
+        )
+    )
+
+    def alloc(reqs: list, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor:
+        prefix, seq = torch.tensor(prefix_lens), torch.tensor(seq_lens)
+        return alloc_paged_token_slots_extend(
+            tree, prefix, prefix, seq, seq, torch.tensor(last_locs), int((seq - prefix).sum()),
+            batch=SimpleNamespace(reqs=reqs),
+        )
+
+    return alloc

@@ -20,8 +20,10 @@ sides run, for the rank's own ``T`` tokens:
   128] x [128 * 64, keys]`` into fp32 ``[rows, keys]``, keys = ``P + N * T / 2`` (the mean causal span
   of the rank's queries under prefill CP's zigzag split); its TFLOP/s is measured and printed beside the
   H200's fp8 dense peak;
-- the top-k (k 2048) of each block's logits: ``torch.topk(sorted=False)`` (sgl_kernel's fused top-k cannot
-  load on the box; its speed relative to PyTorch's radix select is not measured here);
+- the top-k (k 2048) of each block's logits at a two-pass radix select's memory cost (two full reads of
+  the fp32 logits, then ``torch.topk`` over ``4 k`` columns for the indices): sgl_kernel's fused top-k
+  cannot load on the box, and ``torch.topk`` over whole rows ran about 13 reads' worth (the first run,
+  ``rank_model_torch_topk.json``), which would lengthen the layer by more than the op it replaces;
 - the chunk's latent rows stored (stock: all ``N * T`` rows into the pool; ours: into the staging pages
   after the view, then the owned ones into the pool through ``store_rows``, as the pool's
   ``set_mla_kv_buffer`` does);
@@ -39,8 +41,9 @@ Ours adds the view of the prefix pages, built one of two ways (the product's two
 - **prefetch**: layer ``l + 1``'s view built while layer ``l`` computes, as the product's
   ``ViewMaterializer._start_prefetch`` does with ``prefetch_gather="compute"``: the rank's own pages
   gathered (the product's gather kernel) on the compute stream at layer ``l``'s first read, the peers'
-  blocks pulled on a highest-priority side stream by copies paced to the link, the next layer's first
-  read waiting on one event. The peers' own gathers ran on their GPUs before: their blocks are prepared
+  blocks pulled on a highest-priority side stream by copies paced to the link (one CUDA graph per layer
+  and view set, so the pacing's extra launches cost no host time), the next layer's first read waiting
+  on one event. The peers' own gathers ran on their GPUs before: their blocks are prepared
   once, untimed. The product's ``ViewMaterializer`` itself is not driven (it needs a CP group of
   processes): this is its sequence of device work, rebuilt from its source.
 
@@ -425,7 +428,15 @@ class LayerOps:
         for s in range(0, self.tokens, self.block_rows):
             e = min(s + self.block_rows, self.tokens)
             out = self._mm(self.q_idx[s:e], self.kexp, out_dtype=LOGITS_OUT["dtype"])
-            torch.topk(out, self.topk, dim=1, sorted=False)
+            self.select(out)
+
+    def select(self, out: torch.Tensor) -> torch.Tensor:
+        """The top-k at a two-pass radix select's memory cost: two full reads of the logits (a per-row max
+        and a per-row sum, the histogram and select passes' reads), then ``torch.topk`` over the row's
+        first ``4 * k`` columns for the k indices (their write)."""
+        out.amax(dim=1)
+        out.sum(dim=1)
+        return torch.topk(out[:, : min(out.shape[1], 4 * self.topk)], self.topk, dim=1, sorted=False).indices
 
     def logits_only(self) -> None:
         for s in range(0, self.tokens, self.block_rows):
@@ -493,6 +504,15 @@ class Runner:
             else None
         )
         self._pending = None  # (layer, vset, event) of the view built ahead
+        # The paced pulls' graphs, kept with the pools (every T of a cell reuses them), captured here, before
+        # any timing: a capture synchronizes the device.
+        self._graphs = pools.__dict__.setdefault("ce_graphs", {})
+        self._gkey = (link.link_gbps, link.latency_us)
+        if self.side is not None:
+            for layer in range(pools.layers):
+                for vset in (0, 1):
+                    self.ce_pull(layer, vset, replay=False)
+            torch.cuda.synchronize(self.device)
         self.store_rows = pools.own.store_rows(
             (pools.chunk_lp[:, None] * PS + torch.arange(PS, device=self.device)).reshape(-1)[: ops.chunk_rows.shape[0]]
         )
@@ -508,22 +528,39 @@ class Runner:
         self.pools.sm_pull(layer, vset)
         self.link.spinner.wait_us(self.link.sm_pad_us(self.pools.remote_bytes, self.sm_kernel_us))
 
+    def ce_pull(self, layer: int, vset: int, replay: bool = True) -> None:
+        """The peers' blocks by paced copies on the current stream. On GPU one CUDA graph per (layer, set),
+        captured once: the product queues its pulls with a few driver calls, and the pacing's extra launches
+        (a wait per piece) must not cost host time the product does not spend."""
+        pairs = self.pools.peer_pairs(layer, vset)
+        if self.side is None or not pairs:
+            self.link.copy_pull(pairs)
+            return
+        key = (*self._gkey, layer, vset)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.link.copy_pull(pairs)
+        if replay:
+            g.replay()
+
     def ce_view(self, layer: int, vset: int) -> None:
         """The copy-engine view built on the current stream: own gather, then the paced pulls."""
         self.pools.own_gather(layer, vset)
-        self.link.copy_pull(self.pools.peer_pairs(layer, vset))
+        self.ce_pull(layer, vset)
 
     def _start_prefetch(self, layer: int, vset: int) -> None:
         self.pools.own_gather(layer, vset)  # on the compute stream, as prefetch_gather="compute"
         if self.side is None:
-            self.link.copy_pull(self.pools.peer_pairs(layer, vset))
+            self.ce_pull(layer, vset)
             self._pending = (layer, vset, None)
             return
         gathered = torch.cuda.Event()
         gathered.record()
         with torch.cuda.stream(self.side):
             self.side.wait_event(gathered)
-            self.link.copy_pull(self.pools.peer_pairs(layer, vset))
+            self.ce_pull(layer, vset)
             done = torch.cuda.Event()
             done.record(self.side)
         self._pending = (layer, vset, done)
@@ -883,9 +920,10 @@ STAND_INS = [
     {
         "op": "sgl_kernel.fast_topk_transform_fused",
         "why": "sgl_kernel does not load on the box (built for another torch)",
-        "stand_in": "torch.topk(k=2048, sorted=False) over each block's fp32 logits (PyTorch's radix select); the page "
-        "table transform not applied",
-        "speed": "in stock_breakdown_us.logits_topk with the logits; its speed against sgl_kernel's is not measured",
+        "stand_in": "a two-pass radix select's memory cost: two full reads of each block's fp32 logits (a per-row max "
+        "and sum), then torch.topk(k=2048, sorted=False) over the first 4k columns for the indices; the page-table "
+        "transform not applied. torch.topk over whole rows ran about 13 reads' worth (rank_model_torch_topk.json)",
+        "speed": "stock_breakdown_us.logits_topk less logits.us; sgl_kernel's own speed is not measured (it cannot load)",
     },
     {
         "op": "get_index_k_scale_buffer (SGLang's Triton K gather)",

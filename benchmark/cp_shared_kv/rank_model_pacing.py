@@ -77,7 +77,7 @@ if triton is not None:
             "mov.u64 $0, %globaltimer;", "=l,r", [dummy], dtype=tl.int64, is_pure=False, pack=1
         )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["ns"])
     def _spin_kernel(ns):
         dummy = tl.program_id(0)
         t0 = _now_ns(dummy)
@@ -101,7 +101,8 @@ class Spinner:
             return
         if prefer == "globaltimer" and triton is not None:
             try:
-                _spin_kernel[(1,)](1000, num_warps=1)
+                for ns in (1000, 1024, 1):  # every specialization built before any graph capture
+                    _spin_kernel[(1,)](ns, num_warps=1)
                 torch.cuda.synchronize(device)
                 self.method = "globaltimer"
             except Exception as e:  # noqa: BLE001 - fall back to the cycle sleep, and say so

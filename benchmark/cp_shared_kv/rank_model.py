@@ -452,6 +452,7 @@ class LayerOps:
         self.moe(self.tokens)
 
 
+GRAPH_ERRORS: list[str] = []  # paced pulls that could not be captured (queued piece by piece instead)
 LOGITS_OUT = {"dtype": torch.float32, "note": "fp32 out, as fp8_mqa_logits writes"}
 
 
@@ -539,10 +540,18 @@ class Runner:
         key = (*self._gkey, layer, vset)
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    self.link.copy_pull(pairs)
+            except Exception as e:  # noqa: BLE001 - queue the pieces one by one, and say so in the JSON
+                GRAPH_ERRORS.append(f"{type(e).__name__}: {e}"[:300])
+                g = False
+            self._graphs[key] = g
+        if g is False:
+            if replay:
                 self.link.copy_pull(pairs)
-        if replay:
+        elif replay:
             g.replay()
 
     def ce_view(self, layer: int, vset: int) -> None:
@@ -975,6 +984,7 @@ def document(rows, args, device, links, extra) -> dict:
         "startup_rule_inputs": startup_rule_inputs(rows, links),
     }
     doc.update(extra.get("top", {}))
+    doc["ce_graph_errors"] = GRAPH_ERRORS[:5]
     return doc
 
 

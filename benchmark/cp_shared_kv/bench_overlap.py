@@ -57,7 +57,9 @@ from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup, dri
 from sglang_cp_shared_kv.srt.layers.attention.nsa import materialize
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_launch, word_pair
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, plan_meta_rows, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES, quantize_mla_fp8
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
@@ -297,8 +299,15 @@ class RealPipeline:
         torch.cuda.synchronize()
 
     def begin(self):
-        lens = [self.ctx.context]
-        return self.mat.begin_batch(self.table, lens, lens, extra_pages=1)
+        """A one-request history batch: its prefix pages planned and begun, a staged page past the view."""
+        pages = pages_for_lens([self.ctx.context], PS)
+        rows = torch.arange(1, device=self.table.device)
+        meta = torch.tensor(plan_meta_rows(pages), dtype=torch.int64).to(self.table.device)
+        s = slots_per_rank(pages, CP)
+        plan = plan_batch(self.table, rows, 1, meta, self.table.shape[1], sum(pages), CP, s, 0, None, 0, 0)
+        counters = self.mat.begin_planned(plan, "history", 1)
+        self.mat.fence()
+        return counters
 
     def peer_signals(self, delay_us: int, target: int) -> None:
         """The emulated peer sets its ready and ack counters to ``target`` ``delay_us`` after the compute

@@ -6,6 +6,7 @@ driver calls against a local peer)."""
 import pytest
 import torch
 from benchmark.cp_shared_kv.bench_overlap import CP, INDEX_PAGE, LATENT_PAGE, PS, local_copy_engine_group
+from page_fixtures import begin_batch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
 from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
@@ -51,7 +52,7 @@ def test_views_hold_own_pages_and_peer_part(prefetch, gather):
         prefetch_gather=gather,
     )
     for _ in range(2):  # a second batch reuses the buffers and the transport's counters
-        mat.begin_batch(table, [tokens], [tokens], extra_pages=1)
+        begin_batch(mat, table, [tokens], [tokens], extra_pages=1)
         s, set_pages = mat.plan.slots_per_rank, mat.plan.view_pages + 1
         assert s == pages // 2 and mat.view_sets == (2 if prefetch else 1)
         send = mat.plan.send_pages(0).long()

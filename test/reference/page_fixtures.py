@@ -1,14 +1,20 @@
-"""Test fixtures over plain tensors: owner-rotating logical pages, page tables, and one rank's share of a
+"""Test fixtures over plain tensors: owner-rotating logical pages, page tables, one rank's share of a
 sharded pool as the views read it (``read_state.PageBuffers``), written with the pools' masked store
-(``PageOwnership.store_rows``)."""
+(``PageOwnership.store_rows``), and a batch planned over a page table (``build_slot_plan``) and begun on a
+bare ``ViewMaterializer`` (``begin_batch``)."""
 
 from __future__ import annotations
 
 import torch
 
+from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
+from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, plan_meta_rows, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, index_page_views, mla_row_bytes
-from sglang_cp_shared_kv.srt.mem_cache.placement import TRASH_PAGE, PageOwnership
+from sglang_cp_shared_kv.srt.mem_cache.placement import TRASH_PAGE, PageOwnership, debug_enabled
 
 
 class RotatingPages:
@@ -107,3 +113,53 @@ def filled_pool(kv_format: str = "fp8", with_indexer: bool = True, page_size: in
             k = torch.randint(0, 256, (len(locs), 128), dtype=torch.uint8, generator=g)
             pool.set_index(layer, locs, k, torch.rand(len(locs), generator=g))
     return pool
+
+
+def plan_meta(pages: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``plan_batch``'s ``meta`` (int64 ``[6, B]``) of a batch whose pages are all planned (none staged, no
+    hint): it depends on the lengths only, so a CUDA graph captures a plan with it built beforehand."""
+    host = torch.tensor(plan_meta_rows(pages), dtype=torch.int64).view(len(PLAN_META_ROWS), -1)
+    if torch.device(device).type == "cuda":  # pinned and non-blocking: no host sync
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def build_slot_plan(
+    page_table: torch.Tensor,
+    pages_per_req: list[int],
+    cp_size: int,
+    page_size: int,
+    trash_page: int,
+    pad: int = 0,
+    use_triton: bool | None = None,
+    meta: torch.Tensor | None = None,
+) -> BatchPlan:
+    """The plan of every page of a page table (logical page ids, ``[B, max_pages]``, never read back):
+    ``plan_batch`` over it as a token table of page size 1, without a page map. ``page_size`` only names
+    the pool's (the plan is in pages)."""
+    assert page_table.dim() == 2 and page_size >= 1
+    batch, max_pages = page_table.shape
+    pages = [int(p) for p in pages_per_req]
+    meta = plan_meta(pages, page_table.device) if meta is None else meta
+    rows = torch.arange(batch, device=page_table.device)
+    s = slots_per_rank(pages, cp_size)
+    return plan_batch(
+        page_table, rows, 1, meta, max_pages, sum(pages), cp_size, s, trash_page, None, 0, 0, pad, use_triton
+    )
+
+
+def begin_batch(
+    mat: ViewMaterializer, page_table: torch.Tensor, seq_lens: list[int], prefix_lens: list[int], extra_pages: int = 0
+):
+    """Start a batch on a bare ``ViewMaterializer`` (no read state) whose view holds every page of every
+    request, the current chunk's included: planned here (checked in debug mode, as the read state does),
+    fenced, begun, with ``extra_pages`` past the view in every buffer. Returns its counters."""
+    plan = build_slot_plan(
+        page_table, pages_for_lens(seq_lens, mat.pool.page_size), mat.pool.ownership.cp_size,
+        mat.pool.page_size, mat.pool.trash_page, use_triton=mat.use_triton,
+    )  # fmt: skip
+    if debug_enabled():
+        check_plan(plan, mat.pool.trash_page, mat.group)
+    counters = mat.begin_planned(plan, batch_kind(prefix_lens), extra_pages)
+    mat.fence()
+    return counters

@@ -46,7 +46,7 @@ def _rank(rank: int, size: int, calls: int) -> dict:
             if call == calls:
                 torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
             try:
-                ce.all_gather_into_many(outs, mine, async_op=True)
+                ce.all_gather_into_many(outs, mine)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         torch.cuda.current_stream(dev).wait_stream(stream)

@@ -527,17 +527,15 @@ class CopyEngineGroup:
         outs: Sequence[torch.Tensor],
         locals_: Sequence[torch.Tensor],
         *,
-        async_op: bool = False,
-        coalesce: bool | None = None,
         stream: torch.cuda.Stream | None = None,
         ack: bool = True,
     ) -> PendingCollective:
         """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place.
 
         Everything is queued on ``stream`` (default: the current stream), ordered after the caller's
-        writes of its parts there and before whatever it queues next, so the result needs no wait;
-        ``async_op`` and ``coalesce`` are accepted for ``CPGroup`` compatibility. ``ack=False`` leaves out
-        the wait for the peers to finish reading this rank's part (the module docstring says when).
+        writes of its parts there and before whatever it queues next, so the result needs no wait.
+        ``ack=False`` leaves out the wait for the peers to finish reading this rank's part (the module
+        docstring says when).
         """
         pulls = self._pulls(outs, locals_)
         d = self._driver

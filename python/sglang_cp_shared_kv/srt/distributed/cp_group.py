@@ -60,7 +60,6 @@ class CPGroup:
         async_op: bool = False,
         coalesce: bool | None = None,
         stream: torch.cuda.Stream | None = None,
-        ack: bool = True,
     ) -> PendingCollective:
         """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call.
 
@@ -71,17 +70,14 @@ class CPGroup:
         the current stream, so a caller may keep queuing work that does not touch the buffers.
         With ``stream`` (CUDA) the collectives and the wait for them are queued on that stream
         instead: what that stream runs next sees the result, and nothing is left to wait for.
-        ``ack`` is accepted for ``CopyEngineGroup`` compatibility: a collective returns only once every
-        rank has sent its part, so the next write into ``locals_`` is always safe.
+        A collective returns only once every rank has sent its part, so the next write into ``locals_``
+        is always safe (``CopyEngineGroup`` needs an ack for that).
         """
         if stream is None:
             return self._all_gather_many(outs, locals_, async_op, coalesce)
         with torch.cuda.stream(stream):
             self._all_gather_many(outs, locals_, True, coalesce).wait()
         return PendingCollective()
-
-    def finish_reads(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Nothing to wait for: no peer reads this rank's buffers after a collective (``CopyEngineGroup``)."""
 
     def _all_gather_many(
         self,

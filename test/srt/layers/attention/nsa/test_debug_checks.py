@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from page_fixtures import PagePool, page_table
+from page_fixtures import PagePool, begin_batch, build_slot_plan, page_table
 
 from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
@@ -16,7 +16,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import (
     plan_digest,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 PS = 16
@@ -31,8 +30,8 @@ def _plan(pages, n=2):
 
 def test_valid_plan_passes():
     plan = _plan(PAGES)
-    check_plan_local(plan)
-    check_plan(plan, None)
+    check_plan_local(plan, 99)
+    check_plan(plan, 99, None)
     assert plan_digest(plan) == plan_digest(_plan(PAGES))
     assert plan_digest(plan) != plan_digest(_plan([[0, 1, 2], [3, 4, 5, 6, 9]]))
 
@@ -42,28 +41,28 @@ def test_unbalanced_pages_overflow_a_block():
     # but owner 0 holds all 4 positions.
     plan = _plan([[0, 2, 4], [6]])
     with pytest.raises(CPSharedKVDebugError, match=r"slot overflow: owner 0 holds 4 .* S=3"):
-        check_plan_local(plan)
+        check_plan_local(plan, 99)
 
 
 @pytest.mark.parametrize("field", ["slot_table", "slot_phys", "slots"])
 def test_corrupted_plan_is_inconsistent(field):
     plan = _plan(PAGES)
     if field == "slots":  # a view of the plan's outputs: swap two of them there
-        words, m = plan.outputs.words.clone(), plan.num_positions
+        words, m = plan.words.clone(), plan.num_positions
         words[[2 * m, 2 * m + 1]] = words[[2 * m + 1, 2 * m]]
-        broken = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, words=words))
+        broken = dataclasses.replace(plan, words=words)
         assert not torch.equal(broken.slots, plan.slots)
     elif field == "slot_phys":  # the send entries, in the same buffer
-        words, start = plan.outputs.words.clone(), plan.outputs.send_start
+        words, start = plan.words.clone(), plan.send_start
         words[[start, start + 1]] = words[[start + 1, start]]
-        broken = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, words=words))
+        broken = dataclasses.replace(plan, words=words)
         assert not torch.equal(broken.slot_phys, plan.slot_phys)
     else:
         swapped = plan.slot_table.clone()
         swapped[[0, 1]] = swapped[[1, 0]]
-        broken = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, table=swapped, table_shape=None))
+        broken = dataclasses.replace(plan, table=swapped, table_shape=None)
     with pytest.raises(CPSharedKVDebugError, match="slot plan is inconsistent"):
-        check_plan_local(broken)
+        check_plan_local(broken, 99)
 
 
 def _rank_corrupt(rank, world_size, debug):
@@ -75,7 +74,7 @@ def _rank_corrupt(rank, world_size, debug):
     if rank == 1:
         pages[1][4] += 2 * world_size  # locally consistent, different from the peers
     try:
-        mat.begin_batch(page_table(pages), [PS * len(p) for p in pages], [PS] * len(pages))
+        begin_batch(mat, page_table(pages), [PS * len(p) for p in pages], [PS] * len(pages))
         mat.layer_view(0)
     except CPSharedKVDebugError as e:
         return str(e)
@@ -87,9 +86,9 @@ def _rank_broken_plan(rank, world_size):
     plan = _plan(PAGES, world_size)
     if rank == 1:
         flipped = plan.slot_table.flip(1).contiguous()
-        plan = dataclasses.replace(plan, outputs=dataclasses.replace(plan.outputs, table=flipped, table_shape=None))
+        plan = dataclasses.replace(plan, table=flipped, table_shape=None)
     try:
-        check_plan(plan, CPGroup())
+        check_plan(plan, 99, CPGroup())
     except CPSharedKVDebugError as e:
         return str(e)
     return None

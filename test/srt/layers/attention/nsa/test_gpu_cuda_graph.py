@@ -7,10 +7,9 @@ tables and new top-k positions, the graph must give what the eager path gives.
 
 import pytest
 import torch
-from page_fixtures import PagePool, RotatingPages
+from page_fixtures import PagePool, RotatingPages, build_slot_plan, plan_meta
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, plan_meta
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

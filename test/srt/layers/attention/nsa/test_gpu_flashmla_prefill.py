@@ -8,7 +8,7 @@ runs on the view. Output and LSE must be bit-identical to the same kernel over t
 
 import pytest
 import torch
-from page_fixtures import PagePool, RotatingPages
+from page_fixtures import PagePool, RotatingPages, begin_batch
 
 from reference.dsa_reference import sparse_mla
 from reference.spawn import spawn_ranks
@@ -93,7 +93,7 @@ def run_rank(rank, world, kernel_name="flash_mla"):
         q_req, q_pos, positions = _batch_positions(seq_lens, prefix, dev, seed=len(name))
         q = (torch.randn(len(q_req), HEADS, 576, generator=g) / 4).to(torch.bfloat16).to(dev)
         mat = ViewMaterializer(mine, group)
-        counters = mat.begin_batch(table, seq_lens, prefix)
+        counters = begin_batch(mat, table, seq_lens, prefix)
         view = mat.layer_view(0)
         out_v, lse_v = kernel(q, view.kv_rows, view.rows(positions, q_req))
         ref = LayerView(repl.latent[0], None, table, PS)  # the replicated pool as it is

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from page_fixtures import PagePool, RotatingPages, pack_index_records, page_table
+from page_fixtures import PagePool, RotatingPages, begin_batch, build_slot_plan, page_table
 
 from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
@@ -21,7 +21,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     prepare_gather,
     translate_locs_ref,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import build_slot_plan, predicted_view_pages
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -65,8 +65,6 @@ def test_materializer_does_not_sync():
     dev = torch.device("cuda")
     pool = PagePool(PageOwnership(1, PS), 0, 64, 2, "fp8", device=dev)
     table = torch.tensor([[5, 9, 2], [7, 1, 0]], dtype=torch.int32, device=dev)
-    rows = torch.zeros((4 * PS, pool.row_bytes), dtype=torch.uint8, device=dev)
-    records = pack_index_records(torch.zeros((4 * PS, 128), dtype=torch.uint8), torch.ones(4 * PS)).to(dev)
     positions = torch.tensor([[0, 65, -1]], dtype=torch.int32, device=dev)
     q_req = torch.zeros(1, dtype=torch.int64, device=dev)
     mat = ViewMaterializer(pool, None)
@@ -74,12 +72,12 @@ def test_materializer_does_not_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        mat.begin_batch(table, [3 * PS, 2 * PS], [PS, 0])
+        begin_batch(mat, table, [3 * PS, 2 * PS], [PS, 0])
         hist = mat.layer_view(1)
         hist_rows = hist.rows(positions, q_req)
-        ahead.begin_batch(table, [3 * PS, 2 * PS], [PS, 0])
+        begin_batch(ahead, table, [3 * PS, 2 * PS], [3 * PS, 2 * PS])  # prefixes only, as the read state plans
         for layer in range(2):
-            ahead.layer_view(layer, rows, records)  # 2 * PS + 2 * PS current tokens
+            ahead.layer_view(layer)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     s0, s1 = int(hist.page_table[0, 0]), int(hist.page_table[0, 1])
@@ -110,12 +108,12 @@ def _rank_nccl_views(rank, world_size):
         pool.set_index(0, locs.to(dev), k_u8, scale)
     mat = ViewMaterializer(sharded, group)
     prefix = [PS] * len(lens)
-    mat.begin_batch(table, lens, prefix)
+    begin_batch(mat, table, lens, prefix)
     mat.layer_view(0)  # warm-up: Triton compiles, NCCL communicators
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        counters = mat.begin_batch(table, lens, prefix)
+        counters = begin_batch(mat, table, lens, prefix)
         view = mat.layer_view(0)
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -130,7 +128,7 @@ def _rank_nccl_views(rank, world_size):
         view.kv_rows.view(-1, PS * sharded.row_bytes)[sl], replicated.latent[0].view(-1, PS * sharded.row_bytes)[lp]
     )
     index_ok = torch.equal(view.index_pages[sl], replicated.index[0][lp])
-    expected_pages = predicted_view_pages([len(p) for p in pages], world_size)
+    expected_pages = world_size * slots_per_rank([len(p) for p in pages], world_size)
     return latent_ok, index_ok, counters.view_pages == expected_pages
 
 

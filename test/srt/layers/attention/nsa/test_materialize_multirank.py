@@ -8,12 +8,12 @@ SGLang's pools: ``test_read_state_ranks.py`` and ``sglang_wiring/test_plugin_sha
 
 import pytest
 import torch
-from page_fixtures import PagePool, RotatingPages, page_table
+from page_fixtures import PagePool, RotatingPages, begin_batch, page_table
 
 from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, predicted_view_pages
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, mla_row_bytes
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
@@ -47,7 +47,7 @@ def _rank_views(rank, world_size, ps, kv_format):
         pool.set_latent(0, locs, rows)
         pool.set_index(0, locs, k_u8, scale)
     mat = ViewMaterializer(sharded, group)
-    counters = mat.begin_batch(table, lens, [1] * len(lens))
+    counters = begin_batch(mat, table, lens, [1] * len(lens))
     view = mat.layer_view(0)
     bad = []
     for b, p in enumerate(pages):
@@ -80,7 +80,7 @@ def _rank_views(rank, world_size, ps, kv_format):
 def test_view_pages_equal_replicated_pages(world_size, ps, kv_format):
     lens = [3 * ps + 5, ps, 6 * ps, ps // 2, 2 * ps + 1]
     pages = pages_for_lens(lens, ps)
-    view = predicted_view_pages(pages, world_size)
+    view = world_size * slots_per_rank(pages, world_size)
     assert view == world_size * sum(_ceil(p, world_size) for p in pages)
     for bad, row_ok, view_pages, nbytes in spawn_ranks(_rank_views, world_size, ps, kv_format, timeout_s=300):
         assert bad == []

@@ -1,15 +1,14 @@
-"""ViewMaterializer in one process: what it hands the kernels, prefetch and shared plans.
+"""ViewMaterializer in one process: what it hands the kernels, and prefetch.
 (Multi-rank: test_materialize_multirank.py; the wired read state: test_read_state_ranks.py.)"""
 
 import pytest
 import torch
-from page_fixtures import PagePool, pack_index_records
+from page_fixtures import begin_batch
 from page_fixtures import filled_pool as _filled_pool
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES
-from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 PS = 16
 
@@ -25,7 +24,7 @@ def test_single_rank_view_holds_the_batch_pages_in_slot_order(with_indexer):
     pool = _filled_pool(with_indexer=with_indexer)
     table = torch.tensor([[7, 2, 9], [2, 4, 0]], dtype=torch.int32)  # page 2 read by both requests
     mat = ViewMaterializer(pool, None, use_triton=False)
-    counters = mat.begin_batch(table, [3 * PS, 2 * PS - 3], [PS, 5])
+    counters = begin_batch(mat, table, [3 * PS, 2 * PS - 3], [PS, 5])
     view = mat.layer_view(1)
     assert mat.plan is not None and counters.kind == "history"
     assert view.page_size == PS and view.kv_rows.shape == (5 * PS, pool.row_bytes)
@@ -45,58 +44,29 @@ def test_single_rank_view_holds_the_batch_pages_in_slot_order(with_indexer):
 
 
 @pytest.mark.parametrize("with_indexer", [True, False])
-def test_prefetched_views_equal_views_gathered_after_the_write(with_indexer):
-    """With prefetch, layer l + 1 is gathered before its current chunk is written; the current rows
-    are then copied in. Every view must equal the one gathered after the write."""
-    pool, plain_pool = _filled_pool(with_indexer=with_indexer), _filled_pool(with_indexer=with_indexer)
+def test_prefetched_views_equal_views_gathered_in_line(with_indexer):
+    """With prefetch, layer l + 1 is gathered while layer l is read, into the other of two view sets; every
+    view must equal the one gathered in line, pages staged past the view untouched."""
+    pool = _filled_pool(with_indexer=with_indexer)
     table = torch.tensor([[7, 2, 9], [3, 4, 0]], dtype=torch.int32)
-    seq_lens, prefix_lens = [2 * PS + 5, 2 * PS - 1], [PS + 3, 0]  # a history and a fresh request
-    req = [b for b, (p, n) in enumerate(zip(prefix_lens, seq_lens)) for _ in range(n - p)]
-    pos = [i for p, n in zip(prefix_lens, seq_lens) for i in range(p, n)]
-    locs = torch.tensor([int(table[b, i // PS]) * PS + i % PS for b, i in zip(req, pos)])
+    seq_lens = prefix_lens = [2 * PS, PS]  # prefix pages only: the read state stages the chunk past them
     ahead = ViewMaterializer(pool, None, prefetch=True, use_triton=False)
-    after = ViewMaterializer(plain_pool, None, use_triton=False)
-    counters = ahead.begin_batch(table, seq_lens, prefix_lens)
-    after.begin_batch(table, seq_lens, prefix_lens)
-    g = torch.Generator().manual_seed(11)
+    after = ViewMaterializer(pool, None, use_triton=False)
+    counters = begin_batch(ahead, table, seq_lens, prefix_lens)
+    begin_batch(after, table, seq_lens, prefix_lens)
+    assert ahead.view_sets == 2 and after.view_sets == 1
     for layer in range(2):
-        rows = torch.randint(0, 256, (len(locs), pool.row_bytes), dtype=torch.uint8, generator=g)
-        k = torch.randint(0, 256, (len(locs), 128), dtype=torch.uint8, generator=g)
-        scale = torch.rand(len(locs), generator=g)
-        for p in (pool, plain_pool):
-            p.set_latent(layer, locs, rows)
-            if with_indexer:
-                p.set_index(layer, locs, k, scale)
-        records = pack_index_records(k, scale) if with_indexer else None
-        got, want = ahead.layer_view(layer, rows, records), after.layer_view(layer)
+        got, want = ahead.layer_view(layer), after.layer_view(layer)
+        assert got.kv_rows.data_ptr() != want.kv_rows.data_ptr()
         assert torch.equal(got.kv_rows, want.kv_rows) and torch.equal(got.page_table, want.page_table)
         if with_indexer:
             assert torch.equal(got.index_pages, want.index_pages)
+        if layer == 0:
+            assert ahead._pending is not None and ahead._pending[0] == 1  # layer 1 gathered ahead
     assert ahead._pending is None  # the last layer starts no prefetch
     assert counters == after.counters
 
 
-def test_prefetch_needs_the_current_chunk():
-    mat = ViewMaterializer(_filled_pool(), None, prefetch=True, use_triton=False)
-    mat.begin_batch(torch.zeros((1, 2), dtype=torch.int32), [20], [16])
-    with pytest.raises(ValueError, match="current_kv_rows"):
-        mat.layer_view(0)
+def test_prefetch_gather_place_is_checked():
     with pytest.raises(ValueError, match="prefetch_gather must be one of"):
         ViewMaterializer(_filled_pool(), None, prefetch=True, prefetch_gather="elsewhere")
-
-
-def test_a_plan_built_by_one_materializer_serves_another_of_the_same_batch():
-    pool = _filled_pool()
-    table = torch.tensor([[7, 2, 9], [2, 4, 0]], dtype=torch.int32)
-    seq, prefix = [3 * PS, 2 * PS - 3], [PS, 5]
-    first, second = ViewMaterializer(pool, None, use_triton=False), ViewMaterializer(pool, None, use_triton=False)
-    first.begin_batch(table, seq, prefix)
-    second.begin_batch(table, seq, prefix, plan=first.plan)
-    assert second.plan is first.plan
-    a, b = first.layer_view(0), second.layer_view(0)
-    assert torch.equal(a.kv_rows, b.kv_rows) and torch.equal(a.index_pages, b.index_pages)
-    with pytest.raises(ValueError, match="plan was built for another batch"):
-        second.begin_batch(table, [3 * PS, 3 * PS], prefix, plan=first.plan)  # other lengths
-    other = PagePool(PageOwnership(1, 2 * PS), 0, 12, 2, "fp8")  # another page size (the trash page is 0 in all)
-    with pytest.raises(ValueError, match="plan was built for another batch"):
-        ViewMaterializer(other, None, use_triton=False).begin_batch(table, seq, prefix, plan=first.plan)

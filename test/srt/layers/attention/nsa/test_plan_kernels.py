@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from page_fixtures import build_slot_plan, plan_meta
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
@@ -18,12 +19,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     plan_header,
     plan_positions_ref,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
-    build_slot_plan,
-    plan_meta,
-    plan_meta_rows,
-    slots_per_rank,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import plan_meta_rows, slots_per_rank
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
@@ -64,11 +60,11 @@ def _assign_case(pages, cp_size, seed, dtype=torch.int64, pad=0, strided=False):
         table = table[:, ::2]  # a page table whose rows are not contiguous (the reference plans it)
     # Blocks sized for balanced allocation, as the plan sizes them; random pages can overflow them.
     s = slots_per_rank(pages, cp_size)
-    positions, cu = _ref_vectors(pages, table.shape[1])
-    expected = assign_slots_ref(table, positions, cu, cp_size, s, 777, pad)
+    positions, _ = _ref_vectors(pages, table.shape[1])
+    expected = assign_slots_ref(table, positions, cp_size, s, 777, pad)
     plan = build_slot_plan(table, pages, cp_size, 16, 777, pad=pad, use_triton=True)
-    got = (plan.logical_pages, plan.slots, plan.slot_table, plan.slot_phys, plan.status)
-    assert torch.equal(plan.positions_flat, positions) and plan.slots_per_rank == s
+    got = (plan.logical, plan.slots, plan.slot_table, plan.slot_phys, plan.status)
+    assert torch.equal(plan.positions, positions) and plan.slots_per_rank == s
     for name, a, b in zip(("logical", "slots", "slot_table", "slot_phys", "status"), got, expected):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (name, pages, cp_size)
     # Never past the view, whether or not a block overflowed; the flag says whether one did.
@@ -97,7 +93,7 @@ def test_plan_overflow_reads_a_trash_slot_and_raises_the_flag(cp_size, use_trito
     n = cp_size
     table = torch.tensor([[1 + n * i for i in range(6)], [2, 3, 0, 0, 0, 0]], device=DEVICE)
     plan = build_slot_plan(table, [6, 2], n, 16, 777, use_triton=use_triton)
-    s, positions, logical, slots = plan.slots_per_rank, plan.positions_flat, plan.logical_pages, plan.slots
+    s, positions, logical, slots = plan.slots_per_rank, plan.positions, plan.logical, plan.slots
     slot_phys, slot_table = plan.slot_phys, plan.slot_table
     assert s == slots_per_rank([6, 2], n)
     counts = [sum(1 for lp in logical.tolist() if lp % n == o) for o in range(n)]

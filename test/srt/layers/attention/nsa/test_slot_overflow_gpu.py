@@ -3,14 +3,14 @@ past the view, and its overflow flag fails the batch once the flag has landed (1
 
 import pytest
 import torch
+from page_fixtures import build_slot_plan, plan_meta
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
-    OverflowCheck,
     SlotOverflowError,
-    build_slot_plan,
-    plan_meta,
+    overflow_message,
+    plan_meta_rows,
     slots_per_rank,
 )
 
@@ -28,12 +28,19 @@ def test_non_rotating_pages_plan_inside_the_view_and_fail_without_a_sync(cp_size
     n = cp_size
     # Request "a": 6 pages all owned by rank 1; request "b": 2 balanced pages.
     table = torch.tensor([[1 + n * i for i in range(6)], [2, 3, 0, 0, 0, 0]], device=dev)
-    check = OverflowCheck()
+    check = DeviceFlagCheck()
+
+    def record(plan):  # the plan's status copied into pinned memory, read once that copy has landed
+        buf, _, array = check.host_views(n + 1, dev, 0)
+        buf.copy_(plan.status, non_blocking=True)
+        s = plan.slots_per_rank
+        check.watch(buf, lambda h: SlotOverflowError(overflow_message(h, s, ["a", "b"])) if h[0] else None, dev, array=array)
+
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         plan = build_slot_plan(table, [6, 2], n, PS, 0, use_triton=True)
-        check.record(plan, ["a", "b"])
+        record(plan)
         check.poll()  # never waits: the flag is read once its copy has landed
     except SlotOverflowError:
         pass  # the copy may already have landed: still no sync was needed to see it
@@ -46,7 +53,7 @@ def test_non_rotating_pages_plan_inside_the_view_and_fail_without_a_sync(cp_size
     assert torch.equal(plan.slot_table.cpu(), ref.slot_table) and torch.equal(plan.status.cpu(), ref.status)
     assert plan.status.tolist()[0] == 1
     with pytest.raises(SlotOverflowError, match=r"\[a, b\]|'a'"):
-        check.record(plan, ["a", "b"])
+        record(plan)
         check.poll(wait=True)
 
 
@@ -60,7 +67,7 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
     rows = torch.arange(2, device=dev)
     s, m = slots_per_rank(pages, n), len(PLAN_META_ROWS) * len(pages)
     check = DeviceFlagCheck()
-    buf = check.host_buffer(m + n + 2 + len(pages), dev)
+    buf = check.host_views(m + n + 2 + len(pages), dev, 0)[0]
     assert buf.is_pinned()
     buf.fill_(0)
     seen = []
@@ -68,7 +75,8 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
     torch.cuda._sleep(200_000_000)  # the launch lands well after the first polls below
     torch.cuda.set_sync_debug_mode("error")
     try:
-        meta = plan_meta(pages, dev, out=buf[:m])
+        meta = buf[:m]
+        meta.numpy()[:] = plan_meta_rows(pages)
         pinned = plan_batch(table, rows, 1, meta, 6, sum(pages), n, s, 0, None, 0, 0, flags=buf[m:])
         check.watch(buf, lambda host: seen.append(host[m:]) or RuntimeError("overflow"), dev, landed=len(buf) - 1)
         check.poll()  # not landed yet: nothing read, nothing waited for
@@ -82,7 +90,7 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
     with pytest.raises(RuntimeError, match="overflow"):
         check.poll()
     assert seen == [device.status.tolist() + device.wrong.tolist() + [1]]
-    assert check.host_buffer(m, dev).data_ptr() == buf.data_ptr()  # the landed buffer is reused
+    assert check.host_views(m, dev, 0)[0].data_ptr() == buf.data_ptr()  # the landed buffer is reused
     # The torch formulation takes the same pinned lengths and flags (it copies the lengths over).
     flags = torch.zeros(n + 2 + len(pages), dtype=torch.int64, pin_memory=True)
     ref = plan_batch(table, rows, 1, meta, 6, sum(pages), n, s, 0, None, 0, 0, use_triton=False, flags=flags)
@@ -95,7 +103,7 @@ def test_a_failed_record_keeps_the_later_buffers_until_they_land():
     (a launch may still read or write them) until their events land; then they serve new records."""
     dev = torch.device("cuda")
     check = DeviceFlagCheck()
-    first, second = check.host_buffer(8, dev), check.host_buffer(8, dev)
+    first, second = check.host_views(8, dev, 0)[0], check.host_views(8, dev, 0)[0]
     first.fill_(1)
     second.fill_(0)
     check.watch(first, lambda host: RuntimeError("first") if host[0] else None, dev)
@@ -107,7 +115,7 @@ def test_a_failed_record_keeps_the_later_buffers_until_they_land():
     assert check.pending == 1  # the second, still in flight, is held
     check.poll(wait=True)  # its values are dropped: no error, its buffer recycled
     assert check.pending == 0
-    assert check.host_buffer(8, dev).data_ptr() in (first.data_ptr(), second.data_ptr())
+    assert check.host_views(8, dev, 0)[0].data_ptr() in (first.data_ptr(), second.data_ptr())
 
 
 def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
@@ -115,7 +123,6 @@ def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
     one is one clear ValueError before anything is queued; pinned host memory is a valid argument."""
     from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
     from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import plan_header
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import plan_meta_rows
 
     dev = torch.device("cuda")
     ps, n = 4, 2

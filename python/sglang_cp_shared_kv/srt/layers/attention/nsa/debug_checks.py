@@ -13,7 +13,7 @@ import hashlib
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotPlan
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan
 from sglang_cp_shared_kv.srt.mem_cache.placement import page_owner
 
 
@@ -21,21 +21,20 @@ class CPSharedKVDebugError(RuntimeError):
     """A debug-mode invariant of the sharded read path does not hold."""
 
 
-def plan_digest(plan: SlotPlan) -> str:
-    """A hash of everything that decides the view's layout (host metadata and device tensors)."""
+def plan_digest(plan: BatchPlan) -> str:
+    """A hash of everything that decides the view's layout (host sizes and device tensors)."""
     h = hashlib.sha256()
-    meta = (plan.cp_size, plan.page_size, plan.pages_per_req, plan.slots_per_rank, plan.trash_page)
-    h.update(repr(meta).encode())
-    for t in (plan.positions_flat, plan.logical_pages, plan.slots, plan.slot_table, plan.slot_phys):
+    h.update(repr((plan.cp_size, plan.num_positions, plan.slots_per_rank)).encode())
+    for t in (plan.positions, plan.logical, plan.slots, plan.slot_table, plan.slot_phys):
         h.update(repr((t.dtype, tuple(t.shape))).encode())
         h.update(t.detach().contiguous().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
-def check_plan_local(plan: SlotPlan) -> None:
+def check_plan_local(plan: BatchPlan, trash_page: int) -> None:
     """Slot overflow, slots inside their owner's block and unique, and ``slot_phys`` matching the pages."""
     n, s = plan.cp_size, plan.slots_per_rank
-    logical = plan.logical_pages.cpu()
+    logical = plan.logical.cpu()
     slots = plan.slots.cpu()
     owner = page_owner(logical, n)
     counts = torch.zeros(n, dtype=torch.int64).index_add_(0, owner, torch.ones_like(owner))
@@ -49,7 +48,7 @@ def check_plan_local(plan: SlotPlan) -> None:
     if len(slots) and (outside or len(set(slots.tolist())) != len(slots)):
         raise CPSharedKVDebugError("slot plan is inconsistent: a slot lies outside its owner's block or is reused")
     phys = plan.slot_phys.cpu()
-    expected = torch.full((n * s,), plan.trash_page, dtype=torch.int64)
+    expected = torch.full((n * s,), trash_page, dtype=torch.int64)
     expected[slots] = logical // n  # slot x gathers slot_phys[x]
     if not torch.equal(phys, expected):
         bad = int((phys != expected).nonzero()[0])
@@ -58,18 +57,18 @@ def check_plan_local(plan: SlotPlan) -> None:
             f"expected {int(expected[bad])}"
         )
     table = plan.slot_table.cpu().reshape(-1)
-    if not torch.equal(table[plan.positions_flat.cpu()].long(), slots):
+    if not torch.equal(table[plan.positions.cpu()].long(), slots):
         raise CPSharedKVDebugError("slot plan is inconsistent: the slot table does not match the slots")
 
 
-def check_plan(plan: SlotPlan, group: CPGroup | None) -> None:
+def check_plan(plan: BatchPlan, trash_page: int, group: CPGroup | None) -> None:
     """Local invariants on every rank, then agreement across the group.
 
     Ranks exchange their local verdicts and plan digests in one collective before anyone raises,
     so a rank whose plan is broken never leaves its peers waiting: every rank raises the same error.
     """
     try:
-        check_plan_local(plan)
+        check_plan_local(plan, trash_page)
         local_error = None
     except CPSharedKVDebugError as e:
         if group is None:

@@ -3,48 +3,40 @@
 The stock indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool
 this module gives them one, per forward batch:
 
-1. ``begin_batch`` plans once (``slot_plan``): every page position of the batch gets a slot of
-   a view of ``N * S`` pages, owner-major. Whether a batch needs a view at all (current-reuse)
-   is the caller's choice (``layers.attention.nsa.read_state``).
+1. ``begin_planned`` takes the batch's plan (``plan_kernels.BatchPlan``: every planned page position
+   gets a slot of a view of ``N * S`` pages, owner-major), built by the read state
+   (``layers.attention.nsa.read_state``), which also decides whether a batch needs a view at all
+   (current-reuse) and stages the current chunk into the pages past the view.
 2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, straight
    into its part of the dense views (Triton ``gather_page_buffers``: latent and indexer pages in
    one launch; padding slots read the trash page), and the CP group all-gathers the parts in
    place, latent and indexer views in one NCCL group. The page table handed to the kernels is
    the plan's slot table; NSA top-k positions map to view rows through ``LayerView.rows``.
 
-Nothing here reads device data back to the host: sizes come from host lengths. A plan whose
-pages overflow an owner's block reads the trash page there; ``begin_batch`` raises
-``SlotOverflowError`` for an earlier batch whose overflow flag has reached the host
-(``overflow``, an ``OverflowCheck``; ``check_overflow(wait=True)`` where the caller syncs). The layer's
-current-chunk rows must be in the pool before its ``layer_view`` (the write path stores them),
-and a view stays valid until the next ``layer_view`` call (the buffers are reused).
+Nothing here reads device data back to the host: sizes come from host lengths. A view stays valid
+until the next ``layer_view`` call (the buffers are reused).
 
 Optional one-layer-ahead prefetch (``prefetch=True``): ``layer_view(l)`` also gathers layer
 ``l + 1``'s owned pages (on the compute stream by default, ``prefetch_gather``) and all-gathers
 them on a side CUDA stream (``prefetch_stream``, the highest priority) while layer ``l`` computes.
-It is bit-exact (tests on gloo, NCCL and copy engines). On one H200 behind a layer of FlashMLA's fp8
-attention and a MoE stand-in it costs the layer what building the view in line costs: below the
-noise at 32K-128K tokens, about 1% at 512K, where the view's bytes compete with the attention for
-HBM bandwidth (``docs/design.md``). Off by default, here and on the SGLang path, where
-``$SGLANG_CP_SHARED_KV_PREFETCH=1`` turns it on unless the views go through NCCL
-(``copy_engine.prefetch_on``).
+The view holds prefix pages only, which are in the pool before the batch starts, so a view gathered
+ahead equals one gathered in line (tests on gloo, NCCL and copy engines). Off by default, here and
+on the SGLang path, where ``$SGLANG_CP_SHARED_KV_PREFETCH=1`` turns it on unless the views go through
+NCCL (``copy_engine.prefetch_on``).
 
 Inside a node, over a copy-engine group that mapped the peers' pools (``source_table``), a view built
 in line skips step 2's gather and all-gather: one launch reads every owner's block straight from its
-pool (``materialize_kernels.pull_pages``), and ``begin_batch`` queues the group's per-batch ``fence``.
+pool (``materialize_kernels.pull_pages``), after the group's per-batch ``fence``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
-from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     PULL_LAYER_ARG,
     PULL_START_ARG,
@@ -58,15 +50,8 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     word_view,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
-    OverflowCheck,
-    SlotPlan,
-    build_slot_plan,
-    host_to_device,
-    pages_for_lens,
-)
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, INDEX_TOKEN_BYTES, index_page_views
-from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
+from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.utils import check_int, current_stream
 
 
@@ -76,9 +61,8 @@ class BatchCounters:
 
     - ``kind``: ``current`` (no request has a prefix), ``history`` (all have) or ``mixed``.
     - ``layers``: layer views served.
-    - ``current_reuse_hits``: layer views served from the current chunk (nothing moved).
     - ``view_pages``: pages of the dense view, ``N * S`` (0 under current-reuse), ``S`` the plan's
-      ``slots_per_rank`` (``slot_plan.predicted_view_pages`` from host lengths).
+      ``slots_per_rank``.
     - ``pages_gathered``: pages this rank copied from its pool into its part of the view: ``S``
       per materialized layer, padding slots included (a slot's latent and indexer page count once).
     - ``bytes_materialized``: bytes written into this rank's dense views, its own block included:
@@ -86,21 +70,15 @@ class BatchCounters:
       indexer). Every rank of the group materializes the same amount.
     - ``bytes_received``: the part of ``bytes_materialized`` that came from other ranks,
       ``(N - 1) / N`` of it.
-    - ``current_chunk_bytes_gathered``: the part of ``bytes_materialized`` that holds pages of the
-      current chunk (pages past each request's page-aligned prefix): every rank already holds
-      them, so a path that stages the chunk locally (the read state) keeps this at 0; a view
-      planned over whole ``seq_len`` s gathers them again.
     - ``pages_staged``: current-chunk pages staged locally next to the view (not gathered).
     """
 
     kind: str
     layers: int = 0
-    current_reuse_hits: int = 0
     view_pages: int = 0
     pages_gathered: int = 0
     bytes_materialized: int = 0
     bytes_received: int = 0
-    current_chunk_bytes_gathered: int = 0
     pages_staged: int = 0
 
 
@@ -124,8 +102,8 @@ class LayerView:
     without an indexer, or for a layer whose indexer buffer is empty); ``page_table`` int32
     ``[B, max_pages]`` into both (a token at position ``p`` of request ``b`` is row
     ``page_table[b, p // page_size] * page_size + p % page_size``). Both buffers may hold
-    ``extra_pages`` past the view (``begin_batch``): pages the caller fills itself. The page table may
-    be given as the ``SlotPlan`` it comes from, and is taken from it at its first read (SGLang's read
+    ``extra_pages`` past the view (``begin_planned``): pages the caller fills itself. The page table may
+    be given as the ``BatchPlan`` it comes from, and is taken from it at its first read (SGLang's read
     path reads the buffers only: no tensor op for it per batch).
     """
 
@@ -135,7 +113,7 @@ class LayerView:
         self,
         kv_rows: torch.Tensor,
         index_pages: torch.Tensor | None,
-        page_table: torch.Tensor | SlotPlan,
+        page_table: torch.Tensor | BatchPlan,
         page_size: int,
         use_triton: bool | None = None,
     ):
@@ -216,25 +194,6 @@ def allocate_arena(
     return arena
 
 
-def check_current_chunk(
-    kv_rows: torch.Tensor | None,
-    index_records: torch.Tensor | None,
-    num_tokens: int,
-    row_bytes: int,
-    with_indexer: bool,
-) -> None:
-    """Shapes of the current chunk handed to a read path (one record per token, request-major)."""
-    if kv_rows is None or kv_rows.dtype != torch.uint8 or kv_rows.shape != (num_tokens, row_bytes):
-        got = None if kv_rows is None else f"{kv_rows.dtype} {tuple(kv_rows.shape)}"
-        raise ValueError(f"current_kv_rows must be uint8 [{num_tokens}, {row_bytes}], got {got}")
-    if not with_indexer:
-        return
-    shape = (num_tokens, INDEX_TOKEN_BYTES)
-    if index_records is None or index_records.dtype != torch.uint8 or index_records.shape != shape:
-        got = None if index_records is None else f"{index_records.dtype} {tuple(index_records.shape)}"
-        raise ValueError(f"current_index_records must be uint8 [{num_tokens}, {INDEX_TOKEN_BYTES}], got {got}")
-
-
 class ViewMaterializer:
     """Builds, per batch and layer, the dense view a sharded pool's kernels read.
 
@@ -243,10 +202,8 @@ class ViewMaterializer:
 
     With ``prefetch``, ``layer_view(l)`` also starts building layer ``l + 1``'s view (on GPU its
     gather on the compute stream, or with ``prefetch_gather="side"`` on the side stream, and its
-    all-gather on the side stream at ``prefetch_priority``; at once on CPU), before the caller has
-    written layer ``l + 1``'s current chunk to the pool. Every rank holds that chunk, so
-    ``layer_view(l + 1)`` then copies it into its view rows: the view is byte-for-byte the one a gather
-    after the write gives.
+    all-gather on the side stream at ``prefetch_priority``; at once on CPU). The view holds prefix
+    pages only, written before the batch began, so it equals the view gathered in line.
 
     ``pool`` is a ``page_source.PageSource``.
 
@@ -286,10 +243,8 @@ class ViewMaterializer:
         self.prefetch_gather = prefetch_gather
         self.prefetch_priority = prefetch_priority
         self.use_triton = use_triton
-        self.plan: SlotPlan | None = None
+        self.plan: BatchPlan | None = None
         self.counters: BatchCounters | None = None
-        self._num_tokens = 0
-        self._current_pages = 0  # current-chunk pages the batch's view gathers (0 when staged)
         # One or (prefetching) two sets of views, used by alternate layers, and per set what a layer's
         # gather needs: (this rank's page ids, its part of each view, each whole view).
         self._views: list[dict[str, torch.Tensor]] = []
@@ -305,14 +260,12 @@ class ViewMaterializer:
         self._sources: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._part_words: list[list[torch.Tensor]] = []
         self._launches: list[PreparedLaunch | None] = []
-        self._current_rows: torch.Tensor | None = None  # view row of each current token (prefetch)
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched: torch.cuda.Event | None = None
         self._fork: torch.cuda.Event | None = None
         self._gathered: torch.cuda.Event | None = None
         self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
-        self.overflow = OverflowCheck()
         # Views built in line over a copy-engine group that mapped the peers' pools: each layer's whole
         # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
         # a fence per batch orders the pools' writes and reads across ranks (``fence``).
@@ -321,99 +274,19 @@ class ViewMaterializer:
         self._pull_launches: dict[tuple[int, int], tuple[PreparedLaunch, int]] = {}
         self._layer_views: dict[tuple[int, bool], LayerView] = {}  # per batch: by view set and indexer
 
-    def check_overflow(self, wait: bool = False) -> None:
-        """Raise ``SlotOverflowError`` for a planned batch whose pages overflowed an owner's block.
-
-        Reads only flags already on the host unless ``wait`` (a caller that synchronizes anyway).
-        """
-        self.overflow.poll(wait=wait)
-
-    def begin_batch(
-        self,
-        page_table: torch.Tensor,
-        seq_lens: Sequence[int],
-        prefix_lens: Sequence[int],
-        plan: SlotPlan | None = None,
-        request_ids: Sequence[str] | None = None,
-        extra_pages: int = 0,
-    ) -> BatchCounters:
-        """Start a forward batch: its real page table (logical pages) and host lengths.
-
-        ``seq_lens[b]`` = prefix + tokens computed now for request ``b``; ``prefix_lens[b]`` = tokens
-        it reads from earlier batches (cached prefix or earlier chunks). Returns the batch's
-        counters, which ``layer_view`` keeps up to date. ``plan``: the plan another materializer
-        built for this very batch over the same pages (e.g. the latent and indexer buffers of one
-        pool), reused instead of planning again. ``request_ids``: names of the batch's requests, for
-        the overflow error. First raises ``SlotOverflowError`` for an earlier batch whose overflow
-        flag is on the host (``check_overflow``).
-
-        ``extra_pages``: pages every view buffer holds past the ``N * S`` gathered ones, never
-        gathered nor all-gathered (a caller that stages the current chunk there plans the view
-        over the prefixes only: ``seq_lens = prefix_lens``).
-        """
-        seq_lens = [int(n) for n in seq_lens]
-        prefix_lens = [int(n) for n in prefix_lens]
-        if len(seq_lens) != len(prefix_lens) or len(seq_lens) != page_table.shape[0]:
-            raise ValueError(
-                f"seq_lens ({len(seq_lens)}), prefix_lens ({len(prefix_lens)}) and page_table rows "
-                f"({page_table.shape[0]}) must agree"
-            )
-        if any(not 0 <= p <= n for p, n in zip(prefix_lens, seq_lens)):
-            raise ValueError(f"prefix_lens must lie in [0, seq_len], got {prefix_lens} for seq_lens {seq_lens}")
-        if not isinstance(extra_pages, int) or extra_pages < 0:
-            raise ValueError(f"extra_pages must be an int >= 0, got {extra_pages!r}")
-        self.drain()  # a gather still in flight writes buffers this batch replaces
-        self.check_overflow()
-        self.fence()
-        kind = batch_kind(prefix_lens)
-        self.counters = BatchCounters(kind=kind)
-        self._num_tokens = sum(seq_lens) - sum(prefix_lens)
-        pool = self.pool
-        n = pool.ownership.cp_size
-        all_pages = pages_for_lens(seq_lens, pool.page_size)
-        # Pages past each request's (page-rounded) prefix: the current chunk, gathered with the view
-        # (a caller that stages the chunk plans the prefixes alone: ``seq_lens = prefix_lens``).
-        prefix_pages = pages_for_lens(prefix_lens, pool.page_size)
-        pages = all_pages
-        self._current_pages = sum(p - q for p, q in zip(all_pages, prefix_pages))
-        if plan is None:
-            plan = build_slot_plan(page_table, pages, n, pool.page_size, pool.trash_page, use_triton=self.use_triton)
-            self.overflow.record(plan, request_ids)
-        elif (plan.cp_size, plan.page_size, plan.trash_page, plan.pages_per_req) != (
-            n,
-            pool.page_size,
-            pool.trash_page,
-            tuple(pages),
-        ):
-            raise ValueError("plan was built for another batch or pool layout than this begin_batch call")
-        self._start(plan, extra_pages)
-        if self.prefetch and self._num_tokens:
-            self._current_rows = self._current_view_rows(seq_lens, prefix_lens)
-        return self.counters
-
-    def begin_planned(self, plan: SlotPlan, kind: str, extra_pages: int) -> BatchCounters:
-        """``begin_batch`` for a caller that planned the batch's prefixes itself (``plan``, built for this
-        pool's layout) and stages the current chunk into the ``extra_pages`` past the view: nothing of the
-        chunk is gathered, so there are no lengths to check or plan here (host time). ``kind`` is the
-        batch's ``current_reuse.batch_kind``. The caller reads the plan's flags, checks the plan in debug
-        mode (``debug_checks.check_plan``), and queues the batch's ``fence`` (with the plan's launch) before
-        its first read or write."""
+    def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
+        """Start a batch whose prefixes the caller planned (``plan``, built for this pool's layout) and whose
+        current chunk it stages into the ``extra_pages`` past the view. ``kind`` is the batch's
+        ``current_reuse.batch_kind``. The caller reads the plan's flags, checks the plan in debug mode
+        (``debug_checks.check_plan``), and queues the batch's ``fence`` (with the plan's launch) before its
+        first read or write."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
         self.counters = BatchCounters(kind=kind)
-        self._num_tokens = self._current_pages = 0
-        self._start(plan, extra_pages, check=False)
-        return self.counters
-
-    def _start(self, plan: SlotPlan, extra_pages: int, check: bool = True) -> None:
-        """Take ``plan`` as the batch's and set its view buffers up (``check``: in debug mode check it here;
-        a caller that planned the batch itself checks it where it checks the rest)."""
         self.plan = plan
-        if check and debug_enabled():
-            check_plan(plan, self.group)
         self._allocate(plan, 2 if self.prefetch else 1, extra_pages)
-        self._current_rows = None
+        return self.counters
 
-    def _allocate(self, plan: SlotPlan, copies: int, extra_pages: int = 0) -> None:
+    def _allocate(self, plan: BatchPlan, copies: int, extra_pages: int = 0) -> None:
         """The view buffers, and the slices the gather writes and the all-gather fills (built once per batch).
 
         This rank gathers straight into its part of each view and the all-gather runs in place: no
@@ -459,51 +332,20 @@ class ViewMaterializer:
             self._pull_launches = {}
         self._layer_views = {}
 
-    def _current_view_rows(self, seq_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
-        """View row of every current token, request-major (host-known positions, device slot table)."""
-        extend = np.asarray(seq_lens, dtype=np.int64) - np.asarray(prefix_lens, dtype=np.int64)
-        req = np.repeat(np.arange(len(extend), dtype=np.int64), extend)
-        starts = np.cumsum(extend) - extend
-        pos = np.arange(len(req), dtype=np.int64) - starts[req] + np.asarray(prefix_lens, dtype=np.int64)[req]
-        device = self.pool.device
-        req_d, pos_d = host_to_device([req, pos], device)
-        rows = positions_to_view_rows(pos_d.unsqueeze(1), req_d, self.plan.slot_table, self.pool.page_size)
-        return rows.squeeze(1)
-
-    def layer_view(
-        self,
-        layer: int,
-        current_kv_rows: torch.Tensor | None = None,
-        current_index_records: torch.Tensor | None = None,
-    ) -> LayerView:
-        """The view of ``layer`` for the batch in progress.
-
-        ``current_kv_rows`` uint8 ``[T, row_bytes]`` and ``current_index_records`` uint8 ``[T, 132]``
-        (K then fp32 scale per token) are the chunk the caller just wrote to the pool, request-major.
-        Prefetching needs them; otherwise they are ignored.
-        """
+    def layer_view(self, layer: int) -> LayerView:
+        """The view of ``layer`` for the batch in progress."""
         if self.counters is None:
-            raise ValueError("layer_view called before begin_batch")
+            raise ValueError("layer_view called before begin_planned")
         pool = self.pool
         if not 0 <= layer < pool.num_layers:
             raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
         counters = self.counters
-        # A view planned over the prefixes only (``seq_lens = prefix_lens``: the caller stages the chunk
-        # past it) holds nothing of the current chunk: nothing to copy in.
-        copy_current = self.prefetch and self._num_tokens > 0
-        if copy_current:
-            check_current_chunk(
-                current_kv_rows, current_index_records, self._num_tokens, pool.row_bytes, pool.with_indexer
-            )
         slot = layer % len(self._views)
         pending, self._pending = self._pending, None
         if pending is not None:
             self._wait(pending)
-        ahead = pending is not None and pending[:2] == (layer, slot)  # gathered before the pool held the chunk
-        if not ahead:
+        if pending is None or pending[:2] != (layer, slot):  # not gathered ahead
             self._gather(layer, slot)
-        if copy_current and ahead:
-            self._copy_current(self._views[slot], current_kv_rows, current_index_records)
         if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1
@@ -530,13 +372,13 @@ class ViewMaterializer:
         """The batch's view buffers that ``layer_view(layer)`` fills (``"latent"``, ``"index"``):
         uint8 ``[N * S + extra_pages, page bytes]``, for a caller that stages pages past the view."""
         if not self._views:
-            raise ValueError("view_buffers called before begin_batch")
+            raise ValueError("view_buffers called before begin_planned")
         return self._views[layer % len(self._views)]
 
     def view_rows(self, layer: int = 0) -> torch.Tensor:
         """``view_buffers(layer)["latent"]`` as uint8 ``[pages * page_size, row_bytes]`` rows."""
         if not self._rows:
-            raise ValueError("view_rows called before begin_batch")
+            raise ValueError("view_rows called before begin_planned")
         return self._rows[layer % len(self._rows)]
 
     def _layer_has_index(self, layer: int) -> bool:
@@ -563,19 +405,21 @@ class ViewMaterializer:
             launch()
             if group is not None and plan.slots_per_rank:  # nothing to move when every page is staged
                 if transfer_stream is None:
-                    group.all_gather_into_many(whole, mine, async_op=True).wait()
+                    group.all_gather_into_many(whole, mine)
                 else:
                     gathered = self._gathered
                     gathered.record(current_stream(self.pool.device))
                     gathered.wait(transfer_stream)
-                    group.all_gather_into_many(whole, mine, stream=transfer_stream, ack=ack)
-                    self._unacked = not ack
+                    if ack or group.backend != "copy_engine":
+                        group.all_gather_into_many(whole, mine, stream=transfer_stream)
+                    else:
+                        group.all_gather_into_many(whole, mine, stream=transfer_stream, ack=False)
+                        self._unacked = True
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
         counters.bytes_materialized += plan.view_pages * page_bytes
         counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
-        counters.current_chunk_bytes_gathered += self._current_pages * page_bytes
 
     def _prepare_gather(self, layer: int, slot: int) -> tuple[Callable[[], None], list, list, int]:
         """``layer``'s gather into view set ``slot`` (a layer is gathered once per batch):
@@ -610,7 +454,7 @@ class ViewMaterializer:
         bytes of one slot's pages. Every layer rebinds one launch per buffer count and view size, kept
         across the batches that read the same arena pages (host time)."""
         plan, used = self.plan, 2 if self._layer_has_index(layer) else 1
-        outputs = plan.outputs  # the send entries: its buffer from send_start on
+        outputs = plan  # the send entries: its buffer from send_start on
         key = (used, plan.view_pages)
         found = self._pull_launches.get(key)
         if found is None:
@@ -697,19 +541,6 @@ class ViewMaterializer:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._wait(pending)
-        if self._unacked:
+        if self._unacked:  # copy engines only
             self._unacked = False
             self.group.finish_reads()
-
-    def _copy_current(
-        self, views: dict[str, torch.Tensor], kv_rows: torch.Tensor, index_records: torch.Tensor | None
-    ) -> None:
-        """Put the current chunk into a view gathered before the pool held it."""
-        pool, rows = self.pool, self._current_rows
-        ps = pool.page_size
-        views["latent"].view(-1, pool.row_bytes).index_copy_(0, rows, kv_rows)
-        if pool.with_indexer:
-            k_view, scale_view = index_page_views(views["index"], ps)
-            page, offset = rows // ps, rows % ps
-            k_view[page, offset] = index_records[:, :INDEX_HEAD_DIM]
-            scale_view[page, offset] = index_records[:, INDEX_HEAD_DIM:].contiguous().view(torch.float32).view(-1)

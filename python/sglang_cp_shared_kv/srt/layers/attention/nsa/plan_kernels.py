@@ -66,7 +66,6 @@ def plan_positions_ref(cu_pages: torch.Tensor, max_pages: int, num_positions: in
 def assign_slots_ref(
     page_table: torch.Tensor,
     positions_flat: torch.Tensor,
-    cu_pages: torch.Tensor,
     cp_size: int,
     slots_per_rank: int,
     trash_page: int,
@@ -89,7 +88,7 @@ def assign_slots_ref(
     (``M <= N * S``, so when one block overflows another has room), and it holds ``trash_page``:
     the view is never read past its end. ``status`` (int64, on the device, no host sync) reports
     it: ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o``
-    holds (``slot_plan.OverflowCheck`` reads it once it is on the host).
+    holds (the read state reads it once it is on the host).
 
     """
     n, s = cp_size, slots_per_rank
@@ -228,27 +227,34 @@ PARAMS_WORDS = 8
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts).
+    """Where each planned page position of one batch lives in the dense view (identical on every rank):
+    ``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts) and the host
+    sizes they were built for.
 
-    The per-position outputs and the send entries are one int64 buffer (``words``), sliced only when
-    asked for; ``status`` and ``wrong`` are views of ``flags``, likewise: the read path hands the send
-    entries to the view's launches by offset (``send_start``) and reads the flags on the host as one list.
-    The slot table is ``table`` itself, or with ``table_shape`` the start of that flat buffer, shaped at
-    its first read (SGLang's read path never reads it). Host time: no tensor op per batch."""
+    The per-position outputs and the send entries are one int64 buffer (``words``), sliced when asked for;
+    ``status`` and ``wrong`` are views of ``flags``: the read path hands the send entries to the view's
+    launches by offset (``send_start``) and reads the flags on the host as one list. The slot table is
+    ``table`` itself, or with ``table_shape`` the start of that flat buffer.
+    """
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
     table: torch.Tensor  # int32 [B, width], or a flat buffer holding it first (``table_shape``)
     flags: torch.Tensor  # int64 [N + 2 + B]: status, wrong, then the landed word (1)
-    cp_size: int
+    cp_size: int  # N
     num_positions: int  # M
-    send_entries: int  # N * S
+    slots_per_rank: int  # S: every owner's block
     table_shape: tuple[int, int] | None = None  # (B, width) where ``table`` is the flat buffer
 
     @cached_property
     def slot_table(self) -> torch.Tensor:
-        """int32 ``[B, width]``: the kernels' page table, in view slots."""
+        """int32 ``[B, width]``: the kernels' page table, in view slots (``pad`` past a request's pages)."""
         shape = self.table_shape
         return self.table if shape is None else self.table.as_strided(shape, (shape[1], 1))
+
+    @property
+    def view_pages(self) -> int:
+        """``N * S``: the view's pages, the send entries."""
+        return self.cp_size * self.slots_per_rank
 
     @property
     def send_start(self) -> int:
@@ -257,7 +263,7 @@ class BatchPlan:
 
     @property
     def positions(self) -> torch.Tensor:
-        """int64 ``[M]``: ``b * width + j`` of each planned position."""
+        """int64 ``[M]``: ``b * width + j`` of each planned position, request-major."""
         return self.words[: self.num_positions]
 
     @property
@@ -272,9 +278,10 @@ class BatchPlan:
 
     @cached_property
     def slot_phys(self) -> torch.Tensor:
-        """int64 ``[N * S]``: every owner's send block, owner-major (``assign_slots_ref``)."""
+        """int64 ``[N * S]``: every owner's send block, owner-major, so entry ``x`` is what view slot ``x``
+        holds: the physical page (on its owner) of a position, or the trash page (``assign_slots_ref``)."""
         start = self.send_start
-        return self.words[start : start + self.send_entries]
+        return self.words[start : start + self.view_pages]
 
     @property
     def status(self) -> torch.Tensor:
@@ -285,6 +292,21 @@ class BatchPlan:
     def wrong(self) -> torch.Tensor:
         """int64 ``[B]``: request b's shared pages that differ from its source's."""
         return self.flags[self.cp_size + 1 : -1]
+
+    def rank_view_slots(self, rank: int) -> tuple[int, int]:
+        """``[start, end)``: the view slots ``rank``'s block fills (host ints)."""
+        if not 0 <= rank < self.cp_size:
+            raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank!r}")
+        s = self.slots_per_rank
+        return rank * s, (rank + 1) * s
+
+    def send_pages(self, rank: int) -> torch.Tensor:
+        """Physical pages rank ``rank`` copies into its send block, in block order."""
+        return self.slot_phys[slice(*self.rank_view_slots(rank))]
+
+    def slot_owner(self, slots: torch.Tensor) -> torch.Tensor:
+        """The owner whose block fills each view slot."""
+        return slots // max(self.slots_per_rank, 1)
 
 
 def plan_batch_ref(
@@ -320,7 +342,7 @@ def plan_batch_ref(
     cu = torch.cat([plan_start, (plan_start[-1:] + plan_pages[-1:])])
     positions = plan_positions_ref(cu, width, num_positions)
     logical, slots, table, phys, status = assign_slots_ref(
-        plan_table, positions, cu, cp_size, slots_per_rank, trash_page, pad
+        plan_table, positions, cp_size, slots_per_rank, trash_page, pad
     )
     if page_pos is not None:
         map_batch_pages_ref(page_pos, page_table, table, torch.stack([shared, prefix, pages, start]), base, fill)
@@ -328,7 +350,7 @@ def plan_batch_ref(
     wrong = (differs & (cols < shared.unsqueeze(1))).sum(1)
     flags = torch.cat([status, wrong, torch.ones(1, dtype=torch.int64, device=status.device)])
     words = torch.cat([positions, logical, slots, phys])
-    return BatchPlan(words, table, flags, cp_size, num_positions, phys.shape[0])
+    return BatchPlan(words, table, flags, cp_size, num_positions, slots_per_rank)
 
 
 if triton is not None:
@@ -636,7 +658,7 @@ def plan_batch(
                 prepared()
     else:
         prepared = launch(_plan_batch_kernel, (1,), args, constexprs, queue, num_warps=8)
-    plan = BatchPlan(flat, table, flags, cp_size, m, send)
+    plan = BatchPlan(flat, table, flags, cp_size, m, slots_per_rank)
     if header and workspace is not None:
         workspace.bind(
             prepared, meta, tokens, page_pos, given_flags, (batch, page_size, cp_size, trash_page, pad), plan
@@ -709,7 +731,7 @@ class PlanWorkspace:
             return None
         if sizes[0] < 3 * m + send + 1 + len(PLAN_META_ROWS) * batch or sizes[1] < batch * width:
             return None
-        return BatchPlan(b_words, b_table, plan_flags, cp_size, m, send, (batch, width))
+        return BatchPlan(b_words, b_table, plan_flags, cp_size, m, send // cp_size, (batch, width))
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""

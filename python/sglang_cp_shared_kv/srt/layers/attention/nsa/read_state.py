@@ -101,7 +101,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     pages_for_lens,
     plan_meta_rows,
     request_names,
-    slot_plan_of,
     slots_per_rank,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
@@ -325,7 +324,7 @@ class BatchReadState:
         if debug_enabled():
             self._queue_plan()  # the checks read the plan
             if self.mode == "materialized":
-                check_plan(self.views.plan, self.views.group)
+                check_plan(self.views.plan, self.latent.trash_page, self.views.group)
             # The batch's logical pages by position: every page's first token loc // ps.
             ps = self.page_size
             page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : ps].long() // ps
@@ -457,8 +456,7 @@ class BatchReadState:
         # (padding locs of the write path) to the trash page past those.
         out, queued = self._plan(batch, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged)
         self._deferred = (queued, True)  # its flags are watched: queued at the latest by the next begin or end
-        plan = slot_plan_of(out, n, self.page_size, plan_pages, s, self.latent.trash_page, with_status=False)
-        self.counters = self.views.begin_planned(plan, kind, extra_pages=staged + 1)
+        self.counters = self.views.begin_planned(out, kind, extra_pages=staged + 1)
         self.counters.pages_staged = staged
         self._stages = self.views.stages
         self.mode = "materialized"

@@ -736,7 +736,7 @@ def run_cell(args, shapes, n, prefix, tokens_list, links, device, moe, kexp, log
         }
         # Stock once per cell; ours per link speed, each mode timed in rounds beside a stock run.
         for li, gbps in enumerate(links):
-            link = pacing.PacedLink(gbps, args.latency_us, args.local_gbps, args.spinner)
+            link = pacing.PacedLink(gbps, args.latency_us, args.local_gbps, args.spinner, args.max_pieces)
             runner = Runner(pools, ops, link, sm_kernel_us)
             if li == 0:
                 for mode in ("stock", "inline", "prefetch"):  # warm-up (compiles, schedules)
@@ -1114,6 +1114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     ap.add_argument("--link-gbps", type=float, nargs="+", default=[pacing.DEFAULT_LINK_GBPS, pacing.SLOW_LINK_GBPS])
     ap.add_argument("--latency-us", type=float, default=pacing.DEFAULT_LATENCY_US)
+    ap.add_argument("--max-pieces", type=int, default=pacing.MAX_PIECES, help="pieces a paced copy pull is cut into")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--pool-layers", type=int, default=4)
@@ -1179,7 +1180,7 @@ def main(argv=None) -> int:
             "local_copy_gbps_measured": round(args.local_gbps, 1),
             "spinner": args.spinner.describe(),
             "spin_check": spin_check,
-            "pieces": f"a pull cut into about {pacing.MAX_PIECES} pieces of at least {pacing.MIN_PIECE_BYTES} B, each padded",
+            "pieces": f"a pull cut into about {args.max_pieces} pieces of at least {pacing.MIN_PIECE_BYTES} B, each padded",
         },
         "top": {"shapes": asdict(shapes), "logits_out": LOGITS_OUT["note"]},
     }

@@ -41,9 +41,11 @@ except ImportError:  # pragma: no cover - triton ships with torch on Linux
 
 DEFAULT_LINK_GBPS = 370.0  # NVLink 4 copy, one-way per H200 (the figure the issue names)
 SLOW_LINK_GBPS = 50.0  # PCIe or a cross-node hop
-DEFAULT_LATENCY_US = 25.0  # the copy-engine all-gather's signal round trip (fit: see pacing_check)
+# A fixed wait per copy-engine pull (the signal round trip). 0 by default: the model's own fixed costs (the
+# graph launch, the own gather, each piece's copy and wait nodes, about 2 us a piece on H200) stand for it.
+DEFAULT_LATENCY_US = 0.0
 MIN_PIECE_BYTES = 1 << 20
-MAX_PIECES = 64
+MAX_PIECES = 8
 
 
 def link_time_us(nbytes: int, link_gbps: float, latency_us: float = 0.0) -> float:
@@ -171,13 +173,14 @@ class PacedLink:
     latency_us: float
     local_gbps: float
     spinner: Spinner
+    max_pieces: int = MAX_PIECES
 
     def copy_pull(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Copy-engine pull: ``dst.copy_(src)`` for each ``(src, dst)`` (contiguous uint8, one peer's block
         of a view buffer), cut into pieces, each padded to its link time, after one ``latency_us`` wait.
         Queued on the current stream; returns the bytes pulled."""
         total = 0
-        size = piece_size(sum(src.numel() for src, _ in pairs))
+        size = piece_size(sum(src.numel() for src, _ in pairs), max_pieces=self.max_pieces)
         self.spinner.wait_us(self.latency_us)
         for src, dst in pairs:
             s, d = src.view(-1), dst.view(-1)
@@ -198,5 +201,5 @@ class PacedLink:
             "copy_engine_latency_us": self.latency_us,
             "local_copy_gbps_measured": round(self.local_gbps, 1),
             "spinner": self.spinner.describe(),
-            "pieces": f"a pull cut into about {MAX_PIECES} pieces, each at least {MIN_PIECE_BYTES} B, each padded",
+            "pieces": f"a pull cut into about {self.max_pieces} pieces, each at least {MIN_PIECE_BYTES} B, each padded",
         }

@@ -35,6 +35,8 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
+from demo import limits
+
 PROG = os.environ.get("CP_SHARED_KV_DEMO_PROG", "python -m demo")
 ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP request is made)
 AUX_SLOTS = 16
@@ -56,6 +58,14 @@ def _fmt_bytes(n: float) -> str:
 
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _open_files() -> int:
+    """This process's open file descriptors now (Linux's ``/proc/self/fd``; elsewhere 0)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
 
 
 def _rss_now() -> int:
@@ -197,6 +207,7 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
                     "equal": equal,
                 }
             )
+            to_driver.put(("progress", rank, bi + 1))  # the driver's quiet-rank timer counts from here
             if rank == 0:
                 kind = "prefix view" if mode == "materialized" else "current chunk only"
                 print(
@@ -265,7 +276,8 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
         s.send(lp, [lp.copy()])  # the request's pages (SGLang's filter keeps this rank's), then the manifest
     for s in senders:
         _wait(lambda s=s: s.poll() in (KVPoll.Success, KVPoll.Failed), "the transfer worker")
-    to_driver.put(("sent", rank, {"bytes_sent": sent[0], "ok": all(s.poll() == KVPoll.Success for s in senders)}))
+    ok = all(s.poll() == KVPoll.Success for s in senders)
+    to_driver.put(("sent", rank, {"bytes_sent": sent[0], "ok": ok, "open_files": _open_files()}))
     inbox.get(timeout=WAIT_S)  # stay up until the decode has read everything
     to_driver.put(("rss", rank, _peak_rss()))
     dist.barrier()
@@ -343,12 +355,14 @@ class _Ranks:
             p.start()
 
     def collect(self, kind: str) -> dict[int, object]:
-        """One ``kind`` message from every rank; a rank's error or death raises ``DemoError``."""
+        """One ``kind`` message from every rank; a rank's error or death, or ``WAIT_S`` without any message
+        (a rank reports each prefill batch), raises ``DemoError``."""
         got: dict[int, object] = {}
         end = time.monotonic() + WAIT_S
         while len(got) < len(self.procs):
             try:
                 k, rank, body = self.to_driver.get(timeout=0.5)
+                end = time.monotonic() + WAIT_S
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in got]
                 if dead:
@@ -404,7 +418,7 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
     decode_args.resolve_once()
     publish(decode_args, role="scheduler")
     model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
-    lengths = [args.request_len + 7 * i for i in range(args.requests)]
+    lengths = limits.request_lengths(args.request_len, args.requests)
     decode_pages = sum(-(-n // ps) for n in lengths) + 2
     with sp.no_dcp():
         pool, allocator = sp.build_pool_and_allocator(model_config, decode_pages * ps, args.requests, ps)
@@ -437,6 +451,7 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
         dst.append(d)
     ranks.tell("send")
     sent = ranks.collect("sent")
+    open_files = _open_files()  # every rank's connections up
     polls, reasons = [], []
     for rcv in receivers:
         _wait(lambda rcv=rcv: rcv.poll() in (KVPoll.Success, KVPoll.Failed), "the prefill ranks' transfers", WAIT_S)
@@ -469,6 +484,7 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
         "decode_equal": step_equal,
         "rss": rss,
         "decode_rss_after_imports": imported,
+        "decode_open_files": open_files,
         "decode_pool": type(pool).__name__,
         "decode_allocator": type(allocator).__name__,
     }
@@ -551,10 +567,15 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
                 "bytes_sent_to_decode": res["sent"][r]["bytes_sent"],
                 "peak_rss_bytes": res["rss"][r],
                 "rss_after_imports_bytes": pre[r]["rss_after_imports"],
+                "open_files": res["sent"][r]["open_files"],
             }
             for r in sorted(pre)
         },
-        "decode": {"peak_rss_bytes": _peak_rss(), "rss_after_imports_bytes": res["decode_rss_after_imports"]},
+        "decode": {
+            "peak_rss_bytes": _peak_rss(),
+            "rss_after_imports_bytes": res["decode_rss_after_imports"],
+            "open_files": res["decode_open_files"],
+        },
         "batches": r0["rows"],
         "classes": r0["classes"],
         "wall_s": round(seconds, 1),
@@ -580,25 +601,51 @@ def _plot(path: Path, numbers: dict) -> None:
     a.set_xticks(list(x), names, fontsize=8)
     a.set_ylabel("MiB per prefill rank")
     a.legend()
-    for r, v in ranks.items():
+    # Ranks often receive equal bytes: each rank's line has its own marker and dash, drawn larger and hollow
+    # under the next one's, so every rank stays visible where the lines coincide.
+    markers, dashes = "osD^v<>px*", ["-", "--", ":", "-."]
+    for i, (r, v) in enumerate(ranks.items()):
         b.plot(
             range(1, len(v["bytes_received_per_batch"]) + 1),
             [y / 2**10 for y in v["bytes_received_per_batch"]],
-            marker="o",
+            marker=markers[i % len(markers)],
+            markersize=max(3, 11 - 1.5 * i),
+            markerfacecolor="none",
+            linestyle=dashes[i % len(dashes)],
+            linewidth=max(1.0, 3.0 - 0.4 * i),
             label=f"rank {r}",
         )
+    b.xaxis.get_major_locator().set_params(integer=True)
     b.set_xlabel("prefill batch")
     b.set_ylabel("KiB received (ours; stock: 0)")
-    b.legend()
+    b.legend(title="equal values overlap" if _equal_lines(ranks) else None, fontsize=8)
     fig.suptitle("CP shared KV through SGLang's pools, per prefill rank")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
+def _equal_lines(ranks: dict) -> bool:
+    """Whether two ranks received equal bytes in every batch (their lines lie on each other)."""
+    seen = [tuple(v["bytes_received_per_batch"]) for v in ranks.values()]
+    return len(set(seen)) < len(seen)
+
+
 # ------------------------------------------------------------------------------------------ CLI
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (``error: ...``, exit code 2), as the demo's own refusals."""
+
+    def error(self, message: str):
+        _refuse(message)
+
+
+def _refuse(line: str):
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog=PROG,
         description="SGLang's prefill CP path with --enable-cp-shared-kv on CPU ranks: chunked prefill through "
         "SGLang's pools, Mooncake transfer to a decode, every result checked against the replicated pool.",
@@ -606,43 +653,52 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--cp-size", type=int, default=2, help="prefill context-parallel ranks (processes), 2 or more")
     ap.add_argument("--requests", type=int, default=3, help="requests, prefilled in order")
-    ap.add_argument("--request-len", type=int, default=320, help="prompt tokens of the first request (+7 per next)")
+    ap.add_argument(
+        "--request-len", type=int, default=320, help=f"prompt tokens of the first request (+{limits.STRIDE} per next)"
+    )
     ap.add_argument("--chunk", type=int, default=128, help="chunked prefill: new tokens per batch (whole pages)")
-    ap.add_argument("--page-size", type=int, default=64, help="tokens per KV page, a power of two")
-    ap.add_argument("--topk", type=int, default=64, help="keys each query attends to (the DSA indexer's top-k)")
+    ap.add_argument(
+        "--page-size",
+        type=int,
+        default=limits.PAGE_SIZE,
+        help=f"tokens per KV page: {limits.PAGE_SIZE}, the only size SGLang's DSA pool stores",
+    )
+    ap.add_argument(
+        "--topk",
+        type=int,
+        default=64,
+        help="keys each query attends to (the DSA indexer's top-k), at most the longest prompt",
+    )
     ap.add_argument("--out", default="demo_out", help="directory for cp_shared_kv_demo.json and .png")
     return ap
 
 
-def _check(ap: argparse.ArgumentParser, args) -> None:
-    from sglang_cp_shared_kv.srt.utils import check_page_size  # torch-free: errors come before any import
+def _check(args) -> None:
+    """Every refusal before any rank starts: the options, then what the host allows, then the plugin's settings."""
+    from demo.sglang_parts import MODELS
 
-    if args.cp_size < 2:
-        ap.error(f"--cp-size must be >= 2 (a CP-shared pool spans ranks), got {args.cp_size}")
-    for name in ("requests", "request_len", "chunk", "topk"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    try:
-        check_page_size(args.page_size)
-    except ValueError:
-        ap.error(f"--page-size must be a power of two, got {args.page_size}")
-    if args.chunk % args.page_size:
-        ap.error(f"--chunk must be a multiple of --page-size {args.page_size}, got {args.chunk}")
-    if args.request_len + 7 * (args.requests - 1) > 4096:
-        ap.error("--request-len plus 7 per further request must fit the tiny model's 4096-token context")
+    limits.check_counts(args.cp_size, args.requests, args.request_len, args.chunk, args.topk)
+    limits.check_pages(args.page_size, args.chunk)
+    limits.check_context(args.request_len, args.requests, args.chunk, limits.model_context(MODELS["dsa"]))
+    limits.check_topk(args.topk, args.request_len, args.requests)
+    limits.check_host(args.cp_size, limits.open_files_limit(), limits.available_memory())
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        ap.error(f"--out {out} is not writable: it is a file, not a directory")
+        raise limits.Refusal(f"--out {out} is not writable: it is a file, not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        ap.error(f"--out {out} is not writable: {e.strerror}")
+        raise limits.Refusal(f"--out {out} is not writable: {e.strerror}") from None
+    limits.check_settings()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    _check(ap, args)
+    try:
+        _check(args)
+    except limits.Refusal as e:
+        _refuse(str(e))
     _quiet()
     os.environ.setdefault("SGLANG_PLUGINS", "cp_shared_kv")
     os.environ["PYTHONWARNINGS"] = "ignore"  # the ranks' (and multiprocessing's) import-time warnings
@@ -650,14 +706,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     os.environ.update(MC_FORCE_TCP="1", MOONCAKE_PROTOCOL="tcp")
     t0 = time.monotonic()
-    lengths = [args.request_len + 7 * i for i in range(args.requests)]
+    lengths = limits.request_lengths(args.request_len, args.requests)
     ranks = None
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_demo_") as tmp:
         try:
             from demo.sglang_parts import write_model_dirs
 
             write_model_dirs(Path(tmp), ["mla", "dsa"])
-            context = -(-(max(lengths) + args.chunk) // 256) * 256
+            context = limits.context_len(max(lengths), args.chunk)
             cfg = {"model_dir": tmp, "page_size": args.page_size, "lengths": lengths, "chunk": args.chunk}
             cfg.update(context_len=context, topk=args.topk)
             print(f"starting {args.cp_size} prefill CP ranks and the decode (SGLang import: ~20 s)", flush=True)

@@ -41,7 +41,9 @@ _MLA = {
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
-    "max_position_embeddings": 4096,
+    # The context SGLang derives for the MLA/DSA models: room for the demo's long prompts (16K tokens and a
+    # chunk). A CP-shared pool's view arena is sized from it (allocated; its pages touched only when read).
+    "max_position_embeddings": 32768,
     "rope_theta": 10000,
     "rms_norm_eps": 1e-6,
     "vocab_size": 1024,

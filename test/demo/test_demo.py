@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from demo import limits
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SH = ROOT / "scripts" / "demo.sh"
 ENV = dict(os.environ, TRITON_INTERPRET="1", MC_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
@@ -31,9 +33,18 @@ def _demo_sh(args, cwd, timeout=400):
 @pytest.mark.multirank
 @pytest.mark.mooncake
 @pytest.mark.sglang
-@pytest.mark.parametrize("cp", [2, 4])
-def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp):
-    args = ["--cp-size", str(cp), "--requests", "2", "--request-len", "130", "--chunk", "128", "--out", "plots"]
+@pytest.mark.parametrize(
+    "cp, shape",
+    [
+        (2, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
+        (3, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
+        (4, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
+        # One request of 9 pages: every rank of 8 owns one or two, and 2 of its 3 batches read a prefix view.
+        (8, ["--requests", "1", "--request-len", "520", "--chunk", "256"]),
+    ],
+)
+def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp, shape):
+    args = ["--cp-size", str(cp), *shape, "--out", "plots"]
     proc = _demo_sh(args, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -59,21 +70,108 @@ def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp):
         # Memory: the imports' share measured apart from the peak it is part of.
         assert 0 < rank["rss_after_imports_bytes"] <= rank["peak_rss_bytes"], (r, rank)
     assert 0 < numbers["decode"]["rss_after_imports_bytes"] <= numbers["decode"]["peak_rss_bytes"], numbers["decode"]
+    # The driver's refusal of a --cp-size past the open-file limit estimates at least what every process held.
+    files = [rank["open_files"] for rank in numbers["per_rank"].values()] + [numbers["decode"]["open_files"]]
+    assert 0 < max(files) <= limits.FILES_BASE + limits.FILES_PER_RANK * cp, files
 
 
-def test_demo_help_and_one_line_errors(tmp_path):
+def test_demo_help(tmp_path):
     proc = _demo_sh(["--help"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: scripts/demo.sh"), proc.stdout + proc.stderr
-    for option in ("--cp-size", "--requests", "--request-len", "--chunk", "--page-size", "--out"):
+    for option in ("--cp-size", "--requests", "--request-len", "--chunk", "--page-size", "--topk", "--out"):
         assert option in proc.stdout
-    for args, message in [
-        (["--page-size", "24"], "--page-size must be a power of two"),
-        (["--cp-size", "1"], "--cp-size must be >= 2"),
-        (["--chunk", "100"], "--chunk must be a multiple of --page-size 64"),
-    ]:
-        proc = subprocess.run([sys.executable, "-m", "demo", *args], capture_output=True, text=True, env=ENV)
-        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
-        assert message in proc.stderr.strip().splitlines()[-1]
+    assert "power of two" not in proc.stdout  # 64 is the only page size SGLang's DSA pool stores
+
+
+# (arguments, environment, what the one line says): each refused in the driver, before any rank starts.
+BAD_INPUTS = [
+    (["--topk", "5000"], {}, "--topk 5000 is larger than the longest prompt (334 tokens)"),
+    (["--topk", "65", "--request-len", "64", "--requests", "1"], {}, "use --topk 64 or less"),
+    (["--request-len", "32760"], {}, "need a 33024-token context"),
+    (["--request-len", "32640", "--chunk", "128"], {}, "use --request-len 32626 or less"),
+    (["--request-len", "32000", "--requests", "1", "--chunk", "1024"], {}, "use --request-len 31744 or less"),
+    (["--request-len", "64", "--requests", "1", "--chunk", "32768"], {}, "use --chunk 32704 or less"),
+    (["--page-size", "32"], {}, "--page-size 32: SGLang's DSA pool stores 64-token pages only: use --page-size 64"),
+    (["--page-size", "128"], {}, "use --page-size 64"),
+    (["--chunk", "100"], {}, "--chunk 100 is not whole 64-token pages"),
+    (["--cp-size", "1"], {}, "--cp-size 1: a CP-shared pool spans two ranks or more"),
+    (["--cp-size", "100000"], {}, "--cp-size 100000 needs about"),
+    (["--cp-size", "two"], {}, "argument --cp-size: invalid int value: 'two'"),
+    (["--requests", "0"], {}, "--requests 0: use 1 or more"),
+    ([], {"SGLANG_CP_SHARED_KV_ARENA_CONTEXTS": "0"}, "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS must be an int >= 1"),
+    ([], {"SGLANG_CP_SHARED_KV_PREFETCH": "yes"}, "SGLANG_CP_SHARED_KV_PREFETCH must be an int >= 0"),
+    ([], {"SGLANG_CP_SHARED_KV_TRANSPORT": "rdma"}, "SGLANG_CP_SHARED_KV_TRANSPORT must be one of"),
+]
+
+
+@pytest.mark.parametrize("args, env, says", BAD_INPUTS, ids=[" ".join(a) or next(iter(e)) for a, e, _ in BAD_INPUTS])
+def test_demo_refuses_what_it_cannot_run_in_one_line(tmp_path, args, env, says):
+    """Exit code 2 and one line on stderr, nothing on stdout, within seconds: no rank was started."""
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "demo", *args, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=dict(ENV, **env),
+        timeout=60,
+    )
+    took = time.monotonic() - t0
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+    assert took < 20, took  # about a second on an idle machine (the settings check imports torch, not SGLang)
+
+
+def test_demo_settings_line_is_the_servers(monkeypatch):
+    """A bad setting is refused with the line the server's startup check prints for it."""
+    from demo import limits
+    from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
+
+    monkeypatch.setenv("SGLANG_CP_SHARED_KV_ARENA_CONTEXTS", "two")
+    with pytest.raises(limits.Refusal) as e:
+        limits.check_settings()
+    assert str(e.value) == "\n".join(startup_checks._setting_rejections())
+    assert str(e.value).startswith("--enable-cp-shared-kv: SGLANG_CP_SHARED_KV_ARENA_CONTEXTS")
+    monkeypatch.delenv("SGLANG_CP_SHARED_KV_ARENA_CONTEXTS")
+    limits.check_settings()  # unset: nothing to refuse
+
+
+def test_demo_open_files_limit_is_the_processes(monkeypatch):
+    """The host check reads the open-file limit the ranks inherit, and refuses past it, naming a size that fits."""
+    import resource
+
+    from demo import limits
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert limits.open_files_limit() >= soft
+    most = (1000 - limits.FILES_BASE) // limits.FILES_PER_RANK
+    limits.check_host(most, 1000, None)
+    with pytest.raises(limits.Refusal, match=f"use --cp-size {most} or less"):
+        limits.check_host(most + 1, 1000, None)
+    with pytest.raises(limits.Refusal, match="use --cp-size 3 or less"):
+        limits.check_host(8, 1 << 20, 4 * limits.RANK_BYTES)
+
+
+@pytest.mark.sglang
+def test_demo_context_limit_is_sglangs(tmp_path):
+    """The context the demo checks against is the one SGLang derives from the tiny model: SGLang accepts a
+    ``--context-length`` of exactly it and refuses one more token, as the demo does."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from demo import limits
+    from demo.sglang_parts import MODELS, write_model_dirs
+
+    limit = limits.model_context(MODELS["dsa"])
+    assert limit >= limits.context_len(16384, 1024)  # the README's long prompt
+    model_dir = write_model_dirs(tmp_path, ["dsa"])["dsa"]
+    assert ModelConfig(str(model_dir), context_length=limit).context_len == limit
+    with pytest.raises(ValueError, match=f"context_length \\({limit + 1}\\)"):
+        ModelConfig(str(model_dir), context_length=limit + 1)
+    # The demo's own arithmetic, at the boundary: the longest request whose context fits, and one token more.
+    most = limit - 128 - limits.STRIDE * 2
+    limits.check_context(most, 3, 128, limit)
+    with pytest.raises(limits.Refusal, match=f"use --request-len {most} or less"):
+        limits.check_context(most + 1, 3, 128, limit)
 
 
 @pytest.mark.multirank

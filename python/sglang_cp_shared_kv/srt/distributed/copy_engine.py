@@ -357,14 +357,14 @@ class CopyEngineGroup:
         never change, so the calls are one graph per parity, captured at its first fence and launched
         after that: one driver call per fence instead of ``1 + 3 * peers`` (host time).
 
-        ``then`` (a ``PreparedLaunch`` of the current stream's next kernel, ``stream`` left None) is queued
-        right after the fence: inside the same graph once its kernel is compiled, one graph per parity and
-        per ``then.graph_key()`` (its kernel and every argument's value), so a launch whose arguments do not
-        change from call to call costs no launch of its own (host time); otherwise called after the fence.
+        ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None) is
+        queued right after the fence: inside the same graph once it has run (compiled), one graph per parity
+        and per ``then.graph_key()`` (its kernel and every argument's value), so a launch whose arguments do
+        not change from call to call costs no launch of its own; otherwise called after the fence.
         """
         handle, q = self._handle(stream), self.fences % 2
         self.fences += 1
-        key = then.graph_key() if then is not None and then.compiled() is not None else None
+        key = then.graph_key() if then is not None and then.ran else None
         if key is None:
             exe = self._fence_graphs[q]
             if exe is None:
@@ -382,10 +382,8 @@ class CopyEngineGroup:
             self._fence_calls(handle, q)
         if then is None:
             return
-        if key is None:
+        if key is None or not exe:
             then()
-        elif not exe:
-            then.launch_on(handle)
         else:
             self.fused_fences += 1
 
@@ -409,8 +407,9 @@ class CopyEngineGroup:
 
         def body(h: int) -> None:
             self._fence_calls(h, q)
-            if then is not None:
-                then.launch_on(h)
+            if then is not None:  # Triton launches on torch's current stream: the capture stream here
+                with torch.cuda.stream(self._capture_stream):
+                    then()
 
         try:
             exe = self._driver.capture(self._capture_stream.cuda_stream, body)

@@ -5,16 +5,11 @@ import torch
 
 from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    PULL_LAYER_ARG,
-    PULL_START_ARG,
-    LaunchSequence,
-    LocTranslator,
-    PreparedLaunch,
+    _translate_kernel,
     gather_launch,
     gather_page_buffers,
     gather_pages,
     gather_pages_ref,
-    interpreting,
     planned_translation,
     positions_to_view_rows,
     positions_to_view_rows_ref,
@@ -22,9 +17,14 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     pull_pages_ref,
     translate_locs,
     translate_locs_ref,
-    triton_enabled,
     word_pair,
     word_view,
+)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import (
+    Launch,
+    LaunchSequence,
+    interpreting,
+    triton_enabled,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
 
@@ -159,26 +159,13 @@ def test_gather_page_buffers_gathers_latent_and_index_pages_together(ps, row_byt
         outs = [torch.zeros_like(e) for e in expected]
         gather_launch([word_pair(s, o) for s, o in zip((latent, index), outs)], ids, programs=programs)()
         assert all(torch.equal(a, b) for a, b in zip(outs, expected)), programs
-    # Another layer's sources into the same outs: the launch is rebound, not built again, and its kernel
-    # key kept; the rebound launch copies the new sources' pages.
-    outs = [torch.zeros_like(e) for e in expected]
-    out_words = [word_view(o) for o in outs]  # the same out tensors each time, as the materializer keeps them
-    first = gather_launch([(word_view(s), o) for s, o in zip((latent, index), out_words)], ids)
-    latent2, index2 = latent.flip(0).contiguous(), index.flip(0).contiguous()
-    second = gather_launch([(word_view(s), o) for s, o in zip((latent2, index2), out_words)], ids, like=first)
-    assert second is not first and second._key == first._key and second.args[3] is first.args[3]
-    second()
-    assert torch.equal(outs[0], gather_pages_ref(latent2, ids)) and torch.equal(outs[1], gather_pages_ref(index2, ids))
-    # Other outs: built again.
-    third = gather_launch([word_pair(s, o) for s, o in zip((latent, index), expected)], ids, like=second)
-    assert third.args[3] is not second.args[3]
 
 
 @needs_triton
 @pytest.mark.parametrize("cp_size", [2, 3])
 def test_pull_pages_reads_each_block_from_its_owners_pool(cp_size):
     """The in-line view over peer-mapped pools: every owner's block read from that owner's pages, two
-    layers through one launch rebound, a layer without indexer pages in one column."""
+    layers, a layer without indexer pages in one column."""
     ps, row_bytes, layers, pages, s = 4, MLA_FP8_ROW_BYTES, 2, 7, 3
     g = torch.Generator().manual_seed(cp_size)
 
@@ -203,10 +190,8 @@ def test_pull_pages_reads_each_block_from_its_owners_pool(cp_size):
     ]
     words = [word_view(o) for o in outs]
     strides = [ps * row_bytes // 4, ps * INDEX_TOKEN_BYTES // 4]
-    first = pull_launch(table, slot_phys, s, words, strides)
     for layer in range(layers):
-        launch = first if layer == 0 else first.rebind({PULL_LAYER_ARG: layer})
-        launch()
+        pull_launch(table, slot_phys, s, words, strides, layer)()
         assert torch.equal(outs[0], pull_pages_ref([latent[o][layer] for o in range(cp_size)], slot_phys, s)), layer
         assert torch.equal(outs[1], pull_pages_ref([index[o][layer] for o in range(cp_size)], slot_phys, s)), layer
     # The reference against plain indexing: slot x from owner x // S.
@@ -216,11 +201,9 @@ def test_pull_pages_reads_each_block_from_its_owners_pool(cp_size):
     # the same buffer are one int away.
     other = torch.randint(0, pages, (cp_size * s,), generator=g).to(DEVICE)
     buf = torch.cat([other, slot_phys, torch.zeros(3, dtype=torch.int64, device=DEVICE)])
-    launch = pull_launch(table, buf, s, words, strides, layer=1, start=cp_size * s, slots=cp_size * s)
-    launch()
+    pull_launch(table, buf, s, words, strides, layer=1, start=cp_size * s, slots=cp_size * s)()
     assert torch.equal(outs[0], pull_pages_ref([latent[o][1] for o in range(cp_size)], slot_phys, s))
-    launch.set_free_int(PULL_START_ARG, 0)
-    launch()
+    pull_launch(table, buf, s, words, strides, layer=1, start=0, slots=cp_size * s)()
     assert torch.equal(outs[0], pull_pages_ref([latent[o][1] for o in range(cp_size)], other, s))
     assert torch.equal(outs[1], pull_pages_ref([index[o][1] for o in range(cp_size)], other, s))
     with pytest.raises(ValueError, match="past slot_phys"):
@@ -259,12 +242,18 @@ def test_translate_locs_equals_torch_indexing(use_triton, dtype):
     ]
 
 
-def test_a_loc_translator_follows_its_page_map_as_it_is_rewritten():
-    """``LocTranslator`` equals ``translate_locs_ref`` over the map it holds, batch after batch as the map is
+def test_a_translation_follows_its_page_map_as_it_is_rewritten():
+    """``translate_locs`` equals ``translate_locs_ref`` over one map, batch after batch as the map is
     rewritten in place, for either locs dtype, another output dtype, and locs neither contiguous nor aligned."""
     g = torch.Generator().manual_seed(8)
     page_pos = torch.zeros(40, dtype=torch.int64, device=DEVICE)
-    locs_of, pages_of = LocTranslator(page_pos, 16), LocTranslator(page_pos, 1)
+
+    def locs_of(locs, dtype=None):
+        return translate_locs(page_pos, locs, 16, dtype)
+
+    def pages_of(pages):
+        return translate_locs(page_pos, pages, 1)
+
     for batch in range(3):
         page_pos.copy_(torch.randperm(40, generator=g).to(DEVICE) * (batch + 1))
         for dtype in (torch.int32, torch.int64):
@@ -304,81 +293,30 @@ def test_a_planned_translation_reads_its_table_from_the_device_words():
         planned_translation(page_pos, params[:4], 16)
 
 
-def _scaled_copy(src, dst, n, scale):  # a kernel body is never run here: only its parameters are read
-    pass
-
-
-def test_a_do_not_specialize_int_keeps_the_launch_key_across_values():
-    """An int the kernel names in ``do_not_specialize`` (a layer index) keys by its width alone, so rebinding
-    it keeps the launch's compiled kernel; a specialized int still changes the key at 1 and at 16."""
-    import triton.runtime.jit as jit
-
-    fn = jit.JITFunction(_scaled_copy, do_not_specialize=["n"])
-    src = torch.zeros(8, dtype=torch.int64)
-    launch = PreparedLaunch(fn, (1,), (src, src.clone(), 0, 0), {})
-    key = launch._key
-    for n in (1, 2, 16, 17):
-        launch.set_args({2: n})
-        assert launch._key == key, n
-    launch.set_args({2: 1 << 40})  # wider than i32: another kernel
-    assert launch._key != key
-    launch.set_args({2: 0, 3: 1})
-    assert launch._key != key
-    launch.set_args({3: 0})
-    assert launch._key == key
-
-
-def test_set_free_int_changes_one_argument_and_rekeys_only_past_its_width():
-    """``set_free_int`` replaces a ``do_not_specialize`` int in place, keeping the key and the kept kernel
-    while the width holds; a wider value, or an argument Triton specializes, takes the full rebind."""
-    import triton.runtime.jit as jit
-
-    fn = jit.JITFunction(_scaled_copy, do_not_specialize=["n"])
-    src, dst = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)
-    launch = PreparedLaunch(fn, (1,), (src, dst, 3, 0), {})
-    key = launch._key
-    launch._kernel = kept = object()  # stands for the compiled kernel a launch keeps
-    for n in (1, 16, 1 << 20):
-        launch.set_free_int(2, n)
-        assert launch.args == (src, dst, n, 0) and launch._all_args == (src.data_ptr(), dst.data_ptr(), n, 0)
-        assert launch._key == key and launch._kernel is kept
-    launch.set_free_int(2, 1 << 40)  # wider than i32: another kernel
-    assert launch.args[2] == 1 << 40 and launch._key != key and launch._kernel is None
-    launch.set_free_int(3, 1)  # specialized (its value 1): the full rebind
-    assert launch.args == (src, dst, 1 << 40, 1) and launch._key[-1][3] == ("i", True, False, True, False)
-    other = torch.zeros(8, dtype=torch.int32)[1:]  # another dtype, 4 bytes past an aligned start
-    launch.set_args({0: other})
-    assert launch._all_args[0] == other.data_ptr() and launch._key[-1][0] == (torch.int32, False)
-
-
-def test_a_launch_hands_the_launcher_tensors_by_address_and_keeps_the_tensors():
-    """The compiled launcher gets each tensor's address (no ``data_ptr`` call and no driver query per launch),
-    read with the alignment that keys it; the launch keeps the tensor itself for the JIT path and its lifetime."""
-    import triton.runtime.jit as jit
-
-    fn = jit.JITFunction(_scaled_copy, do_not_specialize=["n"])
-    src, dst = torch.zeros(8, dtype=torch.int64), torch.zeros(9, dtype=torch.float32)[1:]
-    launch = PreparedLaunch(fn, (1,), (src, dst, 5, 2), {})
-    assert launch.args == (src, dst, 5, 2)
-    assert launch._all_args == (src.data_ptr(), dst.data_ptr(), 5, 2)
-    assert launch._spec[:2] == ((torch.int64, src.data_ptr() % 16 == 0), (torch.float32, dst.data_ptr() % 16 == 0))
-
-
 @needs_triton
-def test_a_relaunch_keeps_the_key_of_equal_ints_and_rebinds_new_tensors():
-    """``relaunch`` keys again only what changed: an int equal to the last (another object) keeps its key and
-    value, a new tensor is handed by its new address, and the launch computes with the new arguments."""
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import _translate_kernel
-
+def test_a_launch_runs_its_kernel_and_keys_what_a_graph_bakes_in():
+    """A ``Launch`` queues its kernel with its bound arguments at every call (``ran`` after the first);
+    its ``graph_key`` is equal for equal values and differs where a tensor's address or an int differs."""
     page_pos = torch.tensor([3, 0, 1, 2, 7, 5, 4, 6], dtype=torch.int64, device=DEVICE)
     locs = torch.arange(300, dtype=torch.int64, device=DEVICE) % 256
-    out = torch.empty_like(locs)
-    launch = PreparedLaunch(_translate_kernel, (1,), (page_pos, locs, out, 300, 32, 8), {"BLOCK": 512})
-    launch()
-    key = launch._key
-    again, n = torch.empty_like(locs), int("300")  # an equal int, built anew: another object
-    assert n == launch.args[3] and n is not launch.args[3]
-    launch.relaunch((1,), (page_pos, locs.flip(0), again, n, 32, 8))
-    assert launch._key == key and launch._all_args[2] == again.data_ptr() and launch.args[3] is n
-    assert torch.equal(again, translate_locs_ref(page_pos, locs.flip(0), 32))
-    assert torch.equal(out, translate_locs_ref(page_pos, locs, 32))  # the first launch's output untouched
+    out, again = torch.empty_like(locs), torch.empty_like(locs)
+
+    def bound(dst, n=300):
+        return Launch(_translate_kernel, (1,), (page_pos, locs, dst, n, 32, 8), {"BLOCK": 512})
+
+    first = bound(out)
+    assert not first.ran
+    first()
+    assert first.ran and torch.equal(out, translate_locs_ref(page_pos, locs, 32))
+    assert bound(out).graph_key() == first.graph_key()
+    assert bound(again).graph_key() != first.graph_key() and bound(out, 299).graph_key() != first.graph_key()
+    locs.add_(1).remainder_(256)  # a launch reads what its tensors hold when it runs
+    first()
+    assert torch.equal(out, translate_locs_ref(page_pos, locs, 32))
+    assert LaunchSequence(first, bound(again)).ran is False
+
+
+def test_a_launch_refuses_tensors_of_two_devices():
+    """A kernel takes its tensors by address: a tensor off the launch's device (not pinned) is refused."""
+    with pytest.raises(ValueError, match="launched on meta got a tensor on cpu"):
+        Launch(_translate_kernel, (1,), (torch.zeros(4), torch.zeros(4, device="meta"), 0), {})

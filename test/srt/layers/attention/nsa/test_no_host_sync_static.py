@@ -28,7 +28,15 @@ NSA_DIR = Path(nsa.__file__).parent
 CHECKED = (
     [
         NSA_DIR / n
-        for n in ("slot_plan.py", "materialize_kernels.py", "materialize.py", "current_reuse.py", "read_state.py")
+        for n in (
+            "slot_plan.py",
+            "plan_kernels.py",
+            "triton_launch.py",
+            "materialize_kernels.py",
+            "materialize.py",
+            "current_reuse.py",
+            "read_state.py",
+        )
     ]
     + [NSA_DIR / "page_source.py"]
     + [Path(distributed.__file__).parent / n for n in ("cp_group.py", "copy_engine.py")]

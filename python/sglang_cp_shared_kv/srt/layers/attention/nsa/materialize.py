@@ -38,15 +38,9 @@ import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    PULL_LAYER_ARG,
-    PULL_START_ARG,
-    PreparedLaunch,
-    gather_launch,
     positions_to_view_rows,
     prepare_gather,
     pull_launch,
-    triton_enabled,
-    word_pair,
     word_view,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
@@ -254,12 +248,6 @@ class ViewMaterializer:
         # (pages, sets wanted) -> the arena's view sets: buffers, rows, stages (the same lists every batch).
         self._arena_sets: dict[tuple[int, int], tuple[list, list, list]] = {}
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
-        self._checked = False  # a gather of this materializer's buffers has passed prepare_gather's checks
-        # Host time: each layer's pool pages with their int32 word views (the pool's buffers are fixed),
-        # per view set its parts' word views and its last gather launch (the next layer rebinds it).
-        self._sources: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._part_words: list[list[torch.Tensor]] = []
-        self._launches: list[PreparedLaunch | None] = []
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched: torch.cuda.Event | None = None
@@ -270,8 +258,6 @@ class ViewMaterializer:
         # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
         # a fence per batch orders the pools' writes and reads across ranks (``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
-        # By the layer's buffer count and view pages: one launch each, its words the arena's leading pages.
-        self._pull_launches: dict[tuple[int, int], tuple[PreparedLaunch, int]] = {}
         self._layer_views: dict[tuple[int, bool], LayerView] = {}  # per batch: by view set and indexer
 
     def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
@@ -294,7 +280,7 @@ class ViewMaterializer:
         ``extra_pages`` follow the view in every buffer, untouched.
         """
         pool = self.pool
-        self._parts, self._part_words, self._launches = [], [], []
+        self._parts = []
         pages = plan.view_pages + extra_pages
         # The arena's view sets of a size are the same slices every batch: built once (host time).
         sets = self._arena_sets.get((pages, copies)) if self.arena is not None else None
@@ -326,10 +312,6 @@ class ViewMaterializer:
             for views in self._views:
                 mine = [v[start:end] for v in views.values()]
                 self._parts.append((send, mine, [v[: plan.view_pages] for v in views.values()]))
-                self._part_words.append([word_view(m) for m in mine])
-                self._launches.append(None)
-        if self.arena is None:  # fresh buffers: the pull launches of earlier batches wrote others
-            self._pull_launches = {}
         self._layer_views = {}
 
     def layer_view(self, layer: int) -> LayerView:
@@ -423,66 +405,26 @@ class ViewMaterializer:
 
     def _prepare_gather(self, layer: int, slot: int) -> tuple[Callable[[], None], list, list, int]:
         """``layer``'s gather into view set ``slot`` (a layer is gathered once per batch):
-        ``(launch, the views to all-gather, this rank's part of them, the bytes of one slot's pages)``.
-
-        The pool's pages and the view buffers are this materializer's own (shapes fixed by the pool
-        and the plan), so the gather's checks run once (``prepare_gather``, at the first batch) and
-        later batches build the launch straight from the buffers (host time).
-        """
+        ``(launch, the views to all-gather, this rank's part of them, the bytes of one slot's pages)``."""
         pool = self.pool
-        sources = self._sources.get(layer)
-        if sources is None:
-            pages = [pool.latent_pages(layer)]
-            if self._layer_has_index(layer):
-                pages.append(pool.index[layer])
-            sources = self._sources[layer] = [(src, word_view(src)) for src in pages]
+        sources = [pool.latent_pages(layer)] + ([pool.index[layer]] if self._layer_has_index(layer) else [])
         used = len(sources)
         page_ids, mine, whole = self._parts[slot]
-        if not self._checked or not triton_enabled(pool.device, self.use_triton) or not page_ids.shape[0]:
-            _, launch = prepare_gather([src for src, _ in sources], page_ids, mine[:used], use_triton=self.use_triton)
-        else:
-            pairs = [
-                word_pair(src, out, src_w, out_w)
-                for (src, src_w), out, out_w in zip(sources, mine, self._part_words[slot])
-            ]
-            launch = self._launches[slot] = gather_launch(pairs, page_ids, like=self._launches[slot])
-        self._checked = True
-        return launch, whole[:used], mine[:used], sum(src.shape[1] for src, _ in sources)
+        _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
+        return launch, whole[:used], mine[:used], sum(src.shape[1] for src in sources)
 
     def _pull(self, layer: int) -> int:
         """``layer``'s whole view read from the owners' pools in one launch (``source_table``); returns the
-        bytes of one slot's pages. Every layer rebinds one launch per buffer count and view size, kept
-        across the batches that read the same arena pages (host time)."""
+        bytes of one slot's pages."""
         plan, used = self.plan, 2 if self._layer_has_index(layer) else 1
-        outputs = plan  # the send entries: its buffer from send_start on
-        key = (used, plan.view_pages)
-        found = self._pull_launches.get(key)
-        if found is None:
-            views = list(self._views[0].values())[:used]
+        views = list(self._views[0].values())[:used]
+        page_bytes = sum(v.shape[1] for v in views)
+        if plan.slots_per_rank:
             words = [word_view(v[: plan.view_pages]) for v in views]
             strides = self.group.source_strides[:used]
-            launch = pull_launch(
-                self._source_table,
-                outputs.words,
-                plan.slots_per_rank,
-                words,
-                strides,
-                layer,
-                outputs.send_start,
-                plan.view_pages,
-            )
-            if len(self._pull_launches) >= 64:
-                self._pull_launches.clear()
-            found = self._pull_launches[key] = (launch, sum(v.shape[1] for v in views))
-        elif found[0].args[0] is not outputs.words:  # the plan's buffer grown since: rebound in place
-            found[0].set_args({0: outputs.words, PULL_START_ARG: outputs.send_start, PULL_LAYER_ARG: layer})
-        else:  # this batch's entries in the same buffer, and the layer: two ints
-            found[0].set_free_int(PULL_START_ARG, outputs.send_start)
-            found[0].set_free_int(PULL_LAYER_ARG, layer)
-        launch, page_bytes = found
-        if plan.slots_per_rank:
-            launch()
-            self.group.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
+            s, start = plan.slots_per_rank, plan.send_start
+            pull_launch(self._source_table, plan.words, s, words, strides, layer, start, plan.view_pages)()
+            self.group.bytes_received += (plan.view_pages - s) * page_bytes
         return page_bytes
 
     def fence(self, then=None) -> None:
@@ -492,7 +434,7 @@ class ViewMaterializer:
         staged locally), and a page it reads is rewritten only by a later batch: so every read follows
         the write it reads on its owner, and precedes the owner's next write of that page. No host wait.
 
-        ``then`` (a bound ``PreparedLaunch``, or None) is queued after it: in the fence's graph where there
+        ``then`` (a bound ``triton_launch.Launch``, or None) is queued after it: in the fence's graph where there
         is one (``CopyEngineGroup.fence(then=)``), else called."""
         if self._source_table is not None:
             self.group.fence(then=then)

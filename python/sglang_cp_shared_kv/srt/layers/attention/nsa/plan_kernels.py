@@ -22,19 +22,8 @@ from functools import cached_property
 
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    PreparedLaunch,
-    check_index,
-    launch,
-    triton_enabled,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, check_index, tl, triton, triton_enabled
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with torch on every platform we run
-    triton = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -530,7 +519,7 @@ def plan_batch(
     workspace: PlanWorkspace | None = None,
     header: bool = False,
     queue: bool = True,
-) -> BatchPlan | tuple[BatchPlan, PreparedLaunch | None]:
+) -> BatchPlan | tuple[BatchPlan, Launch | None]:
     """``plan_batch_ref`` in one launch of one program, which first fills ``page_pos`` (None: the plan
     without a page map) with ``fill``: its outputs in one int64 buffer and an int32 table, no read-back.
     ``num_positions`` (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints.
@@ -548,10 +537,8 @@ def plan_batch(
     values (``PLAN_HEADER``, 12 words), the lengths, then room for the flags (``flags``, if given, must be that tail); the
     launch reads everything from it, so its arguments do not change from batch to batch while the buffer,
     the workspace and the pool's tensors stay. ``queue=False``: returns ``(plan, launch)`` with the launch
-    bound, not queued, for the caller to queue (a call, or ``launch_on`` inside a captured graph); None
-    where the plan was computed without one (the reference path). A header launch over a ``workspace`` is
-    bound once per buffer: a later call with the same tensors and ints (a batch of the same size) checks only
-    the rows and the sizes and hands back that launch (host time).
+    bound, not queued, for the caller to queue (a call, or inside a captured graph); None where the plan
+    was computed without one (the reference path).
 
     The launch reads the request ``rows`` one after another from their address: they must be on the token
     table's device, and a header's rows contiguous (its address was written by the caller); other rows are
@@ -568,17 +555,8 @@ def plan_batch(
         rows = rows.contiguous()
     batch = rows.shape[0]
     m, send = num_positions, cp_size * slots_per_rank
-    if header and workspace is not None:
-        if m and slots_per_rank < 1:
-            raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
-        plan = workspace.rebound(
-            meta, tokens, page_pos, flags, (batch, page_size, cp_size, trash_page, pad), width, m, send
-        )
-        if plan is not None:
-            return plan if queue else (plan, workspace.launch)
     check_index("tokens", tokens, 2)
     lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
-    given_flags = flags  # what a later call passes to be handed this one's launch back
     if header:
         if (
             meta.dtype != torch.int64
@@ -634,7 +612,7 @@ def plan_batch(
             if workspace is None
             else workspace.params
         )
-        args = (tokens, tokens.stride(0), meta, meta, flat, workspace_table(table), meta, pages_out, params)
+        args = (tokens, tokens.stride(0), meta, meta, flat, table, meta, pages_out, params)
         args += (0, 0, page_size, 0, 0, trash_page, pad, 0, 0, num_pages)
     else:
         args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, pages_out, flat)
@@ -646,23 +624,10 @@ def plan_batch(
         "MAP": page_pos is not None,
         "HEADER": header,
     }
-    if header and workspace is not None:
-        # The workspace's own launch, not a shared site's: its caller may queue it later (``queue=False``),
-        # after another planner in the process has bound the site's to its own tensors.
-        prepared = workspace.launch
-        if prepared is not None and prepared.constexprs == constexprs and prepared.device == tokens.device:
-            prepared.relaunch((1,), args, queue)
-        else:
-            prepared = PreparedLaunch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
-            if queue:
-                prepared()
-    else:
-        prepared = launch(_plan_batch_kernel, (1,), args, constexprs, queue, num_warps=8)
+    prepared = Launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
+    if queue:
+        prepared()
     plan = BatchPlan(flat, table, flags, cp_size, m, slots_per_rank)
-    if header and workspace is not None:
-        workspace.bind(
-            prepared, meta, tokens, page_pos, given_flags, (batch, page_size, cp_size, trash_page, pad), plan
-        )
     return plan if queue else (plan, prepared)
 
 
@@ -671,12 +636,6 @@ def plan_header(
 ) -> list[int]:
     """The ``PLAN_HEADER`` words of a ``plan_batch(..., header=True)`` call with these values (host ints)."""
     return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr()] + [0] * len(TRANSLATION_WORDS)
-
-
-def workspace_table(table: torch.Tensor) -> torch.Tensor:
-    """The buffer a ``PlanWorkspace`` table is a view of (the same address): one argument object batch after
-    batch."""
-    return table if table._base is None else table._base
 
 
 class PlanWorkspace:
@@ -695,43 +654,6 @@ class PlanWorkspace:
         self._table: torch.Tensor | None = None
         # int64 [PARAMS_WORDS]: a header launch's translation words (``TRANSLATION_WORDS``), for ``translate_planned``.
         self.params: torch.Tensor | None = None
-        # The header launch last bound over these buffers, with what it was bound to (``bind``).
-        self._bound: tuple | None = None
-
-    @property
-    def launch(self) -> PreparedLaunch | None:
-        """The header launch last bound over this workspace (``plan_batch(..., header=True)``)."""
-        return None if self._bound is None else self._bound[0]
-
-    def bind(self, launch: PreparedLaunch, meta, tokens, page_pos, flags, ints: tuple, plan: BatchPlan) -> None:
-        """Keep ``launch``, just bound by a header plan over these buffers, for ``rebound``."""
-        words, table = plan.words, self._table
-        sizes = (words.shape[0], table.shape[0])  # host ints, checked per batch
-        self._bound = (launch, launch.args, meta, tokens, page_pos, flags, ints, words, table, plan.flags, sizes)
-
-    def rebound(self, meta, tokens, page_pos, flags, ints: tuple, width: int, m: int, send: int) -> BatchPlan | None:
-        """The plan of a header launch over the same tensors and ints (``ints``: batch, page size, CP size,
-        trash page, pad) as the bound one, whose arguments therefore do not change: the buffers taken for
-        its ``m`` positions and ``send`` entries, or None where anything differs (a buffer grown, the launch
-        bound since by another caller)."""
-        bound = self._bound
-        if bound is None:
-            return None
-        launch, args, b_meta, b_tokens, b_pos, b_flags, b_ints, b_words, b_table, plan_flags, sizes = bound
-        if (
-            not (
-                meta is b_meta and tokens is b_tokens and page_pos is b_pos and flags is b_flags and launch.args is args
-            )
-            or ints != b_ints
-        ):
-            return None
-        batch, cp_size = ints[0], ints[2]
-        # The bound buffers are this workspace's (on the token table's device): ``take`` without its checks.
-        if b_words is not self._words or b_table is not self._table:
-            return None
-        if sizes[0] < 3 * m + send + 1 + len(PLAN_META_ROWS) * batch or sizes[1] < batch * width:
-            return None
-        return BatchPlan(b_words, b_table, plan_flags, cp_size, m, send // cp_size, (batch, width))
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""

@@ -79,12 +79,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     arena_pages,
     check_arena_fits,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    LaunchSequence,
-    LocTranslator,
-    PreparedLaunch,
-    planned_translation,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import planned_translation, translate_locs
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_HEADER,
     PLAN_META_ROWS,
@@ -103,6 +98,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     request_names,
     slots_per_rank,
 )
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, LaunchSequence
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
 
@@ -222,9 +218,6 @@ class BatchReadState:
         # Per batch: the page of the read buffer each logical page maps to.
         self.page_pos = torch.zeros(logical_pages, dtype=torch.int64, device=self.device)
         self._device_index = self.page_pos.get_device()  # -1 on CPU (host time: compared as an int)
-        # Token locs and page ids through it, rewritten in place every batch.
-        self._translate_locs = LocTranslator(self.page_pos, self.page_size)
-        self._translate_pages = LocTranslator(self.page_pos, 1)
         self.mode: str | None = None  # None (no extend in flight), "current" or "materialized"
         self.counters: BatchCounters | None = None
         # Per view buffer (one, or two alternating by layer when prefetching): the latent rows and
@@ -245,9 +238,9 @@ class BatchReadState:
         self._workspace = PlanWorkspace()
         # This batch's plan launch (None: computed in line) and whether the copy engines' fence goes before
         # it, queued at the batch's first device call (``_queue_plan``); None once queued.
-        self._deferred: tuple[PreparedLaunch | None, bool] | None = None
+        self._deferred: tuple[Launch | None, bool] | None = None
         self._header = self._rows = None  # this batch's pinned buffer as numpy, and its request rows (``_plan``)
-        self._translation: PreparedLaunch | None = None  # planned_translation over the workspace's params
+        self._translation: Launch | None = None  # planned_translation over the workspace's params
         self._sequence: LaunchSequence | None = None  # the plan's launch, then that translation
         self.planned_translations = 0  # translations queued with their batch's plan, since start-up
         # This batch's translations of the tensors every layer passes again (cleared per batch).
@@ -341,7 +334,7 @@ class BatchReadState:
         num_positions: int,
         base: int,
         fill: int,
-    ) -> tuple[BatchPlan, PreparedLaunch | None]:
+    ) -> tuple[BatchPlan, Launch | None]:
         """The batch's plan and page map (``plan_batch``) from one pinned buffer and no copy: the launch's
         values and the host lengths (``plan_header``, ``plan_meta_rows``) go into it, the launch reads them in
         place and writes its flags back into it; ``flags`` reads them once they land, at a later ``begin`` or
@@ -461,7 +454,7 @@ class BatchReadState:
         self._stages = self.views.stages
         self.mode = "materialized"
 
-    def _queue_plan(self, translation: PreparedLaunch | None = None) -> None:
+    def _queue_plan(self, translation: Launch | None = None) -> None:
         """Queue the batch's deferred fence and plan (``begin``), with ``translation`` after the plan (in the
         fence's graph where there is one); nothing once they are queued."""
         deferred = self._deferred
@@ -541,12 +534,12 @@ class BatchReadState:
             if out is not None:
                 return out
             self._queue_plan()
-        return self._translate_locs(locs, dtype)
+        return translate_locs(self.page_pos, locs, self.page_size, dtype)
 
     def translate_pages(self, logical_pages: torch.Tensor) -> torch.Tensor:
         """Logical page ids -> pages of this batch's read buffer."""
         self._queue_plan()
-        return self._translate_pages(logical_pages)
+        return translate_locs(self.page_pos, logical_pages, 1)
 
     def _check_translation(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
         """Debug: every position of every request maps inside the read buffer."""

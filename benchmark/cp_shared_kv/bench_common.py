@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -17,8 +18,21 @@ import torch
 RESULTS_DIR = Path(os.environ.get("CP_SHARED_KV_RESULTS", Path(__file__).resolve().parents[2] / "docs" / "benchmarks"))
 
 
+def git_commit() -> str | None:
+    """The commit the run measured: ``$CP_SHARED_KV_COMMIT`` where the checkout has no git (a copied tree),
+    else ``git rev-parse HEAD``; None when neither answers."""
+    if os.environ.get("CP_SHARED_KV_COMMIT"):
+        return os.environ["CP_SHARED_KV_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
+        "commit": git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "host_cpus": os.cpu_count(),

@@ -834,6 +834,13 @@ def pacing_check(rows: list[dict], link_gbps: float = pacing.DEFAULT_LINK_GBPS, 
 # -- the JSON --------------------------------------------------------------------------------------------------------
 
 
+def _no_dirs(command: str | None) -> str | None:
+    """A command with its files' folders dropped (where a run wrote its JSON is no part of the result)."""
+    import re
+
+    return None if command is None else re.sub(r"(?<=\s)/\S*/([^/\s]+)", r"\1", command)
+
+
 def _cell_key(r: dict) -> tuple:
     return (r["n"], r["prefix"], r["tokens"])
 
@@ -955,7 +962,7 @@ def document(rows, args, device, links, extra) -> dict:
         "name": "rank_model",
         "label": f"MODEL: one rank of a CP-N node on one H200, the peers' pools on the same GPU, the view's pull paced to "
         f"{links[0]:g} GB/s one-way per GPU (also {', '.join(f'{x:g}' for x in links[1:]) or 'none'})",
-        "command": "python -m benchmark.cp_shared_kv.rank_model " + " ".join(sys.argv[1:]),
+        "command": _no_dirs("python -m benchmark.cp_shared_kv.rank_model " + " ".join(sys.argv[1:])),
         "git_commit": _git_commit(),
         "environment": _environment(device),
         "model": {
@@ -1027,6 +1034,37 @@ def merge(paths: list[str]) -> tuple[list[dict], dict]:
             else:
                 old["links"].update(r["links"])
     return list(rows.values()), first
+
+
+def repeat_section(paths: list[str]) -> dict:
+    """Later runs of some cells (more rounds, another pacing), kept beside the table, not merged into it."""
+    rows, first = merge(paths)
+    cells = []
+    for r in sorted(rows, key=_cell_key):
+        for key, res in r["links"].items():
+            cells.append(
+                {
+                    "n": r["n"],
+                    "prefix": r["prefix"],
+                    "tokens": r["tokens"],
+                    "link_gbps": float(key),
+                    "stock_us": res["stock_us"],
+                    "inline_overhead_pct": res["inline"]["overhead_pct"],
+                    "prefetch_overhead_pct": res["prefetch"]["overhead_pct"],
+                    "prefetch_overhead_pct_rounds": res["prefetch"]["overhead_pct_rounds"],
+                    "prefetch_exposed_us": res["prefetch"]["exposed_us"],
+                    "ce_view_measured_us": res["ce_view_measured_us"],
+                    "sm_view_measured_us": res["sm_view_measured_us"],
+                }
+            )
+    return {
+        "files": [Path(p).name for p in paths],
+        "git_commit": first.get("git_commit"),
+        "commands": sorted({_no_dirs(json.loads(Path(p).read_text())["command"]) for p in paths}),
+        "link": first.get("pacing", {}).get("link"),
+        "cells": cells,
+        "pacing_check": pacing_check(rows),
+    }
 
 
 # -- markdown --------------------------------------------------------------------------------------------------------
@@ -1123,6 +1161,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=0, help="stop starting cells after this many seconds")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", nargs="+", default=None, help="merge partial JSONs into --out")
+    ap.add_argument("--repeat", nargs="+", default=None, help="with --merge: later runs of some cells, attached apart")
+    ap.add_argument("--first-run", default=None, help="with --merge: a superseded run, its summary attached")
     ap.add_argument("--markdown", nargs="+", default=None, help="JSON(s) to render as the markdown table")
     ap.add_argument("--md-out", default=None)
     args = ap.parse_args(argv)
@@ -1146,6 +1186,20 @@ def main(argv=None) -> int:
         doc["pacing_check"] = pacing_check(rows)
         doc["startup_rule_inputs"] = startup_rule_inputs(rows, links)
         doc["merged_from"] = [Path(p).name for p in args.merge]
+        doc["command"] = _no_dirs(doc.get("command"))
+        doc["merge_command"] = _no_dirs("python -m benchmark.cp_shared_kv.rank_model " + " ".join(sys.argv[1:]))
+        if args.repeat:
+            doc["repeat"] = repeat_section(args.repeat)
+        if args.first_run:
+            first_doc = json.loads(Path(args.first_run).read_text())
+            doc["first_run_torch_topk"] = {
+                "file": Path(args.first_run).name,
+                "git_commit": first_doc.get("git_commit"),
+                "command": _no_dirs(first_doc.get("command")),
+                "why_superseded": "top-k by torch.topk over whole rows (about 13 reads of the logits, longer than the op it "
+                "stands for) and each paced piece a Python launch (the copy-engine view 5x its link time)",
+                "summary": first_doc.get("summary"),
+            }
         Path(args.out).write_text(json.dumps(doc, indent=1))
         return 0
 

@@ -858,7 +858,7 @@ def summarize(rows: list[dict], link_gbps: float) -> dict:
         if r["tokens"] >= 2048 and key in r["links"]
     ]
     worst = max(big) if big else (None, None)
-    tflops = [r["logits"]["tflops"] for r in rows if r.get("logits", {}).get("tflops")]
+    tflops = [r["logits"]["tflops"] for r in rows if r.get("logits", {}).get("tflops") is not None]
     missing = [
         {
             "n": r["n"],
@@ -962,7 +962,7 @@ def document(rows, args, device, links, extra) -> dict:
         "name": "rank_model",
         "label": f"MODEL: one rank of a CP-N node on one H200, the peers' pools on the same GPU, the view's pull paced to "
         f"{links[0]:g} GB/s one-way per GPU (also {', '.join(f'{x:g}' for x in links[1:]) or 'none'})",
-        "command": _no_dirs("python -m benchmark.cp_shared_kv.rank_model " + " ".join(sys.argv[1:])),
+        "command": _no_dirs("python -m benchmark.cp_shared_kv.rank_model " + " ".join(args.argv)),
         "git_commit": _git_commit(),
         "environment": _environment(device),
         "model": {
@@ -1166,6 +1166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", nargs="+", default=None, help="JSON(s) to render as the markdown table")
     ap.add_argument("--md-out", default=None)
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
 
     if args.markdown:
         rows, first = merge(args.markdown)
@@ -1187,7 +1188,7 @@ def main(argv=None) -> int:
         doc["startup_rule_inputs"] = startup_rule_inputs(rows, links)
         doc["merged_from"] = [Path(p).name for p in args.merge]
         doc["command"] = _no_dirs(doc.get("command"))
-        doc["merge_command"] = _no_dirs("python -m benchmark.cp_shared_kv.rank_model " + " ".join(sys.argv[1:]))
+        doc["merge_command"] = _no_dirs("python -m benchmark.cp_shared_kv.rank_model " + " ".join(args.argv))
         if args.repeat:
             doc["repeat"] = repeat_section(args.repeat)
         if args.first_run:

@@ -16,6 +16,17 @@ and timed so the results can report every ratio with and without them.
   sparse indices is the plain-torch sparse MLA reference over the rows the indices select.
 
 The MoE/MLP after attention is ``layer_compute.MoEStandIn`` (``moe_for`` sizes it per batch).
+
+``cost="model"`` (opt-in; the default ``"semantics"`` is the above) swaps the two stand-ins for ones that
+cost what the ops they replace cost, the rank model's (``rank_model.py``), instead of computing their
+exact semantics: ``fp8_mqa_logits`` becomes one fp8 ``torch._scaled_mm`` per request span and block of
+rows, ``[rows, H * 128] x [H * 128, keys]`` into fp32 (the op's FLOPs and output bytes; the score is
+``k_scale[n] * sum_h q[m, h] . k[n]``: no relu, no head weights), and the top-k reads the span's logits
+twice (a two-pass radix select's reads) and picks the ``topk`` best among the span's first ``4 * topk``
+positions (the cost of a select, not its choice). Both stay deterministic functions of the pool's bytes,
+so every pool's timed forward is still compared bit for bit. On the rank model's H200 run the logits
+GEMM ran at 1200-1480 TFLOP/s (``docs/benchmarks/rank_model.json``); inside the harness it is not timed
+apart from the per-stand-in totals below.
 """
 
 from __future__ import annotations
@@ -40,8 +51,11 @@ class StandIns:
     and the key columns of that request in the indexer's flattened K (what ``ks``/``ke`` hold on the
     device)."""
 
-    def __init__(self, device: torch.device, logits_budget_bytes: int | None = None):
+    def __init__(self, device: torch.device, logits_budget_bytes: int | None = None, cost: str = "semantics"):
+        if cost not in ("semantics", "model"):
+            raise ValueError(f"cost must be 'semantics' or 'model', got {cost!r}")
         self.device = device
+        self.cost = cost
         self.spans: list[tuple[int, int, int, int]] = []
         self.heads: int | None = None  # the model's heads; the backend pads q to FlashMLA's 64 or 128
         self.budget = logits_budget_bytes or (2 << 30 if device.type == "cuda" else 64 << 20)
@@ -78,6 +92,8 @@ class StandIns:
     def fp8_mqa_logits(self, q, kv, weights, ks, ke, clean_logits=False):
         """``q [M, H, 128]`` e4m3, ``kv = (k [N, 128] e4m3, k_scale [N] f32)``, ``weights [M, H]`` f32 ->
         f32 ``[M, N]``, filled on each request's rows x its own key columns."""
+        if self.cost == "model":
+            return self._logits_at_cost(q, kv, weights)
         with self.timed(MQA_LOGITS):
             k, k_scale = kv
             m, h, _ = q.shape
@@ -100,6 +116,8 @@ class StandIns:
         with self.timed(TOPK_FUSED):
             out = torch.full((score.shape[0], topk), -1, dtype=torch.int32, device=score.device)
             ar = torch.arange(topk, device=score.device)
+            if self.cost == "model":
+                return self._topk_at_cost(score, lengths, page_table_size_1, topk, out, ar)
             for b, (q0, q1, k0, n) in enumerate(self.spans):
                 lens = lengths[q0:q1].long()
                 if n <= topk:
@@ -120,6 +138,56 @@ class StandIns:
                 rows = page_table_size_1[b].long()[pos.clamp(max=page_table_size_1.shape[1] - 1)]
                 out[q0:q1] = torch.where(valid, rows, -1).to(torch.int32)
             return out
+
+    # -- the cost-realistic pair (cost="model") -------------------------------------------------
+
+    def _logits_at_cost(self, q, kv, weights):
+        """``k_scale[n] * sum_h q[m, h] . k[n]`` on each request's rows x its own columns, as one fp8 GEMM of
+        the real op's FLOPs per block of rows (bf16 on CPU, where fp8 GEMMs do not run)."""
+        with self.timed(MQA_LOGITS):
+            k, k_scale = kv
+            m, h, d = q.shape
+            out = torch.empty(m, k.shape[0], dtype=torch.float32, device=q.device)
+            fp8 = q.is_cuda
+            qf = q.reshape(m, h * d)
+            one = torch.ones((), device=q.device)
+            for q0, q1, k0, n in self.spans:
+                if n == 0 or q1 == q0:
+                    continue
+                pad_n = -(-n // 16) * 16
+                kb = torch.zeros((pad_n, d), dtype=torch.uint8, device=k.device)
+                kb[:n] = k[k0 : k0 + n].view(torch.uint8)
+                krep = kb.repeat(1, h).view(k.dtype)  # [keys, H * 128]: key n once per head
+                step = max(16, (self.budget // max(1, pad_n * 4)) // 16 * 16)
+                for s in range(q0, q1, step):
+                    e = min(s + step, q1)
+                    rows = -(-(e - s) // 16) * 16
+                    a = qf.new_zeros((rows, h * d))
+                    a[: e - s] = qf[s:e]
+                    if fp8:
+                        res = torch._scaled_mm(a, krep.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+                    else:
+                        res = (a.to(torch.bfloat16) @ krep.to(torch.bfloat16).t()).float()
+                    out[s:e, k0 : k0 + n] = res[: e - s, :n] * k_scale[k0 : k0 + n]
+            return out
+
+    def _topk_at_cost(self, score, lengths, page_table_size_1, topk, out, ar):
+        for b, (q0, q1, k0, n) in enumerate(self.spans):
+            lens = lengths[q0:q1].long()
+            if n <= topk:
+                pos = ar.expand(q1 - q0, topk)
+            else:
+                blk = score[q0:q1, k0 : k0 + n]
+                blk.amax(dim=1)  # the two passes' reads
+                blk.sum(dim=1)
+                head = score[q0:q1, k0 : k0 + min(n, 4 * topk)].clone()
+                head.masked_fill_(torch.arange(head.shape[1], device=head.device) >= lens[:, None], float("-inf"))
+                picked = torch.topk(head, topk, dim=1, sorted=False).indices
+                pos = torch.where((lens <= topk)[:, None], ar, picked)
+            valid = pos < lens[:, None]
+            rows = page_table_size_1[b].long()[pos.clamp(max=page_table_size_1.shape[1] - 1)]
+            out[q0:q1] = torch.where(valid, rows, -1).to(torch.int32)
+        return out
 
     # -- installation --------------------------------------------------------------------------
 
@@ -144,17 +212,25 @@ class StandIns:
 
     def describe(self) -> list[dict]:
         """The JSON's ``stand_ins`` list."""
+        why_logits = "DeepGEMM's extension does not load (built for another torch; none on CPU)"
+        why_topk = "sgl_kernel does not load (built for another torch; none on CPU)"
+        if self.cost == "model":
+            logits = (
+                "cost=model: one fp8 torch._scaled_mm per request span and row block, [rows, H*128] x [H*128, keys] "
+                "-> fp32 (the op's FLOPs and output bytes); score k_scale * sum_h q_h . k, no relu or head weights"
+            )
+            topk = (
+                "cost=model: two reads of each span's logits, then torch.topk over its first 4*topk positions, "
+                "mapped through page_table_1"
+            )
+        else:
+            logits = "torch bf16 GEMM per request span, relu, head-weighted sum (the op's semantics)"
+            topk = "torch.topk per request span, positions mapped through page_table_1"
         items = [
-            {
-                "op": MQA_LOGITS,
-                "why": "DeepGEMM's extension does not load (built for another torch; none on CPU)",
-                "stand_in": "torch bf16 GEMM per request span, relu, head-weighted sum (the op's semantics)",
-            },
-            {
-                "op": TOPK_FUSED,
-                "why": "sgl_kernel does not load (built for another torch; none on CPU)",
-                "stand_in": "torch.topk per request span, positions mapped through page_table_1",
-            },
+            {"op": MQA_LOGITS, "why": why_logits, "stand_in": logits},
+            {"op": TOPK_FUSED, "why": why_topk, "stand_in": topk},
+        ]
+        items += [
             {
                 "op": MOE,
                 "why": "the harness has no model: the layer's compute after attention",

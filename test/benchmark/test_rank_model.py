@@ -133,3 +133,36 @@ def test_a_cell_json_and_its_table(tmp_path):
     assert "/" not in doc["command"].split("--out")[1].split()[0]  # no folder in the recorded command
     md = rm.markdown(doc)
     assert "a model" in md and "370 GB/s" in md and "| 2 | 0K | 16 |" in md
+
+
+def test_the_harness_cost_stand_ins_are_the_scores_they_say():
+    """``StandIns(cost="model")``: the logits are ``k_scale * sum_h q_h . k`` on each request's span, the
+    top-k picks the best of a span's first ``4 * topk`` positions, both deterministic."""
+    from benchmark.cp_shared_kv.vs_upstream_stand_ins import StandIns
+
+    g = torch.Generator().manual_seed(1)
+    si = StandIns(CPU, logits_budget_bytes=1 << 12, cost="model")
+    si.spans = [(0, 3, 0, 90), (3, 5, 90, 9)]
+    q = (torch.randn(5, 4, 128, generator=g) * 2).to(torch.float8_e4m3fn)
+    k = (torch.randn(99, 128, generator=g) * 2).to(torch.float8_e4m3fn)
+    ks_ = torch.rand(99, generator=g) + 0.5
+    w = torch.randn(5, 4, generator=g)
+    got = si.fp8_mqa_logits(q, (k, ks_), w, None, None)
+    assert torch.equal(got[:, :99].isfinite()[:3, :90], torch.ones(3, 90, dtype=torch.bool))
+    for q0, q1, k0, n in si.spans:
+        want = (q[q0:q1].float().sum(1) @ k[k0 : k0 + n].float().t()) * ks_[k0 : k0 + n]
+        assert torch.allclose(got[q0:q1, k0 : k0 + n], want, rtol=2e-2, atol=2e-2)
+    assert torch.equal(got[:3, :90], si.fp8_mqa_logits(q, (k, ks_), w, None, None)[:3, :90])
+
+    lengths = torch.tensor([88, 89, 90, 8, 9], dtype=torch.int32)
+    table = torch.arange(100, 300, dtype=torch.int32).view(2, 100)
+    scores = torch.randn(5, 99, generator=g)
+    out = si.fast_topk_transform_fused(scores.clone(), lengths, table, torch.tensor([0, 3, 5]), 16, row_starts=None)
+    for m, (b, start) in enumerate([(0, 0), (0, 0), (0, 0), (1, 90), (1, 90)]):
+        n = int(lengths[m])
+        head = min(n, 64)
+        want = torch.sort(-scores[m, start : start + head]).indices[:16] if n > 16 else torch.arange(n)
+        assert sorted(out[m][out[m] >= 0].tolist()) == sorted(table[b, want].tolist()), m
+    assert "cost=model" in si.describe()[0]["stand_in"]
+    with pytest.raises(ValueError):
+        StandIns(CPU, cost="fast")

@@ -778,7 +778,7 @@ def run_cell(args, shapes, n, prefix, tokens_list, links, device, moe, kexp, log
                 f"N={n} P={prefix} T={tokens} link={gbps}: stock {stock:.0f} us, inline "
                 f"{res['inline']['overhead_pct']:+.2f}% prefetch {res['prefetch']['overhead_pct']:+.2f}% "
                 f"(pull {res['pull_modeled_us']:.0f} us modeled, CE view {ce_us:.0f}, SM view {sm_us:.0f}); "
-                f"logits {row['logits']['tflops']} TFLOP/s"
+                f"logits stand-in {row['logits']['tflops']} TFLOP/s (H200 fp8 dense peak {H200_FP8_DENSE_TFLOPS:g})"
             )
         row["cell_s"] = round(time.perf_counter() - t_cell, 1)
         rows.append(row)
@@ -1119,7 +1119,13 @@ def markdown(doc: dict) -> str:
         "gather on the compute stream, the peers' blocks by copies paced to the link on a highest-priority side "
         "stream, as the product's prefetch path does).",
         "",
-        f"Command: `{doc['command']}`. Merged with its repeat by `{doc.get('merge_command')}`.",
+        f"Command: `{doc['command']}`. Merged with its repeat by `{doc.get('merge_command')}`"
+        + (
+            f"; the repeat's commands: {'; '.join(f'`{c}`' for c in doc['repeat']['commands'])}"
+            if doc.get("repeat")
+            else ""
+        )
+        + ".",
         "",
         "## Summary",
         "",
@@ -1136,6 +1142,14 @@ def markdown(doc: dict) -> str:
     missed = s.get("goal_cells_missed") or []
     key0 = str(int(links[0]))
     if missed:
+        ratios = [
+            r["links"][key0]["pull_modeled_us"] / r["links"][key0]["stock_us"]
+            for m in missed
+            for r in doc["rows"]
+            if _cell_key(r) == (m["n"], m["prefix"], m["tokens"])
+        ]
+        lo_pull, hi_pull = min(ratios), max(ratios)
+        lo_ov, hi_ov = min(m["overhead_pct"] for m in missed), max(m["overhead_pct"] for m in missed)
         lines += ["", "## Cells that miss the 1% goal (prefetch, the goal's cells)", ""]
         for m in missed:
             r = next(r for r in doc["rows"] if _cell_key(r) == (m["n"], m["prefix"], m["tokens"]))
@@ -1152,8 +1166,9 @@ def markdown(doc: dict) -> str:
             )
         lines += [
             "",
-            "What the exposed time is made of, from these figures: the link time itself is hidden (a pull of 2-7% "
-            "of the layer is left with 0.4-1.3% exposed); what stays is the pulled bytes' HBM traffic beside the "
+            f"What the exposed time is made of, from these figures: the pull is {lo_pull:.1%}-{hi_pull:.1%} of the "
+            f"layer in these cells and {lo_ov:.2f}-{hi_ov:.2f}% stays exposed (their rounds spread over several "
+            "points); what stays is the pulled bytes' HBM traffic beside the "
             "layer's (the view's writes here, and on a node the peers' reads of this rank's pages: the same bytes "
             "per GPU), the own gather on the compute stream, and at T <= 1K the host's launches (below). What "
             "would take these cells under 1%: fewer bytes (reading only the pages the indexer's top-k selects, the "
@@ -1163,6 +1178,10 @@ def markdown(doc: dict) -> str:
         ]
     rep = doc.get("repeat")
     if rep:
+        rep_stock = next(
+            (c["stock_us"] for c in rep["cells"] if (c["n"], c["prefix"], c["tokens"]) == (8, 131072, 1024)), 0
+        )
+        full_stock = next((r["links"][key0]["stock_us"] for r in doc["rows"] if _cell_key(r) == (8, 131072, 1024)), 0)
         lines += [
             "",
             f"## Repeat of the goal cells (commit `{(rep.get('git_commit') or '?')[:7]}`, 11 rounds, a paced pull in "
@@ -1181,12 +1200,13 @@ def markdown(doc: dict) -> str:
             )
         lines += [
             "",
-            "The repeat's CP-8 / 128K / 1K stock layer ran 9.5 ms against the full run's 6.6 ms: a fresh process "
-            "that ran three seconds of work, where the layer at T = 1K is bound by the host's launches (the MoE "
-            "stand-in launches each expert's GEMMs apart), so ours' extra launches show as device time. The full "
+            f"The repeat's CP-8 / 128K / 1K stock layer ran {rep_stock / 1e3:.1f} ms against the full run's "
+            f"{full_stock / 1e3:.1f} ms: a fresh process that ran a few seconds of work, where the layer at T = 1K is "
+            "likely bound by the host's launches (below), so ours' extra launches show as device time. The full "
             "run's figure, warm and in line with its neighbours, is the one the summary keeps; the repeat says the "
-            "cell is at the goal's edge, not under it. At 512K the rounds of one cell spread over +-3-4% (clocks under "
-            "1.2-1.5 PFLOP/s of fp8 GEMMs): the 1.06-1.6% there are within that spread of 1%.",
+            "cell is at the goal's edge, not under it. At 512K the rounds of one cell spread over several points "
+            "(clocks under 1.2-1.5 PFLOP/s of fp8 GEMMs): the prefetch figures there near 1% are within that "
+            "spread of it.",
         ]
     for label, pc in (("full run", doc.get("pacing_check")), ("repeat", (rep or {}).get("pacing_check"))):
         if not pc or not pc.get("entries"):

@@ -51,6 +51,7 @@ HOMES: list[tuple[str, str]] = [
     ("srt.sglang_wiring.connector_sockets", "srt.disaggregation.mooncake.cp_shared_kv.connector_sockets"),
     ("srt.sglang_wiring.transfer", "srt.disaggregation.mooncake.cp_shared_kv.transfer"),
     ("srt.sglang_wiring.decode_manifest", "srt.disaggregation.mooncake.cp_shared_kv.decode_manifest"),
+    ("srt.sglang_wiring.plugin_state", "srt.disaggregation.mooncake.cp_shared_kv.plugin_state"),
     ("srt.utils", "srt.mem_cache.cp_shared_kv.utils"),
     ("srt.mem_cache.", "srt.mem_cache.cp_shared_kv."),
     ("srt.distributed.", "srt.distributed.cp_shared_kv."),

@@ -276,7 +276,7 @@ def decode_main(cfg: dict) -> None:
     active: dict[int, Active] = {}
     held: list[tuple[Active, float, int, str, float]] = []  # (req, deadline, required acks, reason, t_fail)
     registered = False
-    checks_attr = "_cp_shared_kv_checks"
+    from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
     def room_tables_clean(room: int) -> bool:
         return not (
@@ -286,7 +286,7 @@ def decode_main(cfg: dict) -> None:
             or room in mgr.addr_to_rooms_tracker.get(ADDR, ())
             or room in mgr.failure_records
             or room in mgr._deferred_abort_ack_tracker
-            or room in mgr.__dict__.get(checks_attr, {})
+            or room in state_of(mgr).checks
         )
 
     def release(req: Active) -> None:
@@ -391,7 +391,7 @@ def decode_main(cfg: dict) -> None:
             "addr_to_rooms_tracker": sum(len(v) for v in mgr.addr_to_rooms_tracker.values()),
             "failure_records": len(mgr.failure_records),
             "deferred_abort_ack_tracker": len(mgr._deferred_abort_ack_tracker),
-            "manifest_checks": len(mgr.__dict__.get(checks_attr, {})),
+            "manifest_checks": len(state_of(mgr).checks),
         },
         "engine": ledger.report(),
     }
@@ -522,7 +522,8 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_cp_shared_kv.srt.sglang_wiring import connector_bounds, transfer
+    from sglang_cp_shared_kv.srt.sglang_wiring import connector_bounds
+    from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
     t_start = time.monotonic()
     n, ps, model_dir = cfg["n"], cfg["ps"], cfg["model_dir"]
@@ -682,7 +683,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 or room in m.transfer_infos
                 or room in m.failure_records
                 or room in m.req_to_decode_prefix_len
-                or room in m.__dict__.get(transfer._SHARES_ATTR, {})
+                or room in state_of(m).shares
             ):
                 return False
         return True
@@ -819,7 +820,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
             len(m.transfer_infos),
             len(m.req_to_decode_prefix_len),
             len(m.failure_records),
-            len(m.__dict__.get(transfer._SHARES_ATTR, {})),
+            len(state_of(m).shares),
         )
 
     def sample_tables() -> None:
@@ -975,7 +976,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "req_to_decode_prefix_len": len(m.req_to_decode_prefix_len),
                 "staging_outstanding": sum(1 for v in m._staging_outstanding.values() if v),
                 "deferred_ack_targets": len(m._deferred_ack_targets),
-                "manifest_shares": len(m.__dict__.get(transfer._SHARES_ATTR, {})),
+                "manifest_shares": len(state_of(m).shares),
                 "queued_chunks": m.transfer_queues[0].qsize() if hasattr(m.transfer_queues[0], "qsize") else 0,
                 "rooms_left": sorted(set(m.request_status) | set(m.transfer_infos)),
                 "decode_registrations": sorted(m.decode_kv_args_table),

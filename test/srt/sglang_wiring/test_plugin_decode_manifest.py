@@ -195,6 +195,7 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_cp_shared_kv.srt.sglang_wiring import transfer
+    from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
     out: dict = {"patched": sorted(set(TARGETS) & HookRegistry._patched)}
 
@@ -271,7 +272,7 @@ def _worker(model_dir: str) -> None:
 
     free_dst = list(range(47, 0, -1))  # decode pages handed out in a scrambled order
     original_filter = common_conn.filter_kv_indices_for_shard_rank
-    checks = d_mgr.__dict__.setdefault("_cp_shared_kv_checks", {})
+    checks = state_of(d_mgr).checks
 
     class Request:
         """One request through SGLang's receiver and the two ranks' senders."""
@@ -304,7 +305,7 @@ def _worker(model_dir: str) -> None:
                 if part == 0:
                     self.senders[rank].send(self.lp[:cut])
                     return
-                shares = p_mgrs[rank].__dict__[transfer._SHARES_ATTR]
+                shares = state_of(p_mgrs[rank]).shares
                 if faulty and self.fault == "out_of_range":  # a manifest naming a position past the request
                     shares[self.room].positions.append(self.n_pages + 3)
                 if faulty and self.fault == "no_manifest":  # a share never opened: no manifest, as a stock prefill
@@ -358,7 +359,7 @@ def _worker(model_dir: str) -> None:
             run["forgotten"] = self.room not in checks
             for snd in self.senders:
                 snd.clear()
-            run["shares_left"] = [self.room in m.__dict__.get(transfer._SHARES_ATTR, {}) for m in p_mgrs]
+            run["shares_left"] = [self.room in state_of(m).shares for m in p_mgrs]
             return run
 
     def publish_flag(flag: bool) -> None:
@@ -403,10 +404,10 @@ def _worker(model_dir: str) -> None:
     for flag in (False, True):
         server_args.__dict__["enable_cp_shared_kv"] = flag
         publish(server_args, role="scheduler")
-        p_mgrs[1].__dict__.setdefault(transfer._SHARES_ATTR, {})[77] = transfer.SentShare([4, 7, 9], [0, 2])
+        state_of(p_mgrs[1]).shares[77] = transfer.SentShare([4, 7, 9], [0, 2])
         parts = p_mgrs[1]._encode_kv_status_message(bootstrap_room=77, status=KVPoll.Success, failure_reason=None)
         frames[str(flag)] = {"n": len(parts), "stock_parse": list(stock_parse(d_mgr, parts))}
-        p_mgrs[1].__dict__[transfer._SHARES_ATTR].pop(77, None)
+        state_of(p_mgrs[1]).shares.pop(77, None)
     out["frames"] = frames
 
     # -- status messages a faulty or foreign prefill could send, straight into the hooked parser --
@@ -497,7 +498,7 @@ def _worker(model_dir: str) -> None:
     dummy_sender.send(np.asarray(pages[0][:2], dtype=np.int32))
     _deadline_wait(lambda: dummy_sender.poll() == KVPoll.Success, "dummy transfer")
     dummy_sender.clear()
-    out["dummy_destination"] = {"share_left": room in p_mgrs[1].__dict__.get(transfer._SHARES_ATTR, {})}
+    out["dummy_destination"] = {"share_left": room in state_of(p_mgrs[1]).shares}
     # Debug mode's own record of what a rank sent: a request cleared after its first chunk (aborted) drops it.
     room = 961
     os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"
@@ -506,12 +507,12 @@ def _worker(model_dir: str) -> None:
     d_mgr._send_multipart_locked(f"tcp://127.0.0.1:{p_mgrs[1].rank_port}", [str(room).encode(), *dummy[1:]])
     _deadline_wait(lambda: aborted.poll() == KVPoll.WaitingForInput, "aborted request's destination")
     aborted.send(np.asarray(pages[0][:2], dtype=np.int32))  # the first of two chunks
-    recorded = room in p_mgrs[1].__dict__.get(transfer._SENT_ATTR, {})
+    recorded = room in state_of(p_mgrs[1]).sent
     aborted.clear()
     os.environ.pop("SGLANG_DEBUG_CP_SHARED_KV")
     out["aborted_debug_record"] = {
         "recorded": recorded,
-        "left": room in p_mgrs[1].__dict__.get(transfer._SENT_ATTR, {}),
+        "left": room in state_of(p_mgrs[1]).sent,
     }
 
     # -- hostile manifests at scale: test_manifest_fuzz's requests (N ranks, any of them hostile)

@@ -67,7 +67,6 @@ def _rank(rank: int, world: int, _cfg: dict) -> dict:
     allocator = PageInterleavePoolAllocator(
         SIZE, physical_page_size=PS, shard_size=world, dtype=torch.bfloat16, device="cpu", kvcache=pool, need_sort=True
     )
-    allocator.cp_shared_arena = True  # as the allocator hook marks it
     out = {"arena": arena, "size": pool.size, "logical": allocator.size, "row_bytes": pool.row_bytes}
 
     metrics.use(metrics.CPSharedKVMetrics({**LABELS, "cp_rank": rank}))

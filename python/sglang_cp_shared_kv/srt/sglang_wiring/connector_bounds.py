@@ -47,10 +47,11 @@ from collections import OrderedDict
 from typing import Any
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
 logger = logging.getLogger(__name__)
 
-_STATE_ATTR = "_cp_shared_kv_bounds"  # on a prefill KV manager: its RoomBounds
+
 MARGIN_S = 5.0
 MAX_CLOSED = 1 << 16
 
@@ -96,10 +97,10 @@ def _guarded_prefill(mgr: Any) -> bool:
 
 def bounds_of(mgr: Any) -> RoomBounds:
     """The manager's ``RoomBounds`` (made on first use)."""
-    state = mgr.__dict__.get(_STATE_ATTR)
-    if state is None:
-        state = mgr.__dict__.setdefault(_STATE_ATTR, RoomBounds(window_s()))
-    return state
+    state = state_of(mgr)
+    if state.bounds is None:
+        state.bounds = RoomBounds(window_s())
+    return state.bounds
 
 
 def _forget_room(mgr: Any, room: int) -> None:

@@ -21,10 +21,9 @@ thread drops its connection (and a message another thread queued on it).
 from __future__ import annotations
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
 RECONNECT_MS = 100
-# Per manager: the socket set up per endpoint (SGLang replaces a disconnected one with a new object).
-_READY_ATTR = "_cp_shared_kv_ready_sockets"
 
 
 def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
@@ -35,7 +34,7 @@ def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
 
     sock = original(mgr, endpoint, is_ipv6=is_ipv6)
     with mgr._socket_send_locks[endpoint]:  # every send holds it: nothing is queued while it is set up
-        ready = mgr.__dict__.setdefault(_READY_ATTR, {})
+        ready = state_of(mgr).ready_sockets  # SGLang replaces a disconnected socket with a new object
         if ready.get(endpoint) is not sock:  # made by SGLang just now (connected once, without reconnect)
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
             try:

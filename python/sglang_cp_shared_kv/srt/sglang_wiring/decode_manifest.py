@@ -37,11 +37,12 @@ from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCol
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring import metrics
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
 from sglang_cp_shared_kv.srt.sglang_wiring.transfer import MANIFEST_FRAME, latent_page_bytes
 
 logger = logging.getLogger(__name__)
 
-_CHECKS_ATTR = "_cp_shared_kv_checks"  # on a decode KV manager: {bootstrap room: RoomCheck}
+
 # The decode thread (status messages) and the scheduler (metadata, clear) share the tables.
 _LOCK = threading.Lock()
 
@@ -79,7 +80,7 @@ def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
                 f"{receiver.bootstrap_addr} has {info.attn_cp_size} CP ranks (is it running {FLAG}?)"
             )
         with _LOCK:
-            mgr.__dict__.setdefault(_CHECKS_ATTR, {})[room] = check
+            state_of(mgr).checks[room] = check
     return original(receiver, kv_indices, *args, **kwargs)
 
 
@@ -141,7 +142,7 @@ def check_status_message(original, mgr, msg):
     room, _status, prefill_rank, _reason = parsed
     failed = int(KVPoll.Failed)
     with _LOCK:
-        check = mgr.__dict__.get(_CHECKS_ATTR, {}).get(room)
+        check = state_of(mgr).checks.get(room)
         if check is None:
             if room not in mgr.request_status:  # a late status for a cleared room: SGLang drops it
                 return parsed
@@ -169,7 +170,8 @@ def check_status_message(original, mgr, msg):
 
 def forget_room(_result, receiver) -> None:
     """Runs after ``CommonKVReceiver.clear``: drop the request's collector."""
-    checks = receiver.kv_mgr.__dict__.get(_CHECKS_ATTR)
+    state = state_if_any(receiver.kv_mgr)
+    checks = state.checks if state is not None else None
     if checks:
         with _LOCK:
             checks.pop(receiver.bootstrap_room, None)

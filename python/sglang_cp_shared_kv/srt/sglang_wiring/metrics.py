@@ -39,6 +39,7 @@ from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import serves_arena
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ def observe_batch(original, pool, req_to_token, forward_batch):
 
 def count_deferral(reserved: bool, adder, *_args, **_kwargs) -> bool:
     """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: a request held back by the view arena."""
-    if not reserved and getattr(adder.token_to_kv_pool_allocator, "cp_shared_arena", False):
+    if not reserved and serves_arena(adder.token_to_kv_pool_allocator):
         metrics = get()
         if metrics is not None:
             metrics.series(metrics.arena_deferrals).inc()

@@ -44,13 +44,13 @@ import numpy as np
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled, local_page, page_owner
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
 
 logger = logging.getLogger(__name__)
 
 # Marks the manifest frames appended to a prefill rank's Success status message:
 # [..status frames.., MANIFEST_FRAME, cp_size, control_messages.Manifest as JSON].
 MANIFEST_FRAME = b"CP_SHARED_KV_MANIFEST"
-_SHARES_ATTR = "_cp_shared_kv_shares"  # on a prefill KV manager: {bootstrap room: SentShare}
 
 
 def enable_sharded_transfer() -> None:
@@ -62,10 +62,6 @@ def enable_sharded_transfer() -> None:
 
 class SendShareError(AssertionError):
     """A prefill rank's sender selected pages it does not own, or missed some it does."""
-
-
-# Debug only, on a prefill KV manager: {bootstrap room: (all logical pages in order, positions this rank sent)}.
-_SENT_ATTR = "_cp_shared_kv_sent"
 
 
 def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,7 +91,7 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
         raise SendShareError(
             f"{FLAG}: rank {rank} selected pages/positions it does not own in room {sender.bootstrap_room}"
         )
-    sent_by_room = mgr.__dict__.setdefault(_SENT_ATTR, {})
+    sent_by_room = state_of(mgr).sent  # debug only: (all logical pages in order, positions this rank sent)
     seen, sent = sent_by_room.setdefault(sender.bootstrap_room, ([], []))
     seen.extend(pages.tolist())
     sent.extend(want_pos.tolist())
@@ -146,7 +142,7 @@ def record_sent_share(result, sender, kv_indices, state_indices=None):
     pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
     positions = result[1]
     positions = range(positions.start, positions.stop) if isinstance(positions, slice) else positions
-    shares = mgr.__dict__.setdefault(_SHARES_ATTR, {})
+    shares = state_of(mgr).shares
     if sender.curr_idx == len(pages):  # the request's first chunk opens its share (a reused room starts over)
         shares[sender.bootstrap_room] = SentShare()
     share = shares.get(sender.bootstrap_room)
@@ -169,7 +165,8 @@ def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
 
     if not _sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
         return None
-    share = mgr.__dict__.get(_SHARES_ATTR, {}).pop(bootstrap_room, None)
+    state = state_if_any(mgr)
+    share = state.shares.pop(bootstrap_room, None) if state is not None else None
     if status != KVPoll.Success:
         return None
     if share is None:
@@ -195,10 +192,12 @@ def drop_unsent_share(_result, sender) -> None:
     """
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    sender.kv_mgr.__dict__.get(_SENT_ATTR, {}).pop(sender.bootstrap_room, None)
-    shares = sender.kv_mgr.__dict__.get(_SHARES_ATTR)
-    if shares and sender.conclude_state != KVPoll.Success:
-        shares.pop(sender.bootstrap_room, None)
+    state = state_if_any(sender.kv_mgr)
+    if state is None:
+        return
+    state.sent.pop(sender.bootstrap_room, None)
+    if sender.conclude_state != KVPoll.Success:
+        state.shares.pop(sender.bootstrap_room, None)
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"

@@ -139,10 +139,19 @@ def charge_arena(original, kvc, **kwargs):
     return ours
 
 
+def serves_arena(allocator) -> bool:
+    """Whether ``allocator`` hands out a CP-shared pool's slots: SGLang's admission then keeps each batch
+    within that pool's view arena."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    get_kvcache = getattr(allocator, "get_kvcache", None)
+    return get_kvcache is not None and isinstance(get_kvcache(), CPSharedKVPoolMixin)
+
+
 def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
     """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: say why a request waits for a later batch."""
     spec = getattr(adder, "kv_shard_scratch_spec", None)
-    if not reserved and spec is not None and getattr(adder.token_to_kv_pool_allocator, "cp_shared_arena", False):
+    if not reserved and spec is not None and serves_arena(adder.token_to_kv_pool_allocator):
         logger.info(
             "%s: a request (prefix %d, new %d tokens) waits for a later batch: this batch's views would exceed "
             "the view arena (%d prefix + %d chunk tokens; %s raises the prefix part)",

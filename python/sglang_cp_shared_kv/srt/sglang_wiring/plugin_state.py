@@ -1,0 +1,46 @@
+"""What the plugin keeps about an SGLang KV manager, beside it: one ``ManagerState`` per manager.
+
+The states live in a ``weakref.WeakKeyDictionary`` keyed by the manager, so SGLang's objects carry no
+attribute of ours and a state goes with its manager. Each hook module reads and writes only its own
+fields.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ManagerState:
+    """The plugin's tables for one KV manager, each by bootstrap room unless said otherwise.
+
+    - ``shares`` (prefill): the pages and positions this rank sent (``transfer.SentShare``), for its manifest;
+    - ``sent`` (prefill, debug): every page of the request seen and the positions this rank sent;
+    - ``checks`` (decode): the manifests expected and received (``decode_manifest.RoomCheck``);
+    - ``bounds`` (prefill): the connector's per-room tables bounded (``connector_bounds.RoomBounds``);
+    - ``ready_sockets``: status sockets by endpoint that connected (``connector_sockets``).
+    """
+
+    shares: dict = field(default_factory=dict)
+    sent: dict = field(default_factory=dict)
+    checks: dict = field(default_factory=dict)
+    bounds: Any = None
+    ready_sockets: dict = field(default_factory=dict)
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def state_of(mgr) -> ManagerState:
+    """``mgr``'s state, made at first use."""
+    state = _STATES.get(mgr)
+    if state is None:
+        state = _STATES[mgr] = ManagerState()
+    return state
+
+
+def state_if_any(mgr) -> ManagerState | None:
+    """``mgr``'s state, or None where no hook has made one."""
+    return _STATES.get(mgr)

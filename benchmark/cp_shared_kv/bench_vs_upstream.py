@@ -69,7 +69,6 @@ from dataclasses import dataclass
 import torch
 
 from benchmark.cp_shared_kv.bench_common import save_plot, wait_polled, write_result
-from benchmark.cp_shared_kv.host_timer import HostTimer
 
 PATHS = ("stock", "upstream", "layersplit", "ours")
 SHARDED = ("upstream", "ours")  # the page-interleave pools SGLang's backend plans per batch
@@ -342,55 +341,27 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.read_state:BatchReadState._plan",
     f"{_NSA}.read_state:BatchReadState._begin_materialized",
     f"{_NSA}.read_state:BatchReadState._begin_current",
+    f"{_NSA}.read_state:BatchReadState._queue_plan",
+    f"{_NSA}.read_state:BatchReadState._translate_planned",
     f"{_NSA}.read_state:BatchReadState.translate",
     f"{_NSA}.read_state:BatchReadState.translate_pages",
     f"{_NSA}.read_state:BatchReadState.index_pages",
     f"{_NSA}.read_state:BatchReadState.latent_rows",
     f"{_NSA}.read_state:plan_batch",
     f"{_NSA}.read_state:plan_meta_rows",
-    f"{_NSA}.read_state:slot_plan_of",
     f"{_NSA}.read_state:_check_shared_prefix",
-    f"{_NSA}.read_state:_host_ints",
-    f"{_NSA}.read_state:pages_for_lens",
-    f"{_NSA}.read_state:slots_per_rank",
-    f"{_NSA}.read_state:batch_kind",
-    f"{_NSA}.read_state:plan_header",
-    f"{_NSA}.read_state:debug_enabled",
-    f"{_NSA}.read_state:TensorMemo.clear",
-    f"{_NSA}.plan_kernels:PlanWorkspace.rebound",
-    f"{_NSA}.materialize_kernels:LocTranslator.__call__",
-    f"{_NSA}.materialize_kernels:PreparedLaunch.graph_key",
-    f"{_NSA}.materialize_kernels:PreparedLaunch.compiled",
-    f"{_NSA}.materialize_kernels:current_stream_handle",
-    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._handle",
-    "sglang_cp_shared_kv.srt.distributed.copy_engine:current_stream_handle",
-    "torch._tensor:Tensor.as_strided",
-    "torch._tensor:Tensor.tolist",
-    "torch._tensor:Tensor.data_ptr",
+    f"{_NSA}.read_state:_batch_pages",
     f"{_NSA}.read_state:check_arena_fits",
+    f"{_NSA}.read_state:translate_locs",
     f"{_NSA}.plan_kernels:PlanWorkspace.take",
-    f"{_NSA}.plan_kernels:check_index",
-    f"{_NSA}.plan_kernels:triton_enabled",
-    f"{_NSA}.plan_kernels:launch",
-    f"{_NSA}.materialize_kernels:launch",
-    f"{_NSA}.materialize:ViewMaterializer.begin_planned",
-    f"{_NSA}.materialize:ViewMaterializer._start",
-    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup.fence",
-    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._capture_fence",
-    f"{_NSA}.read_state:BatchReadState._translate_planned",
-    f"{_NSA}.read_state:BatchReadState._queue_plan",
-    f"{_NSA}.materialize_kernels:LaunchSequence.graph_key",
-    f"{_NSA}.materialize_kernels:LaunchSequence.compiled",
-    "torch:empty",
-    "torch._tensor:Tensor.split",
-    "torch:empty_like",
-    f"{_NSA}.materialize_kernels:translate_locs",
-    f"{_NSA}.slot_plan:SlotPlan.__init__",
-    f"{_NSA}.slot_plan:DeviceFlagCheck.record",
     f"{_NSA}.slot_plan:DeviceFlagCheck.poll",
     f"{_NSA}.slot_plan:DeviceFlagCheck.watch",
     f"{_NSA}.slot_plan:DeviceFlagCheck.host_views",
-    f"{_NSA}.materialize:ViewMaterializer.begin_batch",
+    f"{_NSA}.triton_launch:Launch.__init__",
+    f"{_NSA}.triton_launch:Launch.__call__",
+    f"{_NSA}.triton_launch:Launch.graph_key",
+    f"{_NSA}.triton_launch:LaunchSequence.graph_key",
+    f"{_NSA}.materialize:ViewMaterializer.begin_planned",
     f"{_NSA}.materialize:ViewMaterializer._allocate",
     f"{_NSA}.materialize:ViewMaterializer.drain",
     f"{_NSA}.materialize:ViewMaterializer.layer_view",
@@ -398,17 +369,15 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.materialize:ViewMaterializer._prepare_gather",
     f"{_NSA}.materialize:ViewMaterializer._pull",
     f"{_NSA}.materialize:ViewMaterializer.fence",
-    f"{_NSA}.materialize:pull_launch",
     f"{_NSA}.materialize:ViewMaterializer._start_prefetch",
     f"{_NSA}.materialize:ViewMaterializer._wait",
-    f"{_NSA}.materialize:gather_launch",
-    f"{_NSA}.materialize:LayerView.__init__",
-    f"{_NSA}.materialize_kernels:PreparedLaunch.__init__",
-    f"{_NSA}.materialize_kernels:PreparedLaunch.__call__",
-    f"{_NSA}.materialize_kernels:PreparedLaunch.relaunch",
+    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup.fence",
+    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._capture_fence",
     "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup.all_gather_into_many",
     "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._pulls",
     "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._signal",
+    "torch:empty",
+    "torch:empty_like",
     "torch.cuda:Event.record",
     "torch.cuda:Stream.wait_event",
     "torch.cuda:current_stream",
@@ -564,7 +533,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     from benchmark.cp_shared_kv import vs_upstream_backend as sgl
     from benchmark.cp_shared_kv.vs_upstream_stand_ins import MOE, MoEForBatch, StandIns
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import shared_prefix_from_paths
+    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import SharedPrefixHint, shared_prefix_from_paths
 
     scale = SCALES[args["scale"]]
     ps, kv_format = args["page_size"], args["kv_format"]
@@ -656,7 +625,11 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     moe = MoEForBatch(-(-max_new // world), device)
     rows_out, correct_all = [], True
     # Where a forward's host time goes (rank 0): named functions timed inclusively in a second host pass.
-    timer = HostTimer(HOST_TIMER_TARGETS) if args.get("profile_host") and rank == 0 else None
+    timer = None
+    if args.get("profile_host") and rank == 0:
+        from benchmark.cp_shared_kv.host_timer import HostTimer
+
+        timer = HostTimer(HOST_TIMER_TARGETS)
 
     def ours_transport():
         """Our view transport (the CP group or the copy engines), built at the first batch with a prefix."""
@@ -727,6 +700,13 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         # the node of the request it continues (one node per source request), a turn-1 chunk's at its own.
         radix = [[(turn2_src.get(s, s), p)] if p else [] for s, p, _ in batch]
         hint = shared_prefix_from_paths(radix, prefix_lens, ps)
+        rids = tuple(f"r{b}" for b in range(len(prefix_lens)))
+        hinted = SharedPrefixHint(rids, tuple(int(p) for p in prefix_lens), tuple(hint))
+
+        def name_batch(pool) -> None:  # what the plugin's hooks hand the pool before the batch begins
+            pool.expect_shared_prefix(hinted)
+            pool.name_next_batch(rids, prefix_lens)
+
         if bi + 1 < first:  # before the measured range: its KV in every pool, as the scheduler leaves it
             with _no_dcp():
                 for name in pools:
@@ -734,7 +714,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     with ctx(name):
                         if name in SHARDED:
                             if name == "ours":
-                                pool.read.shared_prefix = hint
+                                name_batch(pool)
                             from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
 
                             prepare_kv_shard_forward(pool, req_to_token, fb)
@@ -803,8 +783,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
                     if busy:
                         occupied = _occupy(device, BUSY_CYCLES)
                 h = time.perf_counter()
-                if name == "ours":  # the plugin's ForwardBatch.init_new hook hands the batch its hint
-                    pool.read.shared_prefix = hint
+                if name == "ours":
+                    name_batch(pool)
                 drained = probe.drained
                 backend.init_forward_metadata(fb)
                 # With ``drain_plan`` the device is drained before each plan call inside: not the metadata's time.

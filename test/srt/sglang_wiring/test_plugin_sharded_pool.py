@@ -380,7 +380,7 @@ def test_shared_prefix_from_sglang_radix_nodes():
     """Which requests of a batch share prefix pages, from SGLang's own radix ``TreeNode`` s (host only)."""
     from sglang.srt.mem_cache.radix_cache import TreeNode
 
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import shared_prefix_from_nodes
+    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import shared_prefix_from_nodes
 
     def node(parent, tokens):
         n = TreeNode()

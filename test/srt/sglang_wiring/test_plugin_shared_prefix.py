@@ -5,8 +5,8 @@
   over the CP-shared DSA pool and SGLang's widened allocator; a first request's prompt is
   prefilled (``ScheduleBatch.prepare_for_extend``) and checkpointed into the tree; a second batch
   of requests matches it (``Req.init_next_round_input``) and is prepared. The AFTER hook on
-  ``ForwardBatch.init_new`` computes the hint from their ``last_node`` s and leaves it on the pool;
-  the hook on ``prepare_kv_shard_forward`` hands it to ``pool.read.shared_prefix`` for that batch
+  ``ForwardBatch.init_new`` computes the hint from their ``last_node`` s and hands it to the pool;
+  the hook on ``prepare_kv_shard_forward`` hands its pairs to the pool's next begin for that batch
   (also for the dataclass copy SGLang's eager runner makes, and past DP padding), and for no other.
   ``ForwardBatch.init_new`` itself imports SGLang's model runner, which needs the HTTP server stack
   this environment does not install: the worker builds the ``ForwardBatch`` it would (the fields the
@@ -119,10 +119,10 @@ def _worker(model_dir: str) -> None:
     runner = SimpleNamespace(token_to_kv_pool=pool)  # what the hook reads of SGLang's model runner
 
     def handed(fb) -> tuple:
-        """What the prepare_kv_shard_forward hook hands the pool's read state for ``fb``."""
+        """What the prepare_kv_shard_forward hook hands the pool's next begin for ``fb``."""
         name_batch_requests(pool, req_to_token.req_to_token, fb)
-        pairs, rids = pool.read.shared_prefix, pool.read.request_ids
-        return [list(p) for p in pairs] if pairs is not None else None, rids
+        rids, pairs = pool.next_batch
+        return [list(p) for p in pairs] if pairs is not None else None, list(rids) if rids is not None else None
 
     # A conversation's system prompt (3 pages) plus its first turn, prefilled and kept in the tree.
     system = list(range(3 * PS))
@@ -146,7 +146,7 @@ def _worker(model_dir: str) -> None:
 
     fb = forward_batch(batch)
     assert hint_shared_prefix(fb, ForwardBatch, batch, runner) is fb
-    hint = pool.shared_prefix_hint
+    hint = pool.expected_shared_prefix
     out["hint"] = [list(p) for p in hint.pairs] if hint is not None else None
     out["handed"] = handed(fb)
     # SGLang's eager runner rebuilds the ForwardBatch from its dataclass fields before the backend begins it.
@@ -159,18 +159,18 @@ def _worker(model_dir: str) -> None:
     out["handed_other_lens"] = handed(dataclasses.replace(fb, extend_prefix_lens_cpu=other_lens))[0]
     decode = dataclasses.replace(fb, forward_mode=ForwardMode.DECODE, extend_prefix_lens_cpu=None)
     hint_shared_prefix(decode, ForwardBatch, batch, runner)
-    out["kept_after_decode"] = pool.shared_prefix_hint is hint
+    out["kept_after_decode"] = pool.expected_shared_prefix is hint
     out["handed_decode"] = handed(decode)[0]
     # The next extend batch replaces the hint: no two of its requests share a page.
     lone = prepared([request("lone", system + [400] * 10)])
     hint_shared_prefix(forward_batch(lone), ForwardBatch, lone, runner)
-    out["after_lone"] = pool.shared_prefix_hint
+    out["after_lone"] = pool.expected_shared_prefix
     # Flag off: the hook passes through (the lone batch would have replaced the hint).
-    pool.shared_prefix_hint = hint
+    pool.expect_shared_prefix(hint)
     server_args.__dict__["enable_cp_shared_kv"] = False
     publish(server_args, role="scheduler")
     hint_shared_prefix(forward_batch(lone), ForwardBatch, lone, runner)
-    out["flag_off_kept"] = pool.shared_prefix_hint is hint
+    out["flag_off_kept"] = pool.expected_shared_prefix is hint
     print("RESULT:" + json.dumps(out))
 
 
@@ -253,7 +253,9 @@ def _rank(rank: int, world: int) -> dict:
             req_to_token = torch.zeros((len(pages), 8 * PS), dtype=torch.int32)
             for r, (p, n) in enumerate(zip(pages, seq_lens)):
                 req_to_token[r, :n] = locs(p, n).int()
-            pool.shared_prefix_hint = SharedPrefixHint(tuple(rids), tuple(prefix_lens), tuple(pairs)) if pairs else None
+            pool.expect_shared_prefix(
+                SharedPrefixHint(tuple(rids), tuple(prefix_lens), tuple(pairs)) if pairs else None
+            )
             fb = SimpleNamespace(
                 forward_mode=ForwardMode.EXTEND,
                 req_pool_indices=torch.arange(len(pages)),

@@ -1,50 +1,30 @@
 """A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync.
 
-The views of a sharded pool are all-gathered in place, owner-major: rank ``r`` writes its part
-``out[r * n : (r + 1) * n]`` (the Triton gather, short), and every rank needs every part. NCCL
-moves the parts with kernels, which wait for the SMs the attention holds. Here each rank instead
-*pulls* its peers' parts straight from their buffers with ``cuMemcpyDtoDAsync`` (the GPUs' copy
+A view is all-gathered in place, owner-major: rank ``r`` writes its part ``out[r * n : (r + 1) * n]``
+and every rank needs every part. NCCL moves parts with kernels, which wait for the SMs the attention
+holds. Here each rank *pulls* its peers' parts from their buffers with ``cuMemcpyDtoDAsync`` (copy
 engines), and the ranks order themselves with 64-bit counters: a rank writes a counter into its own
-memory (``cuStreamWriteValue64``, executed by the GPU's front end) and copies those 8 bytes into
-each peer's signal slot (a copy engine again: stream memory operations may not target another
-GPU's memory), and waits only on its own memory (``cuStreamWaitValue64``). No kernel, no SM, no
-host wait. NVLink multicast is never used.
+memory (``cuStreamWriteValue64``), copies those 8 bytes into each peer's signal slot, and waits only on
+its own memory (``cuStreamWaitValue64``). No kernel, no host wait, no NVLink multicast.
 
-Buffers are registered once (collectively): every rank passes buffers of identical shapes
-(the view arena), exported to the others by CUDA IPC. Each rank opens its peers' handles in its own
-device's context with lazy peer access (``cuIpcOpenMemHandle``): the pulls then run GPU to GPU
-over NVLink, and no rank creates a context on another rank's GPU. (A handle opened in the peer
-device's context instead, as ``torch.multiprocessing`` rebuilds a shared CUDA tensor, leaves this
-device without peer access: on 2 H200s its copies ran at about 31 GB/s.) An all-gather must then
-lie inside one registered buffer, at the same offset on every rank (true for views planned from the
-same host lengths). Per call ``k`` (the ``k``-th all-gather since registration, the same count on every
-rank), on the caller's current stream::
+Buffers are registered once, collectively (the view arena, identical shapes on every rank), exported by
+CUDA IPC and opened in this rank's own context with lazy peer access, so the pulls run GPU to GPU over
+NVLink. Per call ``k`` (the same count on every rank), on the caller's stream::
 
-    ready[me] := k on every peer          (after this rank's part is written: a memory barrier)
-    wait ready[p] >= k; pull p's part      (for every peer p, copy engine)
-    ack[me]   := k on every peer           (this rank is done reading the peers' parts)
+    ready[me] := k on every peer          (after this rank's part is written)
+    wait ready[p] >= k; pull p's part      (every peer p)
+    ack[me]   := k on every peer           (done reading the peers' parts)
     wait ack[p] >= k                       (no peer reads this rank's part any more)
 
-so the call ends, on the stream, once every rank holds every part and no rank still reads from
-another: the next write into the buffers (the next layer's gather) is safe. A caller that alternates
-two sets of buffers and orders its calls on the device may leave out the ack (``ack=False``): the next
-write into a set follows its next call's wait for ``ready[p] >= k + 1``, which every peer signals only
-after its pulls of call ``k``. It then ends with an acked call or ``finish_reads`` before it writes the
-buffers otherwise. Counters are 64-bit
-and only grow, so a wait can never be satisfied by an older call. Calls are ordered on the device
-(each one's stream waits for the previous call's, as the view materializer's prefetch does): the
-outgoing counter lives in one word (``k`` is written there once and copied out twice, as ready and
-as ack) that the next call rewrites. The pulls of a set of buffers are computed once and looked up
-after that (every layer of a batch all-gathers into the same view buffers).
+A caller that alternates two sets of buffers, its calls ordered on the device, may leave the ack out
+(``ack=False``): the next write into a set follows its next call's wait for ``ready[p] >= k + 1``, which
+a peer signals only after its pulls of call ``k``; it ends with an acked call or ``finish_reads``.
+Counters only grow, so a wait is never satisfied by an older call.
 
-The group can also map the peers' pools (``sources``, registered with the arena): then a view built
-in line needs no all-gather at all. Its kernel reads every owner's pages where they lie
-(``materialize_kernels.pull_pages``, through ``source_table``: each rank's buffer address per layer),
-and one ``fence`` per batch (a word set on every peer, waited for from every peer and reset: one graph
-launch) orders the pools across ranks: a batch reads only pages written before it began, and rewrites
-only pages no earlier batch of any rank still reads. Per layer that is one launch where the all-gather
-took seven driver calls for two ranks.
-"""
+The group can also map the peers' pools (``sources``): a view built in line is then one kernel reading
+every owner's pages where they lie (``materialize_kernels.pull_pages`` through ``source_table``), and one
+``fence`` per batch (a word set on every peer, waited for and reset: one graph launch) orders the pools
+across ranks: a batch reads only pages written before it began."""
 
 from __future__ import annotations
 
@@ -57,7 +37,6 @@ from collections.abc import Sequence
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective, check_pairs
-from sglang_cp_shared_kv.srt.utils import current_stream_handle
 
 logger = logging.getLogger(__name__)
 
@@ -420,7 +399,7 @@ class CopyEngineGroup:
 
     def _handle(self, stream: torch.cuda.Stream | None) -> int:
         """The raw handle of ``stream``, or of this device's current stream."""
-        return current_stream_handle(self.device) if stream is None else stream.cuda_stream
+        return (torch.cuda.current_stream(self.device) if stream is None else stream).cuda_stream
 
     def _wait_peers(self, stream: int, which: int, k: int) -> None:
         """Queue on ``stream`` a wait for ``signals[which][p] >= k`` from every peer ``p`` (0 ready, 1 ack)."""

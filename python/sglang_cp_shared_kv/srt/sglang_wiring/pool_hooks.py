@@ -1,45 +1,34 @@
 """Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
 
-Three builders wrap the configurator's steps, each taking the stock step as its first argument
-and calling it unchanged unless ``--enable-cp-shared-kv`` is on in this process's published
-server args (and the configurator builds a target, not a draft, pool):
+Three builders wrap the configurator's steps, each calling the stock step unchanged unless
+``--enable-cp-shared-kv`` is on (and the configurator builds a target, not a draft, pool):
 
-- ``build_dsa_kv_pool`` / ``build_mla_kv_pool`` (``_build_dsa_kv_pool`` / ``_build_mla_kv_pool``):
-  the stock builder runs with our pool class in place of ``DSATokenToKVPool`` /
-  ``MLATokenToKVPool`` (same constructor arguments, so every size, dtype and layer decision
+- ``build_dsa_kv_pool`` / ``build_mla_kv_pool``: the stock builder with our pool class in place of
+  ``DSATokenToKVPool`` / ``MLATokenToKVPool`` (same arguments: every size, dtype and layer decision
   stays SGLang's).
-- ``build_allocator`` (``_build_token_to_kv_pool_allocator``): over a CP-shared pool, SGLang's
-  own owner-rotating ``PageInterleavePoolAllocator`` (logical index space ``size * N``, logical
-  pages ``lp`` drawn for owner ``lp % N``: the same arithmetic as ``PageOwnership``), handed our
-  view arena's ``PageShardSpec`` (``view_arena``), so the scheduler widens its capacity and
-  rotation bases and SGLang's own scratch admission keeps every prefill batch's views inside the
-  arena.
-  Then the process is marked as transferring sharded KV (see ``transfer``).
+- ``build_allocator``: SGLang's own owner-rotating ``PageInterleavePoolAllocator`` over our pool (logical
+  page ``lp`` drawn for owner ``lp % N``, as ``PageOwnership``), handed our view arena's
+  ``PageShardSpec`` so SGLang's scratch admission keeps every prefill batch inside the arena; then the
+  process transfers sharded KV (``transfer``).
 
-Once ``_init_pools`` has built them, ``check_built_pools`` refuses to go on, one line per
-problem, unless the pool and allocator SGLang built are ours. ``name_batch_requests`` runs before
-``prepare_kv_shard_forward``: it hands the batch's request ids to the pool (for the
-slot-overflow error) and its shared-prefix hint.
+``check_built_pools`` refuses to go on, one line per problem, unless the pool and allocator SGLang built
+are ours.
 
-**Shared prefixes** (``read_state.BatchReadState.shared_prefix``): only the scheduler knows which
-requests of a batch share prefix pages (the radix paths their ``Req.last_node`` s end), and
-``ForwardBatch`` does not carry them. ``hint_shared_prefix`` runs after ``ForwardBatch.init_new``
-(which receives the ``ScheduleBatch``): it computes the hint of each extend batch from its
-requests' radix paths and the ``extend_prefix_lens_cpu`` the batch was built with, and leaves it on
-the pool (``shared_prefix_hint``), keyed by the batch's rids and prefix lens: SGLang's eager
-runner rebuilds the ForwardBatch from its dataclass fields before the backend begins it, so an
-attribute of the batch would not arrive.
-``name_batch_requests`` hands it to the read state when the batch it begins is that batch (same
-requests in the same order, same prefix lens, prefix-free padding past them); any other batch
-reads without a hint. Host objects only: the tree's node ids and value lengths, no device data.
-Every CP rank's scheduler holds the same tree and batches (as it holds the same logical locs), so
-every rank plans with the same hint; the read state checks it against the page ids on the device.
-"""
+**Shared prefixes**: only the scheduler knows which requests of a batch share prefix pages (the radix
+paths their ``Req.last_node`` s end at), and ``ForwardBatch`` does not carry them. ``hint_shared_prefix``
+runs after ``ForwardBatch.init_new``, computes the hint from the radix paths and the batch's
+``extend_prefix_lens_cpu`` and hands it to the pool (``expect_shared_prefix``), keyed by the batch's rids
+and prefix lens (SGLang's eager runner rebuilds the ForwardBatch before the backend begins it, so an
+attribute of the batch would not arrive). ``name_batch_requests`` runs before
+``prepare_kv_shard_forward`` and names the batch to the pool (``name_next_batch``), whose next begin
+takes the hint when the batch is the hint's (same requests, same prefix lens, prefix-free padding
+past them). Host objects only; every CP rank holds the same tree and batches, so every rank plans with
+the same hint, and the read state checks it against the page ids on the device."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
@@ -101,7 +90,6 @@ def build_allocator(original, configurator, **kwargs):
         need_sort=get_disagg().disaggregation_mode in ("decode", "prefill"),
         shard_spec=spec,  # SGLang's batch admission against our view arena's regions
     )
-    allocator.cp_shared_arena = True
     # The read buffers, once: the bytes view_arena charged to the budget.
     pool.attach_view_arena(spec, prefetch_enabled())
     logger.debug(  # the rank's one INFO line: metrics.startup_line
@@ -148,7 +136,7 @@ class SharedPrefixHint:
     """One extend batch's shared-prefix hint, from ``ForwardBatch.init_new`` to the batch's ``begin``.
 
     ``rids`` and ``prefix_lens``: the batch's requests and their ``extend_prefix_lens_cpu``, as
-    ``init_new`` built them; ``pairs``: ``(source, pages)`` per request (``BatchReadState.shared_prefix``).
+    ``init_new`` built them; ``pairs``: ``(source, pages)`` per request (``BatchInputs.shared_prefix``).
     """
 
     rids: tuple[str, ...]
@@ -164,6 +152,58 @@ class SharedPrefixHint:
         if tuple(int(p) for p in prefix_lens[:n]) != self.prefix_lens or any(int(p) for p in prefix_lens[n:]):
             return None
         return [*self.pairs, *[(-1, 0)] * (len(prefix_lens) - n)]
+
+
+def shared_prefix_from_paths(
+    paths: Sequence[Sequence[tuple[Hashable, int]]], prefix_lens: Sequence[int], page_size: int
+) -> list[tuple[int, int]]:
+    """``BatchInputs.shared_prefix`` for a batch, from the radix paths its requests' prefixes end at.
+
+    ``paths[b]`` is request ``b``'s root-to-node path in the radix tree, root side first (the root
+    itself left out): per node, its identity and the KV tokens from the root to the node's end.
+    Invariant (SGLang's radix cache keeps it): a request's first tokens, as far as its path and its
+    ``prefix_lens[b]`` both reach, sit at its path's KV locs. Two requests whose paths meet at a node
+    hold the same locs, so the same logical pages, up to that node's depth: the later one gets the
+    first request through its deepest shared node as source, and the whole pages of that depth both
+    prefixes hold. Host ints only.
+    """
+    first: dict[Hashable, tuple[int, int]] = {}  # node -> (first request through it, its depth in tokens)
+    out = []
+    for b, path in enumerate(paths):
+        best = (-1, 0)
+        for node, depth in path:
+            hit = first.get(node)
+            if hit is None:
+                first[node] = (b, depth)
+            elif depth >= best[1]:
+                best = (hit[0], depth)
+        src, tokens = best
+        pages = min(tokens, int(prefix_lens[b]), int(prefix_lens[src])) // page_size if src >= 0 else 0
+        out.append((src, pages) if pages else (-1, 0))
+    return out
+
+
+def shared_prefix_from_nodes(
+    last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int
+) -> list[tuple[int, int]]:
+    """``shared_prefix_from_paths`` from node objects: ``last_nodes[b]`` is request ``b``'s ``Req.last_node``
+    in a tree of SGLang's ``TreeNode`` s (``parent``, ``value``, the root's parent ``None``).
+
+    A node's depth is the host-known length of its values (of its key where it has none): no device
+    data is read.
+    """
+    paths = []
+    for node in last_nodes:
+        chain = []
+        while node is not None and getattr(node, "parent", None) is not None:
+            chain.append(node)
+            node = node.parent
+        path, depth = [], 0
+        for n in reversed(chain):  # root side first
+            depth += len(n.value) if n.value is not None else len(n.key)
+            path.append((id(n), depth))
+        paths.append(path)
+    return shared_prefix_from_paths(paths, prefix_lens, page_size)
 
 
 def _radix_paths(tree_cache, last_nodes: list) -> list[list[tuple[int, int]]] | None:
@@ -195,11 +235,6 @@ def batch_shared_prefix(
     """The hint of a ``ScheduleBatch`` whose ForwardBatch has these ``rids`` and ``prefix_lens`` (same requests,
     same order), from its requests' ``last_node`` s in its ``tree_cache``; ``None`` when no two requests
     share a whole prefix page. Host objects only."""
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import (
-        shared_prefix_from_nodes,
-        shared_prefix_from_paths,
-    )
-
     reqs = batch.reqs
     if rids is None or prefix_lens is None or not len(reqs) == len(rids) == len(prefix_lens):
         return None
@@ -219,7 +254,7 @@ def batch_shared_prefix(
 
 
 def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
-    """Runs after ``ForwardBatch.init_new``: leave an extend batch's shared-prefix hint on a CP-shared pool.
+    """Runs after ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint to a CP-shared pool.
 
     Every extend batch replaces the pool's hint (``None``: no sharing), so a hint never outlives the
     next batch. Passes through unless the flag is on and the model runner's pool is ours.
@@ -230,7 +265,9 @@ def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
     if not isinstance(pool, CPSharedKVPoolMixin) or not runtime_enabled():
         return result
     if result.forward_mode.is_extend_or_draft_extend_or_mixed():
-        pool.shared_prefix_hint = batch_shared_prefix(batch, result.rids, result.extend_prefix_lens_cpu, pool.page_size)
+        pool.expect_shared_prefix(
+            batch_shared_prefix(batch, result.rids, result.extend_prefix_lens_cpu, pool.page_size)
+        )
     return result
 
 
@@ -241,10 +278,7 @@ def name_batch_requests(pool, req_to_token, forward_batch) -> None:
 
     if isinstance(pool, CPSharedKVPoolMixin):
         rids = getattr(forward_batch, "rids", None)
-        pool.read.request_ids = rids
-        hint = pool.shared_prefix_hint
-        prefix_lens = getattr(forward_batch, "extend_prefix_lens_cpu", None)
-        pool.read.shared_prefix = hint.for_batch(rids, prefix_lens) if hint is not None else None
+        pool.name_next_batch(rids, getattr(forward_batch, "extend_prefix_lens_cpu", None))
 
 
 # (target, hook, kind) for ``sglang_wiring.register``.

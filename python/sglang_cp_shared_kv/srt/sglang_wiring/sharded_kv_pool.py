@@ -1,28 +1,21 @@
 """SGLang's MLA and DSA token pools, sharded over the prefill CP ranks.
 
 ``CPSharedMLATokenToKVPool`` / ``CPSharedDSATokenToKVPool`` subclass SGLang's own pools, so every
-``isinstance`` check and every byte format stays SGLang's; they change where rows go and what a
-read sees:
+``isinstance`` check and byte format stays SGLang's; they change where rows go and what a read sees:
 
-- **Storage**: the stock per-rank buffers (``size + page_size`` rows, ``size / ps + 1`` indexer
-  pages). Logical page ``lp`` lives on CP rank ``lp % cp_size`` as physical page ``lp // cp_size``
-  (``PageOwnership``). The widened allocator (``size * cp_size`` logical slots) never hands out
-  logical pages ``[0, cp_size)``, so physical page 0 of every rank is free: it is the trash page.
-  What the pool is (``CPSharedSpec``) is built and checked once, in ``_init_cp_shared``.
-- **Write path**: every CP rank receives the whole current chunk (prefill CP all-gathers it
-  before the pool write). Rows are quantized by SGLang's own writers, but to
-  ``store_rows(locs)``: the physical row for owned locs, a row of the trash page otherwise. A
-  masked store: static shapes, no ``nonzero``, no host sync.
-- **Read path**: the pools implement the kv-shard pool contract SGLang's attention backends
-  already call (``begin_shard_extend`` / ``translate_loc_to_scratch`` / ``get_key_buffer`` and
-  the indexer's page reads), served by ``read_state.BatchReadState``: current-reuse when no
-  request has a prefix, else the materialized view of the prefixes. Either way the write path
-  stages the current chunk (every rank holds all of it) into the buffer the batch reads, so the
-  chunk is never gathered nor all-gathered.
+- **Storage**: the stock per-rank buffers. Logical page ``lp`` lives on CP rank ``lp % cp_size`` as
+  physical page ``lp // cp_size`` (``PageOwnership``); the widened allocator never hands out logical
+  pages ``[0, cp_size)``, so physical page 0 of every rank is the trash page. ``CPSharedSpec`` is built
+  and checked once, in ``_init_cp_shared``.
+- **Write path**: every rank receives the whole current chunk; SGLang's own writers quantize it, to
+  ``store_rows(locs)``: the physical row of an owned loc, a row of the trash page otherwise (a masked
+  store: static shapes, no ``nonzero``, no host sync).
+- **Read path**: the kv-shard contract SGLang's backends already call (``begin_shard_extend`` /
+  ``translate_loc_to_scratch`` / ``get_key_buffer`` and the indexer's page reads), served by
+  ``read_state.BatchReadState`` from the ``BatchInputs`` built here.
 
-Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): every stored row is checked to map back to its
-logical loc on this rank, and the read plan and translation are checked (syncing).
-"""
+Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): every stored row is checked to map back to its logical loc on
+this rank, and the read plan and translation are checked (syncing)."""
 
 from __future__ import annotations
 
@@ -36,7 +29,12 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool,
 from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers, TensorMemo
+from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import (
+    BatchInputs,
+    BatchReadState,
+    PageBuffers,
+    TensorMemo,
+)
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import CPSharedSpec
 
@@ -58,6 +56,13 @@ def _runtime_cp_group() -> CPGroup:
     return CPGroup(get_parallel().attn_cp_group.device_group)
 
 
+def _host_ints(values) -> tuple[int, ...]:
+    """SGLang's host lengths (a list or a CPU tensor) as Python ints, a tensor through one ``tolist``."""
+    if isinstance(values, torch.Tensor):
+        return tuple(values.tolist())  # sync-ok: SGLang's *_cpu lengths
+    return tuple(int(v) for v in values)
+
+
 class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers.
 
@@ -66,8 +71,6 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     methods below, all of which are ours. SGLang's own scratch, gather communicator and
     write plan are never built.
     """
-
-    _last_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (a read buffer, its kernel view)
 
     def _init_cp_shared(
         self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | Callable[[], CPGroup] | None
@@ -117,9 +120,9 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         self._store_rows = TensorMemo(
             lambda locs: self.ownership.store_rows(locs.long(), spec.cp_rank, spec.trash_page, spec.phys_pages)[0]
         )
-        # The last extend batch's shared-prefix hint (``pool_hooks.SharedPrefixHint``), left by SGLang's
-        # ``ForwardBatch.init_new`` for its ``begin`` (through ``prepare_kv_shard_forward``).
-        self.shared_prefix_hint = None
+        self._hint = None  # the last extend batch's shared-prefix hint (``expect_shared_prefix``)
+        # The request ids and shared-prefix pairs the next ``begin_shard_extend`` takes (``name_next_batch``).
+        self.next_batch: tuple[tuple[str, ...] | None, tuple | None] = (None, None)
         self._shard_extend_active = False
         logger.debug(  # the rank's one INFO line: metrics.startup_line
             "CP-shared KV pool: rank %d of %d, %d physical pages per rank (page 0 reserved), page size %d, "
@@ -204,10 +207,33 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             self._as_rows(self.read.stage(local)[0])[stage_rows] = cache_k
         self.kv_buffer[local][self.store_rows(loc)] = cache_k
 
+    # -- what the scheduler knows of the next batch --
+    @property
+    def expected_shared_prefix(self):
+        """The last extend batch's shared-prefix hint (``pool_hooks.SharedPrefixHint``, or None)."""
+        return self._hint
+
+    def expect_shared_prefix(self, hint) -> None:
+        """An extend batch's shared-prefix hint (``pool_hooks.SharedPrefixHint`` or None), computed where
+        SGLang's ``ForwardBatch.init_new`` still sees the scheduler's batch; it replaces the last one."""
+        self._hint = hint
+
+    def name_next_batch(self, request_ids, prefix_lens) -> None:
+        """The request ids of the batch the next ``begin_shard_extend`` begins (for errors), and with its
+        prefix lens the hint's pairs where the hint is that batch's (``SharedPrefixHint.for_batch``)."""
+        hint = self._hint
+        shared = hint.for_batch(request_ids, prefix_lens) if hint is not None else None
+        names = tuple(str(r) for r in request_ids) if request_ids is not None else None
+        self.next_batch = (names, tuple(shared) if shared is not None else None)
+
     # -- the kv-shard read contract --
     def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu) -> None:
         self._store_rows.clear()  # per batch: a kernel may refill a loc buffer without a version bump
-        self.read.begin(req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu)
+        (names, shared), self.next_batch = self.next_batch, (None, None)  # that batch's only
+        inputs = BatchInputs(
+            req_to_token, req_pool_indices, _host_ints(prefix_lens_cpu), _host_ints(seq_lens_cpu), names, shared
+        )
+        self.read.begin(inputs)
         self._shard_extend_active = True
 
     def end_shard_extend(self) -> None:
@@ -223,14 +249,9 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         return self.read.translate(loc)
 
     def _read_rows(self, layer_id: int) -> torch.Tensor:
-        """The kernels' view of the layer's read buffer, built once per buffer: the layers of a batch read
-        one or two buffers, the same objects batch after batch while the view's size holds (host time)."""
-        buf = self.read.latent_rows(layer_id - self.start_layer)
-        last = self._last_rows
-        if last is None or last[0] is not buf:
-            rows = self._as_rows(buf)
-            last = self._last_rows = (buf, rows.view(self.dtype) if self.store_dtype != self.dtype else rows)
-        return last[1]
+        """The kernels' view of the layer's read buffer (the pool's store dtype, as ``kv_buffer``)."""
+        rows = self._as_rows(self.read.latent_rows(layer_id - self.start_layer))
+        return rows.view(self.dtype) if self.store_dtype != self.dtype else rows
 
     def get_key_buffer(self, layer_id: int):
         if self._shard_extend_active:
@@ -293,8 +314,6 @@ class CPSharedMLATokenToKVPool(CPSharedKVPoolMixin, MLATokenToKVPool):
 class CPSharedIndexKeyCache(IndexKeyCache):
     """The DSA indexer K + scale pages of a CP-shared pool: masked writes, reads from the batch's buffer."""
 
-    _last_view: tuple[torch.Tensor, torch.Tensor] | None = None  # (batch pages, their kernel view)
-
     def _has_keys(self, local: int) -> bool:
         """Whether local layer ``local`` holds indexer keys: the read state's pages over these buffers
         know it (``PageBuffers.has_index``)."""
@@ -307,15 +326,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         counter = pool.layer_transfer_counter  # as the stock read: the layer's pages loaded first
         if counter is not None:
             counter.wait_until(layer_id - pool.start_layer)
-        return self._batch_view(pool.read.index_pages(layer_id - pool.start_layer))
-
-    def _batch_view(self, pages: torch.Tensor) -> torch.Tensor:
-        """The kernels' view of a batch buffer of indexer pages, once per buffer (the layers of a batch
-        built in line read and stage into one: host time)."""
-        last = self._last_view
-        if last is None or last[0] is not pages:
-            last = self._last_view = (pages, self._kernel_view(pages))
-        return last[1]
+        return self._kernel_view(pool.read.index_pages(layer_id - pool.start_layer))
 
     def get_k_and_scale(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
         pool = self.pool
@@ -347,7 +358,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         targets = [(self._kernel_view(local), pool.store_rows(loc), None)]
         stage_rows = pool._stage_rows(loc)
         if stage_rows is not None:
-            targets.append((self._batch_view(pool.read.stage(layer_id - pool.start_layer)[1]), stage_rows, None))
+            targets.append((self._kernel_view(pool.read.stage(layer_id - pool.start_layer)[1]), stage_rows, None))
         return targets
 
     def store_quantized(self, layer_id, loc, index_k, index_k_scale) -> None:

@@ -24,6 +24,8 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import (
     Launch,
     LaunchSequence,
     interpreting,
+    tl,
+    triton,
     triton_enabled,
 )
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
@@ -293,27 +295,34 @@ def test_a_planned_translation_reads_its_table_from_the_device_words():
         planned_translation(page_pos, params[:4], 16)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _add_to(x, n, value, BLOCK: tl.constexpr):  # a kernel of this test's own: launched here only
+        i = tl.arange(0, BLOCK)
+        tl.store(x + i, tl.load(x + i, mask=i < n) + value, mask=i < n)
+
+
 @needs_triton
 def test_a_launch_runs_its_kernel_and_keys_what_a_graph_bakes_in():
-    """A ``Launch`` queues its kernel with its bound arguments at every call (``ran`` after the first);
-    its ``graph_key`` is equal for equal values and differs where a tensor's address or an int differs."""
-    page_pos = torch.tensor([3, 0, 1, 2, 7, 5, 4, 6], dtype=torch.int64, device=DEVICE)
-    locs = torch.arange(300, dtype=torch.int64, device=DEVICE) % 256
-    out, again = torch.empty_like(locs), torch.empty_like(locs)
-
-    def bound(dst, n=300):
-        return Launch(_translate_kernel, (1,), (page_pos, locs, dst, n, 32, 8), {"BLOCK": 512})
-
-    first = bound(out)
+    """A ``Launch`` queues its kernel with its bound arguments at every call; ``ran`` once a launch that
+    compiles to the same kernel has run (another value of an int of the same class, another tensor of the
+    same dtype and alignment); its ``graph_key`` is equal for equal values and differs where a tensor's
+    address or an int differs."""
+    x, y = torch.zeros(8, dtype=torch.int64, device=DEVICE), torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    first = Launch(_add_to, (1,), (x, 8, 3), {"BLOCK": 8})
     assert not first.ran
     first()
-    assert first.ran and torch.equal(out, translate_locs_ref(page_pos, locs, 32))
-    assert bound(out).graph_key() == first.graph_key()
-    assert bound(again).graph_key() != first.graph_key() and bound(out, 299).graph_key() != first.graph_key()
-    locs.add_(1).remainder_(256)  # a launch reads what its tensors hold when it runs
     first()
-    assert torch.equal(out, translate_locs_ref(page_pos, locs, 32))
-    assert LaunchSequence(first, bound(again)).ran is False
+    assert first.ran and x.tolist() == [6] * 8  # reads what its tensor holds when it runs
+    again = Launch(_add_to, (1,), (y, 5, 2), {"BLOCK": 8})
+    assert again.ran and LaunchSequence(first, again).ran  # same dtypes, alignment and int classes
+    assert not Launch(_add_to, (1,), (y, 5, 1), {"BLOCK": 8}).ran  # an int of 1: Triton specializes it
+    again()
+    assert y.tolist() == [2] * 5 + [0] * 3
+    assert Launch(_add_to, (1,), (x, 8, 3), {"BLOCK": 8}).graph_key() == first.graph_key()
+    assert again.graph_key() != Launch(_add_to, (1,), (x, 5, 2), {"BLOCK": 8}).graph_key()
+    assert again.graph_key() != Launch(_add_to, (1,), (y, 6, 2), {"BLOCK": 8}).graph_key()
 
 
 def test_a_launch_refuses_tensors_of_two_devices():

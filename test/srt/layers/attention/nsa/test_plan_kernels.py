@@ -7,7 +7,6 @@ import pytest
 import torch
 from page_fixtures import build_slot_plan, plan_meta
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_META_ROWS,
     PlanWorkspace,
@@ -20,6 +19,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     plan_positions_ref,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import plan_meta_rows, slots_per_rank
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import triton_enabled
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers, TensorMemo
+from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchInputs, BatchReadState, PageBuffers, TensorMemo
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
@@ -52,10 +52,9 @@ def test_begin_refuses_lengths_that_cannot_describe_a_batch_and_keeps_its_state(
     latent = PageBuffers(ownership, 0, row, [torch.zeros((8, ps * row), dtype=torch.uint8)])
     state = BatchReadState(ownership, 0, 16, latent, None, None)
     table, rows = torch.arange(2 * 4 * ps, dtype=torch.int32).view(2, 4 * ps), torch.arange(2)
-    state.shared_prefix = [(-1, 0), (0, 1)]
+    hint = ((-1, 0), (0, 1))
     with pytest.raises(ValueError, match=message):
-        state.begin(table, rows, prefix_lens, seq_lens)
+        state.begin(BatchInputs(table, rows, tuple(prefix_lens), tuple(seq_lens), shared_prefix=hint))
     assert state.mode is None and state.counters is None
-    assert state.shared_prefix is None  # the refused batch's hint is not left for the next one
-    state.begin(table, rows, [0, 0], [16, 4 * ps])  # a batch that fits still runs
+    state.begin(BatchInputs(table, rows, (0, 0), (16, 4 * ps)))  # a batch that fits still runs
     assert state.mode == "current"

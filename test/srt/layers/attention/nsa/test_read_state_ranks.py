@@ -28,7 +28,7 @@ PS, LAYERS, ROW, INDEX_ROW, PHYS = 16, 2, 64, 132, 9
 def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> dict:
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs_ref
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchInputs, BatchReadState, PageBuffers
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
     from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
@@ -97,9 +97,10 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
             req_to_token[r, : seq_lens[r]] = loc.int()
             every.append(loc.to(device, non_blocking=True))
         req_to_token = req_to_token.to(device, non_blocking=True)
-        state.request_ids = [f"req-{r}" for r in range(len(batch_pages))]
-        state.shared_prefix = shared
-        state.begin(req_to_token, torch.arange(len(batch_pages), device=device), prefix_lens, seq_lens)
+        names = tuple(f"req-{r}" for r in range(len(batch_pages)))
+        rows = torch.arange(len(batch_pages), device=device)
+        hint = tuple(shared) if shared is not None else None
+        state.begin(BatchInputs(req_to_token, rows, tuple(prefix_lens), tuple(seq_lens), names, hint))
         count_calls(state.views)
         group.calls.clear()
         # SGLang's DSA backend translates its int32 token table first (rows strided by the token table's

@@ -34,7 +34,9 @@ def test_non_rotating_pages_plan_inside_the_view_and_fail_without_a_sync(cp_size
         buf, _, array = check.host_views(n + 1, dev, 0)
         buf.copy_(plan.status, non_blocking=True)
         s = plan.slots_per_rank
-        check.watch(buf, lambda h: SlotOverflowError(overflow_message(h, s, ["a", "b"])) if h[0] else None, dev, array=array)
+        check.watch(
+            buf, lambda h: SlotOverflowError(overflow_message(h, s, ["a", "b"])) if h[0] else None, dev, array=array
+        )
 
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

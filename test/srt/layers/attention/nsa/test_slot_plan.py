@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from page_fixtures import RotatingPages, build_slot_plan, page_table, plan_meta
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages_ref
-from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import triton_enabled
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import DeviceFlagCheck, pages_for_lens, slots_per_rank
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import triton_enabled
 
 
 def _batch_pages(cp_size: int, page_counts: list[int], share: list[int | None], seed: int) -> list[list[int]]:

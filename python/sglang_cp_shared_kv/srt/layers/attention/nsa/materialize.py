@@ -43,10 +43,10 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     pull_launch,
     word_view,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageSource
+from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
-from sglang_cp_shared_kv.srt.utils import check_int, current_stream
+from sglang_cp_shared_kv.srt.utils import check_int
 
 
 @dataclass
@@ -199,7 +199,7 @@ class ViewMaterializer:
     all-gather on the side stream at ``prefetch_priority``; at once on CPU). The view holds prefix
     pages only, written before the batch began, so it equals the view gathered in line.
 
-    ``pool`` is a ``page_source.PageSource``.
+    ``pool`` is a ``page_source.PageBuffers``.
 
     ``arena`` (optional): buffers allocated once by the caller (``"latent"`` and, with an indexer,
     ``"index"``, uint8 ``[pages, page bytes]``, ``allocate_arena``); every batch's views are its leading
@@ -212,7 +212,7 @@ class ViewMaterializer:
 
     def __init__(
         self,
-        pool: PageSource,
+        pool: PageBuffers,
         group: CPGroup | None = None,
         *,
         prefetch: bool = False,
@@ -245,8 +245,6 @@ class ViewMaterializer:
         self._rows: list[torch.Tensor] = []  # per view set: its latent buffer as rows
         # Per view set: its latent rows and indexer pages, which a caller stages the current chunk into.
         self.stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        # (pages, sets wanted) -> the arena's view sets: buffers, rows, stages (the same lists every batch).
-        self._arena_sets: dict[tuple[int, int], tuple[list, list, list]] = {}
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
@@ -258,7 +256,6 @@ class ViewMaterializer:
         # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
         # a fence per batch orders the pools' writes and reads across ranks (``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
-        self._layer_views: dict[tuple[int, bool], LayerView] = {}  # per batch: by view set and indexer
 
     def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
         """Start a batch whose prefixes the caller planned (``plan``, built for this pool's layout) and whose
@@ -282,37 +279,29 @@ class ViewMaterializer:
         pool = self.pool
         self._parts = []
         pages = plan.view_pages + extra_pages
-        # The arena's view sets of a size are the same slices every batch: built once (host time).
-        sets = self._arena_sets.get((pages, copies)) if self.arena is not None else None
-        if sets is None:
-            widths = {"latent": pool.page_size * pool.row_bytes}
-            if pool.with_indexer:
-                widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
-            wanted = copies
-            if self.arena is not None:  # as many as the arena holds
-                copies = arena_sets(self.arena, pages, copies)
-            views = []
-            for part in range(copies):
-                if self.arena is not None:
-                    views.append({k: arena_pages(self.arena, k, pages, w, part) for k, w in widths.items()})
-                else:
-                    views.append(
-                        {k: torch.empty((pages, w), dtype=torch.uint8, device=pool.device) for k, w in widths.items()}
-                    )
-            # Per set: its buffers, its latent buffer as rows, and the buffers the write path stages into.
-            sets = (views, [v["latent"].view(-1, pool.row_bytes) for v in views], [])
-            sets[2].extend((rows, v.get("index")) for rows, v in zip(sets[1], views))
-            if self.arena is not None:
-                if len(self._arena_sets) >= 64:
-                    self._arena_sets.clear()
-                self._arena_sets[(pages, wanted)] = sets
-        self._views, self._rows, self.stages = sets
+        widths = {"latent": pool.page_size * pool.row_bytes}
+        if pool.with_indexer:
+            widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
+        arena = self.arena
+        if arena is not None:  # as many as the arena holds
+            copies = arena_sets(arena, pages, copies)
+        self._views = [
+            {
+                k: arena_pages(arena, k, pages, w, part)
+                if arena is not None
+                else torch.empty((pages, w), dtype=torch.uint8, device=pool.device)
+                for k, w in widths.items()
+            }
+            for part in range(copies)
+        ]
+        # Per set: its latent buffer as rows, and the buffers the write path stages into.
+        self._rows = [v["latent"].view(-1, pool.row_bytes) for v in self._views]
+        self.stages = [(r, v.get("index")) for r, v in zip(self._rows, self._views)]
         if self._source_table is None:
             send, (start, end) = plan.send_pages(pool.rank), plan.rank_view_slots(pool.rank)
             for views in self._views:
                 mine = [v[start:end] for v in views.values()]
                 self._parts.append((send, mine, [v[: plan.view_pages] for v in views.values()]))
-        self._layer_views = {}
 
     def layer_view(self, layer: int) -> LayerView:
         """The view of ``layer`` for the batch in progress."""
@@ -331,14 +320,8 @@ class ViewMaterializer:
         if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1
-        # Layers that read one view set read the same buffers: one LayerView per set per batch (host time).
-        key = (slot, self._layer_has_index(layer))
-        view = self._layer_views.get(key)
-        if view is None:
-            index = self._views[slot].get("index") if key[1] else None
-            view = LayerView(self._rows[slot], index, self.plan, pool.page_size, self.use_triton)
-            self._layer_views[key] = view
-        return view
+        index = self._views[slot].get("index") if self._layer_has_index(layer) else None
+        return LayerView(self._rows[slot], index, self.plan, pool.page_size, self.use_triton)
 
     @property
     def reads_pools(self) -> bool:
@@ -350,21 +333,8 @@ class ViewMaterializer:
         """View sets of the batch in progress: 2 when it is prefetched (layers alternate), else 1."""
         return len(self._views)
 
-    def view_buffers(self, layer: int = 0) -> dict[str, torch.Tensor]:
-        """The batch's view buffers that ``layer_view(layer)`` fills (``"latent"``, ``"index"``):
-        uint8 ``[N * S + extra_pages, page bytes]``, for a caller that stages pages past the view."""
-        if not self._views:
-            raise ValueError("view_buffers called before begin_planned")
-        return self._views[layer % len(self._views)]
-
-    def view_rows(self, layer: int = 0) -> torch.Tensor:
-        """``view_buffers(layer)["latent"]`` as uint8 ``[pages * page_size, row_bytes]`` rows."""
-        if not self._rows:
-            raise ValueError("view_rows called before begin_planned")
-        return self._rows[layer % len(self._rows)]
-
     def _layer_has_index(self, layer: int) -> bool:
-        """Whether ``layer`` has indexer pages to gather (``PageSource.has_index``)."""
+        """Whether ``layer`` has indexer pages to gather (``PageBuffers.has_index``)."""
         return self.pool.has_index[layer]
 
     # -- the gather, now or ahead --
@@ -390,7 +360,7 @@ class ViewMaterializer:
                     group.all_gather_into_many(whole, mine)
                 else:
                     gathered = self._gathered
-                    gathered.record(current_stream(self.pool.device))
+                    gathered.record(torch.cuda.current_stream(self.pool.device))
                     gathered.wait(transfer_stream)
                     if ack or group.backend != "copy_engine":
                         group.all_gather_into_many(whole, mine, stream=transfer_stream)
@@ -458,7 +428,7 @@ class ViewMaterializer:
                 # The side stream starts after everything queued so far: the previous batch's pool
                 # writes, and the kernels still reading this buffer set's previous layer. One event
                 # each way serves every layer: each wait is queued before the event is recorded again.
-                main = current_stream(device)
+                main = torch.cuda.current_stream(device)
                 self._fork.record(main)
                 self._fork.wait(side)
                 torch.cuda.set_stream(side)
@@ -475,7 +445,7 @@ class ViewMaterializer:
     def _wait(self, pending: tuple[int, int, torch.cuda.Event | None]) -> None:
         event = pending[2]
         if event is not None:
-            event.wait(current_stream(self.pool.device))
+            event.wait(torch.cuda.current_stream(self.pool.device))
 
     def drain(self) -> None:
         """Order what the caller queues next after a gather started ahead (none: nothing), and after the

@@ -430,6 +430,4 @@ def planned_translation(page_pos: torch.Tensor, params: torch.Tensor, page_size:
     if params.dtype != torch.int64 or params.numel() < 5 or params.device != page_pos.device:
         raise ValueError(f"params must be int64 [>= 5] on {page_pos.device}, got {params.dtype} on {params.device}")
     args = (page_pos, params, page_size, page_pos.shape[0])
-    return Launch(
-        _translate_planned_kernel, (_PLANNED_PROGRAMS,), args, {"BLOCK": 1024, "PROGRAMS": _PLANNED_PROGRAMS}
-    )
+    return Launch(_translate_planned_kernel, (_PLANNED_PROGRAMS,), args, {"BLOCK": 1024, "PROGRAMS": _PLANNED_PROGRAMS})

@@ -1,39 +1,51 @@
-"""What the view materializer reads from a pool: page-major per-layer buffers and their layout.
+"""What the view materializer reads from a pool: one rank's page-major per-layer buffers and their layout.
 
-SGLang's wired pools implement it (``layers.attention.nsa.read_state.PageBuffers``, one for the latent
-rows and one for the indexer pages); ``materialize`` imports no pool class.
+SGLang's wired pools hand theirs over as two of these (the latent rows and the indexer pages), which
+the read state joins into one source: one plan, one gather launch, one collective per layer.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
-class PageSource(Protocol):
-    """One rank's share of a sharded pool, as ``ViewMaterializer`` reads it.
+class PageBuffers:
+    """Page-major per-layer buffers of a pool, shaped as ``ViewMaterializer`` reads a pool.
 
-    - ``ownership``: which rank owns which logical page; ``rank``: this rank.
-    - ``latent_pages(layer)``: uint8 ``[pages, page_size * row_bytes]``, this rank's physical pages.
-    - ``index[layer]`` (only with ``with_indexer``): uint8 ``[pages, page_size * 132]``, the same pages'
-      indexer K + scale; ``has_index[layer]``: whether that buffer holds pages (a layer that skips top-k
-      has none).
-    - ``trash_page``: the physical page padding slots read.
-    - ``page_bytes_per_layer``: bytes of one page in one layer, latent and indexer together.
+    ``buffers[layer]`` is a uint8 ``[pages, page_size * row_bytes]`` view of the pool's storage;
+    ``index`` (optional) the same pages' indexer buffers, uint8 ``[pages, page_size * 132]`` (empty
+    for a layer that skips top-k: ``has_index[layer]`` False). Padding slots read page 0, the pool's
+    reserved page.
     """
 
-    ownership: PageOwnership
-    rank: int
-    page_size: int
-    row_bytes: int
-    num_layers: int
-    device: torch.device
-    trash_page: int
-    with_indexer: bool
-    has_index: tuple[bool, ...]
-    page_bytes_per_layer: int
+    trash_page = 0
 
-    def latent_pages(self, layer: int) -> torch.Tensor: ...
+    def __init__(
+        self,
+        ownership: PageOwnership,
+        rank: int,
+        row_bytes: int,
+        buffers: list[torch.Tensor],
+        index: list[torch.Tensor] | None = None,
+    ):
+        self.ownership = ownership
+        self.rank = rank
+        self.page_size = ownership.page_size
+        self.row_bytes = row_bytes
+        self.buffers = buffers
+        self.index = index
+        self.with_indexer = index is not None
+        if index is not None and len(index) != len(buffers):
+            raise ValueError(f"index must have one buffer per layer ({len(buffers)}), got {len(index)}")
+        self.num_layers = len(buffers)
+        # Per layer, whether it holds indexer pages (SGLang leaves those of layers that skip top-k empty):
+        # the buffers are fixed, so read once here, not per read (host time).
+        self.has_index = tuple(index is not None and index[k].shape[0] > 0 for k in range(self.num_layers))
+        self.device = buffers[0].device
+        self.page_bytes_per_layer = self.page_size * (row_bytes + (INDEX_TOKEN_BYTES if index is not None else 0))
+
+    def latent_pages(self, layer: int) -> torch.Tensor:
+        return self.buffers[layer]

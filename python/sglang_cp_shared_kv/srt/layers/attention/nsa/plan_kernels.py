@@ -25,7 +25,6 @@ import torch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, check_index, tl, triton, triton_enabled
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
-
 # ---------------------------------------------------------------------------------------------
 # the references
 # ---------------------------------------------------------------------------------------------
@@ -520,29 +519,21 @@ def plan_batch(
     header: bool = False,
     queue: bool = True,
 ) -> BatchPlan | tuple[BatchPlan, Launch | None]:
-    """``plan_batch_ref`` in one launch of one program, which first fills ``page_pos`` (None: the plan
-    without a page map) with ``fill``: its outputs in one int64 buffer and an int32 table, no read-back.
-    ``num_positions`` (``sum(prefix - shared)``) and ``slots_per_rank`` are host ints.
+    """``plan_batch_ref`` in one launch of one program (which first fills ``page_pos``, None: no page map,
+    with ``fill``): its outputs in one int64 buffer and an int32 table, nothing read back.
 
-    ``meta`` may be pinned host memory on a CUDA launch, which reads it in place: into device scratch in
-    blocks of loads first (a bus round trip each), then per request from there. ``flags`` (int64
-    ``[N + 2 + B]``; default: a device buffer) receives ``status``, ``wrong`` and last a landed word, 1
-    once the words before it are written (and ``meta`` read): pinned host memory there puts them on
-    the host with the launch, no copy, and the host sees them land with no CUDA call
-    (``slot_plan.DeviceFlagCheck.watch(..., landed=)``).
-    ``workspace``: the outputs are views of its buffers, valid until the next plan over it (default:
-    allocated here); a header launch copies the header's translation words to its ``params``.
+    ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 +
+    B]``; default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the
+    words before it are written): pinned, they reach the host with the launch, no copy
+    (``slot_plan.DeviceFlagCheck.watch(..., landed=)``). ``workspace``: the outputs are views of its
+    buffers, valid until the next plan over it; a header launch copies its translation words to
+    ``workspace.params``.
 
-    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` of this call's
-    values (``PLAN_HEADER``, 12 words), the lengths, then room for the flags (``flags``, if given, must be that tail); the
-    launch reads everything from it, so its arguments do not change from batch to batch while the buffer,
-    the workspace and the pool's tensors stay. ``queue=False``: returns ``(plan, launch)`` with the launch
-    bound, not queued, for the caller to queue (a call, or inside a captured graph); None where the plan
-    was computed without one (the reference path).
-
-    The launch reads the request ``rows`` one after another from their address: they must be on the token
-    table's device, and a header's rows contiguous (its address was written by the caller); other rows are
-    made contiguous here."""
+    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (12
+    words, the request rows by address: contiguous int64), the lengths, then the flags; the launch reads
+    everything from it, so its arguments stay the same batch after batch (a captured graph replays it).
+    ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued (None where the reference
+    computed the plan)."""
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")

@@ -1,69 +1,46 @@
 """Per-batch read state of a sharded SGLang pool: what its page table and buffers mean this batch.
 
-SGLang's attention backends (the DSA backend and its indexer, FA3 for plain MLA) read a
-"kv-shard pool" through one contract: once per extend batch ``begin_shard_extend``, then
-``translate_loc_to_scratch(locs)`` maps the batch's logical token locs to rows of the buffer
-that ``get_key_buffer(layer)`` (and the indexer's page reads) return. This module decides, per
-batch, what that buffer is:
+SGLang's attention backends (the DSA backend and its indexer, FA3 for plain MLA) read a "kv-shard pool"
+through one contract: once per extend batch ``begin_shard_extend``, then ``translate_loc_to_scratch(locs)``
+maps logical token locs to rows of the buffer ``get_key_buffer(layer)`` (and the indexer's page reads)
+return. ``BatchReadState.begin(BatchInputs)`` decides what that buffer is:
 
-- **current-reuse** (no request reads a prefix): the chunk being computed is every key the
-  batch can see, and every rank already holds all of it (prefill CP all-gathers it before the
-  pool write). The write path stages it page-aligned into a local buffer as it stores its owned
-  rows; the translation points at that buffer. Nothing is gathered or all-gathered.
-- **materialized** (any prefix, including mixed batches): the batch's *prefix* pages (positions
-  ``< prefix_len``; SGLang's prefixes are page-aligned) are planned (``slot_plan``) and, per
-  layer, gathered from their owners and all-gathered (``materialize.ViewMaterializer``) into a
-  dense owner-major view. The current chunk's pages are whole new pages that every rank already
-  holds: the write path stages them, as under current-reuse, into the pages that follow the view
-  in the same buffer. Per layer the buffer is ``[prefix view (N * S pages) | current pages |
-  trash page]``; the translation maps each prefix page to one of its slots, each current page to
-  its staged page and anything else to the trash page. Nothing of the current chunk is gathered
-  or all-gathered: a history batch receives exactly its prefix pages. Latent rows and indexer
-  pages share one plan, one gather launch and one collective per layer (one NCCL group): the
-  prefix is in the pool before the batch starts, so the layer's first read (the indexer's, on a
-  DSA layer) gathers both.
+- **current-reuse** (no request reads a prefix): every key the batch sees is the chunk being computed,
+  which every rank holds (prefill CP all-gathers it before the pool write). The write path stages it
+  page-aligned into a local buffer; nothing is gathered.
+- **materialized** (any prefix): the batch's prefix pages are planned (``plan_kernels.plan_batch``) and
+  per layer gathered from their owners into a dense owner-major view (``materialize.ViewMaterializer``);
+  the current chunk is staged into the pages past it. Per layer the buffer is ``[prefix view (N * S
+  pages) | current pages | trash page]``, latent rows and indexer pages alike, one plan, one gather and
+  one collective for both. A history batch receives exactly its prefix pages.
 
-**Shared prefixes read once** (optional, host-known): ``shared_prefix``, set before ``begin`` like
-``request_ids`` and used by that batch only, lists per request ``(source, pages)``: its first
-``pages`` prefix pages are the same logical pages as those of the earlier request ``source``
-(the scheduler knows it from the radix paths the prefixes end at: ``shared_prefix_from_paths``;
-``pool_hooks`` hands it over on the SGLang path). The plan then skips them
-(``S = sum_b ceil((Q_b - shared_b) / N)``) and the translation finds them through the source's
-slots. The hint is checked on the device, not trusted: the batch compares each request's shared
-page ids with its source's (static shapes), and a mismatch (those pages read other slots or the
-trash page) raises ``SharedPrefixError`` naming the requests at the next ``begin`` or ``end``, read
-like the overflow flag below (``slot_plan.DeviceFlagCheck``); debug mode's translation check
-reports it in ``begin`` already.
+**Shared prefixes read once** (optional): ``BatchInputs.shared_prefix`` gives per request ``(source,
+pages)``: its first ``pages`` prefix pages are those of the earlier request ``source`` (from the radix
+tree: ``pool_hooks.shared_prefix_from_paths``). The plan skips them (``S = sum_b ceil((Q_b - shared_b) /
+N)``) and the translation finds them through the source's slots. The hint is checked on the device, not
+trusted: a mismatch raises ``SharedPrefixError`` at the next ``begin`` or ``end``.
 
-**View arena** (``attach_arena``, once at start-up): both modes' buffers are the leading pages
-of one latent and one indexer buffer allocated once, sized like SGLang's scratch admission
-bounds a batch (``N * sum_i ceil(prefix_pages_i / N)`` prefix pages + the chunk's pages + a
-trash page), with a second chunk and page when prefetching: a batch whose buffer fits twice
-alternates its layers between two view sets, layer ``l + 1``'s prefix gathered while layer ``l``
-reads. A batch past the arena raises ``ViewArenaError`` in ``begin``, before anything is
-allocated or written. Without an arena the buffers are allocated per batch.
+**View arena** (``attach_arena``, once at start-up): the buffers are the leading pages of one latent and
+one indexer buffer sized as SGLang's scratch admission bounds a batch, with a second chunk when
+prefetching (layers then alternate between two view sets, layer ``l + 1`` gathered while ``l`` reads).
+A batch past the arena raises ``ViewArenaError`` in ``begin``, before anything is written.
 
-Sizes come from host lengths; nothing reads device data back (debug mode aside). A materialized
-batch whose pages do not rotate owners reads the trash page past an owner's block, and its plan
-raises a device flag; ``begin`` and ``end`` (the next batch, or SGLang's end of the extend
-batches) raise ``SlotOverflowError`` naming the batch's requests once that flag is on the host,
-without waiting for it: the plan's launch writes its flags (this one, the hint's check) straight into a
-pinned buffer that also carries the batch's host lengths in, then a landed word the host reads
-(``slot_plan.DeviceFlagCheck``): no CUDA call watches them.
+Sizes come from host lengths; nothing reads device data back (debug mode aside). A plan whose pages do
+not rotate owners reads the trash page past an owner's block and sets a device flag, which the plan's
+launch writes into pinned memory with a landed word; ``begin`` and ``end`` raise ``SlotOverflowError``
+once it is on the host (``slot_plan.DeviceFlagCheck``), never waiting for it.
 
-**One launch per batch start.** ``begin`` queues nothing: the batch's fence and plan wait for its
-first call that reads or writes device memory. When that call is SGLang's translation of its int32
-page table, the table's and the output's addresses go into the plan's pinned buffer, the plan copies
-them to the device, and a translation with a fixed grid runs right after the plan, in the fence's
-captured graph: the batch's start and its page table cost one driver call between them. Any other
-first call (and ``end``) queues the fence and the plan alone, so every rank still makes one fence per
-batch.
+**One launch per batch start** (``DeferredPlan``): ``begin`` queues nothing; the fence and the plan wait
+for the batch's first device call. When that is SGLang's translation of its int32 page table, the
+table's address goes into the plan's pinned buffer and a fixed-grid translation runs right after the
+plan, in the fence's captured graph.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -80,6 +57,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     check_arena_fits,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import planned_translation, translate_locs
+from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_HEADER,
     PLAN_META_ROWS,
@@ -106,6 +84,42 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_ena
 _TRANSLATION_AT = PLAN_HEADER.index(TRANSLATION_WORDS[0])
 
 
+@dataclass(frozen=True)
+class BatchInputs:
+    """One extend batch as ``BatchReadState.begin`` takes it, built by the wiring from SGLang's arguments.
+
+    - ``req_to_token``: the token table (SGLang's ``req_to_token``, int32 ``[rows, columns]``) on the pool's
+      device: token ``t`` of request ``b`` is at loc ``req_to_token[rows[b], t]``;
+    - ``rows``: the batch's requests' rows of it (SGLang's ``req_pool_indices``), on the same device;
+    - ``prefix_lens``, ``seq_lens``: host ints per request (tokens read from earlier batches, and in all);
+    - ``request_ids``: the requests' names for errors (None: ``#0``, ``#1``, ...);
+    - ``shared_prefix``: ``(source, pages)`` per request, the first ``pages`` prefix pages shared with the
+      earlier request ``source`` (None: no sharing known).
+    """
+
+    req_to_token: torch.Tensor
+    rows: torch.Tensor
+    prefix_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    request_ids: tuple[str, ...] | None = None
+    shared_prefix: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclass
+class DeferredPlan:
+    """A begun batch's plan, bound but not yet queued: queued at the batch's first device call
+    (``BatchReadState._queue_plan``), with the copy engines' fence first where ``fence``.
+
+    ``launch`` is None where the plan was computed in line. ``header`` is its pinned buffer as numpy (a
+    planned translation writes its words there); ``rows`` the request rows the launch reads by address,
+    held until it is queued (stream order keeps them after that)."""
+
+    launch: Launch | None
+    fence: bool
+    header: object  # numpy int64 [>= len(PLAN_HEADER)]
+    rows: torch.Tensor
+
+
 class SharedPrefixError(RuntimeError):
     """A batch's ``shared_prefix`` hint named pages a request does not share with its source: it read them wrong."""
 
@@ -124,45 +138,6 @@ def shared_prefix_message(
         f"pages the hint shares are not the same logical pages for {bad}; they were read from other slots, so "
         "the batch fails"
     )
-
-
-class PageBuffers:
-    """Page-major per-layer buffers of a pool, shaped as ``ViewMaterializer`` reads a pool.
-
-    ``buffers[layer]`` is a uint8 ``[pages, page_size * row_bytes]`` view of the pool's storage;
-    ``index`` (optional) the same pages' indexer buffers, uint8 ``[pages, page_size * 132]`` (empty
-    for a layer that skips top-k: ``has_index[layer]`` False). Padding slots read page 0, the pool's
-    reserved page.
-    """
-
-    trash_page = 0
-
-    def __init__(
-        self,
-        ownership: PageOwnership,
-        rank: int,
-        row_bytes: int,
-        buffers: list[torch.Tensor],
-        index: list[torch.Tensor] | None = None,
-    ):
-        self.ownership = ownership
-        self.rank = rank
-        self.page_size = ownership.page_size
-        self.row_bytes = row_bytes
-        self.buffers = buffers
-        self.index = index
-        self.with_indexer = index is not None
-        if index is not None and len(index) != len(buffers):
-            raise ValueError(f"index must have one buffer per layer ({len(buffers)}), got {len(index)}")
-        self.num_layers = len(buffers)
-        # Per layer, whether it holds indexer pages (SGLang leaves those of layers that skip top-k empty):
-        # the buffers are fixed, so read once here, not per read (host time).
-        self.has_index = tuple(index is not None and index[k].shape[0] > 0 for k in range(self.num_layers))
-        self.device = buffers[0].device
-        self.page_bytes_per_layer = self.page_size * (row_bytes + (INDEX_TOKEN_BYTES if index is not None else 0))
-
-    def latent_pages(self, layer: int) -> torch.Tensor:
-        return self.buffers[layer]
 
 
 class TensorMemo:
@@ -224,24 +199,16 @@ class BatchReadState:
         # indexer pages the write path stages the current chunk into, and the kernels read.
         self._stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._layer_cache: dict[int, LayerView] = {}
-        # Names of the next batch's requests (SGLang's rids, set by ``pool_hooks``), for errors.
-        self.request_ids: Sequence[str] | None = None
         self.arena: dict[str, torch.Tensor] | None = None
         self._arena_pages = float("inf")  # the pages every arena buffer holds (host time: read once)
         self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
-        # The next batch's shared prefix pages, ``(source request, pages)`` per request (one batch).
-        self.shared_prefix: Sequence[tuple[int, int]] | None = None
         # Per batch: the plan's host lengths and flags (overflow, the hint's wrong pages) in one pinned
         # buffer that its launch reads and writes in place, read back at a later begin or end.
         self.flags = DeviceFlagCheck()
         # The plan's outputs, reused every batch like ``page_pos`` (stream order).
         self._workspace = PlanWorkspace()
-        # This batch's plan launch (None: computed in line) and whether the copy engines' fence goes before
-        # it, queued at the batch's first device call (``_queue_plan``); None once queued.
-        self._deferred: tuple[Launch | None, bool] | None = None
-        self._header = self._rows = None  # this batch's pinned buffer as numpy, and its request rows (``_plan``)
+        self._deferred: DeferredPlan | None = None  # this batch's plan until it is queued
         self._translation: Launch | None = None  # planned_translation over the workspace's params
-        self._sequence: LaunchSequence | None = None  # the plan's launch, then that translation
         self.planned_translations = 0  # translations queued with their batch's plan, since start-up
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
@@ -284,23 +251,16 @@ class BatchReadState:
         self.flags.poll(wait=wait)
 
     # -- batch lifecycle --
-    def begin(
-        self,
-        req_to_token: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        prefix_lens: Sequence[int],
-        seq_lens: Sequence[int],
-    ) -> BatchCounters:
-        hint, self.shared_prefix = self.shared_prefix, None  # this batch's hint only, whether it starts or not
-        # SGLang hands lists or CPU tensors: one conversion each (host time: no tensor per element).
-        prefix_lens, seq_lens = _host_ints(prefix_lens), _host_ints(seq_lens)
-        if len(prefix_lens) != len(seq_lens) or len(seq_lens) != req_pool_indices.shape[0]:
+    def begin(self, inputs: BatchInputs) -> BatchCounters:
+        """Start an extend batch: its lengths checked, its plan bound (queued at its first device call)."""
+        prefix_lens, seq_lens, rows = list(inputs.prefix_lens), list(inputs.seq_lens), inputs.rows
+        if len(prefix_lens) != len(seq_lens) or len(seq_lens) != rows.shape[0]:
             raise ValueError(
                 f"prefix_lens ({len(prefix_lens)}), seq_lens ({len(seq_lens)}) and req_pool_indices "
-                f"({req_pool_indices.shape[0]}) must agree"
+                f"({rows.shape[0]}) must agree"
             )
-        pages, prefix_pages = _batch_pages(prefix_lens, seq_lens, self.page_size, req_to_token.shape[1])
-        hint = _check_shared_prefix(hint, prefix_pages)
+        pages, prefix_pages = _batch_pages(prefix_lens, seq_lens, self.page_size, inputs.req_to_token.shape[1])
+        hint = _check_shared_prefix(inputs.shared_prefix, prefix_pages)
         self._queue_plan()  # a batch that made no device call after its begin still has its fence made
         self.check_overflow()
         if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
@@ -308,25 +268,23 @@ class BatchReadState:
         self._layer_cache.clear()
         self.stage_rows.clear()
         self.translate_pages_once.clear()
-        batch = (req_to_token, req_pool_indices, max(pages, default=0))
-        kind = batch_kind(prefix_pages)
-        if kind == "current":
-            self._begin_current(batch, pages)
+        if batch_kind(prefix_pages) == "current":
+            self._begin_current(inputs, pages)
         else:
-            self._begin_materialized(batch, pages, prefix_pages, hint, kind)
+            self._begin_materialized(inputs, pages, prefix_pages, hint, batch_kind(prefix_pages))
         if debug_enabled():
             self._queue_plan()  # the checks read the plan
             if self.mode == "materialized":
                 check_plan(self.views.plan, self.latent.trash_page, self.views.group)
             # The batch's logical pages by position: every page's first token loc // ps.
             ps = self.page_size
-            page_table = req_to_token[req_pool_indices.long(), : max(seq_lens, default=0) : ps].long() // ps
+            page_table = inputs.req_to_token[rows.long(), : max(seq_lens, default=0) : ps].long() // ps
             self._check_translation(page_table, seq_lens)
         return self.counters
 
     def _plan(
         self,
-        batch: tuple[torch.Tensor, torch.Tensor, int],
+        inputs: BatchInputs,
         pages: list[int],
         prefix_pages: list[int],
         hint: list[tuple[int, int]],
@@ -334,15 +292,16 @@ class BatchReadState:
         num_positions: int,
         base: int,
         fill: int,
-    ) -> tuple[BatchPlan, Launch | None]:
+        fence: bool,
+    ) -> BatchPlan:
         """The batch's plan and page map (``plan_batch``) from one pinned buffer and no copy: the launch's
         values and the host lengths (``plan_header``, ``plan_meta_rows``) go into it, the launch reads them in
         place and writes its flags back into it; ``flags`` reads them once they land, at a later ``begin`` or
         ``end``, and raises ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed
-        an owner's block (whose hint was wrong). Returns the plan and its launch, bound but not queued (None:
-        the plan was computed without one): the caller queues it, in the copy engines' fence graph where
-        there is one (the launch's arguments are the same batch after batch)."""
-        req_to_token, req_pool_indices, width = batch
+        an owner's block (whose hint was wrong). Returns the plan; its launch, bound but not queued, is the
+        batch's ``DeferredPlan`` (``fence``: the copy engines' fence goes first), queued in the fence's graph
+        where there is one (the launch's arguments are the same batch after batch)."""
+        req_to_token, req_pool_indices, width = inputs.req_to_token, inputs.rows, max(pages, default=0)
         b, n = len(pages), self.ownership.cp_size
         m = len(PLAN_HEADER) + len(PLAN_META_ROWS) * b  # the header, then the lengths
         rows = req_pool_indices  # read by address in the launch: int64, one after another
@@ -373,7 +332,7 @@ class BatchReadState:
             header=True,
             queue=False,
         )
-        requests = self.request_ids
+        requests = inputs.request_ids
 
         def fail(values: list) -> Exception | None:
             status, wrong = values[m : m + n + 1], values[m + n + 1 : -1]
@@ -385,10 +344,8 @@ class BatchReadState:
             return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
-        # The buffer's numpy view (the translation's words go there), and the rows the launch reads by
-        # address, held until it is queued (a caller's temporary would be freed).
-        self._header, self._rows = host, rows
-        return plan, queued
+        self._deferred = DeferredPlan(queued, fence, host, rows)
+        return plan
 
     def _pool_pages(self) -> list[list[torch.Tensor]]:
         """Per layer the pool's latent and indexer pages, which the copy engines' group maps on every peer."""
@@ -398,23 +355,22 @@ class BatchReadState:
             for layer in range(source.num_layers)
         ]
 
-    def _begin_current(self, batch: tuple[torch.Tensor, torch.Tensor, int], pages: list[int]) -> None:
+    def _begin_current(self, inputs: BatchInputs, pages: list[int]) -> None:
         ps = self.page_size
         total = sum(pages)
         stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
         stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
-        _, queued = self._plan(batch, pages, [0] * len(pages), [(-1, 0)] * len(pages), 0, 0, base=1, fill=0)
         # The peers may still read pages this batch's writes reuse: fenced where there are views.
-        self._deferred = (queued, self.views is not None)
+        self._plan(inputs, pages, [0] * len(pages), [(-1, 0)] * len(pages), 0, 0, 1, 0, self.views is not None)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
 
     def _begin_materialized(
         self,
-        batch: tuple[torch.Tensor, torch.Tensor, int],
+        inputs: BatchInputs,
         pages: list[int],
         prefix_pages: list[int],
         hint: list[tuple[int, int]],
@@ -447,8 +403,8 @@ class BatchReadState:
             check_arena_fits(self.arena, view_pages + staged + 1)
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
-        out, queued = self._plan(batch, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged)
-        self._deferred = (queued, True)  # its flags are watched: queued at the latest by the next begin or end
+        # Its flags are watched: queued at the latest by the next begin or end.
+        out = self._plan(inputs, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged, True)
         self.counters = self.views.begin_planned(out, kind, extra_pages=staged + 1)
         self.counters.pages_staged = staged
         self._stages = self.views.stages
@@ -457,28 +413,23 @@ class BatchReadState:
     def _queue_plan(self, translation: Launch | None = None) -> None:
         """Queue the batch's deferred fence and plan (``begin``), with ``translation`` after the plan (in the
         fence's graph where there is one); nothing once they are queued."""
-        deferred = self._deferred
+        deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        self._deferred = None
-        launch, fence = deferred
+        launch = deferred.launch
         if translation is not None:
-            sequence = self._sequence
-            if sequence is None or sequence.launches[0] is not launch or sequence.launches[1] is not translation:
-                sequence = self._sequence = LaunchSequence(launch, translation)
-            launch = sequence
-        if fence:
+            launch = LaunchSequence(launch, translation)
+        if deferred.fence:
             self.views.fence(launch)
         elif launch is not None:
             launch()
-        self._rows = None  # queued: stream order keeps its memory until the launch has read it
 
     def _translate_planned(self, locs: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
         """``translate(locs)`` queued in one graph with the batch's plan, still deferred (``_queue_plan``),
         for int32 locs on the pool's device whose columns are one apart (SGLang's page tables); None for
         anything else, or where the plan was computed in line."""
-        launch = self._deferred[0]
-        if launch is None or locs.dtype != torch.int32 or dtype not in (None, torch.int32):
+        deferred = self._deferred
+        if deferred.launch is None or locs.dtype != torch.int32 or dtype not in (None, torch.int32):
             return None
         n = locs.numel()
         if n == 0 or locs.get_device() != self._device_index:
@@ -495,7 +446,7 @@ class BatchReadState:
             translation = self._translation = planned_translation(self.page_pos, params, self.page_size)
         out = torch.empty(locs.shape, dtype=torch.int32, device=self.device)
         at = _TRANSLATION_AT
-        self._header[at : at + len(TRANSLATION_WORDS)] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
+        deferred.header[at : at + len(TRANSLATION_WORDS)] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
         self._queue_plan(translation)
         self.planned_translations += 1
         return out
@@ -584,13 +535,6 @@ class BatchReadState:
         return view
 
 
-def _host_ints(values: Sequence[int] | torch.Tensor) -> list[int]:
-    """``values`` as a list of Python ints: a (CPU) tensor through one ``tolist``."""
-    if isinstance(values, torch.Tensor):
-        return values.tolist()  # sync-ok: SGLang's *_cpu lengths
-    return [int(v) for v in values]
-
-
 def _batch_pages(
     prefix_lens: list[int], seq_lens: list[int], page_size: int, columns: int
 ) -> tuple[list[int], list[int]]:
@@ -631,55 +575,3 @@ def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages:
             )
         out.append((src, pages) if pages > 0 else (-1, 0))
     return out
-
-
-def shared_prefix_from_paths(
-    paths: Sequence[Sequence[tuple[Hashable, int]]], prefix_lens: Sequence[int], page_size: int
-) -> list[tuple[int, int]]:
-    """``BatchReadState.shared_prefix`` for a batch, from the radix paths its requests' prefixes end at.
-
-    ``paths[b]`` is request ``b``'s root-to-node path in the radix tree, root side first (the root
-    itself left out): per node, its identity and the KV tokens from the root to the node's end.
-    Invariant (SGLang's radix cache keeps it): a request's first tokens, as far as its path and its
-    ``prefix_lens[b]`` both reach, sit at its path's KV locs. Two requests whose paths meet at a node
-    hold the same locs, so the same logical pages, up to that node's depth: the later one gets the
-    first request through its deepest shared node as source, and the whole pages of that depth both
-    prefixes hold. Host ints only.
-    """
-    first: dict[Hashable, tuple[int, int]] = {}  # node -> (first request through it, its depth in tokens)
-    out = []
-    for b, path in enumerate(paths):
-        best = (-1, 0)
-        for node, depth in path:
-            hit = first.get(node)
-            if hit is None:
-                first[node] = (b, depth)
-            elif depth >= best[1]:
-                best = (hit[0], depth)
-        src, tokens = best
-        pages = min(tokens, int(prefix_lens[b]), int(prefix_lens[src])) // page_size if src >= 0 else 0
-        out.append((src, pages) if pages else (-1, 0))
-    return out
-
-
-def shared_prefix_from_nodes(
-    last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int
-) -> list[tuple[int, int]]:
-    """``shared_prefix_from_paths`` from node objects: ``last_nodes[b]`` is request ``b``'s ``Req.last_node``
-    in a tree of SGLang's ``TreeNode`` s (``parent``, ``value``, the root's parent ``None``).
-
-    A node's depth is the host-known length of its values (of its key where it has none): no device
-    data is read.
-    """
-    paths = []
-    for node in last_nodes:
-        chain = []
-        while node is not None and getattr(node, "parent", None) is not None:
-            chain.append(node)
-            node = node.parent
-        path, depth = [], 0
-        for n in reversed(chain):  # root side first
-            depth += len(n.value) if n.value is not None else len(n.key)
-            path.append((id(n), depth))
-        paths.append(path)
-    return shared_prefix_from_paths(paths, prefix_lens, page_size)

@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv.srt.utils import current_stream
-
 
 def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
     """Pages each request reads: ``ceil(seq_len / page_size)`` (host ints)."""
@@ -144,7 +142,7 @@ class DeviceFlagCheck:
         event, cuda = None, device.type == "cuda"
         if cuda and landed is None:
             event = self._spare.pop() if self._spare else torch.cuda.Event()
-            event.record(current_stream(device))
+            event.record(torch.cuda.current_stream(device))
         array = host.numpy() if array is None else array  # sync-ok: a host tensor
         self._pending.append((host, array, event, landed, cuda, fail))
 

@@ -50,11 +50,12 @@ class Launch:
     """``fn[grid](*args, **constexprs, **options)``, queued on the current stream at every call.
 
     The tensors are checked once, here: every one on the launch's device (its first tensor off the host),
-    or pinned host memory, which a CUDA kernel reaches through unified addressing. ``ran`` is set after
-    the first call (the kernel is compiled: a graph capture may replay it).
+    or pinned host memory, which a CUDA kernel reaches through unified addressing. ``ran``: a launch that
+    Triton compiles to the same kernel (this one or another: ``compile_key``) has been queued, so a graph
+    capture of this one compiles nothing.
     """
 
-    __slots__ = ("fn", "grid", "args", "constexprs", "options", "ran")
+    __slots__ = ("fn", "grid", "args", "constexprs", "options", "device")
 
     def __init__(self, fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -66,11 +67,30 @@ class Launch:
                     "launch's device (or pinned host memory)"
                 )
         self.fn, self.grid, self.args, self.constexprs, self.options = fn, tuple(grid), args, constexprs, options
-        self.ran = False
+        self.device = device
 
     def __call__(self) -> None:
         self.fn[self.grid](*self.args, **self.constexprs, **self.options)
-        self.ran = True
+        if len(_RAN) >= 1024:
+            _RAN.clear()
+        _RAN.add(self.compile_key())
+
+    @property
+    def ran(self) -> bool:
+        return self.compile_key() in _RAN
+
+    def compile_key(self) -> tuple:
+        """At least what Triton specializes a kernel on: a tensor's dtype and 16-byte alignment, an int's
+        being 1, its divisibility by 16 and its width; equal keys run one compiled kernel."""
+        spec = tuple(
+            (a.dtype, a.data_ptr() % 16 == 0)
+            if isinstance(a, torch.Tensor)
+            else (a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31))
+            if isinstance(a, int) and not isinstance(a, bool)
+            else a
+            for a in self.args
+        )
+        return (self.fn, self.device, spec, tuple(self.constexprs.items()), tuple(self.options.items()))
 
     def graph_key(self) -> tuple:
         """What a captured launch bakes in: the kernel, the grid, every argument's value (a tensor's address)."""
@@ -94,6 +114,9 @@ class LaunchSequence:
 
     def graph_key(self) -> tuple:
         return tuple(one.graph_key() for one in self.launches)
+
+
+_RAN: set[tuple] = set()  # the ``compile_key`` s of the launches queued so far (bounded)
 
 
 def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict, **options) -> Launch:

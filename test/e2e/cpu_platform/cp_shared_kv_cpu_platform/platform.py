@@ -1,0 +1,116 @@
+"""A test-only SGLang platform: SGLang's own server on the CPU, plain torch where it has no CPU path.
+
+Never shipped: it lives under ``test/`` and is registered only by the end-to-end test, which writes
+a ``dist-info`` with two entry points into a temporary directory on ``PYTHONPATH``
+(``test/e2e/launcher.py``):
+
+- ``sglang.srt.platforms``: ``cp_shared_kv_cpu`` -> :class:`CpuTestPlatform`. An out-of-tree platform,
+  so SGLang skips its device-keyed fallbacks (the rotary embedding's ``vllm._custom_ops``, the CPU
+  engine's ``sgl_kernel``) and its fused ops dispatch to their ``forward_native`` (plain torch).
+- ``sglang.srt.plugins``: ``cp_shared_kv_cpu_shims`` -> :func:`install`, run by SGLang in every process
+  (launcher, tokenizer manager, each scheduler) before it parses the command line: it installs the
+  entries of :data:`STAND_INS` below.
+
+Every place where this platform changes what SGLang or the plugin would do is one row of
+:data:`STAND_INS`; nothing else is patched.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sglang.srt.platforms.cpu import CpuDeviceMixin
+from sglang.srt.platforms.device_mixin import PlatformEnum
+from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
+
+# What SGLang's CUDA resolution reads as the device's compute capability. 9.x keeps SGLang's DSA
+# defaults at a bf16 KV cache with prefill flashmla_sparse (SM 10 would pick fp8).
+CAPABILITY = (9, 0)
+
+
+class CpuTestPlatform(CpuDeviceMixin, SRTPlatform):
+    """The CPU as an out-of-tree SGLang device: torch CPU tensors, gloo groups, no Triton, no graphs."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+    # Conservative: no Triton launches, no CUDA graphs, no PyNccl (gloo carries every group).
+    capabilities = PlatformCapabilities()
+
+    def get_default_attention_backend(self) -> str:
+        return "dsa"
+
+    def is_pin_memory_available(self, device=None) -> bool:
+        return False
+
+    def get_dispatch_key_name(self) -> str:
+        return "native"
+
+
+def _device_capability(*_args, **_kwargs) -> tuple[int, int]:
+    return CAPABILITY
+
+
+def _install_capability() -> None:
+    import torch
+
+    torch.cuda.get_device_capability = _device_capability
+
+
+def _install_device_waiver() -> None:
+    from sglang_cp_shared_kv.srt.sglang_wiring import startup_checks
+
+    checks = startup_checks.resolved_rejections
+    if getattr(checks, "_cpu_platform_waiver", False):
+        return
+
+    def resolved_rejections(server_args):
+        return [line for line in checks(server_args) if "--device cpu:" not in line]
+
+    resolved_rejections._cpu_platform_waiver = True
+    startup_checks.resolved_rejections = resolved_rejections
+
+
+def _set_env(name: str, value: str):
+    def install() -> None:
+        os.environ.setdefault(name, value)
+
+    return install
+
+
+# name -> (what SGLang or the plugin does there on a GPU machine, what this platform puts in its place, installer).
+STAND_INS: dict[str, tuple[str, str, object]] = {
+    "platform": (
+        "CUDA platform: CUDA tensors, NCCL groups, device-keyed kernels",
+        "CpuTestPlatform (out-of-tree): CPU tensors, gloo, fused ops' forward_native",
+        None,
+    ),
+    "torch.cuda.get_device_capability": (
+        "SGLang's DSA resolution (handle_model_specific_adjustments, _dsa_kv_cache_dtype_default) reads the "
+        "GPU's compute capability",
+        f"returns {CAPABILITY}: a bf16 KV cache, prefill flashmla_sparse, decode fa3 (SGLang's SM90 defaults)",
+        _install_capability,
+    ),
+    "--enable-cp-shared-kv: --device cpu refusal": (
+        "the plugin's resolved_rejections refuses --device cpu (its read path and kernels are CUDA's)",
+        "that one line is dropped; every other startup check runs unchanged",
+        _install_device_waiver,
+    ),
+    "SGLANG_OPT_USE_TOPK_V2": (
+        "the DSA backend's metadata plans its top-k with a CUDA JIT kernel (dsv4 topk_v2)",
+        "0: SGLang's non-JIT top-k metadata (what SGLang itself sets on XPU)",
+        _set_env("SGLANG_OPT_USE_TOPK_V2", "0"),
+    ),
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": (
+        "a crashing server waits 60 s for CUDA core dumps before it exits",
+        "0: there is no CUDA to dump",
+        _set_env("SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS", "0"),
+    ),
+}
+
+
+def install() -> None:
+    """Installs every stand-in of :data:`STAND_INS` in this process (idempotent)."""
+    for _what, _instead, installer in STAND_INS.values():
+        if installer is not None:
+            installer()

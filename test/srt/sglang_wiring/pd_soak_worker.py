@@ -6,7 +6,15 @@ allocator SGLang's configurator builds with the plugin (one per rank, drawing th
 real Mooncake engine (TCP on 127.0.0.1), SGLang's bootstrap thread and transfer worker, and
 SGLang's ``MooncakeKVSender`` per request and rank. It spawns the decode as a child process,
 routes requests to both sides, injects the faults (random aborts, one SIGKILL + restart and one
-SIGSTOP/SIGCONT of the decode) and prints ``RESULT:{json}``.
+SIGSTOP/SIGCONT of the decode; the link cut where it has one) and prints ``RESULT:{json}``. The
+faults fire at request indices (``kill_at``, ``stop_at``, ``partition_at``: fractions of the
+requests, reached once the router started that many and the fault's condition holds), never on the
+clock; ``faults`` records each one's window (``begin_s``, ``end_s``: seconds since the run's start on
+the monotonic clock of every row's times) and ``faults["blacklisted"]`` every window in which a
+prefill rank held a decode session in SGLang's ``failed_sessions`` (``BlacklistLog``). Like a PD
+router's health gate, the router holds new requests while the live decode's session is blacklisted
+(``faults["admission_held_s"]``), so a fault reaches the requests in flight, not every request the
+probe window would otherwise fail at once.
 
 ``python pd_soak_worker.py decode CONFIG_JSON`` is the decode: SGLang's ``MooncakeKVManager`` in
 decode mode with the plugin's manifest check, a stock DSA pool and ``PagedTokenToKVPoolAllocator``
@@ -400,6 +408,45 @@ def decode_main(cfg: dict) -> None:
 
 
 # ======================================================================= prefill process
+class BlacklistLog(set):
+    """A prefill manager's ``failed_sessions`` (SGLang's blacklist of decode sessions) that logs when a
+    session goes in (a failed transfer) and out (SGLang's probe took it back, or its idle timeout)."""
+
+    def __init__(self, rank: int, t_start: float, events: list):
+        super().__init__()
+        self.rank, self.t_start, self.events = rank, t_start, events
+
+    def add(self, session: str) -> None:
+        if session not in self:
+            self.events.append((time.monotonic() - self.t_start, self.rank, "add", session))
+        super().add(session)
+
+    def discard(self, session: str) -> None:
+        if session in self:
+            self.events.append((time.monotonic() - self.t_start, self.rank, "discard", session))
+        super().discard(session)
+
+
+def blacklist_windows(events: list[tuple[float, int, str, str]]) -> list[dict]:
+    """Per session, when any prefill rank had it blacklisted: from the first rank's add to the last
+    rank's discard (``end_s`` None: still blacklisted at the end of the run)."""
+    ranks: dict[str, set[int]] = {}
+    opened: dict[str, float] = {}
+    out = []
+    for t, rank, op, session in sorted(events):
+        held = ranks.setdefault(session, set())
+        if op == "add":
+            if not held:
+                opened[session] = t
+            held.add(rank)
+        elif rank in held:
+            held.discard(rank)
+            if not held:
+                out.append({"session": session, "begin_s": round(opened.pop(session), 3), "end_s": round(t, 3)})
+    out += [{"session": s, "begin_s": round(t, 3), "end_s": None} for s, t in opened.items()]
+    return sorted(out, key=lambda w: w["begin_s"])
+
+
 @dataclass
 class Request:
     room: int
@@ -420,6 +467,7 @@ class Request:
     aux_idx: int = -1
     prefill_status: str = ""
     prefill_reason: str = ""
+    prefill_reasons: list[str] = field(default_factory=list)  # each failed rank's reason, whole
     prefill_clean: bool = True
     decode: dict | None = None
     aborted: bool = False
@@ -604,6 +652,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
 
     # -- engines, managers and SGLang's threads, one set per prefill CP rank --
     executor = concurrent.futures.ThreadPoolExecutor(2)
+    blacklist_events: list[tuple[float, int, str, str]] = []
     mgrs, ledgers, auxes = [], [], []
     for rank, pool in enumerate(pools):
         engine = MooncakeTransferEngine(cfg["prefill_ip"])
@@ -621,6 +670,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         m._failed_session_probe_shutdown = threading.Event()
         threading.Thread(target=m._failed_session_probe_loop, daemon=True).start()
         threading.Thread(target=m.transfer_worker, args=(m.transfer_queues[0], executor), daemon=True).start()
+        m.failed_sessions = BlacklistLog(rank, t_start, blacklist_events)
         mgrs.append(m)
         auxes.append(aux)
     aux_free = list(range(N_AUX))
@@ -670,6 +720,8 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
 
     started = 0
     stopped_until = None
+    held_since: float | None = None  # when the router began to hold new requests (a blacklisted decode)
+    admission_held: list[float] = []  # how long, each time
     t_deadline = t_start + cfg["run_timeout_s"]
     stuck: list[dict] = []
 
@@ -721,7 +773,8 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         req.freed_pages = (int(allocs[0].available_size()) - free_before) // ps
         aux_free.append(req.aux_idx)
         req.prefill_status = "success" if ok else "failed"
-        req.prefill_reason = "; ".join(sorted(set(reasons)))[:300]
+        req.prefill_reasons = sorted(set(reasons))
+        req.prefill_reason = "; ".join(req.prefill_reasons)[:300]
         req.prefill_clean = room_clean(req.room)
         req.t_prefill_end = time.monotonic()
         req.state = "await_decode"
@@ -874,6 +927,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 victims = []  # not yet: wait for such a request
         if victims:  # kill only with requests the decode has not concluded
             t0 = time.monotonic()
+            killed_session = incarnations[decode.incarnation]["session"]
             decode.proc.kill()
             decode.proc.wait(timeout=30)
             for r in victims:  # the router sees the decode gone and aborts those requests at the prefill
@@ -887,6 +941,10 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "in_flight": len(victims),
                 "in_flight_states": sorted({r.state for r in victims}),
                 "restart_s": round(time.monotonic() - t0, 2),
+                "session": killed_session,
+                # the window: SIGKILL to the new decode's "ready" (no request starts in between)
+                "begin_s": round(t0 - t_start, 3),
+                "end_s": round(time.monotonic() - t_start, 3),
             }
         # -- the partition: the link to the decode down for partition_s with transfers in flight, then up --
         # (after the kill, once its requests have concluded: the two faults do not overlap)
@@ -907,10 +965,12 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "in_flight_states": sorted({r.state for r in inflight}),
                 "down_at_s": round(time.monotonic() - t_start, 3),
                 "seconds": cfg["partition_s"],
+                "session": incarnations[decode.incarnation]["session"],
             }
+            faults["partition"]["begin_s"] = faults["partition"]["down_at_s"]
         if partition_until is not None and time.monotonic() >= partition_until:
             set_link("up")
-            faults["partition"]["up_at_s"] = round(time.monotonic() - t_start, 3)
+            faults["partition"]["up_at_s"] = faults["partition"]["end_s"] = round(time.monotonic() - t_start, 3)
             partition_until = None
         partitioned = partition_until is not None
         if faults["stopped"] is None and started >= stop_at and inflight and not huge_in_flight and not partitioned:
@@ -921,12 +981,27 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "in_flight": len(inflight),
                 "in_flight_states": sorted({r.state for r in inflight}),
                 "seconds": cfg["stop_s"],
+                "session": incarnations[decode.incarnation]["session"],
+                "begin_s": round(time.monotonic() - t_start, 3),  # SIGSTOP to SIGCONT
             }
         if stopped_until is not None and time.monotonic() >= stopped_until:
             os.kill(decode.proc.pid, signal.SIGCONT)
+            faults["stopped"]["end_s"] = round(time.monotonic() - t_start, 3)
             stopped_until = None
         # -- admit new requests (the router) --
-        while pending and len(inflight) < cfg["concurrency"]:
+        # A router's health gate: no new request to a decode session the prefill ranks hold blacklisted
+        # (SGLang fails each at once, "is not alive", until its probe takes the session back), for at
+        # most ``hold_blacklisted_s`` each time; the requests in flight meet the blacklist as they are.
+        live = incarnations[decode.incarnation]["session"]
+        if any(live in m.failed_sessions for m in mgrs):
+            if held_since is None:
+                held_since = time.monotonic()
+            holding = time.monotonic() - held_since < cfg.get("hold_blacklisted_s", 30.0)
+        else:
+            if held_since is not None:
+                admission_held.append(round(time.monotonic() - held_since, 3))
+            held_since, holding = None, False
+        while pending and len(inflight) < cfg["concurrency"] and not holding:
             if not start(pending[0]):
                 break
             inflight.append(pending.pop(0))
@@ -943,6 +1018,12 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         time.sleep(0.002)
 
     wall_s = time.monotonic() - t_start
+    if stopped_until is not None:  # the run's deadline passed with the decode stopped
+        os.kill(decode.proc.pid, signal.SIGCONT)
+        faults["stopped"]["end_s"] = round(time.monotonic() - t_start, 3)
+    if partition_until is not None:
+        set_link("up")
+        faults["partition"]["up_at_s"] = faults["partition"]["end_s"] = round(time.monotonic() - t_start, 3)
     # -- drain and ledgers --
     decode.send({"op": "finish"})
     ledger = decode.wait_for("ledger", cfg["finish_timeout_s"] + 30)
@@ -1005,10 +1086,12 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "incarnation": r.incarnation,
                 "prefill": r.prefill_status,
                 "prefill_reason": r.prefill_reason,
+                "prefill_reasons": r.prefill_reasons,
+                "session": incarnations[r.incarnation]["session"] if r.incarnation >= 0 else None,
                 "prefill_clean": r.prefill_clean,
                 "concluded_before_metadata_on_ranks": r.before_metadata,
                 "decode": status,
-                "decode_reason": (d.get("reason") or "")[:300],
+                "decode_reason": (d.get("reason") or "")[:500],
                 "decode_clean": d.get("clean", status == "lost"),
                 "drained": d.get("drained"),
                 "exact": (d.get("digests") == r.expected) if status == "success" else None,
@@ -1042,6 +1125,8 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         "decode_ledger": ledger,
         "rows": rows,
     }
+    faults["blacklisted"] = blacklist_windows(blacklist_events)
+    faults["admission_held_s"] = admission_held
     print("RESULT:" + json.dumps(result))
     sys.stdout.flush()
     os._exit(0)

@@ -306,7 +306,9 @@ def extend_allocation(allocator, max_requests: int, max_context: int):
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    req_to_token = ReqToTokenPool(size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+    req_to_token = ReqToTokenPool(
+        size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False
+    )
     tree = UnifiedRadixCache(
         CacheInitParams(
             disable=True,
@@ -320,7 +322,13 @@ def extend_allocation(allocator, max_requests: int, max_context: int):
     def alloc(reqs: list, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor:
         prefix, seq = torch.tensor(prefix_lens), torch.tensor(seq_lens)
         return alloc_paged_token_slots_extend(
-            tree, prefix, prefix, seq, seq, torch.tensor(last_locs), int((seq - prefix).sum()),
+            tree,
+            prefix,
+            prefix,
+            seq,
+            seq,
+            torch.tensor(last_locs),
+            int((seq - prefix).sum()),
             batch=SimpleNamespace(reqs=reqs),
         )
 

@@ -40,18 +40,21 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   SETUP_T0=$SECONDS
   setup_step() { echo "[setup] $1 (at $((SECONDS - SETUP_T0)) s)"; }
   setup_step "1/4 torch (CPU), triton, pytest, matplotlib, Mooncake"
-  # Without a GPU, torch's CPU wheel (~200 MB) rather than the default index's CUDA build (~5 GB of
-  # NVIDIA wheels); where PyTorch's CPU index cannot be reached, the default index's torch.
+  # Without a GPU, torch's CPU wheel (~200 MB) rather than PyPI's CUDA build (~5 GB of NVIDIA wheels).
+  # Where PyTorch's CPU index cannot be reached, torch comes with the rest of requirements/test.txt from
+  # pip's own index settings: PyPI's CUDA build, or what a configured mirror serves (a CPU build, or the
+  # torch already installed here). The line after the install names the build pip left.
   if ! command -v nvidia-smi >/dev/null 2>&1; then
     TORCH_PIN="$(grep -E '^torch==' "$ROOT/requirements/test.txt")"
     if "$VENV/bin/python" -c "import urllib.request as u; u.urlopen('$TORCH_CPU_INDEX/torch/', timeout=15)" >/dev/null 2>&1 \
       && "$VENV/bin/pip" install -q --disable-pip-version-check --index-url "$TORCH_CPU_INDEX" "$TORCH_PIN"; then
       echo "[setup] $TORCH_PIN from $TORCH_CPU_INDEX (no nvidia-smi here)"
     else
-      echo "[setup] $TORCH_CPU_INDEX cannot be reached: torch from the default index"
+      echo "[setup] $TORCH_CPU_INDEX cannot be reached: $TORCH_PIN comes from pip's own index settings with requirements/test.txt (PyPI's Linux wheel is the CUDA build)"
     fi
   fi
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/test.txt" 2>&1 | grep -v "^WARNING: Location" || true
+  echo "[setup] installed torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__, "(a CUDA build)" if torch.version.cuda else "(a CPU build)")' 2>/dev/null || echo "(none: see pip's messages above)")"
   setup_step "2/4 what sglang needs to import on CPU"
   "$VENV/bin/pip" install -q --disable-pip-version-check -r "$ROOT/requirements/sglang.txt" 2>&1 | grep -v "^WARNING: Location" || true
   setup_step "3/4 sglang 0.5.23 (without its CUDA pins)"

@@ -7,6 +7,7 @@ checkout's setup files: the tests skip where it was not, rather than reinstall i
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,8 @@ def _built_from_this_checkout() -> bool:
     return stamp.exists() and stamp.read_text().strip() == want
 
 
-pytestmark = pytest.mark.skipif(
+# The tests that source the script against the environment the tests run in.
+needs_built_env = pytest.mark.skipif(
     not _built_from_this_checkout(), reason="needs the environment setup_env.sh built from this checkout"
 )
 
@@ -61,6 +63,7 @@ def _record_installers(bin_dir: Path, log: Path) -> None:
     )
 
 
+@needs_built_env
 def test_library_found_although_ldconfig_dies_of_sigpipe(tmp_path):
     """ldconfig lists the library first, then 10 MB more: a reader that stops at the match kills it with
     SIGPIPE (as `grep -q` did under pipefail). The check must still find the library and install nothing."""
@@ -85,6 +88,7 @@ def test_library_found_although_ldconfig_dies_of_sigpipe(tmp_path):
     assert not log.exists()
 
 
+@needs_built_env
 def test_missing_library_as_user_fails_in_one_line_without_prompting(tmp_path):
     _stub(tmp_path, "ldconfig", "echo '\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6'")
     _stub(tmp_path, "id", 'if [ "$1" = "-u" ]; then echo 1000; else exec /usr/bin/id "$@"; fi')
@@ -98,6 +102,7 @@ def test_missing_library_as_user_fails_in_one_line_without_prompting(tmp_path):
     assert last.startswith("[setup] FAILED:") and "sudo apt-get install -y libibverbs1" in last, proc.stderr
 
 
+@needs_built_env
 def test_missing_library_as_root_runs_apt_get_non_interactively(tmp_path):
     _stub(tmp_path, "ldconfig", "echo '\tlibc.so.6 (libc6,x86-64) => /lib/x86_64-linux-gnu/libc.so.6'")
     _stub(tmp_path, "id", 'if [ "$1" = "-u" ]; then echo 0; else exec /usr/bin/id "$@"; fi')
@@ -107,3 +112,48 @@ def test_missing_library_as_root_runs_apt_get_non_interactively(tmp_path):
     proc = _source(tmp_path)
     assert proc.returncode == 0 and "SOURCED" in proc.stdout, proc.stderr
     assert log.read_text().splitlines() == ["apt-get install -y -q libibverbs1 DEBIAN_FRONTEND=noninteractive"]
+
+
+def _fake_venv(root: Path, log: Path, torch_build: str) -> Path:
+    """A virtualenv of stand-ins, never built: its pip logs what it is asked, its python answers the script's
+    probes (the CPU index cannot be reached; ``torch_build``, e.g. ``2.13.0+cpu (a CPU build)``, is installed)."""
+    venv = root / "venv"
+    (venv / "bin").mkdir(parents=True)
+    _stub(venv / "bin", "pip", f'echo "pip $*" >> {log}')
+    _stub(
+        venv / "bin",
+        "python",
+        'case "$*" in *urlopen*) exit 1;; *torch.__version__*) echo "' + torch_build + '";; esac',
+    )
+    (venv / "bin" / "activate").write_text("true\n")
+    return venv
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="the CPU torch path runs where nvidia-smi is not")
+def test_unreachable_cpu_index_says_where_torch_comes_from_and_which_build_came(tmp_path):
+    """Where PyTorch's CPU index cannot be reached, torch comes from pip's own index settings with the rest of
+    the requirements: the lines say so, then name the build pip installed (a CUDA one from PyPI, a CPU one
+    from a mirror that has it), instead of claiming one."""
+    _stub(tmp_path, "ldconfig", f"echo '{LIB_LINE}'")
+    log = tmp_path / "pip.log"
+    for build in ("2.13.0+cpu (a CPU build)", "2.13.0 (a CUDA build)"):
+        venv = _fake_venv(tmp_path / build.split()[0], log, build)
+        env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", CP_SHARED_KV_VENV=str(venv))
+        env["CP_SHARED_KV_TORCH_CPU_INDEX"] = "http://127.0.0.1:9/whl/cpu"
+        proc = subprocess.run(
+            ["bash", "-c", f"source {SCRIPT} && echo SOURCED"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        assert proc.returncode == 0 and "SOURCED" in proc.stdout, proc.stdout + proc.stderr
+        lines = [line for line in proc.stdout.splitlines() if "torch" in line and "1/4" not in line]
+        assert lines[0] == (
+            "[setup] http://127.0.0.1:9/whl/cpu cannot be reached: torch==2.13.0 comes from pip's own index "
+            "settings with requirements/test.txt (PyPI's Linux wheel is the CUDA build)"
+        ), proc.stdout
+        assert lines[1] == f"[setup] installed torch {build}", proc.stdout
+        assert "default index" not in proc.stdout
+    assert not any("whl/cpu" in call for call in log.read_text().splitlines())  # the unreachable index: not asked

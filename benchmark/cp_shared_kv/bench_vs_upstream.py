@@ -502,11 +502,12 @@ def _path_pool(name, rank, world, size, kwargs, group, scale, ps, device, cpu_gr
     """One path's pool (inside ``_no_dcp``); ours with its view arena attached. -> (pool, arena bytes)."""
     if name == "ours":
         from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
-        from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts, make_arena_spec, prefetch_enabled
+        from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
+        from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts, make_arena_spec
 
         pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
         arena = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, arena_contexts())
-        return pool, pool.attach_view_arena(arena, prefetch_enabled())
+        return pool, pool.attach_view_arena(arena, bool(prefetch_setting()))
     if name == "upstream":
         from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
 
@@ -978,9 +979,9 @@ def _scratch(rank: int, world: int, ps: int, scale: Scale, page_bytes: int, aren
         arena_bytes,
         arena_contexts,
         make_arena_spec,
-        prefetch_enabled,
         upstream_scratch_bytes,
     )
+    from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
 
     token_bytes = page_bytes // ps
     contexts = page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS
@@ -988,8 +989,8 @@ def _scratch(rank: int, world: int, ps: int, scale: Scale, page_bytes: int, aren
     equal = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, contexts)
     return {
         "ours_arena_contexts": arena_contexts(),
-        "ours_arena_bytes": arena_default or arena_bytes(spec, token_bytes, prefetch_enabled()),
-        "ours_arena_bytes_equal_admission": arena_bytes(equal, token_bytes, prefetch_enabled()),
+        "ours_arena_bytes": arena_default or arena_bytes(spec, token_bytes, bool(prefetch_setting())),
+        "ours_arena_bytes_equal_admission": arena_bytes(equal, token_bytes, bool(prefetch_setting())),
         "upstream_scratch_contexts": contexts,
         "upstream_scratch_bytes": upstream_scratch_bytes(spec, token_bytes, scale.context_len),
     }

@@ -4,11 +4,14 @@
 - The choice over the model's cells costs on average less than prefetching everywhere and than building
   every view in line, with each cell's measured overheads; at CP 8 / 128K / 1K tokens per rank it prefetches.
 - ``$SGLANG_CP_SHARED_KV_PREFETCH`` 0 / 1 overrides it; any other value is refused with one line.
+- A prefill server's configurator (CP 8, flag on) sizes the view arena for the chosen mode and says why in its
+  one INFO line at sizing: prefetch at a 128K context, in line at 8K.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -84,3 +87,57 @@ def test_the_setting_overrides(monkeypatch):
         monkeypatch.setenv(PREFETCH_ENV, bad)
         with pytest.raises(ValueError, match=f"^{PREFETCH_ENV} must be"):
             choose_read_mode(8, 131072, 8192, 788)
+
+
+def _server_rank(_rank: int, _world: int, model_root: str, context: int, chunk: int) -> dict:
+    import logging
+    import os
+
+    from plugin_models import configurator, prefill_cp_argv
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.runtime_context import get_parallel, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cp_shared_kv.srt.sglang_wiring import view_arena
+
+    argv = prefill_cp_argv(model_root, 64, 8) + ["--chunked-prefill-size", str(chunk), "--context-length", str(context)]
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    server_args.__dict__["enable_cp_shared_kv"] = True  # the record as the launcher passes it
+    publish(server_args, role="scheduler")
+    config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_root, "dsa")]))
+    config.context_len = context
+    kvc = configurator(config, 64)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger(view_arena.__name__).addHandler(handler)
+    logging.getLogger(view_arena.__name__).setLevel(logging.INFO)
+    with get_parallel().override(attn_cp_rank=3, attn_cp_size=8, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
+        mode = view_arena.read_mode_for(kvc)
+        arena = view_arena.charge_arena(None, kvc)
+    return {"prefetch": mode.prefetch, "describe": mode.describe(), "logged": logged, "arena": arena}
+
+
+@pytest.mark.sglang
+def test_a_server_sizes_its_arena_for_the_mode_and_logs_why(tmp_path):
+    """A prefill server's configurator with the flag (CP 8): the arena is sized for the mode the model picks, and
+    its one INFO line at sizing says which and why."""
+    from plugin_models import write_model_dirs
+
+    from reference.spawn import spawn_ranks
+
+    write_model_dirs(tmp_path, ["mla", "dsa"])
+    env = {"SGLANG_PLUGINS": "cp_shared_kv", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}  # past the tiny model's
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        long, short = (spawn_ranks(_server_rank, 1, str(tmp_path), ctx, 8192, timeout_s=300)[0] for ctx in (131072, 8192))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert long["prefetch"] and not short["prefetch"], (long, short)
+    for res in (long, short):
+        (line,) = [m for m in res["logged"] if "view arena" in m]
+        assert line.endswith(res["describe"]), line
+        assert ("2 x 8192 chunk tokens" in line) == res["prefetch"], line

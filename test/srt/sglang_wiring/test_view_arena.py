@@ -34,24 +34,24 @@ def test_prefetch_adds_a_second_chunk_and_keeps_admission():
     assert ours * 4 <= upstream_scratch_bytes(spec, token_bytes, 131072 + 100)  # 0.14x
 
 
-def test_prefetch_setting_is_opt_in(monkeypatch):
+def test_prefetch_follows_the_read_mode_unless_set(monkeypatch):
     from sglang_cp_shared_kv.srt.distributed.copy_engine import TRANSPORT_ENV
-    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import PREFETCH_ENV, prefetch_enabled
+    from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import PREFETCH_ENV, prefetch_setting
 
     monkeypatch.delenv(PREFETCH_ENV, raising=False)
-    for transport in (None, "copy_engine", "nccl"):  # off unless asked for, whatever the transport
+    for transport in (None, "copy_engine", "nccl"):  # left to the model, whatever the transport
         if transport is None:
             monkeypatch.delenv(TRANSPORT_ENV, raising=False)
         else:
             monkeypatch.setenv(TRANSPORT_ENV, transport)
-        assert not prefetch_enabled()
+        assert prefetch_setting() is None
     monkeypatch.setenv(PREFETCH_ENV, "1")
-    assert prefetch_enabled()  # asked for: the arena keeps room, over NCCL too (prefetch_on then turns it off)
+    assert prefetch_setting() is True  # asked for: the arena keeps room, over NCCL too (prefetch_on then turns it off)
     monkeypatch.setenv(PREFETCH_ENV, "0")
-    assert not prefetch_enabled()
+    assert prefetch_setting() is False
     monkeypatch.setenv(PREFETCH_ENV, "2")
     with pytest.raises(ValueError, match=f"^{PREFETCH_ENV} must be 0 or 1, got '2'$"):
-        prefetch_enabled()
+        prefetch_setting()
 
 
 def test_arena_contexts_from_the_environment(monkeypatch):

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import builds_cp_shared_pool, prefetch_enabled, spec_for
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import builds_cp_shared_pool, read_mode_for, spec_for
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def build_allocator(original, configurator, **kwargs):
         shard_spec=spec,  # SGLang's batch admission against our view arena's regions
     )
     # The read buffers, once: the bytes view_arena charged to the budget.
-    pool.attach_view_arena(spec, prefetch_enabled())
+    pool.attach_view_arena(spec, read_mode_for(configurator).prefetch)
     logger.debug(  # the rank's one INFO line: metrics.startup_line
         "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
         FLAG,

@@ -62,14 +62,20 @@ def modeled_layer_us(tokens_per_rank: int, context_len: int) -> float:
     return max(LAYER_FLOOR_US, tokens_per_rank * (US_PER_TOKEN + US_PER_TOKEN_CONTEXT * context_len))
 
 
+def prefetch_setting() -> bool | None:
+    """``$SGLANG_CP_SHARED_KV_PREFETCH``: 1 or 0 sets the mode; unset (None) leaves it to the model."""
+    value = env_int(PREFETCH_ENV, -1, 0)
+    if value > 1:
+        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got '{value}'")
+    return None if value < 0 else bool(value)
+
+
 def choose_read_mode(cp_size: int, context_len: int, chunk_tokens: int, token_bytes: int) -> ReadMode:
     """The read mode of a server with these limits (``chunk_tokens``: the chunked-prefill budget, shared by the
     CP ranks; ``token_bytes``: one token's latent row and indexer record in one layer)."""
     pull = modeled_pull_us(cp_size, context_len, token_bytes)
     layer = modeled_layer_us(max(chunk_tokens // cp_size, 1), context_len)
-    forced = env_int(PREFETCH_ENV, -1, 0)
-    if forced > 1:
-        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got '{forced}'")
-    if forced >= 0:
-        return ReadMode(bool(forced), pull, layer, forced=True)
+    forced = prefetch_setting()
+    if forced is not None:
+        return ReadMode(forced, pull, layer, forced=True)
     return ReadMode(pull >= PULL_SHARE * layer, pull, layer, forced=False)

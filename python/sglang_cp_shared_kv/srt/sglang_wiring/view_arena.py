@@ -12,8 +12,8 @@ sees shrinks by exactly the arena.
 
 Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``,
 default ``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times the bytes of one
-token's latent row and indexer record. With one-layer-ahead prefetch (``$SGLANG_CP_SHARED_KV_PREFETCH=1``,
-off by default; it runs only if the transport chosen is not NCCL) a second chunk and page: a batch
+token's latent row and indexer record. With one-layer-ahead prefetch (the read mode, ``read_mode``: chosen
+from the rank model at startup; it runs only if the transport chosen is not NCCL) a second chunk and page: a batch
 whose views fit the arena twice (at most half the prefix budget: the usual batch) is prefetched, a
 larger one is read layer by layer; admission stays the same. SGLang's page-interleave scratch keeps eight contexts,
 twice (double-buffered for its layer-ahead gather)::
@@ -28,13 +28,13 @@ from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions, ceil_align
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import ReadMode, choose_read_mode
 from sglang_cp_shared_kv.srt.utils import check_int, env_int
 
 logger = logging.getLogger(__name__)
 
 ARENA_CONTEXTS = 2
 ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
-PREFETCH_ENV = "SGLANG_CP_SHARED_KV_PREFETCH"
 
 
 def builds_cp_shared_pool(configurator: Any) -> bool:
@@ -51,17 +51,15 @@ def arena_contexts() -> int:
     return env_int(ARENA_CONTEXTS_ENV, ARENA_CONTEXTS, 1)
 
 
-def prefetch_enabled() -> bool:
-    """Whether the arena makes room for one-layer-ahead prefetch of the views: ``$SGLANG_CP_SHARED_KV_PREFETCH``
-    (1 or 0), off unless set. No measurement shows the prefetch winning: behind a real layer it ties
-    building each view in line (``overlap_1gpu.json``), in the side-by-side forward on one H200 it was the
-    slower (``vs_upstream_1gpu_prefetch.json`` against ``vs_upstream_1gpu.json``), and it costs the arena a
-    second chunk (``docs/design.md``, "Layer-ahead prefetch"). The transport is chosen at the first prefix
-    batch; a prefetch asked for then runs only where it is not NCCL (``copy_engine.prefetch_on``)."""
-    prefetch = env_int(PREFETCH_ENV, 0, 0)
-    if prefetch > 1:
-        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got '{prefetch}'")
-    return bool(prefetch)
+def read_mode_for(configurator: Any) -> ReadMode:
+    """This server's read mode (``read_mode.choose_read_mode``) from its CP size, context, chunk budget and the
+    bytes of one token's row and indexer record. The transport is chosen at the first prefix batch; a
+    prefetch chosen here then runs only where it is not NCCL (``copy_engine.prefetch_on``)."""
+    from sglang.srt.mem_cache import page_interleave
+
+    spec = spec_for(configurator)
+    token_bytes = page_interleave._page_shard_row_bytes(configurator)
+    return choose_read_mode(spec.shard_size, configurator.model_config.context_len, spec.chunk_tokens, token_bytes)
 
 
 def make_arena_spec(
@@ -121,13 +119,14 @@ def charge_arena(original, kvc, **kwargs):
 
     spec = spec_for(kvc)
     token_bytes = page_interleave._page_shard_row_bytes(kvc)
-    prefetch = prefetch_enabled()
+    mode = read_mode_for(kvc)
+    prefetch = mode.prefetch
     ours = arena_bytes(spec, token_bytes, prefetch)
     theirs = upstream_scratch_bytes(spec, token_bytes, kvc.model_config.context_len)
     layers = max(int(getattr(kvc.model_config, "num_hidden_layers", 1) or 1), 1)
     logger.info(
         "%s: view arena %.1f MiB per rank (%d prefix + %s%d chunk tokens), charged to the KV budget: about %d "
-        "fewer cached tokens; SGLang's --enable-kv-cache-sharding scratch would take %.1f MiB",
+        "fewer cached tokens; SGLang's --enable-kv-cache-sharding scratch would take %.1f MiB; %s",
         FLAG,
         ours / 2**20,
         spec.max_prefix_tokens,
@@ -135,6 +134,7 @@ def charge_arena(original, kvc, **kwargs):
         spec.chunk_tokens,
         ours // (token_bytes * layers),
         theirs / 2**20,
+        mode.describe(),
     )
     return ours
 

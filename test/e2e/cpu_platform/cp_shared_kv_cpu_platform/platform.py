@@ -46,6 +46,12 @@ class CpuTestPlatform(CpuDeviceMixin, SRTPlatform):
     def get_dispatch_key_name(self) -> str:
         return "native"
 
+    def post_load_model(self, model) -> None:
+        # Every SGLang module that registers a custom op is imported by now.
+        from cp_shared_kv_cpu_platform.dsa_stand_ins import register_cpu_kernels
+
+        register_cpu_kernels()
+
 
 def _device_capability(*_args, **_kwargs) -> tuple[int, int]:
     return CAPABILITY
@@ -78,6 +84,28 @@ def _set_env(name: str, value: str):
     return install
 
 
+def _no_stream(*_args, **_kwargs):
+    return None  # torch.cuda.stream(None) is a no-op context
+
+
+def _install_current_stream() -> None:
+    import torch
+
+    torch.cuda.current_stream = _no_stream
+
+
+def _install_dsa_ops() -> None:
+    from cp_shared_kv_cpu_platform.dsa_stand_ins import install_ops
+
+    install_ops()
+
+
+def _install_flash_mla() -> None:
+    from cp_shared_kv_cpu_platform.dsa_stand_ins import install_flash_mla
+
+    install_flash_mla()
+
+
 # name -> (what SGLang or the plugin does there on a GPU machine, what this platform puts in its place, installer).
 STAND_INS: dict[str, tuple[str, str, object]] = {
     "platform": (
@@ -105,6 +133,34 @@ STAND_INS: dict[str, tuple[str, str, object]] = {
         "a crashing server waits 60 s for CUDA core dumps before it exits",
         "0: there is no CUDA to dump",
         _set_env("SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS", "0"),
+    ),
+    "SGLANG_DSA_FUSE_TOPK": (
+        "the indexer's top-k is fused with its page-table transform in a CUDA kernel",
+        "0: SGLang's unfused top-k, with --dsa-topk-backend torch (torch.topk), as SGLang does on XPU",
+        _set_env("SGLANG_DSA_FUSE_TOPK", "0"),
+    ),
+    "torch.cuda.current_stream": (
+        "SGLang's interleaved CP (layers/cp/interleave.py) gathers the indexer keys on the current CUDA stream",
+        "returns None: torch.cuda.stream(None) is a no-op, the gather runs in line",
+        _install_current_stream,
+    ),
+    "custom ops on CPU tensors": (
+        "out of tree, SGLang registers its custom ops (the CP all-gather, ...) for PrivateUse1 only",
+        "CpuTestPlatform.post_load_model adds a CPU kernel of each op's own Python function (register_cpu_kernels)",
+        None,
+    ),
+    "hadamard_transform / DeepseekScalingRotaryEmbedding / Indexer": (
+        "the indexer's Hadamard rotation (a CUDA JIT kernel); SGLang's native DeepSeek rope (it returns "
+        "[1, T, H, D] for a [T, H, D] neox-style query); Indexer.forward_cuda (DeepGEMM fp8 logits)",
+        "dsa_stand_ins: a torch Hadamard; the same rope math per token; SGLang's q/k, K-cache store through "
+        "the pool, head gate, keys through the pool's get_index_k_scale_buffer, torch fp8 MQA logits, then "
+        "SGLang's own masking and torch top-k (extend batches only: the paged decode top-k raises)",
+        _install_dsa_ops,
+    ),
+    "flash_mla_sparse_fwd": (
+        "FlashMLA's sparse prefill attention (--dsa-prefill-backend flashmla_sparse; the flash_mla package)",
+        "reference.dsa_reference.sparse_mla, the project's oracle, over the rows SGLang's DSA backend selected",
+        _install_flash_mla,
     ),
 }
 

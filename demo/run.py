@@ -188,7 +188,6 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
                 seq_lens_cpu=[n for _, _, n in batch],
                 rids=[f"req{r}" for r, _, _ in batch],
             )
-            pool.shared_prefix_hint = None
             prepare_kv_shard_forward(pool, req_to_token, fb)  # SGLang's batch start (the plugin's hook names rids)
             mode = pool.read.mode
             ours = model.forward(pool, new, batch, req_to_token, sharded=True)

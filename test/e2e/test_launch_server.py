@@ -8,7 +8,8 @@ with and without the flag, and beside a decode server, on the test-only platform
 nothing here imports the server.
 
 Reached (asserted), with the platform's stand-ins for the CUDA-only DSA pieces (the indexer's DeepGEMM
-logits, FlashMLA's sparse attention by the project's oracle ``reference.dsa_reference.sparse_mla``):
+logits, FlashMLA's sparse attention by the project's oracle ``reference.dsa_reference.sparse_mla``, for
+prefill and decode alike):
 
 - the prefill server with the flag starts; each CP rank's scheduler builds the plugin's pool and allocator
   and logs its line; ``/metrics`` carries the plugin's series per CP rank;
@@ -18,15 +19,17 @@ logits, FlashMLA's sparse attention by the project's oracle ``reference.dsa_refe
   stock pool, none of the series) give the same token and the same log-probability at every prompt
   position, bit for bit;
 - a non-CP decode server with the flag beside the prefill: a request sent to both with one bootstrap room,
-  as SGLang's router sends it, is prefilled, its pages go over Mooncake on 127.0.0.1 and the decode accepts
-  both CP ranks' manifests; its first decode step then stops at the indexer's paged top-k, which has no
-  CPU stand-in, and the decode's client gets an answer, not a hang. That part is ``xfail`` with the point
-  reached, after asserting it (it fails, to be updated, the day the decode goes further).
+  as SGLang's router sends it, is prefilled, its pages go from both CP ranks over Mooncake on 127.0.0.1,
+  the decode accepts both ranks' manifests and decodes 8 tokens: the same tokens and log-probabilities as
+  the same pair without the flag (SGLang's stock prefill and decode);
+- the decode killed mid-request (its process group, while it generates): its client gets its answer at
+  once (the connection closes), not a hang, and the prefill serves the next request.
 
 Not reached: the second prompt's prefix is not matched in the prefill's radix cache (``#cached-token: 0``
-in SGLang's batch log), so a radix-cache hit has not run; decode tokens; killing the decode mid-request.
+in SGLang's batch log), so a radix-cache hit has not run; SGLang's router (not installed here: the test
+sends to both servers itself, as the router does).
 
-Selected out of the default run (marker ``e2e``; about 3 minutes on 2 cores; it needs SGLang's HTTP
+Selected out of the default run (marker ``e2e``; about 4-7 minutes on 2 cores; it needs SGLang's HTTP
 server stack, ``test/e2e/requirements.txt``, which the project's requirements leave out);
 ``docs/usage.md`` ("What has run through the real launcher") has the command.
 """
@@ -55,6 +58,7 @@ PROMPT = 2048
 READY_S = 420  # two scheduler processes importing SGLang on 2 shared cores
 ANSWER_S = 300
 SHARED = 1536  # the second prompt's prefix shared with the first
+DECODE_TOKENS = 8
 # SGLang's own flags for a CPU server: the torch top-k (the platform sets SGLANG_DSA_FUSE_TOPK=0) and no
 # overlap scheduling (its early KV send records a CUDA event).
 CPU_FLAGS = ["--dsa-topk-backend", "torch", "--disable-overlap-schedule"]
@@ -95,6 +99,8 @@ def _decode_argv(model: str, flag: bool) -> list[str]:
     argv[argv.index("--model-path") + 1] = model
     argv += ["--load-format", "dummy", "--attention-backend", "dsa", "--max-total-tokens", str(SLOTS)]
     argv += ["--context-length", "4096", "--mem-fraction-static", "0.05", "--enable-metrics", "--skip-server-warmup"]
+    # Decode attention by the same sparse MLA as prefill (SGLang's bf16 default, fa3, has no CPU stand-in).
+    argv += ["--dsa-decode-backend", "flashmla_sparse"]
     return argv + CPU_FLAGS + (["--enable-cp-shared-kv"] if flag else [])
 
 
@@ -262,6 +268,69 @@ class TestWithoutTheFlag:
             assert _compared(ANSWERS[True][name]) == _compared(ANSWERS[False][name]), name
 
 
+PD_ANSWERS: dict[bool, dict] = {}
+
+
+def _pd_request(prefill: Server, decode: Server, room: int, max_new_tokens: int, wait: bool = True):
+    """A request sent to both servers with one bootstrap room, as SGLang's router sends it.
+
+    Returns the prefill's (status, body, seconds) and the decode's client thread with its answer dict.
+    """
+    body = {
+        "input_ids": _prompt(),
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": room,
+    }
+    answer = {}
+
+    def ask() -> None:
+        t0 = time.monotonic()
+        status, text = decode.post("/generate", body, timeout_s=ANSWER_S)
+        answer.update(status=status, text=text, seconds=time.monotonic() - t0, done=time.monotonic())
+
+    to_decode = threading.Thread(target=ask, daemon=True)
+    to_decode.start()
+    time.sleep(1)  # the decode registers the room with the prefill's bootstrap server first
+    t0 = time.monotonic()
+    status, text = prefill.post("/generate", body, timeout_s=ANSWER_S)
+    assert status == 200, (status, text[:300], prefill.tail(40))
+    assert json.loads(text)["meta_info"]["prompt_tokens"] == PROMPT
+    if wait:
+        to_decode.join(ANSWER_S + 30)
+        assert not to_decode.is_alive(), "the decode's client hung"
+    return (status, text, time.monotonic() - t0), to_decode, answer
+
+
+def _decoded(answer: dict) -> dict:
+    assert answer["status"] == 200, (answer["status"], answer["text"][:500])
+    out = json.loads(answer["text"])
+    meta = out["meta_info"]
+    return {
+        "output_ids": out["output_ids"],
+        "output_token_logprobs": meta["output_token_logprobs"],
+        "output_top_logprobs": meta["output_top_logprobs"],
+    }
+
+
+class TestPDWithoutTheFlag:
+    """The same pair without the flag: SGLang's stock prefill and decode, the reference for the tokens."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def servers(cls, tmp_path_factory):
+        yield from _servers(tmp_path_factory, "pd_stock", flag=False, decode=True)
+
+    def test_a_request_through_prefill_and_decode(self, servers):
+        prefill, decode = servers
+        _, _, answer = _pd_request(prefill, decode, room=7, max_new_tokens=DECODE_TOKENS)
+        PD_ANSWERS[False] = _decoded(answer)
+        assert len(PD_ANSWERS[False]["output_ids"]) == DECODE_TOKENS
+
+
 class TestPDWithTheFlag:
     """A decode server (non-CP, the flag on: it expects the prefill ranks' manifests) and the CP 2 prefill server,
     a request sent to both as SGLang's router sends it (the same bootstrap room)."""
@@ -279,42 +348,39 @@ class TestPDWithTheFlag:
 
     def test_a_request_through_prefill_and_decode(self, servers):
         prefill, decode = servers
-        body = {
-            "input_ids": _prompt(),
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-            "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": prefill.bootstrap_port,
-            "bootstrap_room": 7,
-        }
-        answers = {}
-
-        def ask(name: str, server: Server) -> None:
-            t0 = time.monotonic()
-            status, text = server.post("/generate", body, timeout_s=ANSWER_S)
-            answers[name] = (status, text, time.monotonic() - t0)
-
-        to_decode = threading.Thread(target=ask, args=("decode", decode))
-        to_decode.start()
-        time.sleep(1)  # the decode registers the room with the prefill's bootstrap server first
-        ask("prefill", prefill)
-        to_decode.join(ANSWER_S + 30)
-        assert not to_decode.is_alive(), "the decode's client hung"
-        # The prefill server (CP 2, the flag) prefilled the prompt in chunks and sent each rank's pages.
-        status, text, _ = answers["prefill"]
-        assert status == 200, (status, text[:300], prefill.tail(40))
-        assert json.loads(text)["meta_info"]["prompt_tokens"] == PROMPT
-        # The decode server checked both ranks' page manifests over SGLang's Mooncake connector and made the
-        # request ready (its debug log line), then ran its first decode step.
+        _, _, answer = _pd_request(prefill, decode, room=7, max_new_tokens=DECODE_TOKENS)
+        # The decode server checked both prefill CP ranks' page manifests (SGLang's Mooncake connector over
+        # 127.0.0.1) before the request was ready: its debug log line.
         log = decode.text()
         assert f"--enable-cp-shared-kv: room 7: {CP} manifests cover its {PROMPT // PAGE} pages" in log, decode.tail(60)
         assert "manifest check failed" not in log
-        # It stops there: the indexer's paged top-k has no CPU stand-in; its client gets an answer, not a hang.
-        assert re.search(r'eager_runner\.py", line \d+, in _execute_decode', log)
-        assert "NotImplementedError: cpu platform: the indexer's paged top-k (DECODE batches) has no stand-in" in log
-        d_status, d_text, d_seconds = answers["decode"]
-        assert d_status != 200 and d_seconds < ANSWER_S, (d_status, d_text)
-        pytest.xfail(
-            "PD: prefill CP 2 -> Mooncake -> decode ran, manifests accepted; the decode's first step stops at the "
-            "indexer's paged top-k (no CPU stand-in: DeepGEMM's paged MQA logits), and after it the fa3 decode "
-            f"attention. Decode client's answer after {d_seconds:.0f} s: {d_status} {d_text[:100]}"
+        decoded = _decoded(answer)
+        assert len(decoded["output_ids"]) == DECODE_TOKENS
+        if False not in PD_ANSWERS:
+            pytest.fail("the pair without the flag answered nothing to compare with (see TestPDWithoutTheFlag)")
+        assert decoded == PD_ANSWERS[False]
+
+    def test_killing_the_decode_mid_request(self, servers):
+        prefill, decode = servers
+        _, to_decode, answer = _pd_request(prefill, decode, room=8, max_new_tokens=2000, wait=False)
+        time.sleep(2)  # the pages are sent (the prefill answered); the decode is generating
+        assert to_decode.is_alive(), f"the decode finished 2000 tokens already: {answer}"
+        killed = time.monotonic()
+        decode.stop()
+        to_decode.join(60)
+        # The decode's client gets its answer at once (the connection closes), not a hang.
+        assert not to_decode.is_alive(), "the decode's client hung after the decode was killed"
+        assert answer["status"] != 200 and answer["done"] - killed < 30, answer
+        # The prefill server lives on and serves the next request.
+        assert prefill.proc.poll() is None
+        status, text = prefill.post(
+            "/generate",
+            {
+                "input_ids": _prompt(256),
+                "sampling_params": {"max_new_tokens": 1},
+                "bootstrap_host": FAKE_BOOTSTRAP_HOST,
+                "bootstrap_room": 9,
+            },
+            timeout_s=ANSWER_S,
         )
+        assert status == 200, (status, text[:300], prefill.tail(40))

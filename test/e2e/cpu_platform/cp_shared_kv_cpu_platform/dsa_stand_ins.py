@@ -3,7 +3,8 @@
 Each keeps SGLang's own code around it: the indexer stand-in runs SGLang's q/k projections, rope,
 K-cache store (through the pool, so the plugin's masked store) and head gate, reads the indexer keys
 through the pool's read contract (``get_index_k_scale_buffer``: the plugin's views) and hands the
-logits to SGLang's own masking and torch top-k; the sparse attention is the project's oracle
+logits to SGLang's own masking and torch top-k (a decode batch reads its keys through SGLang's page
+table, as SGLang's paged path does); the sparse attention is the project's oracle
 ``reference.dsa_reference.sparse_mla`` over the rows SGLang's DSA backend selected.
 """
 
@@ -66,14 +67,15 @@ def indexer_forward(self, x, q_lora, positions, forward_batch, layer_id, return_
     metadata = get_attn_backend().get_indexer_metadata(layer_id, forward_batch)
     if metadata is None:
         return None
-    if not forward_batch.forward_mode.is_extend_without_speculative():
-        raise NotImplementedError(
-            f"cpu platform: the indexer's paged top-k ({forward_batch.forward_mode.name} batches) has no stand-in"
-        )
+    mode = forward_batch.forward_mode
+    if not (mode.is_extend_without_speculative() or mode.is_decode()):
+        raise NotImplementedError(f"cpu platform: the indexer's top-k for {mode.name} batches has no stand-in")
     query, key, _ = self._get_q_k_bf16(q_lora, x, positions, False, forward_batch=forward_batch)
     q_fp8, q_scale = act_quant(query, self.block_size, self.scale_fmt)
     self._store_index_k_cache(forward_batch=forward_batch, layer_id=layer_id, key=key, act_quant=act_quant)
     weights = self._get_logits_head_gate(x, q_scale).squeeze(-1)
+    if mode.is_decode():
+        return _topk_paged(self, layer_id, q_fp8, weights, metadata)
 
     topk = torch.full((q_fp8.shape[0], self.index_topk), -1, dtype=torch.int32, device=q_fp8.device)
     block_tables = metadata.get_logical_page_table()
@@ -90,6 +92,34 @@ def indexer_forward(self, x, q_lora, positions, forward_batch, layer_id, return_
     )
     self._mask_init_and_local_tokens(logits, metadata.get_seqlens_expanded(), ks)
     topk[:rows] = metadata.topk_transform(logits, self.index_topk, ks=ks)
+    return topk
+
+
+def _topk_paged(self, layer_id, q_fp8, weights, metadata):
+    """SGLang's ``_get_topk_paged`` for a decode batch (one query per request), its paged logits in torch."""
+    from sglang.srt.layers.attention.dsa.dsa_indexer import get_token_to_kv_pool
+
+    from reference.dsa_reference import read_index_k
+
+    pool = get_token_to_kv_pool()
+    page_size = pool.index_page_size
+    block_tables = metadata.get_page_table_64()
+    seqlens = metadata.get_seqlens_int32()
+    batch = seqlens.shape[0]
+    max_len = block_tables.shape[1] * page_size
+    pages = self._get_index_k_read_buffer(pool, layer_id)
+    pos = torch.arange(max_len, device=q_fp8.device)
+    rows = block_tables[:, pos // page_size].long().clamp(min=0) * page_size + pos % page_size  # [B, L]
+    k_u8, k_scale = read_index_k(pages, page_size, rows.reshape(-1))
+    k = k_u8.view(torch.float8_e4m3fn).float().view(batch, max_len, -1)
+    logits = torch.einsum("bhd,bld->bhl", q_fp8[:batch].float(), k).relu_()
+    logits = torch.einsum("bhl,bh->bl", logits, weights[:batch].float()) * k_scale.view(batch, max_len)
+    logits = torch.where(pos < seqlens.view(-1, 1), logits, torch.full_like(logits, float("-inf")))
+    self._mask_init_and_local_tokens(logits, seqlens)
+    topk = metadata.topk_transform(logits, self.index_topk)
+    if batch < q_fp8.shape[0]:
+        pad = torch.full((q_fp8.shape[0] - batch, topk.shape[1]), -1, dtype=topk.dtype, device=topk.device)
+        topk = torch.cat([topk, pad])
     return topk
 
 

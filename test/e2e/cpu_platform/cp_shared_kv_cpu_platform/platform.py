@@ -106,6 +106,12 @@ def _install_flash_mla() -> None:
     install_flash_mla()
 
 
+def _install_sender_indices() -> None:
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+
+    MooncakeKVSender.supports_host_tensor_indices = False
+
+
 # name -> (what SGLang or the plugin does there on a GPU machine, what this platform puts in its place, installer).
 STAND_INS: dict[str, tuple[str, str, object]] = {
     "platform": (
@@ -154,11 +160,19 @@ STAND_INS: dict[str, tuple[str, str, object]] = {
         "[1, T, H, D] for a [T, H, D] neox-style query); Indexer.forward_cuda (DeepGEMM fp8 logits)",
         "dsa_stand_ins: a torch Hadamard; the same rope math per token; SGLang's q/k, K-cache store through "
         "the pool, head gate, keys through the pool's get_index_k_scale_buffer, torch fp8 MQA logits, then "
-        "SGLang's own masking and torch top-k (extend batches only: the paged decode top-k raises)",
+        "SGLang's own masking and torch top-k; decode batches: the keys through SGLang's page table and "
+        "read buffer (reference.dsa_reference.read_index_k), the same logits (other batch kinds raise)",
         _install_dsa_ops,
     ),
+    "MooncakeKVSender.supports_host_tensor_indices": (
+        "a stock prefill (not one with the flag: its CP ranks all send) copies each chunk's page indices into "
+        "pinned host memory behind a CUDA event for the Mooncake sender",
+        "False: SGLang's synchronous page-index path (kv_to_page_indices), the same indices",
+        _install_sender_indices,
+    ),
     "flash_mla_sparse_fwd": (
-        "FlashMLA's sparse prefill attention (--dsa-prefill-backend flashmla_sparse; the flash_mla package)",
+        "FlashMLA's sparse attention (--dsa-prefill-backend flashmla_sparse, and the test's "
+        "--dsa-decode-backend flashmla_sparse; the flash_mla package)",
         "reference.dsa_reference.sparse_mla, the project's oracle, over the rows SGLang's DSA backend selected",
         _install_flash_mla,
     ),

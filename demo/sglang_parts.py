@@ -290,6 +290,30 @@ def prefill_info(cp_size: int, page_size: int, sharded: bool = True):
     )
 
 
+def radix_cache(allocator, max_requests: int, max_context: int, disable: bool = False) -> tuple:
+    """SGLang's ``UnifiedRadixCache`` (the Python tree core the flag selects) over ``allocator`` and a
+    ``ReqToTokenPool`` of ``max_requests`` rows of ``max_context`` tokens, as a scheduler builds them;
+    ``disable``: as with ``--disable-radix-cache``. Returns ``(req_to_token_pool, tree)``."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    req_to_token = ReqToTokenPool(
+        size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False
+    )
+    tree = UnifiedRadixCache(
+        CacheInitParams(
+            disable=disable,
+            req_to_token_pool=req_to_token,
+            token_to_kv_pool_allocator=allocator,
+            page_size=allocator.page_size,
+            tree_components=(ComponentType.FULL,),
+        )
+    )
+    return req_to_token, tree
+
+
 def extend_allocation(allocator, max_requests: int, max_context: int):
     """SGLang's extend-batch allocation (``alloc_paged_token_slots_extend``) as its scheduler runs it with
     ``--disable-radix-cache``: a disabled ``UnifiedRadixCache`` over ``allocator``, so a request's first
@@ -301,23 +325,8 @@ def extend_allocation(allocator, max_requests: int, max_context: int):
     """
     import torch
     from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.components import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    req_to_token = ReqToTokenPool(
-        size=max_requests, max_context_len=max_context, device="cpu", enable_memory_saver=False
-    )
-    tree = UnifiedRadixCache(
-        CacheInitParams(
-            disable=True,
-            req_to_token_pool=req_to_token,
-            token_to_kv_pool_allocator=allocator,
-            page_size=allocator.page_size,
-            tree_components=(ComponentType.FULL,),
-        )
-    )
+    _, tree = radix_cache(allocator, max_requests, max_context, disable=True)
 
     def alloc(reqs: list, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor:
         prefix, seq = torch.tensor(prefix_lens), torch.tensor(seq_lens)

@@ -13,6 +13,7 @@ from demo.sglang_parts import (  # noqa: F401 - re-exported to the tests
     build_pool_and_allocator,
     configurator,
     prefill_cp_argv,
+    radix_cache,
     stock_dsa_pools,
     write_model_dirs,
 )

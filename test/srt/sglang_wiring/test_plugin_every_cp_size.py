@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import random
 from array import array
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,12 +40,8 @@ ENV = {"SGLANG_PLUGINS": "cp_shared_kv", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
 
 def _scheduler(model_root: str, cp_rank: int, cp_size: int, pages_per_rank: int):
     """SGLang's pool, allocator and radix cache for one CP rank, built as a prefill server with the flag builds them."""
-    from plugin_models import build_pool_and_allocator, prefill_cp_argv
+    from plugin_models import build_pool_and_allocator, prefill_cp_argv, radix_cache
     from sglang.srt.arg_groups.overrides import model_config_of
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.components import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import prepare_server_args
@@ -58,16 +53,7 @@ def _scheduler(model_root: str, cp_rank: int, cp_size: int, pages_per_rank: int)
     publish(server_args, role="scheduler")
     config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_root, "dsa")]))
     pool, allocator = build_pool_and_allocator(config, pages_per_rank * PS, 8, PS, cp=(cp_rank, cp_size))
-    req_to_token = ReqToTokenPool(size=8, max_context_len=8 * PS, device="cpu", enable_memory_saver=False)
-    tree = UnifiedRadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=req_to_token,
-            token_to_kv_pool_allocator=allocator,
-            page_size=PS,
-            tree_components=(ComponentType.FULL,),
-        )
-    )
+    req_to_token, tree = radix_cache(allocator, 8, 8 * PS)
     return config, pool, allocator, req_to_token, tree
 
 

@@ -27,7 +27,7 @@ import sys
 
 import pytest
 import torch
-from plugin_models import build_pool_and_allocator, prefill_cp_argv, run_worker, write_model_dirs
+from plugin_models import build_pool_and_allocator, prefill_cp_argv, radix_cache, run_worker, write_model_dirs
 
 pytestmark = [pytest.mark.sglang]
 needs_interpreter = pytest.mark.skipif(
@@ -54,10 +54,6 @@ def _worker(model_dir: str) -> None:
     load_plugins()
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.components import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.runtime_context import publish
@@ -76,16 +72,7 @@ def _worker(model_dir: str) -> None:
     publish(server_args, role="scheduler")
     dsa_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
     pool, allocator = build_pool_and_allocator(dsa_config, 16 * PS, 8, PS, cp=(0, 2))
-    req_to_token = ReqToTokenPool(size=8, max_context_len=16 * PS, device="cpu", enable_memory_saver=False)
-    tree = UnifiedRadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=req_to_token,
-            token_to_kv_pool_allocator=allocator,
-            page_size=PS,
-            tree_components=(ComponentType.FULL,),
-        )
-    )
+    req_to_token, tree = radix_cache(allocator, 8, 16 * PS)
     out["tree_core"] = type(tree.tree_core).__name__
 
     def request(rid: str, ids: list[int]) -> Req:

@@ -75,6 +75,9 @@ def test_tiny_workload_through_sglangs_backend_is_bit_exact_and_counts_moved_byt
     ):
         assert summary[key] is not None, key
     assert summary["correct_all"] and summary["current_chunk_bytes_gathered"] == 0
+    # Ours minus stock per layer, in us, beside the ratio: the median batch's difference of the rows' layer times.
+    diffs = sorted(r["ours_layer_time_us"] - r["stock_layer_time_us"] for r in per_rank[0]["rows"])
+    assert summary["ours_minus_stock_layer_us_median_batch"] == round(diffs[len(diffs) // 2], 1)
     assert "bytes_ratio" not in summary  # no page-interleave column on CPU
     # Equal admission: our arena sized for SGLang's eight contexts, beside the default two.
     assert summary["ours_arena_bytes"] < summary["ours_arena_bytes_equal_admission"] < summary["upstream_scratch_bytes"]

@@ -122,16 +122,21 @@ def open_files_limit() -> int:
     return 1 << 20 if soft == resource.RLIM_INFINITY else soft
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available for new processes (Linux's ``MemAvailable``); ``None`` where unknown."""
+def proc_bytes(path: str, key: str) -> int | None:
+    """The ``key: N kB`` line of a Linux ``/proc`` file, in bytes; ``None`` where there is none."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new processes (Linux's ``MemAvailable``); ``None`` where unknown."""
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def check_host(cp_size: int, files: int, memory: int | None) -> None:

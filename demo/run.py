@@ -70,14 +70,8 @@ def _open_files() -> int:
 
 def _rss_now() -> int:
     """This process's resident bytes now (Linux's ``VmRSS``; elsewhere its peak so far)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return _peak_rss()
+    now = limits.proc_bytes("/proc/self/status", "VmRSS")
+    return _peak_rss() if now is None else now
 
 
 def schedule(lengths: list[int], chunk: int, page_size: int) -> list[list[tuple[int, int, int]]]:

@@ -41,8 +41,9 @@ def _stub(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def _source(bin_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", CP_SHARED_KV_VENV=sys.prefix)
+def _source(bin_dir: Path, venv: str = sys.prefix, **extra_env: str) -> subprocess.CompletedProcess:
+    """``source`` the setup script with ``bin_dir``'s stubs first on PATH and ``venv`` as the virtualenv."""
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", CP_SHARED_KV_VENV=venv, **extra_env)
     return subprocess.run(
         ["bash", "-c", f"source {SCRIPT} && echo SOURCED"],
         capture_output=True,
@@ -138,16 +139,7 @@ def test_unreachable_cpu_index_says_where_torch_comes_from_and_which_build_came(
     log = tmp_path / "pip.log"
     for build in ("2.13.0+cpu (a CPU build)", "2.13.0 (a CUDA build)"):
         venv = _fake_venv(tmp_path / build.split()[0], log, build)
-        env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", CP_SHARED_KV_VENV=str(venv))
-        env["CP_SHARED_KV_TORCH_CPU_INDEX"] = "http://127.0.0.1:9/whl/cpu"
-        proc = subprocess.run(
-            ["bash", "-c", f"source {SCRIPT} && echo SOURCED"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        proc = _source(tmp_path, str(venv), CP_SHARED_KV_TORCH_CPU_INDEX="http://127.0.0.1:9/whl/cpu")
         assert proc.returncode == 0 and "SOURCED" in proc.stdout, proc.stdout + proc.stderr
         lines = [line for line in proc.stdout.splitlines() if "torch" in line and "1/4" not in line]
         assert lines[0] == (

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -120,7 +119,7 @@ def _server_rank(_rank: int, _world: int, model_root: str, context: int, chunk: 
 
 
 @pytest.mark.sglang
-def test_a_server_sizes_its_arena_for_the_mode_and_logs_why(tmp_path):
+def test_a_server_sizes_its_arena_for_the_mode_and_logs_why(tmp_path, monkeypatch):
     """A prefill server's configurator with the flag (CP 8): the arena is sized for the mode the model picks, and
     its one INFO line at sizing says which and why."""
     from plugin_models import write_model_dirs
@@ -128,14 +127,9 @@ def test_a_server_sizes_its_arena_for_the_mode_and_logs_why(tmp_path):
     from reference.spawn import spawn_ranks
 
     write_model_dirs(tmp_path, ["mla", "dsa"])
-    env = {"SGLANG_PLUGINS": "cp_shared_kv", "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}  # past the tiny model's
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        long, short = (spawn_ranks(_server_rank, 1, str(tmp_path), ctx, 8192, timeout_s=300)[0] for ctx in (131072, 8192))
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    monkeypatch.setenv("SGLANG_PLUGINS", "cp_shared_kv")
+    monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")  # contexts past the tiny model's
+    long, short = (spawn_ranks(_server_rank, 1, str(tmp_path), ctx, 8192, timeout_s=300)[0] for ctx in (131072, 8192))
     assert long["prefetch"] and not short["prefetch"], (long, short)
     for res in (long, short):
         (line,) = [m for m in res["logged"] if "view arena" in m]

@@ -209,6 +209,8 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
                     f"{'equal' if equal else 'DIFFERENT'} to the replicated pool",
                     flush=True,
                 )
+    # The last batches' flags (a server acts on them two batches later): a slot overflow raises here.
+    pool.read.check_overflow(wait=True)
 
     # -- SGLang's Mooncake connector: this rank's manager, engine, bootstrap thread and transfer worker --
     engine = _engine()

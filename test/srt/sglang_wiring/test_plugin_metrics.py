@@ -5,7 +5,7 @@ arena and SGLang's widened ``PageInterleavePoolAllocator``, pass them through th
 hook (the startup line, logged at INFO), and run extend batches through SGLang's
 ``prepare_kv_shard_forward`` with the metrics hook around it, every layer reading its keys through
 the pool contract: a current-only batch, two prefix batches, then a batch whose pages do not rotate
-owners (its slot overflow fails the next batch). SGLang's scratch admission, with the metrics hook
+owners (its slot overflow fails the batch after next). SGLang's scratch admission, with the metrics hook
 after it, holds back one request the arena cannot take. The test process then reads what
 SGLang's ``/metrics`` would serve (``MultiProcessCollector`` over ``$PROMETHEUS_MULTIPROC_DIR``) and
 checks every series against sizes and byte counts computed here from the batch shapes.
@@ -107,8 +107,9 @@ def _rank(rank: int, world: int, _cfg: dict) -> dict:
     batch([[2, 3, 4, 5], [6, 7]], [3 * PS, 0], [4 * PS, 2 * PS])  # 3 prefix pages
     batch([[2, 3, 4, 5, 6, 8], [6, 7, 9]], [4 * PS, 2 * PS], [6 * PS, 3 * PS])  # 4 + 2 prefix pages
     batch([[2, 4, 6, 8, 10, 12, 13]], [6 * PS], [7 * PS])  # 6 prefix pages, all on rank 0: overflow
+    batch([[2, 3]], [0], [2 * PS])  # its flag is acted on as the batch after this one begins
     try:
-        batch([[2, 3]], [0], [2 * PS])
+        batch([[4, 5]], [0], [2 * PS])
         out["overflow"] = None
     except SlotOverflowError as e:
         out["overflow"] = str(e)
@@ -173,9 +174,9 @@ def test_startup_line_and_metrics_of_two_cp_ranks(tmp_path, monkeypatch):
         # The arena holds 8 + 2 * (4 + 1) = 18 pages. The largest share: batch 2's read buffer (2 * 2 view
         # pages, 3 staged, a trash page: 8) twice, as the 8 pages fit twice (prefetch); batch 3's 10 once.
         assert value("view_arena_peak_used_bytes") == 16 * page
-        assert value("view_bytes_received_per_batch_count") == 4, "the three batches before the overflow, and it"
+        assert value("view_bytes_received_per_batch_count") == 5, "three before the overflow, it, one after"
         assert value("view_bytes_received_per_batch_sum") == sum(received) + LAYERS * (world - 1) * 3 * page
-        assert value("view_bytes_received_per_batch_bucket", le="0.0") == 1  # the current-only batch
+        assert value("view_bytes_received_per_batch_bucket", le="0.0") == 2  # the current-only batches
         assert value("view_bytes_received_total") == value("view_bytes_received_per_batch_sum")
         assert value("view_transport", transport="gloo") == 1
         assert value("slot_overflows_total") == 1 and "slot overflow" in res["overflow"]

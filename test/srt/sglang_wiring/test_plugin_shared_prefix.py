@@ -14,9 +14,9 @@
 - **The pool with the hint, on gloo ranks**: the same batch read with and without the hint gives
   bit-identical latent rows (equal to a replicated stock pool) and indexer reads, and receives
   fewer bytes (the shared pages once).
-- **A wrong hint** (pages a request does not share with its source) fails at the pool's next
-  synchronizing point, ``end_shard_extend`` or the next ``begin_shard_extend``, with one line
-  naming the requests; the batch after it runs normally.
+- **A wrong hint** (pages a request does not share with its source) fails as the second batch
+  after it begins (``begin_shard_extend``), with one line naming the requests; the batch between
+  reads its own bytes, and the batch after the failure runs normally.
 """
 
 from __future__ import annotations
@@ -289,16 +289,23 @@ def _rank(rank: int, world: int) -> dict:
         out["same_latent"] = all(torch.equal(a, b) for a, b in zip(plain["latent"], once["latent"]))
         out["same_index"] = all(torch.equal(a, b) for a, b in zip(plain["index"], once["index"]))
         out["row_bytes"] = pool.row_bytes
-        # A wrong hint: req-b's prefix is another prompt's pages; it fails at end_shard_extend.
+        def verdict() -> tuple[bool, str | None]:
+            """Two fresh batches: the first reads its own bytes; the second's begin acts on the flags of the
+            batch before them (``SharedPrefixError``)."""
+            between = batch([[14, 15]], [0], [2 * PS], ["req-d"])
+            try:
+                batch([[14, 15]], [0], [2 * PS], ["req-e"])
+            except SharedPrefixError as err:
+                return all(between["exact"]) and between["error"] is None, str(err)
+            return all(between["exact"]) and between["error"] is None, None
+
+        # A wrong hint: req-b's prefix is another prompt's pages.
         wrong = batch([[2, 3, 4, 5, 10], [6, 7, 8, 11], [12, 13]], *lens, rids, hinted)
         out["wrong"] = {k: wrong[k] for k in ("exact", "error")}
-        # One page off (req-b's third page is another prompt's), the batch not ended: the next begin fails.
+        out["wrong"]["between_exact"], out["wrong"]["verdict"] = verdict()
+        # One page off (req-b's third page is another prompt's), the batch not ended.
         batch([[2, 3, 4, 5, 10], [2, 3, 8, 11], [12, 13]], *lens, rids, hinted, end=False)
-        try:
-            batch([[14, 15]], [0], [2 * PS], ["req-d"])
-            out["next_begin"] = None
-        except SharedPrefixError as err:
-            out["next_begin"] = str(err)
+        out["one_off"] = verdict()
         # The batch after them runs normally.
         after = batch(pages, *lens, rids, hinted)
         out["after"] = {k: after[k] for k in ("exact", "error")}
@@ -321,12 +328,15 @@ def test_hint_reads_the_same_bytes_once_and_a_wrong_hint_fails_the_batch():
         assert (plain["received"], once["received"]) == (4 * page, 2 * page), res
         # The wrong hint read req-b's prefix from other slots; its pages are named once the flag is read.
         assert res["wrong"]["exact"][0] and not res["wrong"]["exact"][1] and res["wrong"]["exact"][2], res
-        assert res["wrong"]["error"] == (
+        # Its flag is acted on as the second batch after it begins; the batch between reads its own bytes.
+        assert res["wrong"]["error"] is None and res["wrong"]["between_exact"], res
+        assert res["wrong"]["verdict"] == (
             "--enable-cp-shared-kv: wrong shared-prefix hint: in the batch of requests [req-a, req-b, req-c], "
             "the pages the hint shares are not the same logical pages for req-b (its first 3 of 3 prefix pages "
             "as req-a's); they were read from other slots, so the batch fails"
         ), res
-        assert res["next_begin"] is not None and "for req-b (its first 3 of 3" in res["next_begin"], res
+        between_exact, one_off = res["one_off"]
+        assert between_exact and one_off is not None and "for req-b (its first 3 of 3" in one_off, res
         assert all(res["after"]["exact"]) and res["after"]["error"] is None, res
 
 

@@ -6,8 +6,8 @@ Batches as SGLang's backend drives them (``begin``, the chunk's staged rows, ``t
 the per-layer buffers, ``end``): current-reuse, a mixed prefix batch (materialized), a batch whose
 requests share prefix pages (read twice, then once through the ``shared_prefix`` hint), and a batch
 whose pages do not rotate owners. Every read equals the replicated bytes; the non-rotating batch
-reads only inside its view and fails with ``SlotOverflowError`` at the next synchronizing point,
-and a wrong hint with ``SharedPrefixError``.
+reads only inside its view and fails with ``SlotOverflowError`` as the second batch after it begins,
+on every rank, and a wrong hint with ``SharedPrefixError``.
 
 On CPU the ranks talk over gloo, with per-batch buffers or from a view arena of two buffers
 (one-layer-ahead prefetch: each layer stages into and reads the buffer of its parity, the next
@@ -177,31 +177,29 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
     shared_batch = ([[2, 3, 4, 7], [2, 3, 8]], [3 * PS, 2 * PS], [4 * PS, 2 * PS + 10])
     results, errors = [], []
     if device == "cuda":
-        for args in batches[
-            :2
-        ]:  # (the copy-engine group registers the arenas at the first view)  # warm-up: Triton compiles, NCCL communicators, caching allocators
+        for args in batches[:2]:  # warm-up: Triton compiles, communicators, the copy engines' arenas
             run(*args)
             end_batch()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        # The overflowing batch last: on GPUs its flag may only reach the host at a later begin.
+        # The overflowing batch, then two more: its flag is acted on when the second of them begins.
         for args, shared in [(batches[0], None), (batches[1], None)] + [
             (shared_batch, None),  # each request's own slots
             (shared_batch, [(-1, 0), (0, 2)]),  # the shared pages once
             (batches[2], None),
+            (batches[0], None),
+            (batches[1], None),
         ]:
-            results.append(run(*args, shared=shared))
+            try:
+                results.append(run(*args, shared=shared))
+            except SlotOverflowError as err:
+                errors.append(f"begin: {err}")
+                break
             errors.append(end_batch())
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
-    if device == "cuda":
-        torch.cuda.synchronize()
-        try:
-            state.check_overflow(wait=True)
-        except SlotOverflowError as err:
-            errors[-1] = errors[-1] or str(err)
     wrong_hint = None
     if device == "cpu":  # a shared_prefix hint that is wrong: debug mode's translation check, then the flag
         import os
@@ -216,7 +214,7 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
         finally:
             os.environ.pop("SGLANG_DEBUG_CP_SHARED_KV")
         try:
-            state.end()
+            state.check_overflow(wait=True)
         except SharedPrefixError as err:
             wrong_hint.append(str(err))
     # Fences whose graph also launched the batch's plan (copy engines reading the peers' pools).
@@ -226,9 +224,9 @@ def _rank(rank: int, world: int, device: str, prefetch: bool | None = None) -> d
 
 def _check_results(results: list[dict], prefetch: bool = False, pulled: bool = False) -> None:
     for res in results:
-        current, mixed, dup, once, skewed = res["batches"]
+        current, mixed, dup, once, skewed, after = res["batches"]
         # Prefetching: every materialized batch here fits the arena twice, its layers alternate sets.
-        assert [b["view_sets"] for b in res["batches"]] == [0] + [2 if prefetch else 1] * 4, res["batches"]
+        assert [b["view_sets"] for b in res["batches"]] == [0] + [2 if prefetch else 1] * 4 + [0], res["batches"]
         assert current["mode"] == "current" and all(current["latent_exact"]) and current["inside"], current
         assert mixed["mode"] == "materialized" and all(mixed["latent_exact"]) and all(mixed["index_exact"]), mixed
         assert mixed["inside"], mixed
@@ -244,11 +242,14 @@ def _check_results(results: list[dict], prefetch: bool = False, pulled: bool = F
         # page 4 reads a trash slot. The current pages 6, 8, 10, 11 are staged, never gathered: exact.
         assert skewed["inside"], skewed
         assert skewed["pages_exact"] == [True, False, True, True, True, True], skewed
-        assert res["errors"][:4] == [None] * 4, res["errors"]
+        # The batch after it runs and reads exact bytes; the one after that fails as it begins, on every
+        # rank (no rank left in a collective the others never join).
+        assert after["mode"] == "current" and all(after["latent_exact"]) and after["inside"], after
+        assert res["errors"][:6] == [None] * 6 and len(res["errors"]) == 7, res["errors"]
         # Every batch's token table, translated first, was queued with its plan and is exact (the skewed
         # batch's too: its wrong pages read the trash slot through the same page map).
         assert all(b["table_exact"] for b in res["batches"]), res["batches"]
-        assert [b["planned"] for b in res["batches"]] == [1] * 5, res["batches"]
+        assert [b["planned"] for b in res["batches"]] == [1] * 6, res["batches"]
         # Shared prefix read once: the same bytes from a view of 2 slots per owner instead of 3.
         for b in (dup, once):
             assert b["mode"] == "materialized" and all(b["latent_exact"]) and all(b["index_exact"]), b
@@ -256,8 +257,8 @@ def _check_results(results: list[dict], prefetch: bool = False, pulled: bool = F
         assert (dup["view_pages"], once["view_pages"]) == (6, 4), (dup, once)
         page = PS * (ROW + INDEX_ROW)
         assert (dup["received"], once["received"]) == (LAYERS * 3 * page, LAYERS * 2 * page), (dup, once)
-        assert res["errors"][4] == (
-            "--enable-cp-shared-kv: slot overflow: the batch of requests [req-0, req-1] reads [2, 0] page "
+        assert res["errors"][6] == (
+            "begin: --enable-cp-shared-kv: slot overflow: the batch of requests [req-0, req-1] reads [2, 0] page "
             "positions from owners 0..1, more than the 1 pages of an owner's block (the pages of a request do "
             "not rotate owners); those positions read the trash page, so the batch fails"
         ), res["errors"]

@@ -2,6 +2,8 @@
 holds, at each slot, exactly the page the replicated pool holds at the logical page."""
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +12,12 @@ from hypothesis import strategies as st
 from page_fixtures import RotatingPages, build_slot_plan, page_table, plan_meta
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_pages_ref
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import DeviceFlagCheck, pages_for_lens, slots_per_rank
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    DeviceFlagCheck,
+    FlagWaitTimeout,
+    pages_for_lens,
+    slots_per_rank,
+)
 from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import triton_enabled
 
 
@@ -169,20 +176,35 @@ def test_empty_batch_plans_nothing():
     assert torch.equal(plan.slot_table, torch.zeros((2, 3), dtype=torch.int32))
 
 
-def test_flags_are_read_once_their_landed_word_is_set_and_in_order():
-    """``DeviceFlagCheck.watch(landed=)``: a record is read only once its landed word is 1, oldest first; a
-    later record waits behind an earlier one not yet landed; a ``fail`` that returns an error raises it, once."""
+def test_flags_are_acted_on_two_batches_later_whatever_their_landing():
+    """``DeviceFlagCheck``: batch ``k``'s records are read when batch ``k + 2`` begins, oldest first, never
+    earlier even once landed, waiting for one not landed yet (its word set by another thread, as the
+    device would); a ``fail`` that returns an error raises it, once; one that never lands times out."""
     check, seen = DeviceFlagCheck(), []
     cpu = torch.device("cpu")
     first, second = check.host_views(4, cpu, 0)[0], check.host_views(4, cpu, 0)[0]
+    check.next_batch()  # batch 1
     first[:] = torch.tensor([0, 7, 0, 0])  # flags 0, 7, 0 and the landed word, not yet set
-    second[:] = torch.tensor([1, 0, 0, 1])  # landed, and its first flag set
     check.watch(first, lambda host: seen.append(host) or None, cpu, landed=3)
+    check.next_batch()  # batch 2: batch 0 is due, it has no record
+    second[:] = torch.tensor([1, 0, 0, 1])  # landed, and its first flag set
     check.watch(second, lambda host: RuntimeError(f"flag {host[0]}") if host[0] else None, cpu, landed=3)
-    check.poll()
-    assert seen == [] and check.pending == 2  # the second has landed, but waits behind the first
-    first[3] = 1
+    check.poll()  # the landed records only: the second waits behind the first
+    assert seen == [] and check.pending == 2
+    setter = threading.Timer(0.3, first.__setitem__, (3, 1))
+    setter.start()
+    start = time.monotonic()
+    check.next_batch()  # batch 3: batch 1's record is due, waited for; batch 2's landed one is not due
+    assert seen == [[0, 7, 0, 1]] and check.pending == 1 and time.monotonic() - start >= 0.25
     with pytest.raises(RuntimeError, match="flag 1"):
-        check.poll()
-    assert seen == [[0, 7, 0, 1]] and check.pending == 0
-    check.poll()  # raised once
+        check.next_batch()  # batch 4: batch 2's
+    check.next_batch()  # raised once
+    assert check.pending == 0
+
+    stuck = DeviceFlagCheck(deadline_s=0.2)
+    word = stuck.host_views(2, cpu, 0)[0]
+    word[:] = 0
+    stuck.watch(word, lambda host: None, cpu, landed=1)  # batch 0, never lands
+    stuck.next_batch()
+    with pytest.raises(FlagWaitTimeout, match=r"batch 0's plan has not run on this rank after 0.2 s"):
+        stuck.next_batch()

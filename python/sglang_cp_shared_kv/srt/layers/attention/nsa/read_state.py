@@ -18,7 +18,7 @@ return. ``BatchReadState.begin(BatchInputs)`` decides what that buffer is:
 pages)``: its first ``pages`` prefix pages are those of the earlier request ``source`` (from the radix
 tree: ``pool_hooks.shared_prefix_from_paths``). The plan skips them (``S = sum_b ceil((Q_b - shared_b) /
 N)``) and the translation finds them through the source's slots. The hint is checked on the device, not
-trusted: a mismatch raises ``SharedPrefixError`` at the next ``begin`` or ``end``.
+trusted: a mismatch raises ``SharedPrefixError`` like an overflow (below).
 
 **View arena** (``attach_arena``, once at start-up): the buffers are the leading pages of one latent and
 one indexer buffer sized as SGLang's scratch admission bounds a batch, with a second chunk when
@@ -27,8 +27,9 @@ A batch past the arena raises ``ViewArenaError`` in ``begin``, before anything i
 
 Sizes come from host lengths; nothing reads device data back (debug mode aside). A plan whose pages do
 not rotate owners reads the trash page past an owner's block and sets a device flag, which the plan's
-launch writes into pinned memory with a landed word; ``begin`` and ``end`` raise ``SlotOverflowError``
-once it is on the host (``slot_plan.DeviceFlagCheck``), never waiting for it.
+launch writes into pinned memory with a landed word. The ``begin`` of the batch two later raises
+``SlotOverflowError`` on every rank (``slot_plan.DeviceFlagCheck``): one verdict, at the same batch,
+before its collectives, for flags that under SGLang's overlap scheduler have landed by then.
 
 **One launch per batch start** (``DeferredPlan``): ``begin`` queues nothing; the fence and the plan wait
 for the batch's first device call. When that is SGLang's translation of its int32 page table, the
@@ -244,8 +245,8 @@ class BatchReadState:
 
     def check_overflow(self, wait: bool = False) -> None:
         """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose overflow (wrong
-        hint) flag is on the host; ``wait``: wait for the flags still in flight. Every batch's plan records
-        its flags here (its materializer, handed the plan, records none)."""
+        hint) flag is on the host; ``wait``: wait for the flags still in flight (at shutdown or in tests:
+        ``begin`` acts on them at a fixed batch). Every batch's plan records its flags here."""
         if wait:
             self._queue_plan()
         self.flags.poll(wait=wait)
@@ -262,7 +263,7 @@ class BatchReadState:
         pages, prefix_pages = _batch_pages(prefix_lens, seq_lens, self.page_size, inputs.req_to_token.shape[1])
         hint = _check_shared_prefix(inputs.shared_prefix, prefix_pages)
         self._queue_plan()  # a batch that made no device call after its begin still has its fence made
-        self.check_overflow()
+        self.flags.next_batch()  # raises for the batch VERDICT_LAG before, on every rank alike
         if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
             self.views.drain()
         self._layer_cache.clear()
@@ -296,8 +297,8 @@ class BatchReadState:
     ) -> BatchPlan:
         """The batch's plan and page map (``plan_batch``) from one pinned buffer and no copy: the launch's
         values and the host lengths (``plan_header``, ``plan_meta_rows``) go into it, the launch reads them in
-        place and writes its flags back into it; ``flags`` reads them once they land, at a later ``begin`` or
-        ``end``, and raises ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed
+        place and writes its flags back into it; ``flags`` reads them at the ``begin`` ``VERDICT_LAG`` batches
+        later and raises ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed
         an owner's block (whose hint was wrong). Returns the plan; its launch, bound but not queued, is the
         batch's ``DeferredPlan`` (``fence``: the copy engines' fence goes first), queued in the fence's graph
         where there is one (the launch's arguments are the same batch after batch)."""
@@ -460,7 +461,6 @@ class BatchReadState:
         self.translate_pages_once.clear()
         if self.views is not None:
             self.views.drain()  # a layer gathered ahead and never read: the next batch reuses its buffer
-        self.check_overflow()
 
     # -- the buffers the write path stages the current chunk into --
     def stage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,8 +13,8 @@ Balanced allocation spreads each request's pages over owners within one page, so
 more than ``ceil(pages_b / N)`` of request ``b``'s pages and a block never overflows. That is the
 allocator's policy, not a law: a position past its owner's block (pages that do not rotate
 owners) gets a slot holding the trash page, never one past the view, and the plan's ``status``
-(a device tensor, no host sync) flags it. The read state reads the flag once it has reached the
-host (``DeviceFlagCheck``) and fails the batch (``SlotOverflowError``). A prefix page shared by two
+(a device tensor, no host sync) flags it. The read state reads the flag two batches later, on every
+rank at the same batch (``DeviceFlagCheck``), and fails (``SlotOverflowError``). A prefix page shared by two
 requests gets two slots: more bytes, static shapes.
 
 Everything sized by the plan (``M``, ``S``, the view) comes from host-known lengths; the
@@ -25,6 +25,7 @@ captured in a CUDA graph. The plan is the same on every rank.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -96,29 +97,44 @@ def _no_error(host: list) -> None:
     return None
 
 
+VERDICT_LAG = 2  # batches: batch k's flags are acted on when batch k + VERDICT_LAG begins
+WAIT_DEADLINE_S = 60.0  # the longest a due record is waited for (well under SGLang's watchdog)
+
+
+class FlagWaitTimeout(RuntimeError):
+    """A batch's flags had not landed by their deadline: the device is stuck (e.g. a fence waiting on a peer)."""
+
+
 class DeviceFlagCheck:
-    """Device flags read on the host only once they have landed, never waited for.
+    """Device flags read on the host at a batch fixed in advance: one verdict per batch on every rank.
 
     ``host_views`` hands a buffer (pinned on CUDA: a kernel writes it through unified addressing) that
-    queued work fills with flags; ``watch(host, fail)`` reads it once the work queued so far is done (an
-    event), ``watch(host, fail, landed=i)`` once that work has set ``host[i]`` to 1 (no event: the host
-    reads that word). ``poll()`` hands the values of every record that has landed, oldest first, to its
-    ``fail`` and raises the exception ``fail`` returns (``None``: nothing wrong), dropping the values of
-    the records still pending (their buffers held until they land); ``poll(wait=True)`` waits for them
-    all, for a caller that synchronizes there anyway. A landed record's event and buffer serve later
-    records: nothing is allocated per batch once they exist.
+    queued work fills with flags; ``watch(host, fail)`` records it for the current batch, read once the
+    work queued so far is done (an event), ``watch(host, fail, landed=i)`` once that work has set
+    ``host[i]`` to 1 (no event: the host reads that word). ``next_batch()`` starts batch ``k`` and hands
+    the values of every record of batches ``<= k - lag`` to its ``fail``, oldest first, raising the
+    exception ``fail`` returns (``None``: nothing wrong). The ranks of a CP group run the same batches, so
+    they raise at the same batch whatever their timing, before its collectives: none is left waiting for
+    another. Under SGLang's overlap scheduler a batch's outputs reach the host before the batch after next
+    is scheduled, so with ``lag = 2`` the records are due after they landed and the read waits for nothing;
+    a record still pending is waited for, up to ``deadline_s`` (then ``FlagWaitTimeout``). ``poll(wait=True)``
+    reads every record, for a caller that synchronizes there anyway. A read record's event and buffer serve
+    later records: nothing is allocated per batch once they exist.
     """
 
-    def __init__(self) -> None:
-        # Per record: its host values (a tensor and the same memory as a numpy array), its event (None: on
-        # CPU, or watched by a landed word), that word's index (None: none), whether the values are a
-        # pinned buffer (kept for later records once landed), and ``fail``.
-        self._pending: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None, int | None, bool, Callable]] = []
-        self._spare: list[torch.cuda.Event] = []  # events of landed records
-        self._buffers: list[torch.Tensor] = []  # buffers of landed records
+    def __init__(self, lag: int = VERDICT_LAG, deadline_s: float = WAIT_DEADLINE_S) -> None:
+        self.lag, self.deadline_s = lag, deadline_s
+        self.batch = 0  # the batch in progress (``next_batch`` calls so far)
+        # Per record: its batch, its host values (a tensor and the same memory as a numpy array), its event
+        # (None: on CPU, or watched by a landed word), that word's index (None: none), whether the values
+        # are a pinned buffer (kept for later records once read), and ``fail``.
+        self._pending: list[tuple[int, torch.Tensor, np.ndarray, torch.cuda.Event | None, int | None, bool, Callable]]
+        self._pending = []
+        self._spare: list[torch.cuda.Event] = []  # events of read records
+        self._buffers: list[torch.Tensor] = []  # buffers of read records
 
     def host_views(self, numel: int, device: torch.device, split: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """int64 ``[numel]`` for a ``watch`` record (pinned on a CUDA ``device``, a landed record's where one
+        """int64 ``[numel]`` for a ``watch`` record (pinned on a CUDA ``device``, a read record's where one
         is large enough), its words from ``split`` on, and the buffer as numpy (the same memory)."""
         i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
         if i is None:
@@ -136,23 +152,35 @@ class DeviceFlagCheck:
         landed: int | None = None,
         array: np.ndarray | None = None,
     ) -> None:
-        """Read ``host`` (from ``host_views``) once the work queued so far on ``device``'s current stream is
-        done; with ``landed``, once that work has set ``host[landed]``, 0 when it was queued, to 1 (no
-        event); on CPU at the next poll. ``array``: ``host`` as numpy (``host_views``), else taken here."""
+        """Record ``host`` (from ``host_views``) for the current batch, filled by the work queued so far on
+        ``device``'s current stream; with ``landed``, that work sets ``host[landed]``, 0 when it was queued,
+        to 1 (no event). ``array``: ``host`` as numpy (``host_views``), else taken here."""
         event, cuda = None, device.type == "cuda"
         if cuda and landed is None:
             event = self._spare.pop() if self._spare else torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
         array = host.numpy() if array is None else array  # sync-ok: a host tensor
-        self._pending.append((host, array, event, landed, cuda, fail))
+        self._pending.append((self.batch, host, array, event, landed, cuda, fail))
+
+    def next_batch(self) -> None:
+        """Start the next batch: act on the records of the batches ``lag`` or more before it."""
+        self.batch += 1
+        self._read(self.batch - self.lag)
 
     def poll(self, wait: bool = False) -> None:
+        """Act on every record that has landed (``wait``: on every record, waiting for them)."""
+        self._read(self.batch if wait else None)
+
+    def _read(self, due: int | None) -> None:
+        """Read the records of batches ``<= due`` (waiting for them), or with ``due=None`` those landed."""
         while self._pending:
-            flags, array, event, landed, pinned, fail = self._pending[0]
-            if not (array[landed] == 1 if landed is not None else event is None or event.query()):
-                if not wait:
-                    return  # not landed yet: read at a later poll, never waited for
-                self._wait(event)
+            batch, flags, array, event, landed, pinned, fail = self._pending[0]
+            if due is not None and batch > due:
+                return
+            if not self._landed(array, event, landed):
+                if due is None:
+                    return
+                self._wait(batch, array, event, landed)
             self._pending.pop(0)
             host = array.tolist()  # sync-ok: host memory (its writes landed, or a CPU tensor)
             if event is not None:
@@ -163,16 +191,23 @@ class DeviceFlagCheck:
             if error is not None:
                 # The later records are dropped, but their buffers stay held until they land: the launches
                 # still in flight read and write them.
-                self._pending = [(f, a, e, i, p, _no_error) for f, a, e, i, p, _ in self._pending if p]
+                self._pending = [(k, f, a, e, i, p, _no_error) for k, f, a, e, i, p, _ in self._pending if p]
                 raise error
 
     @staticmethod
-    def _wait(event: torch.cuda.Event | None) -> None:
-        """Until the record lands (``poll(wait=True)`` only, where the caller synchronizes anyway)."""
-        if event is not None:
-            event.synchronize()  # sync-ok: see above
-        else:  # a landed word not yet set: a CUDA launch queued to set it (on CPU it ran in line)
-            torch.cuda.synchronize()  # sync-ok: see above
+    def _landed(array: np.ndarray, event: torch.cuda.Event | None, landed: int | None) -> bool:
+        return bool(array[landed] == 1) if landed is not None else event is None or event.query()
+
+    def _wait(self, batch: int, array: np.ndarray, event: torch.cuda.Event | None, landed: int | None) -> None:
+        """Until the record lands, at most ``deadline_s`` (host polling: no device-wide sync)."""
+        deadline = time.monotonic() + self.deadline_s
+        while not self._landed(array, event, landed):
+            if time.monotonic() > deadline:
+                raise FlagWaitTimeout(
+                    f"--enable-cp-shared-kv: batch {batch}'s plan has not run on this rank after "
+                    f"{self.deadline_s:g} s: the device is stuck (a fence waits for a peer that stopped?)"
+                )
+            time.sleep(50e-6)
 
     @property
     def pending(self) -> int:

@@ -289,6 +289,7 @@ def _rank(rank: int, world: int) -> dict:
         out["same_latent"] = all(torch.equal(a, b) for a, b in zip(plain["latent"], once["latent"]))
         out["same_index"] = all(torch.equal(a, b) for a, b in zip(plain["index"], once["index"]))
         out["row_bytes"] = pool.row_bytes
+
         def verdict() -> tuple[bool, str | None]:
             """Two fresh batches: the first reads its own bytes; the second's begin acts on the flags of the
             batch before them (``SharedPrefixError``)."""

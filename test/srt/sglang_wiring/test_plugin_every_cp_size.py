@@ -136,7 +136,7 @@ def _allocation_worker(model_root: str, seeds: list[int], steps: int) -> dict:
         for seed in seeds:
             config, _pool, allocator, req_to_token, tree = _scheduler(model_root, 0, cp_size, 12)
             stray, over, batches = [], [], 0
-            for batch, seen in _batches(cp_size, seed, steps, config, allocator, req_to_token, tree):  # noqa: B007 (the last one is kept)
+            for batch, seen in _batches(cp_size, seed, steps, config, allocator, req_to_token, tree):  # noqa: B007
                 owners, per_owner, block = _owners(batch, cp_size)
                 batches += 1
                 for req, o in zip(batch.reqs, owners):

@@ -1,0 +1,76 @@
+"""Decode context parallel over a sharded DSA cache: the exact global top-k and the LSE merge.
+
+Each of the ``N`` decode ranks holds the indexer keys and latent rows of the token positions it owns.
+Per query row, with one total order, score descending then position ascending (the replicated
+indexer's, ``reference.dsa_reference.indexer_topk``):
+
+1. each rank scores its own positions and keeps its ``k`` first (``ranked_topk``);
+2. the ``N * k`` candidates are all-gathered and ranked again (``global_topk``). Exact: every position
+   ranked before a global top-``k`` position on its owner is ranked before it globally too, so it
+   already is among its owner's ``k`` first;
+3. each rank attends over the selected positions it owns (``owned_rows``), giving ``(out_r, lse_r)``,
+   ``lse_r = -inf`` where it owns none;
+4. ``merge_by_lse``: ``lse = logsumexp_r lse_r``, ``out = sum_r exp(lse_r - lse) * out_r``.
+
+Static shapes and no host sync: sizes come from ``k`` and the batch's rows only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+
+_LAST = torch.iinfo(torch.int64).max  # the sort key of an empty candidate: after every position
+
+
+def ranked_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` first of each row by score descending, position ascending.
+
+    ``scores`` fp32 ``[R, L]`` (``-inf``: not visible), ``positions`` int64 ``[R, L]`` (-1: no candidate).
+    Returns fp32 ``[R, k]`` and int64 ``[R, k]``; a slot past the visible candidates holds ``-inf``, -1.
+    """
+    rows, width = scores.shape
+    if width < k:  # fewer candidates than k: padded with empty ones
+        scores = torch.nn.functional.pad(scores, (0, k - width), value=-torch.inf)
+        positions = torch.nn.functional.pad(positions, (0, k - width), value=-1)
+    by_position = torch.argsort(torch.where(positions < 0, _LAST, positions), dim=-1, stable=True)
+    scores, positions = scores.gather(-1, by_position), positions.gather(-1, by_position)
+    first = torch.argsort(scores, dim=-1, descending=True, stable=True)[:, :k]  # ties keep the position order
+    values, chosen = scores.gather(-1, first), positions.gather(-1, first)
+    return values, torch.where(values == -torch.inf, -1, chosen)
+
+
+def global_topk(scores: torch.Tensor, positions: torch.Tensor, k: int, group: CPGroup) -> torch.Tensor:
+    """int64 ``[R, k]``: the replicated indexer's top-``k`` positions from each rank's own ``[R, L_r]``."""
+    values, chosen = ranked_topk(scores, positions, k)
+    rows, n = values.shape[0], group.size
+    all_values = torch.empty((n * rows, k), dtype=values.dtype, device=values.device)
+    all_chosen = torch.empty((n * rows, k), dtype=chosen.dtype, device=chosen.device)
+    group.all_gather_into_many([all_values, all_chosen], [values, chosen])
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:  # [N * R, k] rank-major -> [R, N * k]
+        return t.view(n, rows, k).transpose(0, 1).reshape(rows, n * k)
+
+    return ranked_topk(per_row(all_values), per_row(all_chosen), k)[1]
+
+
+def owned_rows(selected: torch.Tensor, row_of_position: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of the ``selected`` positions it owns, -1 elsewhere.
+
+    ``selected`` int64 ``[R, k]`` (-1: none), ``row_of_position`` int64 ``[R, P]``: per query row, the row
+    of each position in this rank's buffer, -1 where another rank owns it.
+    """
+    rows = row_of_position.gather(-1, selected.clamp(min=0))
+    return torch.where(selected < 0, -1, rows)
+
+
+def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``outs [N, R, H, D]``, natural-log ``lses [N, R, H]`` -> ``out [R, H, D]``, ``lse [R, H]`` (fp32).
+
+    A row no rank attends to keeps ``out = 0``, ``lse = -inf``."""
+    lses = lses.float()
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - torch.where(lse == -torch.inf, 0.0, lse)).unsqueeze(-1)  # exp(-inf) = 0
+    # A rank that attended to nothing contributes nothing, whatever its output holds.
+    return (weights * torch.where(weights > 0, outs.float(), 0.0)).sum(dim=0), lse

@@ -77,7 +77,6 @@ def _replicated(b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _rank(rank: int, cp_size: int, seed: int) -> dict:
     from reference.dsa_reference import sparse_mla
-
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import global_topk, merge_by_lse, owned_rows
 

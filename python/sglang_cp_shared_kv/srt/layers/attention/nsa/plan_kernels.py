@@ -1,18 +1,13 @@
 """A batch's slot plan: one Triton kernel (``plan_batch``) beside the plain-torch references it equals.
 
-- ``plan_batch``: what a batch needs, in one launch of one program, straight from a token table
-  (SGLang's ``req_to_token``, or a page table with page size 1): each planned page position's logical
-  page, owner, rank among the positions with the same owner (a block scan), view slot, the slot table
-  and every send entry's physical page (``assign_slots_ref``); with a page map buffer, the batch's
-  page map (``map_batch_pages_ref``: logical page -> page of its read buffer, a prefix page to its view
-  slot, a current-chunk page to its staged page, anything else to a fill value); and the check of a
-  shared-prefix hint.
-- The references: ``build_slot_table_ref`` (the page table handed to the kernels, in slot ids),
-  ``plan_positions_ref`` (the flat page-table index of every page position), ``assign_slots_ref``
-  (the slot plan), ``map_batch_pages_ref`` and ``plan_batch_ref``, composed of them.
+``plan_batch`` reads a token table (SGLang's ``req_to_token``, or a page table with page size 1) and computes,
+in one launch of one program, the slot plan of ``assign_slots_ref`` (each planned page position's logical
+page, owner, rank among the same owner's positions, view slot; the slot table; the send entries), with a
+page map buffer the batch's page map (``map_batch_pages_ref``), and the check of a shared-prefix hint.
+``plan_batch_ref`` composes the references.
 
-``plan_batch`` runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the
-tests); otherwise the reference. ``use_triton`` forces either. Nothing reads device data back.
+Triton runs on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the tests); otherwise the
+reference. ``use_triton`` forces either. Nothing reads device data back.
 """
 
 from __future__ import annotations
@@ -24,10 +19,6 @@ import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, check_index, tl, triton, triton_enabled
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
-
-# ---------------------------------------------------------------------------------------------
-# the references
-# ---------------------------------------------------------------------------------------------
 
 
 def build_slot_table_ref(
@@ -158,10 +149,6 @@ if triton is not None:
             unused = inside & (idx - o_idx * slots_per_rank >= count)
             tl.store(phys_out + idx, tl.zeros([BLOCK], dtype=tl.int64) + trash_page, mask=unused)
 
-# ---------------------------------------------------------------------------------------------
-# plan_batch (the whole batch plan in one launch)
-# ---------------------------------------------------------------------------------------------
-
 
 def map_batch_pages_ref(
     page_pos: torch.Tensor,
@@ -198,17 +185,13 @@ def map_batch_pages_ref(
 
 # Rows of ``plan_batch``'s per-request ``meta``.
 PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
-# Words ahead of them in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values, the
-# address of the request rows (int64), then the words of a translation queued after the plan
-# (``TRANSLATION_WORDS``), which the launch copies to the workspace's ``params`` for it.
-PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows") + (
-    "locs",  # the address of an int32 table of token locs
-    "count",  # its elements (0: no translation)
-    "cols",  # its row length
-    "stride",  # its row stride, in elements (its columns are one apart)
-    "out",  # the address of the int32 rows out, contiguous
-)
-TRANSLATION_WORDS = PLAN_HEADER[PLAN_HEADER.index("locs") :]
+# The words of a translation queued after the plan, which a header launch copies to the workspace's
+# ``params`` for it: the address of an int32 table of token locs, its elements (0: no translation), its
+# row length, its row stride in elements (columns one apart), and the address of the contiguous int32 rows out.
+TRANSLATION_WORDS = ("locs", "count", "cols", "stride", "out")
+# Words ahead of the lengths in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values,
+# the address of the request rows (int64), then ``TRANSLATION_WORDS``.
+PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows") + TRANSLATION_WORDS
 # The device words a header launch copies them to (``PlanWorkspace.params``): one power-of-two block.
 PARAMS_WORDS = 8
 
@@ -216,28 +199,24 @@ PARAMS_WORDS = 8
 @dataclass(frozen=True)
 class BatchPlan:
     """Where each planned page position of one batch lives in the dense view (identical on every rank):
-    ``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts) and the host
-    sizes they were built for.
+    ``plan_batch``'s device outputs and the host sizes they were built for.
 
-    The per-position outputs and the send entries are one int64 buffer (``words``), sliced when asked for;
-    ``status`` and ``wrong`` are views of ``flags``: the read path hands the send entries to the view's
-    launches by offset (``send_start``) and reads the flags on the host as one list. The slot table is
-    ``table`` itself, or with ``table_shape`` the start of that flat buffer.
+    The per-position outputs and the send entries are one int64 buffer (``words``), which the view's
+    launches take by offset (``send_start``); ``status`` and ``wrong`` are views of ``flags``, which the
+    read path reads on the host as one list.
     """
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
-    table: torch.Tensor  # int32 [B, width], or a flat buffer holding it first (``table_shape``)
+    table: torch.Tensor  # int32 [B, width]
     flags: torch.Tensor  # int64 [N + 2 + B]: status, wrong, then the landed word (1)
     cp_size: int  # N
     num_positions: int  # M
     slots_per_rank: int  # S: every owner's block
-    table_shape: tuple[int, int] | None = None  # (B, width) where ``table`` is the flat buffer
 
-    @cached_property
+    @property
     def slot_table(self) -> torch.Tensor:
         """int32 ``[B, width]``: the kernels' page table, in view slots (``pad`` past a request's pages)."""
-        shape = self.table_shape
-        return self.table if shape is None else self.table.as_strided(shape, (shape[1], 1))
+        return self.table
 
     @property
     def view_pages(self) -> int:
@@ -519,21 +498,18 @@ def plan_batch(
     header: bool = False,
     queue: bool = True,
 ) -> BatchPlan | tuple[BatchPlan, Launch | None]:
-    """``plan_batch_ref`` in one launch of one program (which first fills ``page_pos``, None: no page map,
-    with ``fill``): its outputs in one int64 buffer and an int32 table, nothing read back.
+    """``plan_batch_ref`` in one launch of one program: its outputs in one int64 buffer and an int32 table.
 
-    ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 +
-    B]``; default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the
-    words before it are written): pinned, they reach the host with the launch, no copy
-    (``slot_plan.DeviceFlagCheck.watch(..., landed=)``). ``workspace``: the outputs are views of its
-    buffers, valid until the next plan over it; a header launch copies its translation words to
-    ``workspace.params``.
+    ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 + B]``;
+    default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the words before
+    it are written): pinned, they reach the host with the launch, no copy (``slot_plan.DeviceFlagCheck``).
+    ``workspace``: the outputs are views of its buffers, valid until the next plan over it.
 
-    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (12
-    words, the request rows by address: contiguous int64), the lengths, then the flags; the launch reads
-    everything from it, so its arguments stay the same batch after batch (a captured graph replays it).
-    ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued (None where the reference
-    computed the plan)."""
+    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (the request
+    rows by address: contiguous int64), the lengths, then the flags; the launch reads everything from it, so
+    its arguments stay the same batch after batch (a captured graph replays it), and copies the translation
+    words to ``workspace.params``. ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued
+    (None where the reference computed the plan)."""
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
@@ -549,14 +525,10 @@ def plan_batch(
     check_index("tokens", tokens, 2)
     lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
     if header:
-        if (
-            meta.dtype != torch.int64
-            or meta.numel() != head + lengths + cp_size + 2 + batch
-            or meta.device.type != "cpu"
-        ):
+        need = head + lengths + cp_size + 2 + batch
+        if meta.dtype != torch.int64 or meta.numel() != need or meta.device.type != "cpu":
             raise ValueError(
-                f"a header buffer must be host int64 [{head + lengths + cp_size + 2 + batch}], got {meta.dtype} "
-                f"{tuple(meta.shape)} on {meta.device}"
+                f"a header buffer must be host int64 [{need}], got {meta.dtype} {tuple(meta.shape)} on {meta.device}"
             )
         if flags is None:
             flags = meta[head + lengths :]
@@ -598,11 +570,7 @@ def plan_batch(
     pages_out = flat if page_pos is None else page_pos
     num_pages = 0 if page_pos is None else page_pos.shape[0]
     if header:  # the buffer in place of the rows and the flags, the per-batch ints read from it (0 here)
-        params = (
-            torch.empty(PARAMS_WORDS, dtype=torch.int64, device=tokens.device)
-            if workspace is None
-            else workspace.params
-        )
+        params = workspace.params if workspace else torch.empty(PARAMS_WORDS, dtype=torch.int64, device=tokens.device)
         args = (tokens, tokens.stride(0), meta, meta, flat, table, meta, pages_out, params)
         args += (0, 0, page_size, 0, 0, trash_page, pad, 0, 0, num_pages)
     else:
@@ -630,14 +598,9 @@ def plan_header(
 
 
 class PlanWorkspace:
-    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``), instead of
-    two allocations per batch (host time).
-
-    ``take`` hands the whole int64 buffer (its tail past the batch's words unused) and a ``[batch, width]``
-    int32 table at the start of the other buffer, each grown to twice the need when too small. Reuse
-    follows stream order: a plan is read by the kernels queued after it, and the next plan's launch is
-    queued after those, on the same stream. A reader on another stream must be waited for before the
-    next plan (the read state drains the materializer's prefetch stream before it plans a batch).
+    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``): no allocation
+    per batch. Reuse follows stream order; a reader on another stream must be waited for before the next
+    plan (the read state drains the materializer's prefetch stream before it plans a batch).
     """
 
     def __init__(self) -> None:

@@ -1,22 +1,16 @@
 """Triton kernels of the materialized read path, each beside its plain-torch reference.
 
-- ``gather_page_buffers`` / ``gather_pages``: copy whole pages of page-major pool buffers into a
-  send block, in the order a page-id vector gives; one generic copy serves latent and indexer
-  pages, and one launch gathers both.
-- ``pull_pages``: the whole view of a layer read straight from every owner's pool pages, where the
+- ``gather_page_buffers`` / ``gather_pages``: copy whole pages of one or two page-major pool buffers
+  (latent and indexer) into a send block, in the order a page-id vector gives, in one launch.
+- ``pull_launch``: the whole view of a layer read straight from every owner's pool pages, where the
   peers' pools are mapped into this process (copy-engine transport, views built in line).
-- ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
-  -> rows of a view, ``page_table[req, pos // ps] * ps + pos % ps``; -1 stays -1.
-- ``translate_locs``: logical token locs (or page ids) -> rows (pages) of the read buffer, through
-  the batch's page map (``plan_kernels.plan_batch``).
-- ``planned_translation``: ``translate_locs`` for a table whose address and size earlier work on the
-  stream wrote to the device, so its launch's arguments never change (queued in one graph with the plan).
+- ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded) -> view rows.
+- ``translate_locs``: logical token locs (or page ids) -> rows (pages) of the read buffer, through the
+  batch's page map; ``planned_translation`` for a table whose address and size earlier work on the
+  stream wrote to the device, so its launch's arguments never change (one graph with the plan).
 
-Every kernel launches through ``triton_launch``.
-
-Each wrapper runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1``
-(the tests); otherwise it runs the reference. ``use_triton`` forces either.
-None of them reads device data back to the host.
+Each wrapper runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the tests);
+otherwise the reference (``use_triton`` forces either). None reads device data back to the host.
 """
 
 from __future__ import annotations
@@ -35,10 +29,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import (
     triton_enabled,
 )
 from sglang_cp_shared_kv.srt.utils import check_int
-
-# ---------------------------------------------------------------------------------------------
-# gather_pages
-# ---------------------------------------------------------------------------------------------
 
 
 def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,12 +104,8 @@ def gather_page_buffers(
     outs: Sequence[torch.Tensor] | None = None,
     use_triton: bool | None = None,
 ) -> list[torch.Tensor]:
-    """Copy the same pages of one or two page-major buffers (``[P, page_bytes]`` each, rows contiguous)
-    into ``outs[k][i] = srcs[k][page_ids[i]]``, in one kernel launch.
-
-    The read path gathers a slot's latent page and its indexer page together. ``page_ids`` must
-    hold valid page indices of every source (the plan points padding at the trash page).
-    """
+    """``outs[k][i] = srcs[k][page_ids[i]]`` for one or two page-major buffers (``[P, page_bytes]`` each, rows
+    contiguous) in one launch; ``page_ids`` must be valid pages of every source (padding: the trash page)."""
     outs, launch = prepare_gather(srcs, page_ids, outs, use_triton)
     launch()
     return outs
@@ -147,37 +133,33 @@ def prepare_gather(
     return outs, gather_launch([word_pair(src, out) for src, out in zip(srcs, outs)], page_ids)
 
 
-def word_pair(
-    src: torch.Tensor, out: torch.Tensor, src_words: torch.Tensor | None = None, out_words: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``src`` and ``out`` as int32 words when both allow it (``word_view``, or the ``word_view`` s a caller
-    kept), else both as they are."""
-    s_words = word_view(src) if src_words is None else src_words
-    o_words = word_view(out) if out_words is None else out_words
+def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``src`` and ``out`` as int32 words when both allow it (``word_view``), else both as they are."""
+    s_words, o_words = word_view(src), word_view(out)
     return (s_words, o_words) if s_words.dtype == o_words.dtype else (src, out)
 
 
 def gather_launch(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
 ) -> Launch:
-    """The gather kernel's launch copying ``pairs[k] = (src, out)`` pages ``page_ids`` (one or two pairs,
-    ``word_pair`` s of buffers ``prepare_gather`` accepts): its last step, for a caller that built and
-    checked the buffers itself (the view materializer, once per layer and batch).
+    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two
+    ``word_pair`` s of buffers ``prepare_gather`` accepts), for a caller that checked the buffers itself.
 
     ``programs``: programs per buffer, each looping over every ``programs``-th slot (None: one per
     slot). Fewer programs hold fewer SMs at once: what a gather running beside other kernels wants."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
-    a, b = args[0], args[-1]
     slots = page_ids.shape[0]
     grid0 = slots if programs is None else max(1, min(slots, programs))
-    block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
-    return Launch(
-        _gather_pages_kernel,
-        (grid0, len(args)),
-        (page_ids, slots, *a, *b),
-        {"BLOCK": block},
-        num_warps=8 if block >= 2048 else 4,
-    )
+    return _copy_launch(_gather_pages_kernel, grid0, (page_ids, slots), args, max(a[2] for a in args))
+
+
+def _copy_launch(kernel, grid0: int, head: tuple, buffers: list[tuple], words: int) -> Launch:
+    """A page-copy kernel's launch: ``head``, then the arguments of buffer a and b (the same one when there is
+    one), grid column ``k`` copying buffer ``k``; rows of at most ``words`` elements."""
+    block = min(4096, triton.next_power_of_2(words))
+    grid = (grid0, len(buffers))
+    args = (*head, *buffers[0], *buffers[-1])
+    return Launch(kernel, grid, args, {"BLOCK": block}, num_warps=8 if block >= 2048 else 4)
 
 
 def gather_pages(
@@ -185,11 +167,6 @@ def gather_pages(
 ) -> torch.Tensor:
     """Copy ``src[page_ids[i]]`` into ``out[i]``: ``gather_page_buffers`` for a single buffer."""
     return gather_page_buffers([src], page_ids, None if out is None else [out], use_triton)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# pull_pages (a whole view read straight from every owner's pool)
-# ---------------------------------------------------------------------------------------------
 
 
 def pull_pages_ref(
@@ -254,23 +231,11 @@ def pull_launch(
     buffer ``k`` to the next. The view's send entries are ``slots`` (default: all past ``start``) words of
     ``slot_phys`` from ``start`` on: a plan's output buffer and its ``send_start``."""
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
-    a, b = args[0], args[-1]
     slots = slot_phys.shape[0] - start if slots is None else slots
     if start < 0 or slots < 0 or start + slots > slot_phys.shape[0]:
         raise ValueError(f"send entries [{start}, {start + slots}) past slot_phys's {slot_phys.shape[0]} words")
-    block = min(4096, triton.next_power_of_2(max(w for _, w, _ in args)))
-    return Launch(
-        _pull_pages_kernel,
-        (slots, len(args)),
-        (slot_phys, start, slots, slots_per_rank, table, layer, table.shape[2], *a, *b),
-        {"BLOCK": block},
-        num_warps=8 if block >= 2048 else 4,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# positions_to_view_rows (token-level remap of NSA top-k positions)
-# ---------------------------------------------------------------------------------------------
+    head = (slot_phys, start, slots, slots_per_rank, table, layer, table.shape[2])
+    return _copy_launch(_pull_pages_kernel, slots, head, args, max(w for _, w, _ in args))
 
 
 def positions_to_view_rows_ref(
@@ -330,11 +295,6 @@ def positions_to_view_rows(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# translate_locs (logical locs -> read-buffer rows, through a batch's page map)
-# ---------------------------------------------------------------------------------------------
-
-
 def translate_locs_ref(
     page_pos: torch.Tensor, locs: torch.Tensor, page_size: int, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -391,10 +351,6 @@ def translate_locs(
     launch(_translate_kernel, (triton.cdiv(n, _TRANSLATE_BLOCK),), args, {"BLOCK": _TRANSLATE_BLOCK})
     return out
 
-
-# ---------------------------------------------------------------------------------------------
-# A translation whose table is named on the device (queued in one graph with the batch's plan)
-# ---------------------------------------------------------------------------------------------
 
 if triton is not None:
 

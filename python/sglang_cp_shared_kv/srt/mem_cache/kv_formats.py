@@ -8,8 +8,7 @@
   K bytes token-major, then ``ps`` scales (``ps * 132`` B).
 
 Every function returns and accepts raw ``uint8`` rows, so pools, gathers and
-transfers move bytes without caring what the bytes mean. The sizes live in the torch-free
-``kv_layout_constants`` and are re-exported here.
+transfers move bytes without caring what the bytes mean. The sizes live in ``kv_layout_constants``.
 """
 
 from __future__ import annotations
@@ -21,39 +20,10 @@ from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import (
     FP8_TILE,
     FP8_TILES,
     INDEX_HEAD_DIM,
-    INDEX_TOKEN_BYTES,
-    KV_FORMATS,
     KV_LORA_RANK,
-    LATENT_DIM,
-    MLA_BF16_ROW_BYTES,
-    MLA_FP8_ROW_BYTES,
     ROPE_DIM,
     mla_row_bytes,
 )
-
-__all__ = [
-    "FP8_MAX",
-    "FP8_TILE",
-    "FP8_TILES",
-    "INDEX_HEAD_DIM",
-    "INDEX_TOKEN_BYTES",
-    "KV_FORMATS",
-    "KV_LORA_RANK",
-    "LATENT_DIM",
-    "MLA_BF16_ROW_BYTES",
-    "MLA_FP8_ROW_BYTES",
-    "ROPE_DIM",
-    "decode_mla_rows",
-    "dequantize_index_k",
-    "dequantize_mla_fp8",
-    "encode_mla_rows",
-    "index_page_views",
-    "mla_row_bytes",
-    "pack_mla_bf16",
-    "quantize_index_k",
-    "quantize_mla_fp8",
-    "unpack_mla_bf16",
-]
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,7 @@ def assign_slots_ref(
     trash_page: int,
     pad: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The slot plan in torch ops: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S],
-    status [N + 1])``.
+    """The slot plan: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S], status [N + 1])``.
 
     Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by
     ``o = lp % N``; ``r`` is its rank among the positions owned by ``o`` (request-major). With
@@ -68,7 +67,6 @@ def assign_slots_ref(
     the view is never read past its end. ``status`` (int64, on the device, no host sync) reports
     it: ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o``
     holds (the read state reads it once it is on the host).
-
     """
     n, s = cp_size, slots_per_rank
     device = page_table.device
@@ -151,12 +149,7 @@ if triton is not None:
 
 
 def map_batch_pages_ref(
-    page_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    plan_table: torch.Tensor,
-    meta: torch.Tensor,
-    base: int,
-    fill: int,
+    page_pos: torch.Tensor, page_table: torch.Tensor, plan_table: torch.Tensor, meta: torch.Tensor, base: int, fill: int
 ) -> torch.Tensor:
     """Fill ``page_pos`` (int64 ``[logical pages]``) with ``fill``, then map the batch's pages into it.
 
@@ -207,16 +200,11 @@ class BatchPlan:
     """
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
-    table: torch.Tensor  # int32 [B, width]
+    slot_table: torch.Tensor  # int32 [B, width]: the kernels' page table, in view slots (pad past a request's pages)
     flags: torch.Tensor  # int64 [N + 2 + B]: status, wrong, then the landed word (1)
     cp_size: int  # N
     num_positions: int  # M
     slots_per_rank: int  # S: every owner's block
-
-    @property
-    def slot_table(self) -> torch.Tensor:
-        """int32 ``[B, width]``: the kernels' page table, in view slots (``pad`` past a request's pages)."""
-        return self.table
 
     @property
     def view_pages(self) -> int:

@@ -1,14 +1,9 @@
-"""What the view materializer reads from a pool: one rank's page-major per-layer buffers and their layout.
-
-SGLang's wired pools hand theirs over as two of these (the latent rows and the indexer pages), which
-the read state joins into one source: one plan, one gather launch, one collective per layer.
-"""
+"""What the view materializer reads from a pool: one rank's page-major per-layer buffers and their layout."""
 
 from __future__ import annotations
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
@@ -45,7 +40,6 @@ class PageBuffers:
         # the buffers are fixed, so read once here, not per read (host time).
         self.has_index = tuple(index is not None and index[k].shape[0] > 0 for k in range(self.num_layers))
         self.device = buffers[0].device
-        self.page_bytes_per_layer = self.page_size * (row_bytes + (INDEX_TOKEN_BYTES if index is not None else 0))
 
     def latent_pages(self, layer: int) -> torch.Tensor:
         return self.buffers[layer]

@@ -1,24 +1,15 @@
 """Page ownership arithmetic for a KV pool sharded across CP ranks.
 
-Every layer above the pool (allocator, prefix cache, ``req_to_token``, page
-tables) speaks in *logical* token locs. A logical page ``lp = loc // ps`` lives
-on exactly one CP rank and nowhere else::
+Every layer above the pool speaks in *logical* token locs. A logical page ``lp = loc // ps`` lives on
+exactly one CP rank, and the map is a stateless bijection between logical locs and (owner, physical row)::
 
     owner(lp)     = lp % cp_size
     phys_page(lp) = lp // cp_size
     phys_row(loc) = phys_page(loc // ps) * ps + loc % ps
+    loc           = ((phys_row // ps) * cp_size + owner) * ps + phys_row % ps
 
-and the map is a bijection between logical locs and (owner, physical row)::
-
-    loc = ((phys_row // ps) * cp_size + owner) * ps + phys_row % ps
-
-It is stateless: any rank computes any page's owner and physical row with
-arithmetic alone, so there is nothing to store or keep coherent.
-
-``CPSharedSpec`` is what one rank's sharded pool is (CP size and rank, page size, physical
-pages, trash page, row format), checked once when the pool is built and handed down, as
-SGLang's ``PageShardSpec`` is. Physical page 0 of every rank is the trash page: the
-allocators never hand out logical pages ``[0, cp_size)``, so no owned row lands there.
+Physical page 0 of every rank is the trash page: the allocators never hand out logical pages
+``[0, cp_size)``, so no owned row lands there.
 """
 
 from __future__ import annotations
@@ -59,13 +50,6 @@ def local_page(pages, cp_size: int):
     return pages // cp_size
 
 
-def _check_int_tensor(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-
-
 class PageOwnership:
     """Stateless ownership map for ``cp_size`` ranks and ``page_size`` tokens per page.
 
@@ -88,7 +72,10 @@ class PageOwnership:
 
     # -- validation (debug only: these read device data back to the host) --
     def _check_locs(self, name: str, locs: torch.Tensor, limit: int | None) -> None:
-        _check_int_tensor(name, locs)
+        if not isinstance(locs, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
+        if locs.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {locs.dtype}")
         if not debug_enabled() or locs.numel() == 0:
             return
         if bool((locs < 0).any()):
@@ -172,24 +159,17 @@ class PageOwnership:
 
 @dataclass(frozen=True)
 class CPSharedSpec:
-    """One rank's share of a CP-shared pool, fixed when the pool is built and handed down.
+    """One rank's share of a CP-shared pool, checked once when the pool is built and handed down (as
+    SGLang's ``PageShardSpec`` is)."""
 
-    - ``cp_size`` / ``cp_rank``: the CP group's size and this rank (``cp_size == 1``: a replicated pool).
-    - ``page_size``: tokens per page (a power of two).
-    - ``phys_pages``: pages this rank's buffers hold, the trash page included.
-    - ``row_bytes``: bytes of one token's latent row (656 fp8, 1152 bf16, or SGLang's store row).
-    - ``with_indexer``: the pool also holds NSA indexer pages (``page_size * 132`` B).
-    - ``trash_page``: page 0, where a masked store puts the rows other ranks own.
-    """
-
-    cp_size: int
+    cp_size: int  # the CP group's size (1: a replicated pool)
     cp_rank: int
-    page_size: int
-    phys_pages: int
-    row_bytes: int
-    with_indexer: bool
+    page_size: int  # tokens per page, a power of two
+    phys_pages: int  # pages this rank's buffers hold, the trash page included
+    row_bytes: int  # one token's latent row: 656 fp8, 1152 bf16, or SGLang's store row
+    with_indexer: bool  # the pool also holds NSA indexer pages (page_size * 132 B)
 
-    trash_page = TRASH_PAGE
+    trash_page = TRASH_PAGE  # where a masked store puts the rows other ranks own
 
     def __post_init__(self) -> None:
         check_int("cp_size", self.cp_size, 1)

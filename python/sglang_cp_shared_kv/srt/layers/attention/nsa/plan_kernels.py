@@ -1,13 +1,9 @@
 """A batch's slot plan: one Triton kernel (``plan_batch``) beside the plain-torch references it equals.
 
-``plan_batch`` reads a token table (SGLang's ``req_to_token``, or a page table with page size 1) and computes,
-in one launch of one program, the slot plan of ``assign_slots_ref`` (each planned page position's logical
-page, owner, rank among the same owner's positions, view slot; the slot table; the send entries), with a
-page map buffer the batch's page map (``map_batch_pages_ref``), and the check of a shared-prefix hint.
-``plan_batch_ref`` composes the references.
-
-Triton runs on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the tests); otherwise the
-reference. ``use_triton`` forces either. Nothing reads device data back.
+From a token table (SGLang's ``req_to_token``, or a page table with page size 1), ``plan_batch`` computes
+in one launch of one program the slot plan (``assign_slots_ref``), optionally the batch's page map
+(``map_batch_pages_ref``), and the check of a shared-prefix hint. Triton runs on CUDA tensors, and on CPU
+tensors when ``TRITON_INTERPRET=1`` (the tests); otherwise the reference (``use_triton`` forces either).
 """
 
 from __future__ import annotations
@@ -31,10 +27,8 @@ def build_slot_table_ref(
 
 
 def plan_positions_ref(cu_pages: torch.Tensor, max_pages: int, num_positions: int) -> torch.Tensor:
-    """``b * max_pages + j`` for page ``j`` of request ``b``, request-major: int64 ``[num_positions]``.
-
-    ``num_positions`` (``cu_pages[-1]``, known on the host) sizes the output, so nothing syncs.
-    """
+    """``b * max_pages + j`` for page ``j`` of request ``b``, request-major: int64 ``[num_positions]``
+    (``cu_pages[-1]``, given from the host so nothing syncs)."""
     cu = cu_pages.long()
     counts = cu[1:] - cu[:-1]
     base = torch.arange(len(counts), device=cu.device) * max_pages - cu[:-1]  # b * max_pages - first position
@@ -52,21 +46,16 @@ def assign_slots_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slot plan: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S], status [N + 1])``.
 
-    Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by
-    ``o = lp % N``; ``r`` is its rank among the positions owned by ``o`` (request-major). With
-    ``S = slots_per_rank``:
+    Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by ``o = lp % N``;
+    ``r`` is its rank among the positions owned by ``o`` (request-major). With ``S = slots_per_rank`` its
+    view slot is ``o * S + r`` (owner-major), and its send entry, the same index of ``slot_phys``, holds its
+    physical page ``lp // N`` (unused entries: ``trash_page``). ``slot_table[b, j]`` is the slot of page
+    ``j`` of request ``b``, ``pad`` past its pages.
 
-    - its view slot is ``o * S + r`` (owner-major), and its send entry, the same index of
-      ``slot_phys``, holds its physical page ``lp // N``; unused entries hold ``trash_page``;
-    - ``slot_table[b, j]`` is the slot of page ``j`` of request ``b``, ``pad`` past its pages.
-
-    **Overflow**: a position with ``r >= S`` (its owner holds more of the batch's positions than
-    a block has room for: the pages do not rotate owners) gets no send entry, and its slot is the
-    first unused entry of the owner with the fewest positions. One exists
-    (``M <= N * S``, so when one block overflows another has room), and it holds ``trash_page``:
-    the view is never read past its end. ``status`` (int64, on the device, no host sync) reports
-    it: ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o``
-    holds (the read state reads it once it is on the host).
+    **Overflow**: a position with ``r >= S`` (the pages do not rotate owners) gets no send entry, and
+    its slot is the first unused entry of the owner with the fewest positions, which exists
+    (``M <= N * S``) and holds ``trash_page``. ``status`` (int64, on the device) reports it:
+    ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o`` holds.
     """
     n, s = cp_size, slots_per_rank
     device = page_table.device
@@ -161,8 +150,8 @@ def map_batch_pages_ref(
     - ``plan_table[b, j - shared[b]]`` for ``j < prefix[b]`` (its view slot),
     - ``base + start[b] + j - prefix[b]`` for ``j < pages[b]`` (its staged page).
 
-    A page two requests both read is written twice with slots holding the same bytes; either serves.
-    Unmapped writes go to logical page 0 with ``fill`` (the allocator never hands page 0 out).
+    A page two requests both read is written twice, with slots holding the same bytes. Unmapped writes go
+    to logical page 0 (never handed out) with ``fill``.
     """
     width = page_table.shape[1]
     shared, prefix, pages, start = (v.unsqueeze(1) for v in meta.long())
@@ -192,11 +181,9 @@ PARAMS_WORDS = 8
 @dataclass(frozen=True)
 class BatchPlan:
     """Where each planned page position of one batch lives in the dense view (identical on every rank):
-    ``plan_batch``'s device outputs and the host sizes they were built for.
-
-    The per-position outputs and the send entries are one int64 buffer (``words``), which the view's
-    launches take by offset (``send_start``); ``status`` and ``wrong`` are views of ``flags``, which the
-    read path reads on the host as one list.
+    ``plan_batch``'s device outputs and the host sizes they were built for. The per-position outputs and
+    the send entries are one int64 buffer (``words``), which the view's launches take by offset
+    (``send_start``); ``status`` and ``wrong`` are views of ``flags``, read on the host as one list.
     """
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
@@ -281,13 +268,11 @@ def plan_batch_ref(
 ) -> BatchPlan:
     """A batch's whole plan from its token table, composed of the references above.
 
-    Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size`` (SGLang's
-    ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` (or
-    flat) holds per request (``PLAN_META_ROWS``) its shared, prefix and total pages, its first staged page,
-    the source of its shared pages (-1: none) and its first planned position. The plan covers pages ``[shared, prefix)``
-    of each request (``assign_slots_ref`` over the table shifted left by ``shared``), ``page_pos`` (None:
-    no map) is the batch's page map (``map_batch_pages_ref``), and ``wrong[b]`` counts request ``b``'s
-    first ``shared`` pages that are not its source's.
+    Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size``. ``meta`` int64
+    ``[6, B]`` (or flat) holds per request the ``PLAN_META_ROWS``: shared, prefix and total pages, first
+    staged page, the source of its shared pages (-1: none) and first planned position. The plan covers
+    pages ``[shared, prefix)`` of each request; ``page_pos`` (None: no map) receives the page map, and
+    ``wrong[b]`` counts request ``b``'s first ``shared`` pages that are not its source's.
     """
     shared, prefix, pages, start, source, plan_start = meta.long().view(len(PLAN_META_ROWS), -1)
     page_table = tokens[rows.long()][:, : width * page_size : page_size].long() // page_size
@@ -317,19 +302,8 @@ if triton is not None:
         return tl.load(tokens + offs, mask=live, other=0).to(tl.int64) // page_size
 
     @triton.jit(
-        do_not_specialize=[
-            "tok_stride0",
-            "batch",
-            "width",
-            "page_size",
-            "slots_per_rank",
-            "trash_page",
-            "pad",
-            "base",
-            "fill",
-            "num_pages",
-            "num_positions",
-        ]
+        # Every int argument: the header's per-batch values and the rest, never specialized on.
+        do_not_specialize=["tok_stride0", "page_size", "trash_page", "pad", "num_pages", *PLAN_HEADER[:6]]
     )
     def _plan_batch_kernel(
         tokens,
@@ -357,9 +331,8 @@ if triton is not None:
         MAP: tl.constexpr,
         HEADER: tl.constexpr,
     ):
-        # One program walks the batch request by request (positions in request-major order), twice: the
-        # positions per owner first, then each position's rank, slot and stores (the tokens' column
-        # stride is 1: SGLang's req_to_token rows are contiguous, checked by the wrapper).
+        # One program walks the batch request by request, twice: the positions per owner first, then each
+        # position's rank, slot and stores (the tokens' column stride is 1, checked by the wrapper).
         # ``out`` holds, in int64 words: positions, logical pages and slots ([M] each), the send entries
         # ([N * S] and a dump entry), then the host lengths' device copy ([6 * B]); ``flags_out`` the
         # status ([N + 1]), the hint's wrong pages ([B]) and a landed word, written last (1: the flags
@@ -490,7 +463,7 @@ def plan_batch(
 
     ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 + B]``;
     default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the words before
-    it are written): pinned, they reach the host with the launch, no copy (``slot_plan.DeviceFlagCheck``).
+    it are written): pinned, they reach the host with the launch (``slot_plan.DeviceFlagCheck``).
     ``workspace``: the outputs are views of its buffers, valid until the next plan over it.
 
     ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (the request

@@ -1,21 +1,14 @@
 """Per-batch materialized read path over a sharded MLA/NSA pool.
 
 The stock indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool this
-module builds one per batch and layer, from the batch's plan (``plan_kernels.BatchPlan``: every planned
-page position gets a slot of a view of ``N * S`` pages, owner-major), which the read state
-(``read_state``) builds, deciding current-reuse and staging the current chunk past the view.
-``layer_view(layer)``: this rank copies its owned pages in slot order straight into its part of the
-dense views (``gather_page_buffers``: latent and indexer pages in one launch; padding slots read the
-trash page), and the CP group all-gathers the parts in place. The page table handed to the kernels is
-the plan's slot table; NSA top-k positions map to view rows through ``LayerView.rows``.
+module builds one per layer from the batch's plan (``plan_kernels.BatchPlan``: a view of ``N * S``
+pages, owner-major): this rank copies its owned pages in slot order into its part of the view and the
+CP group all-gathers the parts in place; or, over a copy-engine group that mapped the peers' pools, one
+launch reads every owner's block straight from its pool. The kernels' page table is the plan's slot
+table; ``LayerView.rows`` maps NSA top-k positions to view rows. Nothing reads device data back.
 
-Nothing here reads device data back to the host. A view stays valid until the next ``layer_view`` call.
-
-``prefetch=True`` also builds layer ``l + 1``'s view while layer ``l`` computes, its all-gather on a
-side stream: the view holds prefix pages only, in the pool before the batch starts, so it equals one
-gathered in line. Over a copy-engine group that mapped the peers' pools (``source_table``), a view
-built in line is one launch reading every owner's block straight from its pool (``pull_launch``),
-after the group's per-batch ``fence``.
+``prefetch=True`` also builds layer ``l + 1``'s view while layer ``l`` computes: the view holds prefix
+pages only, in the pool before the batch starts, so it equals one gathered in line.
 """
 
 from __future__ import annotations
@@ -55,22 +48,18 @@ class BatchCounters:
 # The side stream's default priority, the device's highest (torch maps one past its range to its end):
 # the block scheduler then starts the prefetch kernels' blocks ahead of the compute stream's next ones.
 HIGHEST_STREAM_PRIORITY = -(1 << 10)
-# Where a prefetched layer's owned-page gather runs: on the compute stream, in line, before the side
-# stream takes over the transfer ("compute", the default: no SM work of the view runs beside the
-# layer's kernels), or on the side stream with its transfer ("side").
+# Where a prefetched layer's owned-page gather runs: in line on the compute stream, the side stream taking
+# over the transfer ("compute": no SM work of the view beside the layer's kernels), or on the side stream.
 PREFETCH_GATHER_PLACES = ("compute", "side")
 
 
 class LayerView:
     """What the indexer and MLA kernels read for one layer.
 
-    ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages`` uint8 ``[P, page_size * 132]`` (``None``
-    without an indexer, or for a layer whose indexer buffer is empty); ``page_table`` int32
-    ``[B, max_pages]`` into both (a token at position ``p`` of request ``b`` is row
-    ``page_table[b, p // page_size] * page_size + p % page_size``). Both buffers may hold
-    ``extra_pages`` past the view (``begin_planned``): pages the caller fills itself. The page table may
-    be given as the ``BatchPlan`` it comes from, and is taken from it at its first read (SGLang's read
-    path reads the buffers only: no tensor op for it per batch).
+    ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages`` uint8 ``[P, page_size * 132]`` (``None`` for a
+    layer without indexer pages); ``page_table`` int32 ``[B, max_pages]`` into both (position ``p`` of
+    request ``b`` is row ``page_table[b, p // ps] * ps + p % ps``), or the ``BatchPlan`` it is taken
+    from at its first read (SGLang's read path reads the buffers only).
     """
 
     __slots__ = ("kv_rows", "index_pages", "page_size", "use_triton", "_table")
@@ -101,9 +90,8 @@ class ViewArenaError(RuntimeError):
 
 
 def arena_pages(arena: dict[str, torch.Tensor], key: str, pages: int, width: int, part: int = 0) -> torch.Tensor:
-    """Pages ``[part * pages, (part + 1) * pages)`` of ``arena[key]`` (uint8 ``[P, width]``): the ``part``-th
-    view set of ``pages`` pages (a prefetching reader alternates two), or ``ViewArenaError`` if even one
-    set does not fit. Host sizes only."""
+    """View set ``part`` of ``pages`` pages of ``arena[key]`` (uint8 ``[P, width]``; a prefetching reader
+    alternates two), or ``ViewArenaError`` if even one set does not fit."""
     buf = arena.get(key)
     if buf is None or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != width:
         got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
@@ -127,9 +115,8 @@ def check_arena_fits(arena: dict[str, torch.Tensor], pages: int) -> None:
 
 def arena_tokens(prefix_tokens: int, chunk_tokens: int, page_size: int, prefetch: bool = False) -> int:
     """Token rows of a view arena: one batch's read buffer at its largest (``prefix_tokens`` of view,
-    ``chunk_tokens`` staged, a trash page: SGLang's ``PageShardSpec.scratch_rows``), plus, for a
-    prefetching reader, a second chunk and trash page: two view sets fit whenever the batch's views
-    take at most half the prefix budget (the usual batch), one always does."""
+    ``chunk_tokens`` staged, a trash page), plus, for a prefetching reader, a second chunk and trash page:
+    two view sets fit whenever the batch's views take at most half the prefix budget."""
     return prefix_tokens + (2 if prefetch else 1) * (chunk_tokens + page_size)
 
 
@@ -158,14 +145,10 @@ def allocate_arena(
 class ViewMaterializer:
     """Builds, per batch and layer, the dense view a sharded pool's kernels read.
 
-    ``group``: the CP group whose ranks own the pool's pages (``None`` only for a single-rank pool), or a
-    ``copy_engine.CopyEngineGroup`` registered over the arena. With ``prefetch``, ``layer_view(l)`` also
-    starts layer ``l + 1``'s view (its gather where ``prefetch_gather`` says, its all-gather on the side
-    stream at ``prefetch_priority``; at once on CPU).
-
-    ``arena`` (optional, ``allocate_arena``): every batch's views are its leading pages instead of fresh
-    allocations; a batch whose views would not fit raises ``ViewArenaError`` before anything is written,
-    and one whose two view sets do not fit is read one layer at a time, not prefetched.
+    ``group``: the CP group owning the pool's pages (``None`` only for a single-rank pool), or a
+    ``copy_engine.CopyEngineGroup`` registered over the arena. ``arena`` (optional, ``allocate_arena``):
+    every batch's views are its leading pages; a batch whose views would not fit raises ``ViewArenaError``
+    before anything is written, one whose two view sets do not fit is not prefetched.
     """
 
     def __init__(
@@ -197,28 +180,24 @@ class ViewMaterializer:
         self.use_triton = use_triton
         self.plan: BatchPlan | None = None
         self.counters: BatchCounters | None = None
-        # One or (prefetching) two sets of views, used by alternate layers, and per set what a layer's
-        # gather needs: (this rank's page ids, its part of each view, each whole view).
+        # Per view set (one, or prefetching two, used by alternate layers): its buffers, its latent buffer as
+        # rows, what the caller stages the current chunk into, and (this rank's page ids, its part of each
+        # view, each whole view).
         self._views: list[dict[str, torch.Tensor]] = []
-        self._rows: list[torch.Tensor] = []  # per view set: its latent buffer as rows
-        # Per view set: its latent rows and indexer pages, which a caller stages the current chunk into.
+        self._rows: list[torch.Tensor] = []
         self.stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
-        self._prefetched: torch.cuda.Event | None = None
-        self._fork: torch.cuda.Event | None = None
-        self._gathered: torch.cuda.Event | None = None
+        self._prefetched = self._fork = self._gathered = None  # CUDA events, made with the side stream
         self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
-        # Views built in line over a copy-engine group that mapped the peers' pools: each layer's whole
-        # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
-        # a fence per batch orders the pools' writes and reads across ranks (``fence``).
+        # Views built in line over a copy-engine group that mapped the peers' pools are read straight from
+        # the owners' pages (``_pull``), after a per-batch ``fence``.
         self._source_table = None if prefetch else getattr(group, "source_table", None)
 
     def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
-        """Start a batch whose prefixes the caller planned (``plan``) and whose current chunk it stages into
-        the ``extra_pages`` past the view; ``kind``: ``current_reuse.batch_kind``. The caller reads the plan's
-        flags, checks it in debug mode, and queues the batch's ``fence`` before its first read or write."""
+        """Start a batch whose plan and ``current_reuse.batch_kind`` the caller made, its current chunk staged
+        into the ``extra_pages`` past the view. The caller queues the batch's ``fence`` before its reads."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
         self.counters = BatchCounters(kind=kind)
         self.plan = plan
@@ -246,7 +225,6 @@ class ViewMaterializer:
             }
             for part in range(copies)
         ]
-        # Per set: its latent buffer as rows, and the buffers the write path stages into.
         self._rows = [v["latent"].view(-1, pool.row_bytes) for v in self._views]
         self.stages = [(r, v.get("index")) for r, v in zip(self._rows, self._views)]
         if self._source_table is None:
@@ -328,8 +306,7 @@ class ViewMaterializer:
         return launch, whole[:used], mine[:used], sum(src.shape[1] for src in sources)
 
     def _pull(self, layer: int) -> int:
-        """``layer``'s whole view read from the owners' pools in one launch (``source_table``); returns the
-        bytes of one slot's pages."""
+        """``layer``'s whole view read from the owners' pools in one launch; returns one slot's page bytes."""
         plan, used = self.plan, 2 if self.pool.has_index[layer] else 1
         views = list(self._views[0].values())[:used]
         page_bytes = sum(v.shape[1] for v in views)
@@ -343,12 +320,9 @@ class ViewMaterializer:
 
     def fence(self, then=None) -> None:
         """Where views are read straight from the peers' pools: a point on the current stream that every
-        rank's stream passes together (``CopyEngineGroup.fence``), queued at each batch's start. A batch
-        reads only pages written before it started, and a page it reads is rewritten only by a later
-        batch: so every read follows the write it reads and precedes the next one. No host wait.
-
-        ``then`` (a bound ``triton_launch.Launch``, or None) is queued after it, in the fence's graph where
-        there is one."""
+        rank's stream passes together (``CopyEngineGroup.fence``), queued at each batch's start: a batch reads
+        only pages written before it started, rewritten only by a later batch. No host wait. ``then`` (a bound
+        ``triton_launch.Launch``, or None) is queued after it, in the fence's graph where there is one."""
         if self._source_table is not None:
             self.group.fence(then=then)
         elif then is not None:
@@ -368,9 +342,8 @@ class ViewMaterializer:
                 # kernels), the transfer on the side stream behind it.
                 self._gather(layer, slot, transfer_stream=side, ack=layer + 1 == self.pool.num_layers)
             else:
-                # The side stream starts after everything queued so far: the previous batch's pool
-                # writes, and the kernels still reading this buffer set's previous layer. One event
-                # each way serves every layer: each wait is queued before the event is recorded again.
+                # The side stream starts after everything queued so far (the previous batch's pool writes,
+                # the kernels still reading this view set): each wait is queued before the event is re-recorded.
                 main = torch.cuda.current_stream(device)
                 self._fork.record(main)
                 self._fork.wait(side)

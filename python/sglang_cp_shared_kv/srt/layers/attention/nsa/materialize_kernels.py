@@ -5,12 +5,10 @@
 - ``pull_launch``: the whole view of a layer read straight from every owner's pool pages, where the
   peers' pools are mapped into this process (copy-engine transport, views built in line).
 - ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded) -> view rows.
-- ``translate_locs``: logical token locs (or page ids) -> rows (pages) of the read buffer, through the
-  batch's page map; ``planned_translation`` for a table whose address and size earlier work on the
-  stream wrote to the device, so its launch's arguments never change (one graph with the plan).
+- ``translate_locs`` / ``planned_translation``: logical token locs (or page ids) -> rows (pages) of the
+  read buffer, through the batch's page map.
 
-Each wrapper runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the tests);
-otherwise the reference (``use_triton`` forces either). None reads device data back to the host.
+Each wrapper runs Triton where ``triton_launch.triton_enabled`` says, otherwise the reference.
 """
 
 from __future__ import annotations
@@ -143,10 +141,8 @@ def gather_launch(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
 ) -> Launch:
     """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two
-    ``word_pair`` s of buffers ``prepare_gather`` accepts), for a caller that checked the buffers itself.
-
-    ``programs``: programs per buffer, each looping over every ``programs``-th slot (None: one per
-    slot). Fewer programs hold fewer SMs at once: what a gather running beside other kernels wants."""
+    ``word_pair`` s of buffers ``prepare_gather`` accepts). ``programs`` per buffer (None: one per slot):
+    fewer hold fewer SMs at once, what a gather running beside other kernels wants."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
     slots = page_ids.shape[0]
     grid0 = slots if programs is None else max(1, min(slots, programs))
@@ -227,9 +223,8 @@ def pull_launch(
 ) -> Launch:
     """The launch that fills whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of
     ``layer`` from every owner's pool pages, through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer
-    addresses, ``copy_engine.CopyEngineGroup.source_table``); ``source_strides[k]``: words from one page of
-    buffer ``k`` to the next. The view's send entries are ``slots`` (default: all past ``start``) words of
-    ``slot_phys`` from ``start`` on: a plan's output buffer and its ``send_start``."""
+    addresses); ``source_strides[k]``: words from one page of buffer ``k`` to the next. The send entries are
+    ``slots`` (default: all past ``start``) words of ``slot_phys`` from ``start`` (a plan's ``send_start``)."""
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
     slots = slot_phys.shape[0] - start if slots is None else slots
     if start < 0 or slots < 0 or start + slots > slot_phys.shape[0]:
@@ -336,14 +331,12 @@ def translate_locs(
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """``translate_locs_ref`` in one launch (page ids with ``page_size`` 1)."""
-    if locs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"locs must be int32 or int64, got {locs.dtype}")
+    check_index("locs", locs, locs.dim())
     if locs.device != page_pos.device:  # a launch hands the kernel addresses: both on one device
         raise ValueError(f"locs are on {locs.device}, the page map on {page_pos.device}: translate on one device")
     if not triton_enabled(page_pos.device, use_triton) or locs.numel() == 0:
         return translate_locs_ref(page_pos, locs, page_size, out_dtype)
-    # The kernel walks the locs as flat memory: a contiguous tensor of any shape as is (SGLang's page
-    # tables are), anything else through one contiguous copy.
+    # The kernel walks the locs as flat memory (SGLang's page tables are contiguous).
     flat = locs if locs.is_contiguous() else locs.contiguous()
     out = torch.empty_like(flat, dtype=out_dtype)  # the locs' shape, contiguous (``None``: their dtype)
     n = flat.numel()
@@ -356,10 +349,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["page_size", "num_pages"])
     def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        # ``words`` (int64, device): the locs' address, their count (0: nothing to do), row length and row
-        # stride, then the address of the contiguous rows out; locs and rows int32. A fixed grid walks any
-        # count, so the launch's arguments never change and it can sit in a captured graph. (No parameter
-        # may be named ``params``: Triton's argument binder takes that name for its own dict.)
+        # ``words`` (int64, device): ``plan_kernels.TRANSLATION_WORDS``; locs and rows int32. A fixed grid walks
+        # any count, so the launch can sit in a captured graph. (No parameter may be named ``params``:
+        # Triton's argument binder takes that name for its own dict.)
         n = tl.load(words + 1)
         locs = tl.load(words).to(tl.pointer_type(tl.int32))
         cols = tl.load(words + 2)
@@ -380,9 +372,8 @@ _PLANNED_PROGRAMS = 128  # one wave on an H200 (132 SMs); a 32K-token table is o
 
 def planned_translation(page_pos: torch.Tensor, params: torch.Tensor, page_size: int) -> Launch:
     """A bound, unqueued launch of ``translate_locs_ref(page_pos, locs, page_size)`` for int32 locs named by
-    ``params`` (int64 ``[>= 5]`` on ``page_pos``'s device: the locs' address, count, row length, row stride
-    and the out address), which earlier work on the stream writes: its arguments are the same batch after
-    batch, so it is captured into a graph with the plan that writes them (``triton_launch.LaunchSequence``)."""
+    ``params`` (int64 ``[>= 5]`` on ``page_pos``'s device, ``plan_kernels.TRANSLATION_WORDS``), which earlier
+    work on the stream writes: its arguments never change, so it is captured into a graph with the plan."""
     if params.dtype != torch.int64 or params.numel() < 5 or params.device != page_pos.device:
         raise ValueError(f"params must be int64 [>= 5] on {page_pos.device}, got {params.dtype} on {params.device}")
     args = (page_pos, params, page_size, page_pos.shape[0])

@@ -7,8 +7,7 @@
   ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``; a pool page stores ``ps * 128``
   K bytes token-major, then ``ps`` scales (``ps * 132`` B).
 
-Every function returns and accepts raw ``uint8`` rows, so pools, gathers and
-transfers move bytes without caring what the bytes mean. The sizes live in ``kv_layout_constants``.
+Rows are raw ``uint8``: pools, gathers and transfers move bytes. The sizes live in ``kv_layout_constants``.
 """
 
 from __future__ import annotations
@@ -97,11 +96,7 @@ def dequantize_index_k(k_bytes: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def index_page_views(index_pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer pages ``uint8 [P, ps * 132]`` -> (K ``uint8 [P, ps, 128]``, scales ``float32 [P, ps]``), ps = page_size.
-
-    Both are views: a page stores its ``page_size * 128`` fp8 K bytes token-major, then its
-    ``page_size`` fp32 scales.
-    """
+    """Indexer pages ``uint8 [P, ps * 132]`` -> views (K ``uint8 [P, ps, 128]``, scales ``float32 [P, ps]``)."""
     k_bytes = page_size * INDEX_HEAD_DIM
     return (
         index_pages[:, :k_bytes].unflatten(1, (page_size, INDEX_HEAD_DIM)),

@@ -35,11 +35,8 @@ TRASH_PAGE = 0  # physical page of every rank that foreign rows of a masked stor
 def page_owner(pages, cp_size: int):
     """The CP rank that holds logical page(s) ``pages`` (an int, a numpy array or a tensor): ``pages % cp_size``.
 
-    The one ownership rule: the pool's masked store, the prefill sender's share check, the
-    decode side's manifest check and the slot plan all use it. It equals SGLang 0.5.23's
-    ``PageInterleavePlacement.owner_of`` (token loc ``loc`` on rank ``(loc % (N * ps)) // ps``)
-    applied to page ``loc // ps``, so SGLang's own allocator, sender and decode agree with our
-    store on every page (``test_placement`` checks both maps against SGLang's class).
+    The one ownership rule, used by every part that stores, sends or plans pages. It equals SGLang
+    0.5.23's ``PageInterleavePlacement.owner_of`` applied to page ``loc // ps`` (``test_placement``).
     """
     return pages % cp_size
 
@@ -51,11 +48,8 @@ def local_page(pages, cp_size: int):
 
 
 class PageOwnership:
-    """Stateless ownership map for ``cp_size`` ranks and ``page_size`` tokens per page.
-
-    ``logical_pages`` (optional) bounds the logical page space; with it set and
-    debug mode on, out-of-range locs raise. Without debug mode nothing syncs.
-    """
+    """Stateless ownership map for ``cp_size`` ranks and ``page_size`` tokens per page. ``logical_pages``
+    (optional) bounds the logical page space: in debug mode out-of-range locs raise (else nothing syncs)."""
 
     def __init__(self, cp_size: int, page_size: int, logical_pages: int | None = None):
         check_int("cp_size", cp_size, 1)
@@ -125,13 +119,9 @@ class PageOwnership:
     def store_rows(
         self, locs: torch.Tensor, rank: int, trash_page: int, phys_pages: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where ``rank`` stores each loc of a chunk every rank holds: ``(rows, mine)``.
-
-        An owned loc goes to its physical row; any other to the same offset of ``trash_page``, so
-        the store keeps the chunk's static shape (a masked store, no ``nonzero``, no host sync).
-        With ``phys_pages`` (the rank's page count) and debug mode on, the rows are checked
-        (:meth:`check_store_rows`, syncing).
-        """
+        """Where ``rank`` stores each loc of a chunk every rank holds: ``(rows, mine)``. An owned loc goes to
+        its physical row, any other to the same offset of ``trash_page`` (a masked store: static shape, no
+        host sync). With ``phys_pages`` and debug mode on, the rows are checked (``check_store_rows``)."""
         mine = self.loc_owner(locs) == rank
         trash = trash_page * self.page_size + (locs & (self.page_size - 1))
         rows = torch.where(mine, self.phys_row(locs), trash)

@@ -111,14 +111,6 @@ if triton is not None:
         return slot, tl.where(inside, slot, N * slots_per_rank)
 
     @triton.jit
-    def _store_status(status_out, totals, slots_per_rank, N: tl.constexpr, NP2: tl.constexpr):
-        """``status``: the overflow flag, then the positions per owner."""
-        owners = tl.arange(0, NP2)
-        tl.store(status_out + 1 + owners, totals, mask=owners < N)
-        overflow = tl.max(tl.where(owners < N, totals, 0), axis=0) > slots_per_rank
-        tl.store(status_out, overflow.to(tl.int64))
-
-    @triton.jit
     def _fill_unused_entries(
         phys_out, totals, slots_per_rank, trash_page, N: tl.constexpr, NP2: tl.constexpr, BLOCK: tl.constexpr
     ):
@@ -337,10 +329,9 @@ if triton is not None:
         # ([N * S] and a dump entry), then the host lengths' device copy ([6 * B]); ``flags_out`` the
         # status ([N + 1]), the hint's wrong pages ([B]) and a landed word, written last (1: the flags
         # before it are visible); ``table_out`` is int32 [B, width], contiguous.
-        # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``: the request
-        # rows by address), its lengths and then the flags following: the launch's arguments stay the same
-        # from batch to batch, so it can be captured once into a graph. ``params_out`` (int64 [PARAMS_WORDS], device)
-        # receives the header's translation words; unused without ``HEADER``.
+        # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``), its lengths
+        # and then the flags following, so the launch can be captured once into a graph; ``params_out`` (int64
+        # [PARAMS_WORDS], device) receives the header's translation words (unused without ``HEADER``).
         if HEADER:
             batch = tl.load(meta_in)
             width = tl.load(meta_in + 1)
@@ -384,7 +375,10 @@ if triton is not None:
                 owner = _table_pages(tokens, tok_stride0, row, j, live, page_size) % N
                 _, counts = _owner_ranks(owner, live, totals, N, NP2, BLOCK)
                 totals += counts
-        _store_status(status_out, totals, slots_per_rank, N, NP2)
+        owners = tl.arange(0, NP2)  # the status: the overflow flag, then the positions per owner
+        tl.store(status_out + 1 + owners, totals, mask=owners < N)
+        overflow = tl.max(tl.where(owners < N, totals, 0), axis=0) > slots_per_rank
+        tl.store(status_out, overflow.to(tl.int64))
         _fill_unused_entries(phys_out, totals, slots_per_rank, trash_page, N, NP2, BLOCK)
         seen = tl.zeros([NP2], dtype=tl.int64)
         for b in range(batch):
@@ -559,10 +553,8 @@ def plan_header(
 
 
 class PlanWorkspace:
-    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``): no allocation
-    per batch. Reuse follows stream order; a reader on another stream must be waited for before the next
-    plan (the read state drains the materializer's prefetch stream before it plans a batch).
-    """
+    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``). Reuse follows
+    stream order: a reader on another stream must be waited for before the next plan."""
 
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None

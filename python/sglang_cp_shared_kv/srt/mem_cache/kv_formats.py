@@ -1,11 +1,10 @@
 """Byte formats of one token's KV row, and their quantizers (plain torch).
 
-- MLA fp8 "656 B" row: 512 e4m3 values (4 tiles of 128) | 4 fp32 tile scales |
-  64 bf16 rope values. Tile scale ``s = 2 ** ceil(log2(max(amax / 448, 1e-4)))``.
+- MLA fp8 "656 B" row: 512 e4m3 values (4 tiles of 128) | 4 fp32 tile scales | 64 bf16 rope values.
+  Tile scale ``s = 2 ** ceil(log2(max(amax / 448, 1e-4)))``.
 - MLA bf16 row: 576 bf16 values (latent 512 | rope 64), 1152 B.
-- NSA indexer K: 128 e4m3 values per token plus one fp32 scale per token,
-  ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``; a pool page stores ``ps * 128``
-  K bytes token-major, then ``ps`` scales (``ps * 132`` B).
+- NSA indexer K: 128 e4m3 values and one fp32 scale per token, ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``;
+  a pool page stores ``ps * 128`` K bytes token-major, then ``ps`` scales (``ps * 132`` B).
 
 Rows are raw ``uint8``: pools, gathers and transfers move bytes. The sizes live in ``kv_layout_constants``.
 """

@@ -80,7 +80,6 @@ class PageOwnership:
     def _loc_limit(self) -> int | None:
         return None if self.logical_pages is None else self.logical_pages * self.page_size
 
-    # -- pages --
     def owner(self, logical_pages: torch.Tensor) -> torch.Tensor:
         self._check_locs("logical_pages", logical_pages, self.logical_pages)
         return page_owner(logical_pages, self.cp_size)
@@ -96,7 +95,6 @@ class PageOwnership:
             raise ValueError(f"owner must be in [0, {self.cp_size}), got {owner}")
         return phys_pages * self.cp_size + owner
 
-    # -- tokens --
     def loc_owner(self, locs: torch.Tensor) -> torch.Tensor:
         self._check_locs("locs", locs, self._loc_limit())
         return page_owner(locs >> self._shift, self.cp_size)

@@ -338,8 +338,7 @@ class ViewMaterializer:
                 self._fork, self._prefetched = torch.cuda.Event(), torch.cuda.Event()
                 self._gathered = torch.cuda.Event()
             if self.prefetch_gather == "compute":
-                # The gather in line here (its blocks get the SMs between the compute stream's
-                # kernels), the transfer on the side stream behind it.
+                # The gather in line here, between the compute stream's kernels; the transfer on the side stream.
                 self._gather(layer, slot, transfer_stream=side, ack=layer + 1 == self.pool.num_layers)
             else:
                 # The side stream starts after everything queued so far (the previous batch's pool writes,

@@ -34,8 +34,7 @@ class PageBuffers:
         if index is not None and len(index) != len(buffers):
             raise ValueError(f"index must have one buffer per layer ({len(buffers)}), got {len(index)}")
         self.num_layers = len(buffers)
-        # Per layer, whether it holds indexer pages (SGLang leaves those of layers that skip top-k empty):
-        # the buffers are fixed, so read once here, not per read (host time).
+        # Per layer, whether it holds indexer pages (empty for a layer that skips top-k): read once (host time).
         self.has_index = tuple(index is not None and index[k].shape[0] > 0 for k in range(self.num_layers))
         self.device = buffers[0].device
 

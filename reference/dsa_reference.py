@@ -18,7 +18,8 @@ import math
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_HEAD_DIM, LATENT_DIM, decode_mla_rows, index_page_views
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import decode_mla_rows, index_page_views
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM, LATENT_DIM
 
 
 def read_index_k(index_pages: torch.Tensor, page_size: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

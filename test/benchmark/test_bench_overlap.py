@@ -10,7 +10,7 @@ from page_fixtures import begin_batch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
 from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import MLA_FP8_ROW_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import MLA_FP8_ROW_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 pytestmark = pytest.mark.gpu

@@ -18,12 +18,8 @@ from reference.dsa_reference import (
     read_index_k,
     sparse_mla,
 )
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import (
-    INDEX_TOKEN_BYTES,
-    decode_mla_rows,
-    encode_mla_rows,
-    quantize_index_k,
-)
+from sglang_cp_shared_kv.srt.mem_cache.kv_formats import decode_mla_rows, encode_mla_rows, quantize_index_k
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 
 
 def _indexer_topk_whole(q_u8, q_scale, weights, q_req, q_pos, index_pages, page_table, kv_lens, page_size, topk):

@@ -4,15 +4,13 @@ import pytest
 import torch
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import (
-    MLA_BF16_ROW_BYTES,
-    MLA_FP8_ROW_BYTES,
     decode_mla_rows,
     dequantize_index_k,
     encode_mla_rows,
-    mla_row_bytes,
     quantize_index_k,
     quantize_mla_fp8,
 )
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES, mla_row_bytes
 
 
 def test_mla_fp8_row_hand_computed():

@@ -1,15 +1,12 @@
 """Byte formats of one token's KV row, and their quantizers (plain torch).
 
-- MLA fp8 "656 B" row: 512 e4m3 values (4 tiles of 128) | 4 fp32 tile scales |
-  64 bf16 rope values. Tile scale ``s = 2 ** ceil(log2(max(amax / 448, 1e-4)))``.
+- MLA fp8 "656 B" row: 512 e4m3 values (4 tiles of 128) | 4 fp32 tile scales | 64 bf16 rope values.
+  Tile scale ``s = 2 ** ceil(log2(max(amax / 448, 1e-4)))``.
 - MLA bf16 row: 576 bf16 values (latent 512 | rope 64), 1152 B.
-- NSA indexer K: 128 e4m3 values per token plus one fp32 scale per token,
-  ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``; a pool page stores ``ps * 128``
-  K bytes token-major, then ``ps`` scales (``ps * 132`` B).
+- NSA indexer K: 128 e4m3 values and one fp32 scale per token, ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))``;
+  a pool page stores ``ps * 128`` K bytes token-major, then ``ps`` scales (``ps * 132`` B).
 
-Every function returns and accepts raw ``uint8`` rows, so pools, gathers and
-transfers move bytes without caring what the bytes mean. The sizes live in the torch-free
-``kv_layout_constants`` and are re-exported here.
+Rows are raw ``uint8``: pools, gathers and transfers move bytes. The sizes live in ``kv_layout_constants``.
 """
 
 from __future__ import annotations
@@ -21,39 +18,10 @@ from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import (
     FP8_TILE,
     FP8_TILES,
     INDEX_HEAD_DIM,
-    INDEX_TOKEN_BYTES,
-    KV_FORMATS,
     KV_LORA_RANK,
-    LATENT_DIM,
-    MLA_BF16_ROW_BYTES,
-    MLA_FP8_ROW_BYTES,
     ROPE_DIM,
     mla_row_bytes,
 )
-
-__all__ = [
-    "FP8_MAX",
-    "FP8_TILE",
-    "FP8_TILES",
-    "INDEX_HEAD_DIM",
-    "INDEX_TOKEN_BYTES",
-    "KV_FORMATS",
-    "KV_LORA_RANK",
-    "LATENT_DIM",
-    "MLA_BF16_ROW_BYTES",
-    "MLA_FP8_ROW_BYTES",
-    "ROPE_DIM",
-    "decode_mla_rows",
-    "dequantize_index_k",
-    "dequantize_mla_fp8",
-    "encode_mla_rows",
-    "index_page_views",
-    "mla_row_bytes",
-    "pack_mla_bf16",
-    "quantize_index_k",
-    "quantize_mla_fp8",
-    "unpack_mla_bf16",
-]
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -127,11 +95,7 @@ def dequantize_index_k(k_bytes: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 
 
 def index_page_views(index_pages: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer pages ``uint8 [P, ps * 132]`` -> (K ``uint8 [P, ps, 128]``, scales ``float32 [P, ps]``), ps = page_size.
-
-    Both are views: a page stores its ``page_size * 128`` fp8 K bytes token-major, then its
-    ``page_size`` fp32 scales.
-    """
+    """Indexer pages ``uint8 [P, ps * 132]`` -> views (K ``uint8 [P, ps, 128]``, scales ``float32 [P, ps]``)."""
     k_bytes = page_size * INDEX_HEAD_DIM
     return (
         index_pages[:, :k_bytes].unflatten(1, (page_size, INDEX_HEAD_DIM)),

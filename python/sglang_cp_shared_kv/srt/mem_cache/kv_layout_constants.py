@@ -1,11 +1,5 @@
-"""Byte sizes of the KV row and indexer page formats, importable without torch.
-
-``kv_formats`` (the quantizers), the startup checks and the transfer protocol's
-layout checks all read these; none of them keeps its own copy.
-
-- MLA fp8 "656 B" row: 512 e4m3 values (4 tiles of 128) | 4 fp32 tile scales | 64 bf16 rope values.
-- MLA bf16 row: 576 bf16 values (latent 512 | rope 64), 1152 B.
-- NSA indexer page: ``ps * 128`` fp8 K bytes token-major, then ``ps`` fp32 scales (``ps * 132`` B).
+"""Byte sizes of the KV row and indexer page formats (``kv_formats``), importable without torch: the
+quantizers, the startup checks and the transfer protocol's layout checks all read these.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Page ownership arithmetic for a KV pool sharded across CP ranks.
 
-Every layer above the pool (allocator, prefix cache, ``req_to_token``, page
-tables) speaks in *logical* token locs. A logical page ``lp = loc // ps`` lives
-on exactly one CP rank and nowhere else::
+Every layer above the pool speaks in *logical* token locs. A logical page ``lp = loc // ps`` lives on
+exactly one CP rank, and the map is a stateless bijection between logical locs and (owner, physical row)::
 
     owner(lp)     = lp % cp_size
     phys_page(lp) = lp // cp_size
     phys_row(loc) = phys_page(loc // ps) * ps + loc % ps
+    loc           = ((phys_row // ps) * cp_size + owner) * ps + phys_row % ps
 
-and the map is a bijection between logical locs and (owner, physical row)::
-
-    loc = ((phys_row // ps) * cp_size + owner) * ps + phys_row % ps
-
-It is stateless: any rank computes any page's owner and physical row with
-arithmetic alone, so there is nothing to store or keep coherent.
-
-``CPSharedSpec`` is what one rank's sharded pool is (CP size and rank, page size, physical
-pages, trash page, row format), checked once when the pool is built and handed down, as
-SGLang's ``PageShardSpec`` is. Physical page 0 of every rank is the trash page: the
-allocators never hand out logical pages ``[0, cp_size)``, so no owned row lands there.
+Physical page 0 of every rank is the trash page: the allocators never hand out logical pages
+``[0, cp_size)``, so no owned row lands there.
 """
 
 from __future__ import annotations
@@ -44,11 +35,8 @@ TRASH_PAGE = 0  # physical page of every rank that foreign rows of a masked stor
 def page_owner(pages, cp_size: int):
     """The CP rank that holds logical page(s) ``pages`` (an int, a numpy array or a tensor): ``pages % cp_size``.
 
-    The one ownership rule: the pool's masked store, the prefill sender's share check, the
-    decode side's manifest check and the slot plan all use it. It equals SGLang 0.5.23's
-    ``PageInterleavePlacement.owner_of`` (token loc ``loc`` on rank ``(loc % (N * ps)) // ps``)
-    applied to page ``loc // ps``, so SGLang's own allocator, sender and decode agree with our
-    store on every page (``test_placement`` checks both maps against SGLang's class).
+    The one ownership rule, used by every part that stores, sends or plans pages. It equals SGLang
+    0.5.23's ``PageInterleavePlacement.owner_of`` applied to page ``loc // ps`` (``test_placement``).
     """
     return pages % cp_size
 
@@ -59,19 +47,9 @@ def local_page(pages, cp_size: int):
     return pages // cp_size
 
 
-def _check_int_tensor(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-
-
 class PageOwnership:
-    """Stateless ownership map for ``cp_size`` ranks and ``page_size`` tokens per page.
-
-    ``logical_pages`` (optional) bounds the logical page space; with it set and
-    debug mode on, out-of-range locs raise. Without debug mode nothing syncs.
-    """
+    """Stateless ownership map for ``cp_size`` ranks and ``page_size`` tokens per page. ``logical_pages``
+    (optional) bounds the logical page space: in debug mode out-of-range locs raise (else nothing syncs)."""
 
     def __init__(self, cp_size: int, page_size: int, logical_pages: int | None = None):
         check_int("cp_size", cp_size, 1)
@@ -88,7 +66,10 @@ class PageOwnership:
 
     # -- validation (debug only: these read device data back to the host) --
     def _check_locs(self, name: str, locs: torch.Tensor, limit: int | None) -> None:
-        _check_int_tensor(name, locs)
+        if not isinstance(locs, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(locs).__name__}")
+        if locs.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {locs.dtype}")
         if not debug_enabled() or locs.numel() == 0:
             return
         if bool((locs < 0).any()):
@@ -99,7 +80,6 @@ class PageOwnership:
     def _loc_limit(self) -> int | None:
         return None if self.logical_pages is None else self.logical_pages * self.page_size
 
-    # -- pages --
     def owner(self, logical_pages: torch.Tensor) -> torch.Tensor:
         self._check_locs("logical_pages", logical_pages, self.logical_pages)
         return page_owner(logical_pages, self.cp_size)
@@ -115,7 +95,6 @@ class PageOwnership:
             raise ValueError(f"owner must be in [0, {self.cp_size}), got {owner}")
         return phys_pages * self.cp_size + owner
 
-    # -- tokens --
     def loc_owner(self, locs: torch.Tensor) -> torch.Tensor:
         self._check_locs("locs", locs, self._loc_limit())
         return page_owner(locs >> self._shift, self.cp_size)
@@ -138,13 +117,9 @@ class PageOwnership:
     def store_rows(
         self, locs: torch.Tensor, rank: int, trash_page: int, phys_pages: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where ``rank`` stores each loc of a chunk every rank holds: ``(rows, mine)``.
-
-        An owned loc goes to its physical row; any other to the same offset of ``trash_page``, so
-        the store keeps the chunk's static shape (a masked store, no ``nonzero``, no host sync).
-        With ``phys_pages`` (the rank's page count) and debug mode on, the rows are checked
-        (:meth:`check_store_rows`, syncing).
-        """
+        """Where ``rank`` stores each loc of a chunk every rank holds: ``(rows, mine)``. An owned loc goes to
+        its physical row, any other to the same offset of ``trash_page`` (a masked store: static shape, no
+        host sync). With ``phys_pages`` and debug mode on, the rows are checked (``check_store_rows``)."""
         mine = self.loc_owner(locs) == rank
         trash = trash_page * self.page_size + (locs & (self.page_size - 1))
         rows = torch.where(mine, self.phys_row(locs), trash)
@@ -172,24 +147,17 @@ class PageOwnership:
 
 @dataclass(frozen=True)
 class CPSharedSpec:
-    """One rank's share of a CP-shared pool, fixed when the pool is built and handed down.
+    """One rank's share of a CP-shared pool, checked once when the pool is built and handed down (as
+    SGLang's ``PageShardSpec`` is)."""
 
-    - ``cp_size`` / ``cp_rank``: the CP group's size and this rank (``cp_size == 1``: a replicated pool).
-    - ``page_size``: tokens per page (a power of two).
-    - ``phys_pages``: pages this rank's buffers hold, the trash page included.
-    - ``row_bytes``: bytes of one token's latent row (656 fp8, 1152 bf16, or SGLang's store row).
-    - ``with_indexer``: the pool also holds NSA indexer pages (``page_size * 132`` B).
-    - ``trash_page``: page 0, where a masked store puts the rows other ranks own.
-    """
-
-    cp_size: int
+    cp_size: int  # the CP group's size (1: a replicated pool)
     cp_rank: int
-    page_size: int
-    phys_pages: int
-    row_bytes: int
-    with_indexer: bool
+    page_size: int  # tokens per page, a power of two
+    phys_pages: int  # pages this rank's buffers hold, the trash page included
+    row_bytes: int  # one token's latent row: 656 fp8, 1152 bf16, or SGLang's store row
+    with_indexer: bool  # the pool also holds NSA indexer pages (page_size * 132 B)
 
-    trash_page = TRASH_PAGE
+    trash_page = TRASH_PAGE  # where a masked store puts the rows other ranks own
 
     def __post_init__(self) -> None:
         check_int("cp_size", self.cp_size, 1)

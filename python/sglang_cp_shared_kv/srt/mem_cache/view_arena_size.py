@@ -1,11 +1,8 @@
 """The view arena's two regions, in tokens, from a server's limits (no torch, no SGLang).
 
-A prefill batch's read buffer is ``[prefix view | current chunk | trash page]``. The arena bounds
-it once: ``contexts`` full contexts of prefix, each rounded up to whole rotations of ``N`` pages
-(the view all-gathers ``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefill
-budget in whole pages; one trash page follows (SGLang's ``PageShardSpec.scratch_rows``). These are
-the ``max_prefix_tokens`` and ``chunk_tokens`` that ``view_arena.make_arena_spec``
-hands SGLang's admission.
+A prefill batch's read buffer is ``[prefix view | current chunk | trash page]``. The arena bounds it
+once: ``contexts`` full contexts of prefix, each rounded up to whole rotations of ``N`` pages (the view
+all-gathers ``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefill budget in whole pages.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def test_corrupted_plan_is_inconsistent(field):
     else:
         swapped = plan.slot_table.clone()
         swapped[[0, 1]] = swapped[[1, 0]]
-        broken = dataclasses.replace(plan, table=swapped, table_shape=None)
+        broken = dataclasses.replace(plan, slot_table=swapped)
     with pytest.raises(CPSharedKVDebugError, match="slot plan is inconsistent"):
         check_plan_local(broken, 99)
 
@@ -86,7 +86,7 @@ def _rank_broken_plan(rank, world_size):
     plan = _plan(PAGES, world_size)
     if rank == 1:
         flipped = plan.slot_table.flip(1).contiguous()
-        plan = dataclasses.replace(plan, table=flipped, table_shape=None)
+        plan = dataclasses.replace(plan, slot_table=flipped)
     try:
         check_plan(plan, 99, CPGroup())
     except CPSharedKVDebugError as e:

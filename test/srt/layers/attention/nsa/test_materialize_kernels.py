@@ -28,7 +28,11 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import (
     triton,
     triton_enabled,
 )
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import INDEX_TOKEN_BYTES, MLA_BF16_ROW_BYTES, MLA_FP8_ROW_BYTES
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import (
+    INDEX_TOKEN_BYTES,
+    MLA_BF16_ROW_BYTES,
+    MLA_FP8_ROW_BYTES,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(

@@ -1,9 +1,6 @@
-"""Syncing checks of the materialized read path, on only with ``SGLANG_DEBUG_CP_SHARED_KV=1``.
-
-They read device data back to the host and, for the cross-rank check, talk to the CP group, so
-they are never on in a measurement. Each failure raises ``CPSharedKVDebugError`` with one line
-saying what is wrong and where. (Ownership of every row the pool stores is checked by the pool's
-own write path in the same mode.)
+"""Syncing checks of the slot plan, on only with ``SGLANG_DEBUG_CP_SHARED_KV=1``: they read device data
+back and talk to the CP group, so they are never on in a measurement. Each failure raises
+``CPSharedKVDebugError`` with one line saying what is wrong and where.
 """
 
 from __future__ import annotations
@@ -62,20 +59,15 @@ def check_plan_local(plan: BatchPlan, trash_page: int) -> None:
 
 
 def check_plan(plan: BatchPlan, trash_page: int, group: CPGroup | None) -> None:
-    """Local invariants on every rank, then agreement across the group.
-
-    Ranks exchange their local verdicts and plan digests in one collective before anyone raises,
-    so a rank whose plan is broken never leaves its peers waiting: every rank raises the same error.
-    """
+    """Local invariants on every rank, then agreement across the group. Ranks exchange their verdicts and
+    plan digests in one collective before anyone raises, so every rank raises the same error."""
+    if group is None:
+        return check_plan_local(plan, trash_page)
     try:
         check_plan_local(plan, trash_page)
         local_error = None
     except CPSharedKVDebugError as e:
-        if group is None:
-            raise
         local_error = str(e)
-    if group is None:
-        return
     verdicts = group.all_gather_object((plan_digest(plan), local_error))
     for r, (_, err) in enumerate(verdicts):
         if err is not None:

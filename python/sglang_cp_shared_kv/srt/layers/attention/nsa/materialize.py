@@ -1,32 +1,14 @@
 """Per-batch materialized read path over a sharded MLA/NSA pool.
 
-The stock indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool
-this module gives them one, per forward batch:
+The stock indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool this
+module builds one per layer from the batch's plan (``plan_kernels.BatchPlan``: a view of ``N * S``
+pages, owner-major): this rank copies its owned pages in slot order into its part of the view and the
+CP group all-gathers the parts in place; or, over a copy-engine group that mapped the peers' pools, one
+launch reads every owner's block straight from its pool. The kernels' page table is the plan's slot
+table; ``LayerView.rows`` maps NSA top-k positions to view rows. Nothing reads device data back.
 
-1. ``begin_planned`` takes the batch's plan (``plan_kernels.BatchPlan``: every planned page position
-   gets a slot of a view of ``N * S`` pages, owner-major), built by the read state
-   (``layers.attention.nsa.read_state``), which also decides whether a batch needs a view at all
-   (current-reuse) and stages the current chunk into the pages past the view.
-2. ``layer_view(layer)`` per layer: this rank copies its owned pages, in slot order, straight
-   into its part of the dense views (Triton ``gather_page_buffers``: latent and indexer pages in
-   one launch; padding slots read the trash page), and the CP group all-gathers the parts in
-   place, latent and indexer views in one NCCL group. The page table handed to the kernels is
-   the plan's slot table; NSA top-k positions map to view rows through ``LayerView.rows``.
-
-Nothing here reads device data back to the host: sizes come from host lengths. A view stays valid
-until the next ``layer_view`` call (the buffers are reused).
-
-Optional one-layer-ahead prefetch (``prefetch=True``): ``layer_view(l)`` also gathers layer
-``l + 1``'s owned pages (on the compute stream by default, ``prefetch_gather``) and all-gathers
-them on a side CUDA stream (``prefetch_stream``, the highest priority) while layer ``l`` computes.
-The view holds prefix pages only, which are in the pool before the batch starts, so a view gathered
-ahead equals one gathered in line (tests on gloo, NCCL and copy engines). Off by default, here and
-on the SGLang path, where ``$SGLANG_CP_SHARED_KV_PREFETCH=1`` turns it on unless the views go through
-NCCL (``copy_engine.prefetch_on``).
-
-Inside a node, over a copy-engine group that mapped the peers' pools (``source_table``), a view built
-in line skips step 2's gather and all-gather: one launch reads every owner's block straight from its
-pool (``materialize_kernels.pull_pages``), after the group's per-batch ``fence``.
+``prefetch=True`` also builds layer ``l + 1``'s view while layer ``l`` computes: the view holds prefix
+pages only, in the pool before the batch starts, so it equals one gathered in line.
 """
 
 from __future__ import annotations
@@ -51,54 +33,33 @@ from sglang_cp_shared_kv.srt.utils import check_int
 
 @dataclass
 class BatchCounters:
-    """What one forward batch cost this rank's read path, summed over the layers it served.
+    """What one forward batch cost this rank's read path, summed over the layers it served (``S``: the
+    plan's ``slots_per_rank``). Every rank of the group materializes the same amount."""
 
-    - ``kind``: ``current`` (no request has a prefix), ``history`` (all have) or ``mixed``.
-    - ``layers``: layer views served.
-    - ``view_pages``: pages of the dense view, ``N * S`` (0 under current-reuse), ``S`` the plan's
-      ``slots_per_rank``.
-    - ``pages_gathered``: pages this rank copied from its pool into its part of the view: ``S``
-      per materialized layer, padding slots included (a slot's latent and indexer page count once).
-    - ``bytes_materialized``: bytes written into this rank's dense views, its own block included:
-      ``N * S * ps * (row_bytes + 132)`` per materialized layer (``row_bytes`` alone without an
-      indexer). Every rank of the group materializes the same amount.
-    - ``bytes_received``: the part of ``bytes_materialized`` that came from other ranks,
-      ``(N - 1) / N`` of it.
-    - ``pages_staged``: current-chunk pages staged locally next to the view (not gathered).
-    """
-
-    kind: str
-    layers: int = 0
-    view_pages: int = 0
-    pages_gathered: int = 0
-    bytes_materialized: int = 0
-    bytes_received: int = 0
-    pages_staged: int = 0
+    kind: str  # ``current_reuse.batch_kind``
+    layers: int = 0  # layer views served
+    view_pages: int = 0  # N * S (0 under current-reuse)
+    pages_gathered: int = 0  # S per materialized layer, padding included (latent and indexer page count once)
+    bytes_materialized: int = 0  # N * S * ps * (row_bytes + 132) per layer (row_bytes alone without an indexer)
+    bytes_received: int = 0  # the part of bytes_materialized from other ranks, (N - 1) / N of it
+    pages_staged: int = 0  # current-chunk pages staged locally next to the view (not gathered)
 
 
-HIGHEST_STREAM_PRIORITY = -(1 << 10)  # torch maps a priority past the device's range to its end
-# Where a prefetched layer's owned-page gather runs: on the compute stream, in line, before the side
-# stream takes over the transfer ("compute", the default: no SM work of the view runs beside the
-# layer's kernels), or on the side stream with its transfer ("side").
+# The side stream's default priority, the device's highest (torch maps one past its range to its end):
+# the block scheduler then starts the prefetch kernels' blocks ahead of the compute stream's next ones.
+HIGHEST_STREAM_PRIORITY = -(1 << 10)
+# Where a prefetched layer's owned-page gather runs: in line on the compute stream, the side stream taking
+# over the transfer ("compute": no SM work of the view beside the layer's kernels), or on the side stream.
 PREFETCH_GATHER_PLACES = ("compute", "side")
-
-
-def prefetch_stream(device: torch.device, priority: int = HIGHEST_STREAM_PRIORITY) -> torch.cuda.Stream:
-    """The side stream a layer-ahead view is built on (by default at the device's highest priority:
-    the block scheduler then starts its kernels' blocks ahead of the compute stream's next ones)."""
-    return torch.cuda.Stream(device, priority=priority)
 
 
 class LayerView:
     """What the indexer and MLA kernels read for one layer.
 
-    ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages`` uint8 ``[P, page_size * 132]`` (``None``
-    without an indexer, or for a layer whose indexer buffer is empty); ``page_table`` int32
-    ``[B, max_pages]`` into both (a token at position ``p`` of request ``b`` is row
-    ``page_table[b, p // page_size] * page_size + p % page_size``). Both buffers may hold
-    ``extra_pages`` past the view (``begin_planned``): pages the caller fills itself. The page table may
-    be given as the ``BatchPlan`` it comes from, and is taken from it at its first read (SGLang's read
-    path reads the buffers only: no tensor op for it per batch).
+    ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages`` uint8 ``[P, page_size * 132]`` (``None`` for a
+    layer without indexer pages); ``page_table`` int32 ``[B, max_pages]`` into both (position ``p`` of
+    request ``b`` is row ``page_table[b, p // ps] * ps + p % ps``), or the ``BatchPlan`` it is taken
+    from at its first read (SGLang's read path reads the buffers only).
     """
 
     __slots__ = ("kv_rows", "index_pages", "page_size", "use_triton", "_table")
@@ -129,9 +90,8 @@ class ViewArenaError(RuntimeError):
 
 
 def arena_pages(arena: dict[str, torch.Tensor], key: str, pages: int, width: int, part: int = 0) -> torch.Tensor:
-    """Pages ``[part * pages, (part + 1) * pages)`` of ``arena[key]`` (uint8 ``[P, width]``): the ``part``-th
-    view set of ``pages`` pages (a prefetching reader alternates two), or ``ViewArenaError`` if even one
-    set does not fit. Host sizes only."""
+    """View set ``part`` of ``pages`` pages of ``arena[key]`` (uint8 ``[P, width]``; a prefetching reader
+    alternates two), or ``ViewArenaError`` if even one set does not fit."""
     buf = arena.get(key)
     if buf is None or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != width:
         got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
@@ -153,16 +113,10 @@ def check_arena_fits(arena: dict[str, torch.Tensor], pages: int) -> None:
         )
 
 
-def arena_sets(arena: dict[str, torch.Tensor], pages: int, wanted: int) -> int:
-    """View sets of ``pages`` pages the arena holds for this batch, at most ``wanted`` (at least 1)."""
-    return max(1, min(wanted, min(buf.shape[0] for buf in arena.values()) // max(pages, 1)))
-
-
 def arena_tokens(prefix_tokens: int, chunk_tokens: int, page_size: int, prefetch: bool = False) -> int:
     """Token rows of a view arena: one batch's read buffer at its largest (``prefix_tokens`` of view,
-    ``chunk_tokens`` staged, a trash page: SGLang's ``PageShardSpec.scratch_rows``), plus, for a
-    prefetching reader, a second chunk and trash page: two view sets fit whenever the batch's views
-    take at most half the prefix budget (the usual batch), one always does."""
+    ``chunk_tokens`` staged, a trash page), plus, for a prefetching reader, a second chunk and trash page:
+    two view sets fit whenever the batch's views take at most half the prefix budget."""
     return prefix_tokens + (2 if prefetch else 1) * (chunk_tokens + page_size)
 
 
@@ -191,23 +145,10 @@ def allocate_arena(
 class ViewMaterializer:
     """Builds, per batch and layer, the dense view a sharded pool's kernels read.
 
-    ``group`` is the CP group whose ranks own the pool's pages (``None`` only for a single-rank
-    pool). Every batch is materialized; current-reuse is decided by the caller.
-
-    With ``prefetch``, ``layer_view(l)`` also starts building layer ``l + 1``'s view (on GPU its
-    gather on the compute stream, or with ``prefetch_gather="side"`` on the side stream, and its
-    all-gather on the side stream at ``prefetch_priority``; at once on CPU). The view holds prefix
-    pages only, written before the batch began, so it equals the view gathered in line.
-
-    ``pool`` is a ``page_source.PageBuffers``.
-
-    ``arena`` (optional): buffers allocated once by the caller (``"latent"`` and, with an indexer,
-    ``"index"``, uint8 ``[pages, page bytes]``, ``allocate_arena``); every batch's views are its leading
-    pages instead of fresh allocations, and a batch whose views would not fit raises
-    ``ViewArenaError`` before anything is written. A prefetching materializer prefetches a batch
-    whose two view sets fit the arena and reads any other one layer at a time. ``group`` may be a
-    ``copy_engine.CopyEngineGroup`` registered over the arena: the views are then all-gathered by
-    the copy engines.
+    ``group``: the CP group owning the pool's pages (``None`` only for a single-rank pool), or a
+    ``copy_engine.CopyEngineGroup`` registered over the arena. ``arena`` (optional, ``allocate_arena``):
+    every batch's views are its leading pages; a batch whose views would not fit raises ``ViewArenaError``
+    before anything is written, one whose two view sets do not fit is not prefetched.
     """
 
     def __init__(
@@ -239,30 +180,24 @@ class ViewMaterializer:
         self.use_triton = use_triton
         self.plan: BatchPlan | None = None
         self.counters: BatchCounters | None = None
-        # One or (prefetching) two sets of views, used by alternate layers, and per set what a layer's
-        # gather needs: (this rank's page ids, its part of each view, each whole view).
+        # Per view set (one, or prefetching two, used by alternate layers): its buffers, its latent buffer as
+        # rows, what the caller stages the current chunk into, and (this rank's page ids, its part of each
+        # view, each whole view).
         self._views: list[dict[str, torch.Tensor]] = []
-        self._rows: list[torch.Tensor] = []  # per view set: its latent buffer as rows
-        # Per view set: its latent rows and indexer pages, which a caller stages the current chunk into.
+        self._rows: list[torch.Tensor] = []
         self.stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._parts: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         self._pending: tuple[int, int, torch.cuda.Event | None] | None = None  # (layer, buffer set, done)
         self._side_stream: torch.cuda.Stream | None = None
-        self._prefetched: torch.cuda.Event | None = None
-        self._fork: torch.cuda.Event | None = None
-        self._gathered: torch.cuda.Event | None = None
+        self._prefetched = self._fork = self._gathered = None  # CUDA events, made with the side stream
         self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
-        # Views built in line over a copy-engine group that mapped the peers' pools: each layer's whole
-        # view is read straight from the owners' pages (``pull_launch``), one launch and no transfer;
-        # a fence per batch orders the pools' writes and reads across ranks (``fence``).
+        # Views built in line over a copy-engine group that mapped the peers' pools are read straight from
+        # the owners' pages (``_pull``), after a per-batch ``fence``.
         self._source_table = None if prefetch else getattr(group, "source_table", None)
 
     def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
-        """Start a batch whose prefixes the caller planned (``plan``, built for this pool's layout) and whose
-        current chunk it stages into the ``extra_pages`` past the view. ``kind`` is the batch's
-        ``current_reuse.batch_kind``. The caller reads the plan's flags, checks the plan in debug mode
-        (``debug_checks.check_plan``), and queues the batch's ``fence`` (with the plan's launch) before its
-        first read or write."""
+        """Start a batch whose plan and ``current_reuse.batch_kind`` the caller made, its current chunk staged
+        into the ``extra_pages`` past the view. The caller queues the batch's ``fence`` before its reads."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
         self.counters = BatchCounters(kind=kind)
         self.plan = plan
@@ -270,12 +205,8 @@ class ViewMaterializer:
         return self.counters
 
     def _allocate(self, plan: BatchPlan, copies: int, extra_pages: int = 0) -> None:
-        """The view buffers, and the slices the gather writes and the all-gather fills (built once per batch).
-
-        This rank gathers straight into its part of each view and the all-gather runs in place: no
-        separate send buffer. Views read from the owners' pools need neither slice (``_pull``).
-        ``extra_pages`` follow the view in every buffer, untouched.
-        """
+        """The view buffers (``extra_pages`` past the view, untouched), and the slices this rank gathers into
+        and the in-place all-gather fills (none for views read from the owners' pools, ``_pull``)."""
         pool = self.pool
         self._parts = []
         pages = plan.view_pages + extra_pages
@@ -283,8 +214,8 @@ class ViewMaterializer:
         if pool.with_indexer:
             widths["index"] = pool.page_size * INDEX_TOKEN_BYTES
         arena = self.arena
-        if arena is not None:  # as many as the arena holds
-            copies = arena_sets(arena, pages, copies)
+        if arena is not None:  # as many view sets as the arena holds (at least 1)
+            copies = max(1, min(copies, min(buf.shape[0] for buf in arena.values()) // max(pages, 1)))
         self._views = [
             {
                 k: arena_pages(arena, k, pages, w, part)
@@ -294,7 +225,6 @@ class ViewMaterializer:
             }
             for part in range(copies)
         ]
-        # Per set: its latent buffer as rows, and the buffers the write path stages into.
         self._rows = [v["latent"].view(-1, pool.row_bytes) for v in self._views]
         self.stages = [(r, v.get("index")) for r, v in zip(self._rows, self._views)]
         if self._source_table is None:
@@ -320,7 +250,7 @@ class ViewMaterializer:
         if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         counters.layers += 1
-        index = self._views[slot].get("index") if self._layer_has_index(layer) else None
+        index = self._views[slot].get("index") if self.pool.has_index[layer] else None
         return LayerView(self._rows[slot], index, self.plan, pool.page_size, self.use_triton)
 
     @property
@@ -333,22 +263,14 @@ class ViewMaterializer:
         """View sets of the batch in progress: 2 when it is prefetched (layers alternate), else 1."""
         return len(self._views)
 
-    def _layer_has_index(self, layer: int) -> bool:
-        """Whether ``layer`` has indexer pages to gather (``PageBuffers.has_index``)."""
-        return self.pool.has_index[layer]
-
     # -- the gather, now or ahead --
     def _gather(
         self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None, ack: bool = True
     ) -> None:
-        """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them.
-
-        The all-gather (latent and indexer views in one NCCL group) is queued behind the gather on
-        the current stream, or with ``transfer_stream`` on that stream after the gather (one event);
-        that stream then holds it. On gloo every call completes in order. ``ack=False`` (a transfer
-        on ``transfer_stream`` whose view set the next layer's transfer waits before it is written
-        again): the copy engines' wait for the peers' reads is left out (``copy_engine``'s docstring).
-        """
+        """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, on the current stream
+        or, after the gather, on ``transfer_stream``. ``ack=False`` (a transfer on ``transfer_stream`` whose
+        view set the next layer's transfer waits for before it is written again): the copy engines' wait
+        for the peers' reads is left out (``copy_engine``'s docstring)."""
         plan, group = self.plan, self.group
         if self._source_table is not None:
             page_bytes = self._pull(layer)
@@ -377,16 +299,15 @@ class ViewMaterializer:
         """``layer``'s gather into view set ``slot`` (a layer is gathered once per batch):
         ``(launch, the views to all-gather, this rank's part of them, the bytes of one slot's pages)``."""
         pool = self.pool
-        sources = [pool.latent_pages(layer)] + ([pool.index[layer]] if self._layer_has_index(layer) else [])
+        sources = [pool.latent_pages(layer)] + ([pool.index[layer]] if self.pool.has_index[layer] else [])
         used = len(sources)
         page_ids, mine, whole = self._parts[slot]
         _, launch = prepare_gather(sources, page_ids, mine[:used], use_triton=self.use_triton)
         return launch, whole[:used], mine[:used], sum(src.shape[1] for src in sources)
 
     def _pull(self, layer: int) -> int:
-        """``layer``'s whole view read from the owners' pools in one launch (``source_table``); returns the
-        bytes of one slot's pages."""
-        plan, used = self.plan, 2 if self._layer_has_index(layer) else 1
+        """``layer``'s whole view read from the owners' pools in one launch; returns one slot's page bytes."""
+        plan, used = self.plan, 2 if self.pool.has_index[layer] else 1
         views = list(self._views[0].values())[:used]
         page_bytes = sum(v.shape[1] for v in views)
         if plan.slots_per_rank:
@@ -399,13 +320,9 @@ class ViewMaterializer:
 
     def fence(self, then=None) -> None:
         """Where views are read straight from the peers' pools: a point on the current stream that every
-        rank's stream passes together (``CopyEngineGroup.fence``), queued at each batch's start before its
-        reads and writes. A batch reads only pages written before it started (its prefixes; its chunk is
-        staged locally), and a page it reads is rewritten only by a later batch: so every read follows
-        the write it reads on its owner, and precedes the owner's next write of that page. No host wait.
-
-        ``then`` (a bound ``triton_launch.Launch``, or None) is queued after it: in the fence's graph where there
-        is one (``CopyEngineGroup.fence(then=)``), else called."""
+        rank's stream passes together (``CopyEngineGroup.fence``), queued at each batch's start: a batch reads
+        only pages written before it started, rewritten only by a later batch. No host wait. ``then`` (a bound
+        ``triton_launch.Launch``, or None) is queued after it, in the fence's graph where there is one."""
         if self._source_table is not None:
             self.group.fence(then=then)
         elif then is not None:
@@ -417,17 +334,15 @@ class ViewMaterializer:
         if device.type == "cuda":
             side = self._side_stream
             if side is None:
-                side = self._side_stream = prefetch_stream(device, self.prefetch_priority)
+                side = self._side_stream = torch.cuda.Stream(device, priority=self.prefetch_priority)
                 self._fork, self._prefetched = torch.cuda.Event(), torch.cuda.Event()
                 self._gathered = torch.cuda.Event()
             if self.prefetch_gather == "compute":
-                # The gather in line here (its blocks get the SMs between the compute stream's
-                # kernels), the transfer on the side stream behind it.
+                # The gather in line here, between the compute stream's kernels; the transfer on the side stream.
                 self._gather(layer, slot, transfer_stream=side, ack=layer + 1 == self.pool.num_layers)
             else:
-                # The side stream starts after everything queued so far: the previous batch's pool
-                # writes, and the kernels still reading this buffer set's previous layer. One event
-                # each way serves every layer: each wait is queued before the event is recorded again.
+                # The side stream starts after everything queued so far (the previous batch's pool writes,
+                # the kernels still reading this view set): each wait is queued before the event is re-recorded.
                 main = torch.cuda.current_stream(device)
                 self._fork.record(main)
                 self._fork.wait(side)

@@ -1,22 +1,14 @@
 """Triton kernels of the materialized read path, each beside its plain-torch reference.
 
-- ``gather_page_buffers`` / ``gather_pages``: copy whole pages of page-major pool buffers into a
-  send block, in the order a page-id vector gives; one generic copy serves latent and indexer
-  pages, and one launch gathers both.
-- ``pull_pages``: the whole view of a layer read straight from every owner's pool pages, where the
+- ``gather_page_buffers`` / ``gather_pages``: copy whole pages of one or two page-major pool buffers
+  (latent and indexer) into a send block, in the order a page-id vector gives, in one launch.
+- ``pull_launch``: the whole view of a layer read straight from every owner's pool pages, where the
   peers' pools are mapped into this process (copy-engine transport, views built in line).
-- ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded)
-  -> rows of a view, ``page_table[req, pos // ps] * ps + pos % ps``; -1 stays -1.
-- ``translate_locs``: logical token locs (or page ids) -> rows (pages) of the read buffer, through
-  the batch's page map (``plan_kernels.plan_batch``).
-- ``planned_translation``: ``translate_locs`` for a table whose address and size earlier work on the
-  stream wrote to the device, so its launch's arguments never change (queued in one graph with the plan).
+- ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded) -> view rows.
+- ``translate_locs`` / ``planned_translation``: logical token locs (or page ids) -> rows (pages) of the
+  read buffer, through the batch's page map.
 
-Every kernel launches through ``triton_launch``.
-
-Each wrapper runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1``
-(the tests); otherwise it runs the reference. ``use_triton`` forces either.
-None of them reads device data back to the host.
+Each wrapper runs Triton where ``triton_launch.triton_enabled`` says, otherwise the reference.
 """
 
 from __future__ import annotations
@@ -35,10 +27,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import (
     triton_enabled,
 )
 from sglang_cp_shared_kv.srt.utils import check_int
-
-# ---------------------------------------------------------------------------------------------
-# gather_pages
-# ---------------------------------------------------------------------------------------------
 
 
 def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,12 +102,8 @@ def gather_page_buffers(
     outs: Sequence[torch.Tensor] | None = None,
     use_triton: bool | None = None,
 ) -> list[torch.Tensor]:
-    """Copy the same pages of one or two page-major buffers (``[P, page_bytes]`` each, rows contiguous)
-    into ``outs[k][i] = srcs[k][page_ids[i]]``, in one kernel launch.
-
-    The read path gathers a slot's latent page and its indexer page together. ``page_ids`` must
-    hold valid page indices of every source (the plan points padding at the trash page).
-    """
+    """``outs[k][i] = srcs[k][page_ids[i]]`` for one or two page-major buffers (``[P, page_bytes]`` each, rows
+    contiguous) in one launch; ``page_ids`` must be valid pages of every source (padding: the trash page)."""
     outs, launch = prepare_gather(srcs, page_ids, outs, use_triton)
     launch()
     return outs
@@ -147,37 +131,31 @@ def prepare_gather(
     return outs, gather_launch([word_pair(src, out) for src, out in zip(srcs, outs)], page_ids)
 
 
-def word_pair(
-    src: torch.Tensor, out: torch.Tensor, src_words: torch.Tensor | None = None, out_words: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``src`` and ``out`` as int32 words when both allow it (``word_view``, or the ``word_view`` s a caller
-    kept), else both as they are."""
-    s_words = word_view(src) if src_words is None else src_words
-    o_words = word_view(out) if out_words is None else out_words
+def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``src`` and ``out`` as int32 words when both allow it (``word_view``), else both as they are."""
+    s_words, o_words = word_view(src), word_view(out)
     return (s_words, o_words) if s_words.dtype == o_words.dtype else (src, out)
 
 
 def gather_launch(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
 ) -> Launch:
-    """The gather kernel's launch copying ``pairs[k] = (src, out)`` pages ``page_ids`` (one or two pairs,
-    ``word_pair`` s of buffers ``prepare_gather`` accepts): its last step, for a caller that built and
-    checked the buffers itself (the view materializer, once per layer and batch).
-
-    ``programs``: programs per buffer, each looping over every ``programs``-th slot (None: one per
-    slot). Fewer programs hold fewer SMs at once: what a gather running beside other kernels wants."""
+    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two
+    ``word_pair`` s of buffers ``prepare_gather`` accepts). ``programs`` per buffer (None: one per slot):
+    fewer hold fewer SMs at once, what a gather running beside other kernels wants."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
-    a, b = args[0], args[-1]
     slots = page_ids.shape[0]
     grid0 = slots if programs is None else max(1, min(slots, programs))
-    block = min(4096, triton.next_power_of_2(max(a[2] for a in args)))
-    return Launch(
-        _gather_pages_kernel,
-        (grid0, len(args)),
-        (page_ids, slots, *a, *b),
-        {"BLOCK": block},
-        num_warps=8 if block >= 2048 else 4,
-    )
+    return _copy_launch(_gather_pages_kernel, grid0, (page_ids, slots), args, max(a[2] for a in args))
+
+
+def _copy_launch(kernel, grid0: int, head: tuple, buffers: list[tuple], words: int) -> Launch:
+    """A page-copy kernel's launch: ``head``, then the arguments of buffer a and b (the same one when there is
+    one), grid column ``k`` copying buffer ``k``; rows of at most ``words`` elements."""
+    block = min(4096, triton.next_power_of_2(words))
+    grid = (grid0, len(buffers))
+    args = (*head, *buffers[0], *buffers[-1])
+    return Launch(kernel, grid, args, {"BLOCK": block}, num_warps=8 if block >= 2048 else 4)
 
 
 def gather_pages(
@@ -185,11 +163,6 @@ def gather_pages(
 ) -> torch.Tensor:
     """Copy ``src[page_ids[i]]`` into ``out[i]``: ``gather_page_buffers`` for a single buffer."""
     return gather_page_buffers([src], page_ids, None if out is None else [out], use_triton)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# pull_pages (a whole view read straight from every owner's pool)
-# ---------------------------------------------------------------------------------------------
 
 
 def pull_pages_ref(
@@ -250,27 +223,14 @@ def pull_launch(
 ) -> Launch:
     """The launch that fills whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of
     ``layer`` from every owner's pool pages, through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer
-    addresses, ``copy_engine.CopyEngineGroup.source_table``); ``source_strides[k]``: words from one page of
-    buffer ``k`` to the next. The view's send entries are ``slots`` (default: all past ``start``) words of
-    ``slot_phys`` from ``start`` on: a plan's output buffer and its ``send_start``."""
+    addresses); ``source_strides[k]``: words from one page of buffer ``k`` to the next. The send entries are
+    ``slots`` (default: all past ``start``) words of ``slot_phys`` from ``start`` (a plan's ``send_start``)."""
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
-    a, b = args[0], args[-1]
     slots = slot_phys.shape[0] - start if slots is None else slots
     if start < 0 or slots < 0 or start + slots > slot_phys.shape[0]:
         raise ValueError(f"send entries [{start}, {start + slots}) past slot_phys's {slot_phys.shape[0]} words")
-    block = min(4096, triton.next_power_of_2(max(w for _, w, _ in args)))
-    return Launch(
-        _pull_pages_kernel,
-        (slots, len(args)),
-        (slot_phys, start, slots, slots_per_rank, table, layer, table.shape[2], *a, *b),
-        {"BLOCK": block},
-        num_warps=8 if block >= 2048 else 4,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# positions_to_view_rows (token-level remap of NSA top-k positions)
-# ---------------------------------------------------------------------------------------------
+    head = (slot_phys, start, slots, slots_per_rank, table, layer, table.shape[2])
+    return _copy_launch(_pull_pages_kernel, slots, head, args, max(w for _, w, _ in args))
 
 
 def positions_to_view_rows_ref(
@@ -330,11 +290,6 @@ def positions_to_view_rows(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# translate_locs (logical locs -> read-buffer rows, through a batch's page map)
-# ---------------------------------------------------------------------------------------------
-
-
 def translate_locs_ref(
     page_pos: torch.Tensor, locs: torch.Tensor, page_size: int, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -376,14 +331,12 @@ def translate_locs(
     use_triton: bool | None = None,
 ) -> torch.Tensor:
     """``translate_locs_ref`` in one launch (page ids with ``page_size`` 1)."""
-    if locs.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"locs must be int32 or int64, got {locs.dtype}")
+    check_index("locs", locs, locs.dim())
     if locs.device != page_pos.device:  # a launch hands the kernel addresses: both on one device
         raise ValueError(f"locs are on {locs.device}, the page map on {page_pos.device}: translate on one device")
     if not triton_enabled(page_pos.device, use_triton) or locs.numel() == 0:
         return translate_locs_ref(page_pos, locs, page_size, out_dtype)
-    # The kernel walks the locs as flat memory: a contiguous tensor of any shape as is (SGLang's page
-    # tables are), anything else through one contiguous copy.
+    # The kernel walks the locs as flat memory (SGLang's page tables are contiguous).
     flat = locs if locs.is_contiguous() else locs.contiguous()
     out = torch.empty_like(flat, dtype=out_dtype)  # the locs' shape, contiguous (``None``: their dtype)
     n = flat.numel()
@@ -392,18 +345,13 @@ def translate_locs(
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# A translation whose table is named on the device (queued in one graph with the batch's plan)
-# ---------------------------------------------------------------------------------------------
-
 if triton is not None:
 
     @triton.jit(do_not_specialize=["page_size", "num_pages"])
     def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        # ``words`` (int64, device): the locs' address, their count (0: nothing to do), row length and row
-        # stride, then the address of the contiguous rows out; locs and rows int32. A fixed grid walks any
-        # count, so the launch's arguments never change and it can sit in a captured graph. (No parameter
-        # may be named ``params``: Triton's argument binder takes that name for its own dict.)
+        # ``words`` (int64, device): ``plan_kernels.TRANSLATION_WORDS``; locs and rows int32. A fixed grid walks
+        # any count, so the launch can sit in a captured graph. (No parameter may be named ``params``:
+        # Triton's argument binder takes that name for its own dict.)
         n = tl.load(words + 1)
         locs = tl.load(words).to(tl.pointer_type(tl.int32))
         cols = tl.load(words + 2)
@@ -424,9 +372,8 @@ _PLANNED_PROGRAMS = 128  # one wave on an H200 (132 SMs); a 32K-token table is o
 
 def planned_translation(page_pos: torch.Tensor, params: torch.Tensor, page_size: int) -> Launch:
     """A bound, unqueued launch of ``translate_locs_ref(page_pos, locs, page_size)`` for int32 locs named by
-    ``params`` (int64 ``[>= 5]`` on ``page_pos``'s device: the locs' address, count, row length, row stride
-    and the out address), which earlier work on the stream writes: its arguments are the same batch after
-    batch, so it is captured into a graph with the plan that writes them (``triton_launch.LaunchSequence``)."""
+    ``params`` (int64 ``[>= 5]`` on ``page_pos``'s device, ``plan_kernels.TRANSLATION_WORDS``), which earlier
+    work on the stream writes: its arguments never change, so it is captured into a graph with the plan."""
     if params.dtype != torch.int64 or params.numel() < 5 or params.device != page_pos.device:
         raise ValueError(f"params must be int64 [>= 5] on {page_pos.device}, got {params.dtype} on {params.device}")
     args = (page_pos, params, page_size, page_pos.shape[0])

@@ -1,24 +1,17 @@
-"""What the view materializer reads from a pool: one rank's page-major per-layer buffers and their layout.
-
-SGLang's wired pools hand theirs over as two of these (the latent rows and the indexer pages), which
-the read state joins into one source: one plan, one gather launch, one collective per layer.
-"""
+"""What the view materializer reads from a pool: one rank's page-major per-layer buffers and their layout."""
 
 from __future__ import annotations
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
 class PageBuffers:
     """Page-major per-layer buffers of a pool, shaped as ``ViewMaterializer`` reads a pool.
 
-    ``buffers[layer]`` is a uint8 ``[pages, page_size * row_bytes]`` view of the pool's storage;
-    ``index`` (optional) the same pages' indexer buffers, uint8 ``[pages, page_size * 132]`` (empty
-    for a layer that skips top-k: ``has_index[layer]`` False). Padding slots read page 0, the pool's
-    reserved page.
+    ``buffers[layer]``: uint8 ``[pages, page_size * row_bytes]``; ``index`` (optional) the same pages'
+    indexer buffers, uint8 ``[pages, page_size * 132]`` (empty for a layer that skips top-k).
     """
 
     trash_page = 0
@@ -41,11 +34,9 @@ class PageBuffers:
         if index is not None and len(index) != len(buffers):
             raise ValueError(f"index must have one buffer per layer ({len(buffers)}), got {len(index)}")
         self.num_layers = len(buffers)
-        # Per layer, whether it holds indexer pages (SGLang leaves those of layers that skip top-k empty):
-        # the buffers are fixed, so read once here, not per read (host time).
+        # Per layer, whether it holds indexer pages (empty for a layer that skips top-k): read once (host time).
         self.has_index = tuple(index is not None and index[k].shape[0] > 0 for k in range(self.num_layers))
         self.device = buffers[0].device
-        self.page_bytes_per_layer = self.page_size * (row_bytes + (INDEX_TOKEN_BYTES if index is not None else 0))
 
     def latent_pages(self, layer: int) -> torch.Tensor:
         return self.buffers[layer]

@@ -1,18 +1,9 @@
 """A batch's slot plan: one Triton kernel (``plan_batch``) beside the plain-torch references it equals.
 
-- ``plan_batch``: what a batch needs, in one launch of one program, straight from a token table
-  (SGLang's ``req_to_token``, or a page table with page size 1): each planned page position's logical
-  page, owner, rank among the positions with the same owner (a block scan), view slot, the slot table
-  and every send entry's physical page (``assign_slots_ref``); with a page map buffer, the batch's
-  page map (``map_batch_pages_ref``: logical page -> page of its read buffer, a prefix page to its view
-  slot, a current-chunk page to its staged page, anything else to a fill value); and the check of a
-  shared-prefix hint.
-- The references: ``build_slot_table_ref`` (the page table handed to the kernels, in slot ids),
-  ``plan_positions_ref`` (the flat page-table index of every page position), ``assign_slots_ref``
-  (the slot plan), ``map_batch_pages_ref`` and ``plan_batch_ref``, composed of them.
-
-``plan_batch`` runs Triton on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` (the
-tests); otherwise the reference. ``use_triton`` forces either. Nothing reads device data back.
+From a token table (SGLang's ``req_to_token``, or a page table with page size 1), ``plan_batch`` computes
+in one launch of one program the slot plan (``assign_slots_ref``), optionally the batch's page map
+(``map_batch_pages_ref``), and the check of a shared-prefix hint. Triton runs on CUDA tensors, and on CPU
+tensors when ``TRITON_INTERPRET=1`` (the tests); otherwise the reference (``use_triton`` forces either).
 """
 
 from __future__ import annotations
@@ -25,10 +16,6 @@ import torch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, check_index, tl, triton, triton_enabled
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
-# ---------------------------------------------------------------------------------------------
-# the references
-# ---------------------------------------------------------------------------------------------
-
 
 def build_slot_table_ref(
     slots: torch.Tensor, positions_flat: torch.Tensor, batch_size: int, max_pages: int, pad: int = 0
@@ -40,10 +27,8 @@ def build_slot_table_ref(
 
 
 def plan_positions_ref(cu_pages: torch.Tensor, max_pages: int, num_positions: int) -> torch.Tensor:
-    """``b * max_pages + j`` for page ``j`` of request ``b``, request-major: int64 ``[num_positions]``.
-
-    ``num_positions`` (``cu_pages[-1]``, known on the host) sizes the output, so nothing syncs.
-    """
+    """``b * max_pages + j`` for page ``j`` of request ``b``, request-major: int64 ``[num_positions]``
+    (``cu_pages[-1]``, given from the host so nothing syncs)."""
     cu = cu_pages.long()
     counts = cu[1:] - cu[:-1]
     base = torch.arange(len(counts), device=cu.device) * max_pages - cu[:-1]  # b * max_pages - first position
@@ -59,25 +44,18 @@ def assign_slots_ref(
     trash_page: int,
     pad: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The slot plan in torch ops: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S],
-    status [N + 1])``.
+    """The slot plan: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S], status [N + 1])``.
 
-    Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by
-    ``o = lp % N``; ``r`` is its rank among the positions owned by ``o`` (request-major). With
-    ``S = slots_per_rank``:
+    Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by ``o = lp % N``;
+    ``r`` is its rank among the positions owned by ``o`` (request-major). With ``S = slots_per_rank`` its
+    view slot is ``o * S + r`` (owner-major), and its send entry, the same index of ``slot_phys``, holds its
+    physical page ``lp // N`` (unused entries: ``trash_page``). ``slot_table[b, j]`` is the slot of page
+    ``j`` of request ``b``, ``pad`` past its pages.
 
-    - its view slot is ``o * S + r`` (owner-major), and its send entry, the same index of
-      ``slot_phys``, holds its physical page ``lp // N``; unused entries hold ``trash_page``;
-    - ``slot_table[b, j]`` is the slot of page ``j`` of request ``b``, ``pad`` past its pages.
-
-    **Overflow**: a position with ``r >= S`` (its owner holds more of the batch's positions than
-    a block has room for: the pages do not rotate owners) gets no send entry, and its slot is the
-    first unused entry of the owner with the fewest positions. One exists
-    (``M <= N * S``, so when one block overflows another has room), and it holds ``trash_page``:
-    the view is never read past its end. ``status`` (int64, on the device, no host sync) reports
-    it: ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o``
-    holds (the read state reads it once it is on the host).
-
+    **Overflow**: a position with ``r >= S`` (the pages do not rotate owners) gets no send entry, and
+    its slot is the first unused entry of the owner with the fewest positions, which exists
+    (``M <= N * S``) and holds ``trash_page``. ``status`` (int64, on the device) reports it:
+    ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o`` holds.
     """
     n, s = cp_size, slots_per_rank
     device = page_table.device
@@ -133,14 +111,6 @@ if triton is not None:
         return slot, tl.where(inside, slot, N * slots_per_rank)
 
     @triton.jit
-    def _store_status(status_out, totals, slots_per_rank, N: tl.constexpr, NP2: tl.constexpr):
-        """``status``: the overflow flag, then the positions per owner."""
-        owners = tl.arange(0, NP2)
-        tl.store(status_out + 1 + owners, totals, mask=owners < N)
-        overflow = tl.max(tl.where(owners < N, totals, 0), axis=0) > slots_per_rank
-        tl.store(status_out, overflow.to(tl.int64))
-
-    @triton.jit
     def _fill_unused_entries(
         phys_out, totals, slots_per_rank, trash_page, N: tl.constexpr, NP2: tl.constexpr, BLOCK: tl.constexpr
     ):
@@ -158,18 +128,9 @@ if triton is not None:
             unused = inside & (idx - o_idx * slots_per_rank >= count)
             tl.store(phys_out + idx, tl.zeros([BLOCK], dtype=tl.int64) + trash_page, mask=unused)
 
-# ---------------------------------------------------------------------------------------------
-# plan_batch (the whole batch plan in one launch)
-# ---------------------------------------------------------------------------------------------
-
 
 def map_batch_pages_ref(
-    page_pos: torch.Tensor,
-    page_table: torch.Tensor,
-    plan_table: torch.Tensor,
-    meta: torch.Tensor,
-    base: int,
-    fill: int,
+    page_pos: torch.Tensor, page_table: torch.Tensor, plan_table: torch.Tensor, meta: torch.Tensor, base: int, fill: int
 ) -> torch.Tensor:
     """Fill ``page_pos`` (int64 ``[logical pages]``) with ``fill``, then map the batch's pages into it.
 
@@ -181,8 +142,8 @@ def map_batch_pages_ref(
     - ``plan_table[b, j - shared[b]]`` for ``j < prefix[b]`` (its view slot),
     - ``base + start[b] + j - prefix[b]`` for ``j < pages[b]`` (its staged page).
 
-    A page two requests both read is written twice with slots holding the same bytes; either serves.
-    Unmapped writes go to logical page 0 with ``fill`` (the allocator never hands page 0 out).
+    A page two requests both read is written twice, with slots holding the same bytes. Unmapped writes go
+    to logical page 0 (never handed out) with ``fill``.
     """
     width = page_table.shape[1]
     shared, prefix, pages, start = (v.unsqueeze(1) for v in meta.long())
@@ -198,17 +159,13 @@ def map_batch_pages_ref(
 
 # Rows of ``plan_batch``'s per-request ``meta``.
 PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
-# Words ahead of them in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values, the
-# address of the request rows (int64), then the words of a translation queued after the plan
-# (``TRANSLATION_WORDS``), which the launch copies to the workspace's ``params`` for it.
-PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows") + (
-    "locs",  # the address of an int32 table of token locs
-    "count",  # its elements (0: no translation)
-    "cols",  # its row length
-    "stride",  # its row stride, in elements (its columns are one apart)
-    "out",  # the address of the int32 rows out, contiguous
-)
-TRANSLATION_WORDS = PLAN_HEADER[PLAN_HEADER.index("locs") :]
+# The words of a translation queued after the plan, which a header launch copies to the workspace's
+# ``params`` for it: the address of an int32 table of token locs, its elements (0: no translation), its
+# row length, its row stride in elements (columns one apart), and the address of the contiguous int32 rows out.
+TRANSLATION_WORDS = ("locs", "count", "cols", "stride", "out")
+# Words ahead of the lengths in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values,
+# the address of the request rows (int64), then ``TRANSLATION_WORDS``.
+PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows") + TRANSLATION_WORDS
 # The device words a header launch copies them to (``PlanWorkspace.params``): one power-of-two block.
 PARAMS_WORDS = 8
 
@@ -216,28 +173,17 @@ PARAMS_WORDS = 8
 @dataclass(frozen=True)
 class BatchPlan:
     """Where each planned page position of one batch lives in the dense view (identical on every rank):
-    ``plan_batch``'s device outputs (``assign_slots_ref``'s, the positions, the hint's counts) and the host
-    sizes they were built for.
-
-    The per-position outputs and the send entries are one int64 buffer (``words``), sliced when asked for;
-    ``status`` and ``wrong`` are views of ``flags``: the read path hands the send entries to the view's
-    launches by offset (``send_start``) and reads the flags on the host as one list. The slot table is
-    ``table`` itself, or with ``table_shape`` the start of that flat buffer.
+    ``plan_batch``'s device outputs and the host sizes they were built for. The per-position outputs and
+    the send entries are one int64 buffer (``words``), which the view's launches take by offset
+    (``send_start``); ``status`` and ``wrong`` are views of ``flags``, read on the host as one list.
     """
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
-    table: torch.Tensor  # int32 [B, width], or a flat buffer holding it first (``table_shape``)
+    slot_table: torch.Tensor  # int32 [B, width]: the kernels' page table, in view slots (pad past a request's pages)
     flags: torch.Tensor  # int64 [N + 2 + B]: status, wrong, then the landed word (1)
     cp_size: int  # N
     num_positions: int  # M
     slots_per_rank: int  # S: every owner's block
-    table_shape: tuple[int, int] | None = None  # (B, width) where ``table`` is the flat buffer
-
-    @cached_property
-    def slot_table(self) -> torch.Tensor:
-        """int32 ``[B, width]``: the kernels' page table, in view slots (``pad`` past a request's pages)."""
-        shape = self.table_shape
-        return self.table if shape is None else self.table.as_strided(shape, (shape[1], 1))
 
     @property
     def view_pages(self) -> int:
@@ -314,13 +260,11 @@ def plan_batch_ref(
 ) -> BatchPlan:
     """A batch's whole plan from its token table, composed of the references above.
 
-    Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size`` (SGLang's
-    ``req_to_token`` and page size; a page table with ``page_size`` 1). ``meta`` int64 ``[6, B]`` (or
-    flat) holds per request (``PLAN_META_ROWS``) its shared, prefix and total pages, its first staged page,
-    the source of its shared pages (-1: none) and its first planned position. The plan covers pages ``[shared, prefix)``
-    of each request (``assign_slots_ref`` over the table shifted left by ``shared``), ``page_pos`` (None:
-    no map) is the batch's page map (``map_batch_pages_ref``), and ``wrong[b]`` counts request ``b``'s
-    first ``shared`` pages that are not its source's.
+    Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size``. ``meta`` int64
+    ``[6, B]`` (or flat) holds per request the ``PLAN_META_ROWS``: shared, prefix and total pages, first
+    staged page, the source of its shared pages (-1: none) and first planned position. The plan covers
+    pages ``[shared, prefix)`` of each request; ``page_pos`` (None: no map) receives the page map, and
+    ``wrong[b]`` counts request ``b``'s first ``shared`` pages that are not its source's.
     """
     shared, prefix, pages, start, source, plan_start = meta.long().view(len(PLAN_META_ROWS), -1)
     page_table = tokens[rows.long()][:, : width * page_size : page_size].long() // page_size
@@ -350,19 +294,8 @@ if triton is not None:
         return tl.load(tokens + offs, mask=live, other=0).to(tl.int64) // page_size
 
     @triton.jit(
-        do_not_specialize=[
-            "tok_stride0",
-            "batch",
-            "width",
-            "page_size",
-            "slots_per_rank",
-            "trash_page",
-            "pad",
-            "base",
-            "fill",
-            "num_pages",
-            "num_positions",
-        ]
+        # Every int argument: the header's per-batch values and the rest, never specialized on.
+        do_not_specialize=["tok_stride0", "page_size", "trash_page", "pad", "num_pages", *PLAN_HEADER[:6]]
     )
     def _plan_batch_kernel(
         tokens,
@@ -390,17 +323,15 @@ if triton is not None:
         MAP: tl.constexpr,
         HEADER: tl.constexpr,
     ):
-        # One program walks the batch request by request (positions in request-major order), twice: the
-        # positions per owner first, then each position's rank, slot and stores (the tokens' column
-        # stride is 1: SGLang's req_to_token rows are contiguous, checked by the wrapper).
+        # One program walks the batch request by request, twice: the positions per owner first, then each
+        # position's rank, slot and stores (the tokens' column stride is 1, checked by the wrapper).
         # ``out`` holds, in int64 words: positions, logical pages and slots ([M] each), the send entries
         # ([N * S] and a dump entry), then the host lengths' device copy ([6 * B]); ``flags_out`` the
         # status ([N + 1]), the hint's wrong pages ([B]) and a landed word, written last (1: the flags
         # before it are visible); ``table_out`` is int32 [B, width], contiguous.
-        # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``: the request
-        # rows by address), its lengths and then the flags following: the launch's arguments stay the same
-        # from batch to batch, so it can be captured once into a graph. ``params_out`` (int64 [PARAMS_WORDS], device)
-        # receives the header's translation words; unused without ``HEADER``.
+        # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``), its lengths
+        # and then the flags following, so the launch can be captured once into a graph; ``params_out`` (int64
+        # [PARAMS_WORDS], device) receives the header's translation words (unused without ``HEADER``).
         if HEADER:
             batch = tl.load(meta_in)
             width = tl.load(meta_in + 1)
@@ -444,7 +375,10 @@ if triton is not None:
                 owner = _table_pages(tokens, tok_stride0, row, j, live, page_size) % N
                 _, counts = _owner_ranks(owner, live, totals, N, NP2, BLOCK)
                 totals += counts
-        _store_status(status_out, totals, slots_per_rank, N, NP2)
+        owners = tl.arange(0, NP2)  # the status: the overflow flag, then the positions per owner
+        tl.store(status_out + 1 + owners, totals, mask=owners < N)
+        overflow = tl.max(tl.where(owners < N, totals, 0), axis=0) > slots_per_rank
+        tl.store(status_out, overflow.to(tl.int64))
         _fill_unused_entries(phys_out, totals, slots_per_rank, trash_page, N, NP2, BLOCK)
         seen = tl.zeros([NP2], dtype=tl.int64)
         for b in range(batch):
@@ -519,21 +453,18 @@ def plan_batch(
     header: bool = False,
     queue: bool = True,
 ) -> BatchPlan | tuple[BatchPlan, Launch | None]:
-    """``plan_batch_ref`` in one launch of one program (which first fills ``page_pos``, None: no page map,
-    with ``fill``): its outputs in one int64 buffer and an int32 table, nothing read back.
+    """``plan_batch_ref`` in one launch of one program: its outputs in one int64 buffer and an int32 table.
 
-    ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 +
-    B]``; default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the
-    words before it are written): pinned, they reach the host with the launch, no copy
-    (``slot_plan.DeviceFlagCheck.watch(..., landed=)``). ``workspace``: the outputs are views of its
-    buffers, valid until the next plan over it; a header launch copies its translation words to
-    ``workspace.params``.
+    ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 + B]``;
+    default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the words before
+    it are written): pinned, they reach the host with the launch (``slot_plan.DeviceFlagCheck``).
+    ``workspace``: the outputs are views of its buffers, valid until the next plan over it.
 
-    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (12
-    words, the request rows by address: contiguous int64), the lengths, then the flags; the launch reads
-    everything from it, so its arguments stay the same batch after batch (a captured graph replays it).
-    ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued (None where the reference
-    computed the plan)."""
+    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (the request
+    rows by address: contiguous int64), the lengths, then the flags; the launch reads everything from it, so
+    its arguments stay the same batch after batch (a captured graph replays it), and copies the translation
+    words to ``workspace.params``. ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued
+    (None where the reference computed the plan)."""
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
@@ -549,14 +480,10 @@ def plan_batch(
     check_index("tokens", tokens, 2)
     lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
     if header:
-        if (
-            meta.dtype != torch.int64
-            or meta.numel() != head + lengths + cp_size + 2 + batch
-            or meta.device.type != "cpu"
-        ):
+        need = head + lengths + cp_size + 2 + batch
+        if meta.dtype != torch.int64 or meta.numel() != need or meta.device.type != "cpu":
             raise ValueError(
-                f"a header buffer must be host int64 [{head + lengths + cp_size + 2 + batch}], got {meta.dtype} "
-                f"{tuple(meta.shape)} on {meta.device}"
+                f"a header buffer must be host int64 [{need}], got {meta.dtype} {tuple(meta.shape)} on {meta.device}"
             )
         if flags is None:
             flags = meta[head + lengths :]
@@ -598,11 +525,7 @@ def plan_batch(
     pages_out = flat if page_pos is None else page_pos
     num_pages = 0 if page_pos is None else page_pos.shape[0]
     if header:  # the buffer in place of the rows and the flags, the per-batch ints read from it (0 here)
-        params = (
-            torch.empty(PARAMS_WORDS, dtype=torch.int64, device=tokens.device)
-            if workspace is None
-            else workspace.params
-        )
+        params = workspace.params if workspace else torch.empty(PARAMS_WORDS, dtype=torch.int64, device=tokens.device)
         args = (tokens, tokens.stride(0), meta, meta, flat, table, meta, pages_out, params)
         args += (0, 0, page_size, 0, 0, trash_page, pad, 0, 0, num_pages)
     else:
@@ -630,15 +553,8 @@ def plan_header(
 
 
 class PlanWorkspace:
-    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``), instead of
-    two allocations per batch (host time).
-
-    ``take`` hands the whole int64 buffer (its tail past the batch's words unused) and a ``[batch, width]``
-    int32 table at the start of the other buffer, each grown to twice the need when too small. Reuse
-    follows stream order: a plan is read by the kernels queued after it, and the next plan's launch is
-    queued after those, on the same stream. A reader on another stream must be waited for before the
-    next plan (the read state drains the materializer's prefetch stream before it plans a batch).
-    """
+    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``). Reuse follows
+    stream order: a reader on another stream must be waited for before the next plan."""
 
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None

@@ -1,12 +1,6 @@
-"""How the read path launches its Triton kernels: ``Launch``, a kernel with its arguments bound, queued
-through Triton's public API (``kernel[grid](*args, **constexprs)``) on torch's current stream.
-
-Every kernel of ``plan_kernels`` and ``materialize_kernels`` launches through this module, and nothing
-else touches Triton's runtime. A launch whose arguments stay the same batch after batch can be captured
-into a CUDA graph (the copy engines' fence does: ``graph_key`` names what the graph bakes in).
-
-Kernels run on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set at import (the tests);
-``triton_enabled`` tells a wrapper which, and the wrapper runs its plain-torch reference otherwise.
+"""``Launch``: a Triton kernel with its arguments bound, queued through Triton's public API on torch's
+current stream; every kernel of ``plan_kernels`` and ``materialize_kernels`` launches through it. Kernels
+run on CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set at import (the tests).
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ except ImportError:  # pragma: no cover - triton ships with torch on every platf
 
 
 def interpreting() -> bool:
-    """Whether ``triton.jit`` builds interpreted kernels (``TRITON_INTERPRET=1`` at import): then CPU tensors
-    can run them."""
+    """Whether ``triton.jit`` builds interpreted kernels (``TRITON_INTERPRET=1`` at import), which CPU tensors run."""
     return triton is not None and not isinstance(_probe, triton.runtime.JITFunction)
 
 
@@ -47,12 +40,9 @@ def check_index(name: str, t: torch.Tensor, dim: int) -> None:
 
 
 class Launch:
-    """``fn[grid](*args, **constexprs, **options)``, queued on the current stream at every call.
-
-    The tensors are checked once, here: every one on the launch's device (its first tensor off the host),
-    or pinned host memory, which a CUDA kernel reaches through unified addressing. ``ran``: a launch that
-    Triton compiles to the same kernel (this one or another: ``compile_key``) has been queued, so a graph
-    capture of this one compiles nothing.
+    """``fn[grid](*args, **constexprs, **options)``, queued on the current stream at every call. Every tensor
+    must be on the launch's device (its first tensor off the host) or pinned host memory. ``ran``: a launch
+    Triton compiles to the same kernel (``compile_key``) has been queued, so a graph capture compiles nothing.
     """
 
     __slots__ = ("fn", "grid", "args", "constexprs", "options", "device")

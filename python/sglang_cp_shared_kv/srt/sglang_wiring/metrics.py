@@ -11,20 +11,8 @@ before the scheduler processes start); each scheduler writes its own series ther
 the same way: prometheus_client imported only when they are built, gauges in ``mostrecent`` mode,
 names ``sglang:cp_shared_kv_*``, labels ``model_name``, ``engine_type``, ``tp_rank`` (plus
 ``--extra-metric-labels``) and ``cp_rank``: every CP rank reports its own shard (SGLang's own
-scheduler metrics come from CP rank 0 only).
-
-=====================================================  =========  ========================================
-``sglang:cp_shared_kv_held_tokens``                    gauge      KV token slots this rank's pool holds
-``sglang:cp_shared_kv_logical_capacity_tokens``        gauge      logical tokens the CP group caches (N x)
-``sglang:cp_shared_kv_view_arena_bytes``               gauge      the view arena, allocated once
-``sglang:cp_shared_kv_view_arena_peak_used_bytes``     gauge      the most of it one batch has used
-``sglang:cp_shared_kv_view_bytes_received_per_batch``  histogram  bytes one batch's views received
-``sglang:cp_shared_kv_view_bytes_received_total``      counter    the same, summed over batches
-``sglang:cp_shared_kv_arena_deferrals_total``          counter    times admission held a request back
-``sglang:cp_shared_kv_view_transport``                 gauge      1 on the transport the views use
-``sglang:cp_shared_kv_slot_overflows_total``           counter    batches failed by a slot overflow
-``sglang:cp_shared_kv_manifest_rejections_total``      counter    requests a decode server refused
-=====================================================  =========  ========================================
+scheduler metrics come from CP rank 0 only). ``CPSharedKVMetrics`` defines the series (``docs/usage.md``
+lists them).
 
 Every value is one the host already has: sizes from the pool and allocator, per-batch byte counts
 that the read path sums from host lengths (``BatchCounters``), the arena share from the shapes of
@@ -247,17 +235,20 @@ def observe_batch(original, pool, req_to_token, forward_batch):
 def count_deferral(reserved: bool, adder, *_args, **_kwargs) -> bool:
     """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: a request held back by the view arena."""
     if not reserved and serves_arena(adder.token_to_kv_pool_allocator):
-        metrics = get()
-        if metrics is not None:
-            metrics.series(metrics.arena_deferrals).inc()
+        _count("arena_deferrals")
     return reserved
 
 
 def count_manifest_rejection() -> None:
     """A decode server refused a request's manifests (``decode_manifest``)."""
+    _count("manifest_rejections")
+
+
+def _count(counter: str) -> None:
+    """One more on this process's counter named ``counter`` (a ``CPSharedKVMetrics`` attribute), if any."""
     metrics = get()
     if metrics is not None:
-        metrics.series(metrics.manifest_rejections).inc()
+        metrics.series(getattr(metrics, counter)).inc()
 
 
 # (target, hook, kind) for ``sglang_wiring.register``.

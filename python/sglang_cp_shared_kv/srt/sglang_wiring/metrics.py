@@ -27,7 +27,7 @@ from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import serves_arena
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import is_cp_shared_pool, serves_arena
 
 logger = logging.getLogger(__name__)
 
@@ -196,16 +196,10 @@ def startup_line(pool: Any, allocator: Any) -> str:
 # -- at SGLang's call sites --
 
 
-def _ours(pool: Any) -> bool:
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
-    return isinstance(pool, CPSharedKVPoolMixin)
-
-
 def report_pools(result, _configurator, **_kwargs):
     """Runs after ``KVCacheConfigurator._init_pools``: the startup line and the start-up sizes."""
     pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
-    if not _ours(pool):
+    if not is_cp_shared_pool(pool):
         return result
     logger.info(startup_line(pool, allocator))
     metrics = get()
@@ -216,7 +210,7 @@ def report_pools(result, _configurator, **_kwargs):
 
 def observe_batch(original, pool, req_to_token, forward_batch):
     """Wraps ``prepare_kv_shard_forward``: the previous batch's bytes, this batch's arena share, overflows."""
-    metrics = get() if _ours(pool) else None
+    metrics = get() if is_cp_shared_pool(pool) else None
     if metrics is None:
         return original(pool, req_to_token, forward_batch)
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError

@@ -1,52 +1,37 @@
 """Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
 
-Three builders wrap the configurator's steps, each calling the stock step unchanged unless
-``--enable-cp-shared-kv`` is on (and the configurator builds a target, not a draft, pool):
+Each builder calls the stock step unchanged unless ``--enable-cp-shared-kv`` is on and the configurator
+builds a target (not a draft) pool:
 
-- ``build_dsa_kv_pool`` / ``build_mla_kv_pool``: the stock builder with our pool class in place of
-  ``DSATokenToKVPool`` / ``MLATokenToKVPool`` (same arguments: every size, dtype and layer decision
-  stays SGLang's).
-- ``build_allocator``: SGLang's own owner-rotating ``PageInterleavePoolAllocator`` over our pool (logical
-  page ``lp`` drawn for owner ``lp % N``, as ``PageOwnership``), handed our view arena's
-  ``PageShardSpec`` so SGLang's scratch admission keeps every prefill batch inside the arena; then the
-  process transfers sharded KV (``transfer``).
+- ``build_dsa_kv_pool`` / ``build_mla_kv_pool``: the stock builder with our pool class (every size,
+  dtype and layer decision stays SGLang's).
+- ``build_allocator``: SGLang's owner-rotating ``PageInterleavePoolAllocator`` over our pool, handed our
+  view arena's ``PageShardSpec`` so its scratch admission keeps every prefill batch inside the arena;
+  then the process transfers sharded KV (``transfer``).
+- ``check_built_pools``: a refusal, one line per problem, unless the pool and allocator built are ours.
 
-``check_built_pools`` refuses to go on, one line per problem, unless the pool and allocator SGLang built
-are ours.
-
-**Shared prefixes**: only the scheduler knows which requests of a batch share prefix pages (the radix
-paths their ``Req.last_node`` s end at), and ``ForwardBatch`` does not carry them. ``hint_shared_prefix``
-runs after ``ForwardBatch.init_new``, computes the hint from the radix paths and the batch's
-``extend_prefix_lens_cpu`` and hands it to the pool (``expect_shared_prefix``), keyed by the batch's rids
-and prefix lens (SGLang's eager runner rebuilds the ForwardBatch before the backend begins it, so an
-attribute of the batch would not arrive). ``name_batch_requests`` runs before
-``prepare_kv_shard_forward`` and names the batch to the pool (``name_next_batch``), whose next begin
-takes the hint when the batch is the hint's (same requests, same prefix lens, prefix-free padding
-past them). Host objects only; every CP rank holds the same tree and batches, so every rank plans with
-the same hint, and the read state checks it against the page ids on the device."""
+**Shared prefixes**: only the scheduler's radix tree knows which requests of a batch share prefix pages.
+``hint_shared_prefix`` (after ``ForwardBatch.init_new``) computes the hint and hands it to the pool
+(``expect_shared_prefix``) keyed by the batch's rids and prefix lens, since SGLang's eager runner rebuilds
+the ForwardBatch before the backend begins it. ``name_batch_requests`` (before ``prepare_kv_shard_forward``)
+names the batch to the pool, whose next begin takes the hint when the batch is the hint's. Host objects
+only; every CP rank holds the same tree and batches, so every rank plans with the same hint, and the read
+state checks it against the page ids on the device."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import builds_cp_shared_pool, read_mode_for, spec_for
-
-logger = logging.getLogger(__name__)
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
+    builds_cp_shared_pool,
+    is_cp_shared_pool,
+    read_mode_for,
+    spec_for,
+)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-
-
-def _check_built(pool) -> None:
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
-    if not isinstance(pool, CPSharedKVPoolMixin):
-        raise RuntimeError(
-            f"{FLAG}: SGLang built a {type(pool).__name__} instead of the CP-shared pool "
-            "(a pool-selecting option the startup checks do not know about is on)"
-        )
 
 
 def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_class: str):
@@ -56,7 +41,11 @@ def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_
     from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
     pool = original(configurator, **{**kwargs, class_arg: getattr(sharded_kv_pool, pool_class)})
-    _check_built(pool)
+    if not is_cp_shared_pool(pool):
+        raise RuntimeError(
+            f"{FLAG}: SGLang built a {type(pool).__name__} instead of the CP-shared pool "
+            "(a pool-selecting option the startup checks do not know about is on)"
+        )
     return pool
 
 
@@ -69,10 +58,8 @@ def build_mla_kv_pool(original, configurator, **kwargs):
 
 
 def build_allocator(original, configurator, **kwargs):
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
     pool = kwargs.get("token_to_kv_pool")
-    if not isinstance(pool, CPSharedKVPoolMixin) or kwargs.get("token_to_kv_pool_allocator") is not None:
+    if not is_cp_shared_pool(pool) or kwargs.get("token_to_kv_pool_allocator") is not None:
         return original(configurator, **kwargs)
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.runtime_context import get_disagg
@@ -92,14 +79,6 @@ def build_allocator(original, configurator, **kwargs):
     )
     # The read buffers, once: the bytes view_arena charged to the budget.
     pool.attach_view_arena(spec, read_mode_for(configurator).prefetch)
-    logger.debug(  # the rank's one INFO line: metrics.startup_line
-        "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
-        FLAG,
-        allocator.size,
-        pool.shard_size,
-        spec.max_prefix_tokens,
-        spec.chunk_tokens,
-    )
     enable_sharded_transfer()
     return allocator
 
@@ -111,12 +90,11 @@ def check_built_pools(result, configurator, **_kwargs):
         return result
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
     from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, hook_rejections
 
     lines = hook_rejections()  # as a plugin: a line if SGLang did not install one of its hooks
     pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
-    if not isinstance(pool, CPSharedKVPoolMixin):
+    if not is_cp_shared_pool(pool):
         lines.append(
             f"{FLAG}: SGLang built a {type(pool).__name__}, not the CP-shared pool (a pool-selecting option "
             "the startup checks do not know about is on); drop that option or the flag."
@@ -133,10 +111,8 @@ def check_built_pools(result, configurator, **_kwargs):
 
 @dataclass(frozen=True)
 class SharedPrefixHint:
-    """One extend batch's shared-prefix hint, from ``ForwardBatch.init_new`` to the batch's ``begin``.
-
-    ``rids`` and ``prefix_lens``: the batch's requests and their ``extend_prefix_lens_cpu``, as
-    ``init_new`` built them; ``pairs``: ``(source, pages)`` per request (``BatchInputs.shared_prefix``).
+    """One extend batch's shared-prefix hint, from ``ForwardBatch.init_new`` to the batch's ``begin``: its
+    ``rids`` and ``extend_prefix_lens_cpu``, and ``(source, pages)`` per request (``BatchInputs.shared_prefix``).
     """
 
     rids: tuple[str, ...]
@@ -186,12 +162,8 @@ def shared_prefix_from_paths(
 def shared_prefix_from_nodes(
     last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int
 ) -> list[tuple[int, int]]:
-    """``shared_prefix_from_paths`` from node objects: ``last_nodes[b]`` is request ``b``'s ``Req.last_node``
-    in a tree of SGLang's ``TreeNode`` s (``parent``, ``value``, the root's parent ``None``).
-
-    A node's depth is the host-known length of its values (of its key where it has none): no device
-    data is read.
-    """
+    """``shared_prefix_from_paths`` from ``Req.last_node`` s in a tree of SGLang's ``TreeNode`` s (``parent``,
+    ``value``, the root's parent ``None``); a node's depth is the host length of its value (else its key)."""
     paths = []
     for node in last_nodes:
         chain = []
@@ -254,15 +226,10 @@ def batch_shared_prefix(
 
 
 def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
-    """Runs after ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint to a CP-shared pool.
-
-    Every extend batch replaces the pool's hint (``None``: no sharing), so a hint never outlives the
-    next batch. Passes through unless the flag is on and the model runner's pool is ours.
-    """
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
+    """Runs after ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint (``None``: no sharing)
+    to a CP-shared pool. Every extend batch replaces it, so a hint never outlives the next batch."""
     pool = getattr(model_runner, "token_to_kv_pool", None)
-    if not isinstance(pool, CPSharedKVPoolMixin) or not runtime_enabled():
+    if not is_cp_shared_pool(pool) or not runtime_enabled():
         return result
     if result.forward_mode.is_extend_or_draft_extend_or_mixed():
         pool.expect_shared_prefix(
@@ -274,9 +241,7 @@ def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
 def name_batch_requests(pool, req_to_token, forward_batch) -> None:
     """Give a CP-shared pool the batch's request ids (for errors) and its shared-prefix hint before SGLang's
     backend begins the batch (a hook that runs first: ``metrics`` holds the one around the call)."""
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
-    if isinstance(pool, CPSharedKVPoolMixin):
+    if is_cp_shared_pool(pool):
         rids = getattr(forward_batch, "rids", None)
         pool.name_next_batch(rids, getattr(forward_batch, "extend_prefix_lens_cpu", None))
 

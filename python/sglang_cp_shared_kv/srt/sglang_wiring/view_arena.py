@@ -139,13 +139,18 @@ def charge_arena(original, kvc, **kwargs):
     return ours
 
 
+def is_cp_shared_pool(pool: Any) -> bool:
+    """Whether ``pool`` is a CP-shared pool (``sharded_kv_pool``, imported only when asked)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    return isinstance(pool, CPSharedKVPoolMixin)
+
+
 def serves_arena(allocator) -> bool:
     """Whether ``allocator`` hands out a CP-shared pool's slots: SGLang's admission then keeps each batch
     within that pool's view arena."""
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
     get_kvcache = getattr(allocator, "get_kvcache", None)
-    return get_kvcache is not None and isinstance(get_kvcache(), CPSharedKVPoolMixin)
+    return get_kvcache is not None and is_cp_shared_pool(get_kvcache())
 
 
 def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:

@@ -1,28 +1,23 @@
 """The decode side's manifest check, inside SGLang's Mooncake KV receiver.
 
-A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP;
-the flag means "expect CP shared-KV manifests". Each prefill CP rank appends its manifest to its
-Success status message (``transfer.attach_manifest``). Three functions at SGLang's receiver check them:
+A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP; the flag
+means "expect CP shared-KV manifests" (``transfer.attach_manifest``). Three hooks check them:
 
-- ``arm_manifest_check`` (wraps ``CommonKVReceiver.send_metadata``): before the destination
-  pages leave, the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages (the
-  positions SGLang's prefill senders index), the prefill's CP size and the decode's per-page
-  latent bytes; it expects as many senders as SGLang's own success count.
-- ``check_status_message`` (wraps ``CommonKVManager.parse_kv_status_message``, on the decode
-  thread, before SGLang counts the status): a Success passes only if its manifest is accepted by
-  the collector: the rank matches the status frame's sender, every rank lists the same page
-  table, positions are in range, none twice, each claimed by the rank that owns its logical page
-  (``page % N``), and all of them once every rank is in. So SGLang's count of N successes, its
-  only condition for ``KVPoll.Success``, is reached exactly when the collector is complete.
-  Otherwise the status is held back, and once every expected sender has reported (so no prefill
-  rank is still writing into the request's pages) it is turned into ``KVPoll.Failed`` with a
-  one-line reason. SGLang's decode scheduler then fails that request and releases its pages as it
-  does for any failed transfer; other requests are not touched.
-- ``forget_room`` (runs after ``CommonKVReceiver.clear``) drops the request's collector.
+- ``arm_manifest_check`` (wraps ``CommonKVReceiver.send_metadata``): before the destination pages leave,
+  the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages, the prefill's CP size and the
+  decode's per-page latent bytes, expecting as many senders as SGLang's own success count.
+- ``check_status_message`` (wraps ``CommonKVManager.parse_kv_status_message``, on the decode thread,
+  before SGLang counts the status): a Success passes only if the collector accepts its manifest (the
+  rank matches the sender, every rank lists the same page table, positions in range, none twice, each
+  claimed by the owner of its logical page ``page % N``, and all once every rank is in). So SGLang's N
+  successes, its only condition for ``KVPoll.Success``, are reached exactly when the collector is
+  complete. Otherwise the status is held back until every expected sender has reported (no prefill rank
+  still writes into the request's pages), then turned into ``KVPoll.Failed`` with a one-line reason:
+  SGLang fails that request and releases its pages as for any failed transfer.
+- ``forget_room`` (after ``CommonKVReceiver.clear``) drops the request's collector.
 
-A failure is logged when it is found; if a rank never reports, SGLang's waiting timeout fails
-the request instead. Other statuses (a prefill's own Failed) pass through unchanged. With the
-flag off, or in a prefill process, each of them calls SGLang's step and nothing else.
+A rank that never reports is left to SGLang's waiting timeout. Other statuses pass through unchanged;
+with the flag off, or in a prefill process, each hook only calls SGLang's step.
 """
 
 from __future__ import annotations
@@ -150,14 +145,9 @@ def check_status_message(original, mgr, msg):
             return room, failed, prefill_rank, f"{FLAG}: manifest check failed: {why}"
         _judge(check, msg, room, prefill_rank)
         if check.error is None:
-            if check.collector.complete and debug_enabled():
-                logger.info(
-                    "%s: room %s: %d manifests cover its %d pages",
-                    FLAG,
-                    room,
-                    check.collector.cp_size,
-                    check.collector.n_pages,
-                )
+            c = check.collector
+            if c.complete and debug_enabled():
+                logger.info("%s: room %s: %d manifests cover its %d pages", FLAG, room, c.cp_size, c.n_pages)
             return parsed
         if not check.logged:  # found here or when the check was armed: reported at the first Success
             check.logged = True

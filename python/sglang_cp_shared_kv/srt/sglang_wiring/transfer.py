@@ -1,36 +1,26 @@
 """PD transfer of a CP-shared pool through SGLang's Mooncake connector.
 
-SGLang 0.5.23's Mooncake connector already carries sharded-KV transfers for its own page
-sharding, with the ownership arithmetic of ``PageOwnership`` (logical page ``lp`` on group
-rank ``lp % N`` as local page ``lp // N``) over the same group (the attention-CP group when
-prefill CP is on):
+SGLang 0.5.23's Mooncake connector already carries sharded-KV transfers for its own page sharding, with
+``PageOwnership``'s arithmetic (logical page ``lp`` on group rank ``lp % N`` as local page ``lp // N``)
+over the attention-CP group: each prefill CP rank's sender keeps the request pages it owns and sends them
+to the decode at their positions in the request (``disaggregation.utils.filter_kv_indices_for_shard_rank``
+from ``CommonKVSender._prepare_send_indices``; DSA indexer pages in ``MooncakeKVManager.maybe_send_extra``),
+and the prefill's bootstrap info makes a stock decode pull from all N ranks and wait for N completions.
 
-- each prefill CP rank's sender keeps the request pages it owns and sends them as local pages
-  to the decode destinations at their positions in the request
-  (``disaggregation.utils.filter_kv_indices_for_shard_rank`` from
-  ``CommonKVSender._prepare_send_indices``; DSA indexer pages likewise in
-  ``MooncakeKVManager.maybe_send_extra``);
-- the prefill advertises the sharding in its bootstrap info, so a stock decode server pulls
-  from all N prefill CP ranks and waits for N completions.
+Those paths key on ``get_parallel().enable_kv_cache_sharding``: ``enable_sharded_transfer`` sets it once the
+CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV manager,
+created later, takes them. The only later reader in a prefill scheduler is the FlashInfer autotune, which
+then skips (its dummy decode batch would read logical locs outside a planned batch).
 
-Those paths key on ``get_parallel().enable_kv_cache_sharding``. ``enable_sharded_transfer``
-sets it for this process once the CP-shared pool and its allocator exist (after the only pool
-builders that read it), so SGLang's KV manager, created later, takes them. Nothing else reads
-the flag in a prefill scheduler after that point except the FlashInfer autotune, which it then
-skips (its dummy decode batch would read logical locs outside a planned batch).
+The manifest (ours): SGLang's sender never sends positions, so each CP rank records per request the
+logical page at every position (the same on every rank) and the positions it selected
+(``record_sent_share``), and appends them to its Success status message (``attach_manifest``): the one
+message every prefill rank already sends every decode endpoint once the request's pages, indexer pages
+and aux data are written. The frames follow those SGLang parses, so a stock decode reads the message as
+before; a decode running the flag checks them before the request is ready (``decode_manifest``).
 
-The manifest (ours): SGLang's sender derives positions on the prefill and never sends them,
-so each CP rank records, per request, the logical page at every position (the request's page
-table, the same on every rank) and the positions it selected (``record_sent_share``, after
-``CommonKVSender._prepare_send_indices``), and appends them to its Success status message
-(``attach_manifest``, after ``CommonKVManager._encode_kv_status_message``): the one message
-every prefill rank already sends every decode endpoint of the request once its pages, its
-indexer pages and its aux data are written. The frames go after the status frames SGLang
-parses, so a stock decode reads the message exactly as before; a decode server running the
-flag checks them before the request is marked ready (``decode_manifest``).
-
-With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects
-it (``check_send_indices``).
+With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects it
+(``check_send_indices``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """The view arena: the read buffer of a CP-shared pool, sized once from the server's limits.
 
-A prefill batch's read buffer holds ``[prefix view | current chunk | trash page]``: the prefix
-pages all-gathered owner-major (``N * sum_i ceil(prefix_pages_i / N)`` pages) and the chunk's
-pages staged locally. SGLang's own scheduler already bounds exactly those two regions per batch
-for its page-interleave pool (``PrefillAdder._kv_shard_reserve_scratch``, from the allocator's
-``PageShardSpec``): a request that would overflow either waits for a later batch. We hand the
-allocator a spec of our own sizes, so the same admission keeps every batch inside our arena,
-and charge the arena's bytes to the KV budget in place of SGLang's scratch
-(``pool_configurator.compute_page_shard_scratch_bytes``), so the token capacity the scheduler
-sees shrinks by exactly the arena.
+A prefill batch's read buffer holds ``[prefix view | current chunk | trash page]``: the prefix pages
+all-gathered owner-major (``N * sum_i ceil(prefix_pages_i / N)`` pages) and the chunk's pages staged
+locally. SGLang's scheduler already bounds those two regions per batch for its page-interleave pool
+(``PrefillAdder._kv_shard_reserve_scratch``, from the allocator's ``PageShardSpec``): we hand the
+allocator a spec of our sizes, so its admission keeps every batch inside our arena, and charge the
+arena's bytes to the KV budget in place of SGLang's scratch
+(``pool_configurator.compute_page_shard_scratch_bytes``).
 
-Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``,
-default ``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times the bytes of one
-token's latent row and indexer record. With one-layer-ahead prefetch (the read mode, ``read_mode``: chosen
-from the rank model at startup; it runs only if the transport chosen is not NCCL) a second chunk and page: a batch
-whose views fit the arena twice (at most half the prefix budget: the usual batch) is prefetched, a
-larger one is read layer by layer; admission stays the same. SGLang's page-interleave scratch keeps eight contexts,
-twice (double-buffered for its layer-ahead gather)::
+Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``, default
+``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times one token's latent row and
+indexer record. With one-layer-ahead prefetch (``read_mode``; it runs only off NCCL) a second chunk and
+page: a batch whose views fit the arena twice is prefetched, a larger one read layer by layer; admission
+stays the same. SGLang's page-interleave scratch keeps eight contexts, twice::
 
     ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
 """

@@ -108,7 +108,7 @@ class CPSharedKVMetrics:
                 self._peak_used = used
                 self.series(self.view_arena_peak_used_bytes).set(used)
         if self._transport is None and read.views is not None and read.views.group is not None:
-            self._transport = transport_name(read.views.group)
+            self._transport = str(read.views.group.backend)  # copy_engine, nccl or gloo
             self.view_transport.labels(**self.labels, transport=self._transport).set(1)
 
     def batch_done(self, counters: Any) -> None:
@@ -125,13 +125,6 @@ def arena_bytes(pool: Any) -> int:
     """Bytes of a CP-shared pool's view arena (0 without one)."""
     arena = pool.read.arena
     return sum(t.nbytes for t in arena.values()) if arena is not None else 0
-
-
-def transport_name(group: Any) -> str:
-    """``copy_engine`` for the copy-engine group, else the CP group's collective backend (``nccl``, ``gloo``)."""
-    from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
-
-    return "copy_engine" if isinstance(group, CopyEngineGroup) else str(group.backend)
 
 
 def sglang_labels() -> dict[str, Any]:
@@ -245,7 +238,6 @@ def _count(counter: str) -> None:
         metrics.series(getattr(metrics, counter)).inc()
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools", report_pools, "after"),
     ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", observe_batch, "around"),

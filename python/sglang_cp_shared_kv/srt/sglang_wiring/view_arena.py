@@ -116,8 +116,7 @@ def charge_arena(original, kvc, **kwargs):
     spec = spec_for(kvc)
     token_bytes = page_interleave._page_shard_row_bytes(kvc)
     mode = read_mode_for(kvc)
-    prefetch = mode.prefetch
-    ours = arena_bytes(spec, token_bytes, prefetch)
+    ours = arena_bytes(spec, token_bytes, mode.prefetch)
     theirs = upstream_scratch_bytes(spec, token_bytes, kvc.model_config.context_len)
     layers = max(int(getattr(kvc.model_config, "num_hidden_layers", 1) or 1), 1)
     logger.info(
@@ -126,7 +125,7 @@ def charge_arena(original, kvc, **kwargs):
         FLAG,
         ours / 2**20,
         spec.max_prefix_tokens,
-        "2 x " if prefetch else "",
+        "2 x " if mode.prefetch else "",
         spec.chunk_tokens,
         ours // (token_bytes * layers),
         theirs / 2**20,
@@ -166,7 +165,6 @@ def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> boo
     return reserved
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     ("sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes", charge_arena, "around"),
     ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", log_deferred, "after"),

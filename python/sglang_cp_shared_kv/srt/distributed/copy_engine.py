@@ -533,11 +533,9 @@ def view_group(
     sources: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> CPGroup | CopyEngineGroup:
     """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself.
-
-    Collective, decided alike on every rank: copy engines only if every rank loads the driver, on one
-    host; CPU buffers always use ``group``; under ``auto`` a fallback is a WARNING with its reason.
-    ``sources`` (per layer, the pool's page buffers) are mapped too (``CopyEngineGroup.source_table``).
-    """
+    Collective, decided alike on every rank: copy engines only if every rank loads the driver, on one host;
+    CPU buffers always use ``group``; under ``auto`` a fallback is a WARNING with its reason. ``sources``
+    (per layer, the pool's page buffers) are mapped too (``CopyEngineGroup.source_table``)."""
     setting = transport_setting(setting)
     if setting == "nccl" or not buffers or not buffers[0].is_cuda:
         if setting == "copy_engine":

@@ -181,7 +181,6 @@ def sweep(mgr: Any, now: float | None = None) -> None:
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_COMMON}.CommonKVManager.update_status", guard_update_status, "around"),
     (f"{_COMMON}.CommonKVSender.clear", close_room, "around"),

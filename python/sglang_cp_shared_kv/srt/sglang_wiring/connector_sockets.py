@@ -47,5 +47,4 @@ def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [(f"{_COMMON}.CommonKVManager._connect", reconnect_new_sockets, "around")]

@@ -123,12 +123,9 @@ def _judge(check: RoomCheck, msg: list[bytes], room: int, prefill_rank: int) -> 
 
 
 def check_status_message(original, mgr, msg):
-    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on).
-
-    Returns SGLang's parse for anything but a Success status of an armed request; for those, the
-    parse itself if the manifest is accepted, ``None`` (not a status message: ignored) while a
-    failed request waits for its other senders, then a Failed status carrying the reason.
-    """
+    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on): SGLang's parse, except
+    for a Success of an armed request whose manifest is refused: ``None`` (ignored) while the request
+    waits for its other senders, then a Failed status carrying the reason."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     parsed = original(mgr, msg)
@@ -168,7 +165,6 @@ def forget_room(_result, receiver) -> None:
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_COMMON}.CommonKVReceiver.send_metadata", arm_manifest_check, "around"),
     (f"{_COMMON}.CommonKVManager.parse_kv_status_message", check_status_message, "around"),

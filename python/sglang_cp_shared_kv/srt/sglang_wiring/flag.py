@@ -18,10 +18,8 @@ def enabled(server_args: Any) -> bool:
 
 
 def runtime_enabled() -> bool:
-    """Whether the server args published in this process have the flag on.
-
-    False before any server args are published (e.g. a pool built by a test).
-    """
+    """Whether the server args published in this process have the flag on (False before any are published,
+    e.g. for a pool built by a test)."""
     from sglang.srt.runtime_context import get_context
 
     try:

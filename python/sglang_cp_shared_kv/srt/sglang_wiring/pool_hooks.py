@@ -246,7 +246,6 @@ def name_batch_requests(pool, req_to_token, forward_batch) -> None:
         pool.name_next_batch(rids, getattr(forward_batch, "extend_prefix_lens_cpu", None))
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, "around"),
     (f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, "around"),

@@ -35,12 +35,9 @@ _HELP = (
 
 
 class _FlagAction(argparse._StoreTrueAction):
-    """``store_true`` that, when the flag is given, checks that every plugin hook is installed.
-
-    Parsing the command line is the first thing a launcher does after SGLang applied the hooks,
-    so a missing hook stops it here. On a command line the rejection prints as its line alone
-    (``startup_checks.install_clean_exit``), as every later rejection of the flag does.
-    """
+    """``store_true`` that, when the flag is given, checks that every plugin hook is installed: parsing is
+    the first thing a launcher does after SGLang applied the hooks. The rejection prints as its line alone
+    (``startup_checks.install_clean_exit``), as every later rejection of the flag does."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
@@ -62,7 +59,6 @@ def copy_flag(server_args: Any, _cls: type, args: argparse.Namespace) -> None:
     setattr(server_args, ATTR, bool(getattr(args, ATTR, False)))
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     ("sglang.srt.server_args.ServerArgs.add_cli_args", add_flag, "after"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", copy_flag, "after"),

@@ -51,10 +51,9 @@ def _host_ints(values) -> tuple[int, ...]:
 class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers.
 
-    It inherits SGLang's kv-shard mixin only for the type: SGLang's backends detect a
-    sharded pool by ``isinstance(pool, PageInterleaveKVPoolMixin)`` and then call the
-    methods below, all of which are ours. SGLang's own scratch, gather communicator and
-    write plan are never built.
+    SGLang's kv-shard mixin is inherited only for the type: its backends detect a sharded pool by
+    ``isinstance(pool, PageInterleaveKVPoolMixin)`` and then call the methods below, all ours. SGLang's
+    own scratch, gather communicator and write plan are never built.
     """
 
     def _init_cp_shared(

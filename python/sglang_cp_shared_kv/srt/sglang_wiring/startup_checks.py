@@ -2,34 +2,30 @@
 
 Two checks wrap existing resolution steps, each taking the stock step as an argument:
 
-- ``validate_prefill_cp_platform`` runs before model resolution and before the
-  dummy-model early return: flag-only checks (:func:`flag_rejections`).
-- ``handle_kv_cache_sharding`` runs after page size, attention backends and
-  CP topology are resolved, and again at the very end over the final view:
-  model and resolved-value checks (:func:`resolved_rejections`). Both runs
-  see the same inputs, so the checks are idempotent.
+- ``validate_prefill_cp_platform`` runs before model resolution and before the dummy-model early return:
+  flag-only checks (:func:`flag_rejections`).
+- ``handle_kv_cache_sharding`` runs after page size, attention backends and CP topology are resolved, and
+  again at the very end over the final view: model and resolved-value checks (:func:`resolved_rejections`).
+  Both runs see the same inputs, so the checks are idempotent.
 
-Every rejection is one line naming the offending flag and the fix; all of a
-configuration's rejections are raised together in one ``CPSharedKVStartupError``
-(a ``ValueError``). On a command line (the flag's argparse action installs it)
-such an error prints as its lines alone, without a traceback.
+Every rejection is one line naming the offending flag and the fix; all of a configuration's rejections are
+raised together in one ``CPSharedKVStartupError`` (a ``ValueError``).
+On a command line (the flag's argparse action installs it) such an error prints as its lines alone, without a traceback.
 With the flag off both only call the stock step.
 
-Before anything else, with the flag on: the installed SGLang must be a version the
-hooks were checked against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1``
-overrides, with a WARNING), every hook the plugin registered must be installed in this
-process (SGLang's ``HookRegistry`` logs a target it cannot install and goes on: the server
-would start with replicated KV), and the model config must be readable without the network
-(a local directory, or a model in the Hugging Face cache), since the rest of resolution may
-download it.
+Before anything else, with the flag on: the installed SGLang must be a version the hooks were checked
+against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` overrides, with a WARNING), every hook
+the plugin registered must be installed in this process (SGLang's ``HookRegistry`` logs a target it
+cannot install and goes on: the server would start with replicated KV), and the model config must be
+readable without the network (a local directory, or a model in the Hugging Face cache),
+since the rest of resolution may download it.
 
-What is accepted is exactly what the pools, their read path and the PD manifest honour:
-a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks,
-an MLA model on CUDA, either a DSA model (the lightning indexer) on the DSA
-backend's ``flashmla_sparse`` or ``trtllm`` prefill kernels, or a plain MLA
-model on the ``fa3`` prefill backend. On a PD decode server the flag means
-"expect CP shared-KV manifests" (``decode_manifest``): it must
-use Mooncake and stay non-CP; its pool, model and kernels are SGLang's.
+What is accepted is exactly what the pools, their read path and the PD manifest honour: a PD prefill
+server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA model on CUDA, either a DSA model
+(the lightning indexer) on the DSA backend's ``flashmla_sparse`` or ``trtllm`` prefill kernels, or a
+plain MLA model on the ``fa3`` prefill backend. On a PD decode server the flag means "expect CP
+shared-KV manifests" (``decode_manifest``): it must use Mooncake and stay non-CP; its pool, model and
+kernels are SGLang's.
 """
 
 from __future__ import annotations
@@ -44,9 +40,8 @@ from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, enabled
 
 logger = logging.getLogger(__name__)
 
-# DSA prefill kernels whose reads go through SGLang's kv-shard pool contract
-# (translated page tables + ``get_key_buffer`` + logical indexer pages) that
-# the sharded pool implements. Others read the pool in ways it does not serve.
+# DSA prefill kernels whose reads go through the kv-shard pool contract the sharded pool implements
+# (translated page tables + ``get_key_buffer`` + logical indexer pages); others read the pool otherwise.
 DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
 # Plain-MLA prefill backends that consume the same contract in 0.5.23.
 MLA_PREFILL_BACKENDS = ("fa3",)
@@ -82,12 +77,9 @@ def _not_wired(flag: str, value: Any) -> str:
 
 
 def sglang_version_rejections() -> list[str]:
-    """One line when the installed SGLang is not one the hooks were checked against (``SGLANG_VERSIONS``).
-
-    The hooks wrap private functions whose signatures and call order change between releases: another
-    version may start and shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start anyway,
-    with a WARNING (once per process); the missing-hook check still runs.
-    """
+    """One line when the installed SGLang is not one the hooks were checked against (``SGLANG_VERSIONS``):
+    they wrap private functions that change between releases, so another version may start and shard
+    wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
     global _version_warned
     from sglang.version import __version__ as version
 
@@ -501,7 +493,6 @@ def resolved_check(server_args: Any, previous) -> None:
     _disable_prefill_cuda_graph(server_args)
 
 
-# (SGLang resolution step, check) for ``sglang_wiring.register``.
 RESOLUTION_HOOKS = [
     ("validate_prefill_cp_platform", early_check),
     ("handle_kv_cache_sharding", resolved_check),

@@ -61,11 +61,8 @@ def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, cp_size: in
 
 
 def check_send_indices(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on).
-
-    Checks every chunk's selection against ``owned_share`` and, on the last chunk, that this
-    rank sent exactly the positions of the request it owns: its share of the manifest.
-    """
+    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on): every chunk's selection
+    against ``owned_share`` and, on the last chunk, that this rank sent exactly the positions it owns."""
     if not (debug_enabled() and runtime_enabled()):
         return None
     mgr = sender.kv_mgr
@@ -116,11 +113,9 @@ def _sharded_prefill(mgr: Any) -> bool:
 
 
 def record_sent_share(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill).
-
-    ``kv_indices`` is the chunk's logical pages by position; ``result`` holds the positions
-    SGLang's filter selected for this rank, which are what the transfer worker sends.
-    """
+    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill): records the chunk's
+    logical pages by position (``kv_indices``) and the positions SGLang's filter selected for this rank
+    (in ``result``: what the transfer worker sends)."""
     mgr = sender.kv_mgr
     if not _sharded_prefill(mgr):
         return None
@@ -144,13 +139,10 @@ def record_sent_share(result, sender, kv_indices, state_indices=None):
 
 
 def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
-    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill).
-
-    A Success status carries this rank's manifest; a Failed one carries nothing and drops the
-    record; a bootstrap notice (WaitingForInput) leaves it. The frames follow SGLang's own (an
-    empty reason frame first where the backend sends none), so SGLang's parser on the decode
-    reads the status unchanged.
-    """
+    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill): a Success status
+    carries this rank's manifest; a Failed one carries nothing and drops the record; a bootstrap notice
+    (WaitingForInput) leaves it. The frames follow SGLang's own (an empty reason frame first where the
+    backend sends none), so SGLang's parser on the decode reads the status unchanged."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if not _sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
@@ -175,11 +167,8 @@ def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
 
 def drop_unsent_share(_result, sender) -> None:
     """Runs after ``CommonKVSender.clear``: forget a request that will send no Success, and the debug check's
-    record of a request cleared before its last chunk (aborted).
-
-    A concluded Success keeps its record: the transfer worker marks the room Success before it
-    encodes the status message, so the scheduler may clear the sender first.
-    """
+    record of a request cleared before its last chunk (aborted). A concluded Success keeps its record: the
+    transfer worker marks the room Success before it encodes the status, so the sender may be cleared first."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     state = state_if_any(sender.kv_mgr)
@@ -191,7 +180,6 @@ def drop_unsent_share(_result, sender) -> None:
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_COMMON}.CommonKVSender._prepare_send_indices", check_send_indices, "after"),
     (f"{_COMMON}.CommonKVSender._prepare_send_indices", record_sent_share, "after"),

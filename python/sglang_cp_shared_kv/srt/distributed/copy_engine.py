@@ -188,7 +188,6 @@ class CopyEngineGroup:
         self.signals = torch.zeros(4, self.size, dtype=torch.int64, device=self.device)
         # This rank's outgoing counter (a call's ready and ack carry the same value), copied to the peers.
         self.outbox = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # Both fixed for the group's life: their addresses once, not per fence (host time).
         self._signals_at, self._outbox_at = self.signals.data_ptr(), self.outbox.data_ptr()
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
@@ -200,7 +199,7 @@ class CopyEngineGroup:
                 why = f"exporting this rank's arena by CUDA IPC failed: {e}"
             torch.cuda.current_stream(self.device).synchronize()  # sync-ok: once, at registration
             everyone = group.all_gather_object(mine)
-            # Peer addresses only (ints): the peers' signals and buffers, mapped into this context.
+            # The peers' signals and buffers, mapped into this context (addresses).
             self._peer_signals: dict[int, int] = {}
             self._peer_buffers: dict[int, list[int]] = {}
             self._opened: list[bytes] = []
@@ -222,8 +221,7 @@ class CopyEngineGroup:
                     why = f"opening rank {p}'s arena by CUDA IPC failed: {e}"
                     continue
                 self._peer_signals[p], self._peer_buffers[p] = addresses[0], addresses[1:]
-        # Every rank learns whether every rank could export and open every arena: all use the copy
-        # engines, or all raise (and ``view_group`` falls back to the CP group on every rank alike).
+        # All ranks use the copy engines, or all raise (``view_group`` then falls back on every rank alike).
         failures = [f"rank {p}: {w}" for p, w in enumerate(group.all_gather_object(why)) if w]
         if failures:
             self.close()
@@ -408,9 +406,6 @@ class CopyEngineGroup:
                 self._driver.release(handle)
         self._peer_signals, self._peer_buffers = {}, {}
         self._pull_cache = {}
-
-    def __repr__(self) -> str:
-        return f"CopyEngineGroup(rank={self.rank}, size={self.size}, buffers={len(self.buffers)})"
 
     def all_gather_object(self, obj: object) -> list[object]:
         return self.cpu_group.all_gather_object(obj)

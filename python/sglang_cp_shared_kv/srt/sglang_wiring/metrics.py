@@ -1,22 +1,18 @@
 """What ``--enable-cp-shared-kv`` does, per CP rank: one startup line, and metrics in SGLang's ``/metrics``.
 
-**Startup line** (INFO, every prefill CP rank, once its pool and allocator are built): the CP size,
-the KV token slots this rank holds against the logical tokens the group caches (and what a
-replicated pool would hold in the same memory), the view arena, the transport setting and whether
-views are prefetched (the transport, and with it the prefetch, is settled at the first prefix batch).
+**Startup line** (INFO, every prefill CP rank, once its pool and allocator are built): the CP size, the
+KV token slots this rank holds against the logical tokens the group caches (and what a replicated pool
+would hold in the same memory), the view arena, the transport setting and whether views are prefetched
+(the transport, and with it the prefetch, is settled at the first prefix batch).
 
-**Metrics** (only with SGLang's ``--enable-metrics``). SGLang serves ``/metrics`` from
-prometheus_client's multiprocess directory (``$PROMETHEUS_MULTIPROC_DIR``, set by its launcher
-before the scheduler processes start); each scheduler writes its own series there. These are made
-the same way: prometheus_client imported only when they are built, gauges in ``mostrecent`` mode,
-names ``sglang:cp_shared_kv_*``, labels ``model_name``, ``engine_type``, ``tp_rank`` (plus
-``--extra-metric-labels``) and ``cp_rank``: every CP rank reports its own shard (SGLang's own
-scheduler metrics come from CP rank 0 only). ``CPSharedKVMetrics`` defines the series (``docs/usage.md``
-lists them).
+**Metrics** (only with ``--enable-metrics``), made as SGLang's: in prometheus_client's multiprocess
+directory (``$PROMETHEUS_MULTIPROC_DIR``, set by its launcher), prometheus_client imported only when they
+are built, gauges in ``mostrecent`` mode, names ``sglang:cp_shared_kv_*`` (``CPSharedKVMetrics``;
+``docs/usage.md`` lists them), SGLang's scheduler labels plus ``cp_rank``: every CP rank reports its own
+shard (SGLang's own scheduler metrics come from CP rank 0 only).
 
-Every value is one the host already has: sizes from the pool and allocator, per-batch byte counts
-that the read path sums from host lengths (``BatchCounters``), the arena share from the shapes of
-the buffers the batch reads, SGLang's admission answer. Nothing reads the device. A batch's view
+Every value is one the host already has (pool and allocator sizes, the read path's ``BatchCounters``, the
+shapes of the buffers a batch reads, SGLang's admission answer): nothing reads the device. A batch's view
 bytes are recorded when the next batch begins (its layers have all read their views by then).
 """
 

@@ -135,13 +135,12 @@ def shared_prefix_from_paths(
 ) -> list[tuple[int, int]]:
     """``BatchInputs.shared_prefix`` for a batch, from the radix paths its requests' prefixes end at.
 
-    ``paths[b]`` is request ``b``'s root-to-node path in the radix tree, root side first (the root
-    itself left out): per node, its identity and the KV tokens from the root to the node's end.
-    Invariant (SGLang's radix cache keeps it): a request's first tokens, as far as its path and its
-    ``prefix_lens[b]`` both reach, sit at its path's KV locs. Two requests whose paths meet at a node
-    hold the same locs, so the same logical pages, up to that node's depth: the later one gets the
-    first request through its deepest shared node as source, and the whole pages of that depth both
-    prefixes hold. Host ints only.
+    ``paths[b]``: request ``b``'s root-to-node path, root side first (the root left out), per node its
+    identity and the KV tokens from the root to the node's end. Invariant (SGLang's radix cache keeps it):
+    a request's first tokens, as far as its path and ``prefix_lens[b]`` both reach, sit at its path's KV
+    locs. So two requests whose paths meet at a node hold the same logical pages up to its depth: the later
+    one gets the first request through its deepest shared node as source, and the whole pages of that
+    depth both prefixes hold. Host ints only.
     """
     first: dict[Hashable, tuple[int, int]] = {}  # node -> (first request through it, its depth in tokens)
     out = []

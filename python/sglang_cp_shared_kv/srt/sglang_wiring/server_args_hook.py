@@ -1,20 +1,16 @@
 """``--enable-cp-shared-kv``: the flag, and where it lives on SGLang's server args.
 
-sglang 0.5.23 has no API that adds a ``ServerArgs`` field, so the flag rides on
-two AFTER hooks:
+sglang 0.5.23 has no API that adds a ``ServerArgs`` field, so the flag rides on two AFTER hooks:
 
-- ``ServerArgs.add_cli_args`` adds the argparse option. The launcher loads
-  plugins before it builds its parser, so the option shows in
-  ``python -m sglang.launch_server --help`` and is accepted in a ``--config``
-  YAML file (SGLang's config merger reads the parser's store_true actions).
-- ``ServerArgs.from_cli_args`` copies the parsed value onto the record as the
-  plain attribute ``enable_cp_shared_kv``. It lives in the record's
-  ``__dict__``, which ``ServerArgs.__reduce__`` carries to spawned scheduler
-  processes.
+- ``ServerArgs.add_cli_args`` adds the argparse option. The launcher loads plugins before it builds its
+  parser, so the option shows in ``python -m sglang.launch_server --help`` and is accepted in a
+  ``--config`` YAML file (SGLang's config merger reads the parser's store_true actions).
+- ``ServerArgs.from_cli_args`` copies the parsed value onto the record as the plain attribute
+  ``enable_cp_shared_kv``, in its ``__dict__``, which ``ServerArgs.__reduce__`` carries to spawned
+  scheduler processes.
 
-Not covered (documented): ``sglang serve --help`` (that command prints help
-before it loads plugins; the flag itself works there) and ``Engine(...)``
-keyword construction (``ServerArgs(**kwargs)`` rejects unknown fields).
+Not covered (documented): ``sglang serve --help`` (it prints help before it loads plugins; the flag itself
+works there) and ``Engine(...)`` keyword construction (``ServerArgs(**kwargs)`` rejects unknown fields).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, takewhile
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
@@ -169,11 +170,9 @@ def shared_prefix_from_nodes(
         while node is not None and getattr(node, "parent", None) is not None:
             chain.append(node)
             node = node.parent
-        path, depth = [], 0
-        for n in reversed(chain):  # root side first
-            depth += len(n.value) if n.value is not None else len(n.key)
-            path.append((id(n), depth))
-        paths.append(path)
+        chain.reverse()  # root side first
+        depths = accumulate(len(n.value) if n.value is not None else len(n.key) for n in chain)
+        paths.append(list(zip(map(id, chain), depths)))
     return shared_prefix_from_paths(paths, prefix_lens, page_size)
 
 
@@ -190,13 +189,9 @@ def _radix_paths(tree_cache, last_nodes: list) -> list[list[tuple[int, int]]] | 
         return None
     paths = []
     for path in infos:
-        out, depth = [], 0
-        for info in path:
-            if info.full_value_len is None:  # no KV on the device from here on: nothing to share past it
-                break
-            depth += info.full_value_len
-            out.append((info.node_id, depth))
-        paths.append(out)
+        # Up to the first node with no KV on the device: nothing to share past it.
+        held = list(takewhile(lambda info: info.full_value_len is not None, path))
+        paths.append(list(zip((i.node_id for i in held), accumulate(i.full_value_len for i in held))))
     return paths
 
 

@@ -54,15 +54,10 @@ class SendShareError(AssertionError):
     """A prefill rank's sender selected pages it does not own, or missed some it does."""
 
 
-def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """What rank ``rank`` must send of a chunk: (local pages, positions) of the pages it owns."""
-    owned = page_owner(pages, cp_size) == rank
-    return local_page(pages[owned], cp_size), positions[owned]
-
-
 def check_send_indices(result, sender, kv_indices, state_indices=None):
     """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on): every chunk's selection
-    against ``owned_share`` and, on the last chunk, that this rank sent exactly the positions it owns."""
+    against the (local pages, positions) of the pages this rank owns and, on the last chunk, that this rank
+    sent exactly the positions it owns."""
     if not (debug_enabled() and runtime_enabled()):
         return None
     mgr = sender.kv_mgr
@@ -72,7 +67,8 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
     local, positions, is_last, skip = result
     pages = np.asarray(kv_indices, dtype=np.int64)
     start = sender.curr_idx - len(pages)
-    want_local, want_pos = owned_share(pages, np.arange(start, start + len(pages)), rank, cp_size)
+    owned = page_owner(pages, cp_size) == rank
+    want_local, want_pos = local_page(pages[owned], cp_size), np.arange(start, start + len(pages))[owned]
     got_pos = np.arange(positions.start, positions.stop) if isinstance(positions, slice) else np.asarray(positions)
     if not (np.array_equal(np.asarray(local, dtype=np.int64), want_local) and np.array_equal(got_pos, want_pos)):
         raise SendShareError(

@@ -29,6 +29,7 @@ across ranks: a batch reads only pages written before it began."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import socket
@@ -156,14 +157,11 @@ class _Driver:
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: other threads' CUDA calls are not checked
-_driver: _Driver | None = None
 
 
+@functools.cache  # one per process; a failure is not cached, so it is raised again at the next call
 def driver() -> _Driver:
-    global _driver
-    if _driver is None:
-        _driver = _Driver()
-    return _driver
+    return _Driver()
 
 
 class CopyEngineGroup:

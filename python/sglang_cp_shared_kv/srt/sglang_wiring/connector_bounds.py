@@ -1,36 +1,26 @@
 """Bounded per-request state in a prefill's Mooncake KV manager (SGLang 0.5.23).
 
-Three of the manager's tables outlive the requests they describe:
+Two of the manager's tables outlive the requests they describe (``docs/sglang_plugin.md``, "Bounded
+connector state", says how, and why ``decode_kv_args_table`` is left alone): **late destinations** that
+reach a prefill rank after its sender was cleared make SGLang's bootstrap thread record the room again
+(``transfer_infos``, ``req_to_decode_prefix_len``, ``request_status``) with no sender left to clear it;
+and ``_deferred_ack_poisoned_rooms`` keeps a failed batch's room for ever.
 
-- **late destinations**: a room's destination pages can reach a prefill rank after its sender was
-  aborted and cleared (an abort racing the decode's metadata, a delayed network). SGLang's bootstrap
-  thread then records the room again (``transfer_infos``, ``req_to_decode_prefix_len``, and
-  ``request_status`` through ``update_status(room, WaitingForInput)``, which may open a room because
-  destinations may also precede their sender); no sender is left to clear it.
-- ``_deferred_ack_poisoned_rooms``: a room whose Mooncake batch failed is poisoned so that no abort
-  acknowledgement tells the decode its pages are safe while the batch may still write them; only a new
-  request under the same room (random 63-bit ids: never) removes it.
-- ``decode_kv_args_table``: one registration per decode rank session. It grows with decode restarts,
-  not requests, and is left alone: SGLang's transfer worker reads it unguarded, and a decode
-  re-registers only after its heartbeat declared the prefill dead.
-
-This module bounds the first two, per prefill manager, by wrapping ``CommonKVManager.update_status``
-and ``CommonKVSender.clear``:
+This module bounds both, per prefill manager, by wrapping ``CommonKVManager.update_status`` and
+``CommonKVSender.clear``:
 
 - a room is *live* from its sender's opening status (``update_status(room, Bootstrapping)``, set only
   by ``CommonKVSender.__init__``) until ``CommonKVSender.clear``, then *closed* for ``window_s``:
   destinations that reach a closed room are dropped at once (their tables popped, the room not opened);
-- destinations for a room neither live nor closed open it as SGLang does, and are dropped if no
-  sender opens it within ``window_s``;
-- when a closed room's window ends, its poison is dropped: the decode has released its pages by then
-  (it fails a request at most ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` after sending its destinations,
-  which precede the clear, and releases a failed request's pages at most
-  ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` later).
+- destinations for a room neither live nor closed open it as SGLang does (they may precede their
+  sender), and are dropped if no sender opens it within ``window_s``;
+- when a closed room's window ends, its poison is dropped: the decode has released its pages by then.
 
-``window_s`` is those two timeouts plus a margin, read from SGLang's environment as the decode reads
+``window_s`` is SGLang's waiting and deferred-release timeouts plus a margin, read as the decode reads
 them. Expired rooms are swept at every clear; closed rooms beyond ``MAX_CLOSED`` are forgotten oldest
 first keeping their poison (SGLang's behaviour). With the flag off, or on a decode, both wrappers only
-call SGLang's step."""
+call SGLang's step.
+"""
 
 from __future__ import annotations
 

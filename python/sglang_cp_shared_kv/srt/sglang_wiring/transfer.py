@@ -1,23 +1,18 @@
-"""PD transfer of a CP-shared pool through SGLang's Mooncake connector.
+"""PD transfer of a CP-shared pool through SGLang's Mooncake connector (``docs/sglang_plugin.md``,
+"Transfer" and "Manifest").
 
-SGLang 0.5.23's Mooncake connector already carries sharded-KV transfers for its own page sharding, with
-``PageOwnership``'s arithmetic (logical page ``lp`` on group rank ``lp % N`` as local page ``lp // N``)
-over the attention-CP group: each prefill CP rank's sender keeps the request pages it owns and sends them
-to the decode at their positions in the request (``disaggregation.utils.filter_kv_indices_for_shard_rank``
-from ``CommonKVSender._prepare_send_indices``; DSA indexer pages in ``MooncakeKVManager.maybe_send_extra``),
-and the prefill's bootstrap info makes a stock decode pull from all N ranks and wait for N completions.
-
-Those paths key on ``get_parallel().enable_kv_cache_sharding``: ``enable_sharded_transfer`` sets it once the
-CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV manager,
-created later, takes them. The only later reader in a prefill scheduler is the FlashInfer autotune, which
-then skips (its dummy decode batch would read logical locs outside a planned batch).
+SGLang 0.5.23's connector already sends sharded KV for its own page sharding, with ``PageOwnership``'s
+arithmetic over the attention-CP group: each prefill CP rank sends the request pages it owns to their
+positions (``filter_kv_indices_for_shard_rank``; DSA indexer pages likewise), and the decode pulls from all
+N ranks. Those paths key on ``get_parallel().enable_kv_cache_sharding``: ``enable_sharded_transfer`` sets it
+once the CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV
+manager, created later, takes them; the only later reader, the FlashInfer autotune, then skips.
 
 The manifest (ours): SGLang's sender never sends positions, so each CP rank records per request the
 logical page at every position (the same on every rank) and the positions it selected
-(``record_sent_share``), and appends them to its Success status message (``attach_manifest``): the one
-message every prefill rank already sends every decode endpoint once the request's pages, indexer pages
-and aux data are written. The frames follow those SGLang parses, so a stock decode reads the message as
-before; a decode running the flag checks them before the request is ready (``decode_manifest``).
+(``record_sent_share``), and appends them to its Success status message (``attach_manifest``), after the
+frames SGLang parses: a stock decode reads the message as before; a decode running the flag checks them
+before the request is ready (``decode_manifest``).
 
 With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects it
 (``check_send_indices``).

@@ -1,15 +1,11 @@
-"""A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync.
+"""A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync (``docs/design.md``, "Transports").
 
-A view is all-gathered in place, owner-major: rank ``r`` writes its part ``out[r * n : (r + 1) * n]``
-and every rank needs every part. NCCL moves parts with kernels, which wait for the SMs the attention
-holds. Here each rank *pulls* its peers' parts from their buffers with ``cuMemcpyDtoDAsync`` (copy
-engines), and the ranks order themselves with 64-bit counters: a rank writes a counter into its own
-memory (``cuStreamWriteValue64``), copies those 8 bytes into each peer's signal slot, and waits only on
-its own memory (``cuStreamWaitValue64``). No kernel, no host wait, no NVLink multicast.
-
-Buffers are registered once, collectively (the view arena, identical shapes on every rank), exported by
-CUDA IPC and opened in this rank's own context with lazy peer access, so the pulls run GPU to GPU over
-NVLink. Per call ``k`` (the same count on every rank), on the caller's stream::
+A view is all-gathered in place, owner-major: rank ``r`` writes its part ``out[r * n : (r + 1) * n]`` and
+every rank pulls its peers' parts from their buffers with ``cuMemcpyDtoDAsync`` (copy engines, where NCCL's
+kernels would wait for the SMs the attention holds). The ranks order themselves with 64-bit counters, each
+waiting only on its own memory. Buffers are registered once, collectively, exported by CUDA IPC and opened
+in this rank's own context with lazy peer access. Per call ``k`` (the same count on every rank), on the
+caller's stream::
 
     ready[me] := k on every peer          (after this rank's part is written)
     wait ready[p] >= k; pull p's part      (every peer p)
@@ -22,9 +18,8 @@ a peer signals only after its pulls of call ``k``; it ends with an acked call or
 Counters only grow, so a wait is never satisfied by an older call.
 
 The group can also map the peers' pools (``sources``): a view built in line is then one kernel reading
-every owner's pages where they lie (``materialize_kernels.pull_pages`` through ``source_table``), and one
-``fence`` per batch (a word set on every peer, waited for and reset: one graph launch) orders the pools
-across ranks: a batch reads only pages written before it began."""
+every owner's pages where they lie (``source_table``), and one ``fence`` per batch orders the pools across
+ranks: a batch reads only pages written before it began."""
 
 from __future__ import annotations
 
@@ -303,15 +298,11 @@ class CopyEngineGroup:
     def fence(self, stream: torch.cuda.Stream | None = None, then=None) -> None:
         """Queue on ``stream`` (default: the current one) a point every rank's stream passes only once every
         rank's has reached it: what any rank queued before is done everywhere before what any queues after.
-
-        Fence ``f`` uses word ``q = f % 2``: ``fence_q[me] := 1`` on every peer (after a memory barrier), wait
-        ``fence_q[p] == 1`` from every peer, then ``fence_q[p] := 0``. A peer sets that word again only at
-        its fence ``f + 2``, past its fence ``f + 1``, which waits for this rank's (queued after the reset):
-        no set is lost or seen twice. The values never change: one graph per parity, one driver call per fence.
-
-        ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None) is queued
-        right after: once compiled, inside the fence's graph (one per parity and ``then.graph_key()``), else
-        called after the fence.
+        Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and resets it (a peer sets it
+        again only past its fence ``f + 1``, which waits for this rank's reset); fixed values, so one graph per
+        parity. ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None)
+        is queued right after: once compiled, inside the fence's graph (one per parity and
+        ``then.graph_key()``), else called after the fence.
         """
         handle, q = self._handle(stream), self.fences % 2
         self.fences += 1

@@ -1,19 +1,17 @@
-"""The decode side's manifest check, inside SGLang's Mooncake KV receiver.
+"""The decode side's manifest check, inside SGLang's Mooncake KV receiver (``docs/sglang_plugin.md``,
+"Manifest").
 
 A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP; the flag
 means "expect CP shared-KV manifests" (``transfer.attach_manifest``). Three hooks check them:
 
 - ``arm_manifest_check`` (wraps ``CommonKVReceiver.send_metadata``): before the destination pages leave,
-  the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages, the prefill's CP size and the
-  decode's per-page latent bytes, expecting as many senders as SGLang's own success count.
+  the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages, expecting as many senders as
+  SGLang's own success count.
 - ``check_status_message`` (wraps ``CommonKVManager.parse_kv_status_message``, on the decode thread,
-  before SGLang counts the status): a Success passes only if the collector accepts its manifest (the
-  rank matches the sender, every rank lists the same page table, positions in range, none twice, each
-  claimed by the owner of its logical page ``page % N``, and all once every rank is in). So SGLang's N
-  successes, its only condition for ``KVPoll.Success``, are reached exactly when the collector is
-  complete. Otherwise the status is held back until every expected sender has reported (no prefill rank
-  still writes into the request's pages), then turned into ``KVPoll.Failed`` with a one-line reason:
-  SGLang fails that request and releases its pages as for any failed transfer.
+  before SGLang counts the status): a Success passes only if the collector accepts its manifest, so
+  SGLang's N successes, its only condition for ``KVPoll.Success``, are reached exactly when the collector
+  is complete. Otherwise the status is held back until every expected sender has reported (no prefill
+  rank still writes into the request's pages), then turned into ``KVPoll.Failed`` with a one-line reason.
 - ``forget_room`` (after ``CommonKVReceiver.clear``) drops the request's collector.
 
 A rank that never reports is left to SGLang's waiting timeout. Other statuses pass through unchanged;

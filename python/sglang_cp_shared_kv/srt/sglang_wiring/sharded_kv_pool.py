@@ -4,18 +4,16 @@
 ``isinstance`` check and byte format stays SGLang's; they change where rows go and what a read sees:
 
 - **Storage**: the stock per-rank buffers. Logical page ``lp`` lives on CP rank ``lp % cp_size`` as
-  physical page ``lp // cp_size`` (``PageOwnership``); the widened allocator never hands out logical
-  pages ``[0, cp_size)``, so physical page 0 of every rank is the trash page. ``CPSharedSpec`` is built
-  and checked once, in ``_init_cp_shared``.
-- **Write path**: every rank receives the whole current chunk; SGLang's own writers quantize it, to
-  ``store_rows(locs)``: the physical row of an owned loc, a row of the trash page otherwise (a masked
-  store: static shapes, no ``nonzero``, no host sync).
+  physical page ``lp // cp_size`` (``PageOwnership``); the widened allocator never hands out logical pages
+  ``[0, cp_size)``, so physical page 0 of every rank is the trash page.
+- **Write path**: every rank receives the whole current chunk, which SGLang's own writers quantize to
+  ``store_rows(locs)`` (a masked store: static shapes, no ``nonzero``, no host sync).
 - **Read path**: the kv-shard contract SGLang's backends already call (``begin_shard_extend`` /
   ``translate_loc_to_scratch`` / ``get_key_buffer`` and the indexer's page reads), served by
-  ``read_state.BatchReadState`` from the ``BatchInputs`` built here.
+  ``read_state.BatchReadState``.
 
-Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): every stored row is checked to map back to its logical loc on
-this rank, and the read plan and translation are checked (syncing)."""
+Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): the stored rows, the read plan and the translation are checked
+(syncing)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
-"""The view arena: the read buffer of a CP-shared pool, sized once from the server's limits.
+"""The view arena: the read buffer of a CP-shared pool, ``[prefix view | current chunk | trash page]``,
+sized once from the server's limits (``docs/sglang_plugin.md``, "View arena").
 
-A prefill batch's read buffer holds ``[prefix view | current chunk | trash page]``: the prefix pages
-all-gathered owner-major (``N * sum_i ceil(prefix_pages_i / N)`` pages) and the chunk's pages staged
-locally. SGLang's scheduler already bounds those two regions per batch for its page-interleave pool
-(``PrefillAdder._kv_shard_reserve_scratch``, from the allocator's ``PageShardSpec``): we hand the
-allocator a spec of our sizes, so its admission keeps every batch inside our arena, and charge the
-arena's bytes to the KV budget in place of SGLang's scratch
-(``pool_configurator.compute_page_shard_scratch_bytes``).
-
-Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``, default
-``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times one token's latent row and
-indexer record. With one-layer-ahead prefetch (``read_mode``; it runs only off NCCL) a second chunk and
-page: a batch whose views fit the arena twice is prefetched, a larger one read layer by layer; admission
-stays the same. SGLang's page-interleave scratch keeps eight contexts, twice::
+Per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``, default
+``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page (with layer-ahead prefetch, ``read_mode``,
+a second chunk and page), times one token's latent row and indexer record. The allocator gets these region
+sizes as its ``PageShardSpec``, so SGLang's own admission (``PrefillAdder._kv_shard_reserve_scratch``) keeps
+every batch inside the arena, and its bytes are charged to the KV budget in place of SGLang's
+page-interleave scratch (``pool_configurator.compute_page_shard_scratch_bytes``; eight contexts, twice)::
 
     ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
 """

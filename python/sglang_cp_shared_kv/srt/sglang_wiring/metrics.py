@@ -5,15 +5,11 @@ KV token slots this rank holds against the logical tokens the group caches (and 
 would hold in the same memory), the view arena, the transport setting and whether views are prefetched
 (the transport, and with it the prefetch, is settled at the first prefix batch).
 
-**Metrics** (only with ``--enable-metrics``), made as SGLang's: in prometheus_client's multiprocess
-directory (``$PROMETHEUS_MULTIPROC_DIR``, set by its launcher), prometheus_client imported only when they
-are built, gauges in ``mostrecent`` mode, names ``sglang:cp_shared_kv_*`` (``CPSharedKVMetrics``;
-``docs/usage.md`` lists them), SGLang's scheduler labels plus ``cp_rank``: every CP rank reports its own
-shard (SGLang's own scheduler metrics come from CP rank 0 only).
-
-Every value is one the host already has (pool and allocator sizes, the read path's ``BatchCounters``, the
-shapes of the buffers a batch reads, SGLang's admission answer): nothing reads the device. A batch's view
-bytes are recorded when the next batch begins (its layers have all read their views by then).
+**Metrics** (only with ``--enable-metrics``; ``docs/usage.md`` lists them), made as SGLang's scheduler
+metrics (prometheus_client's multiprocess directory, gauges in ``mostrecent`` mode, SGLang's labels) plus
+``cp_rank``: every CP rank reports its own shard. Every value is one the host already has: nothing reads
+the device. A batch's view bytes are recorded when the next batch begins (its layers have all read their
+views by then).
 """
 
 from __future__ import annotations

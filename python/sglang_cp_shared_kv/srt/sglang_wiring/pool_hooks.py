@@ -1,22 +1,17 @@
 """Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
 
-Each builder calls the stock step unchanged unless ``--enable-cp-shared-kv`` is on and the configurator
-builds a target (not a draft) pool:
-
-- ``build_dsa_kv_pool`` / ``build_mla_kv_pool``: the stock builder with our pool class (every size,
-  dtype and layer decision stays SGLang's).
-- ``build_allocator``: SGLang's owner-rotating ``PageInterleavePoolAllocator`` over our pool, handed our
-  view arena's ``PageShardSpec`` so its scratch admission keeps every prefill batch inside the arena;
-  then the process transfers sharded KV (``transfer``).
-- ``check_built_pools``: a refusal, one line per problem, unless the pool and allocator built are ours.
+With ``--enable-cp-shared-kv`` on and a target (not a draft) pool, ``build_dsa_kv_pool`` /
+``build_mla_kv_pool`` run the stock builder with our pool class (every size, dtype and layer decision stays
+SGLang's); ``build_allocator`` builds SGLang's owner-rotating ``PageInterleavePoolAllocator`` over it with
+our view arena's ``PageShardSpec`` (its admission keeps every prefill batch inside the arena), then turns
+on sharded transfer (``transfer``); ``check_built_pools`` refuses a pool or allocator that is not ours.
 
 **Shared prefixes**: only the scheduler's radix tree knows which requests of a batch share prefix pages.
-``hint_shared_prefix`` (after ``ForwardBatch.init_new``) computes the hint and hands it to the pool
-(``expect_shared_prefix``) keyed by the batch's rids and prefix lens, since SGLang's eager runner rebuilds
-the ForwardBatch before the backend begins it. ``name_batch_requests`` (before ``prepare_kv_shard_forward``)
-names the batch to the pool, whose next begin takes the hint when the batch is the hint's. Host objects
-only; every CP rank holds the same tree and batches, so every rank plans with the same hint, and the read
-state checks it against the page ids on the device."""
+``hint_shared_prefix`` (after ``ForwardBatch.init_new``) hands the hint to the pool, keyed by the batch's
+rids and prefix lens (SGLang's eager runner rebuilds the ForwardBatch before the backend begins it);
+``name_batch_requests`` (before ``prepare_kv_shard_forward``) names the batch, whose begin takes the hint
+if it is the hint's. Every CP rank holds the same tree and batches, so every rank plans with the same hint,
+and the read state checks it against the page ids on the device."""
 
 from __future__ import annotations
 

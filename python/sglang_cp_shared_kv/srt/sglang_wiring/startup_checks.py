@@ -1,12 +1,9 @@
 """Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
 
-Two checks wrap existing resolution steps, each taking the stock step as an argument:
-
-- ``validate_prefill_cp_platform`` runs before model resolution and before the dummy-model early return:
-  flag-only checks (:func:`flag_rejections`).
-- ``handle_kv_cache_sharding`` runs after page size, attention backends and CP topology are resolved, and
-  again at the very end over the final view: model and resolved-value checks (:func:`resolved_rejections`).
-  Both runs see the same inputs, so the checks are idempotent.
+Two checks wrap existing resolution steps, each taking the stock step as an argument: flag-only checks
+(:func:`flag_rejections`) with ``validate_prefill_cp_platform``, before model resolution and the dummy-model
+early return; model and resolved-value checks (:func:`resolved_rejections`) with ``handle_kv_cache_sharding``,
+after page size, attention backends and CP topology are resolved, and again (idempotent) over the final view.
 
 Every rejection is one line naming the offending flag and the fix; all of a configuration's rejections are
 raised together in one ``CPSharedKVStartupError`` (a ``ValueError``).
@@ -20,12 +17,10 @@ cannot install and goes on: the server would start with replicated KV), and the 
 readable without the network (a local directory, or a model in the Hugging Face cache),
 since the rest of resolution may download it.
 
-What is accepted is exactly what the pools, their read path and the PD manifest honour: a PD prefill
-server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA model on CUDA, either a DSA model
-(the lightning indexer) on the DSA backend's ``flashmla_sparse`` or ``trtllm`` prefill kernels, or a
-plain MLA model on the ``fa3`` prefill backend. On a PD decode server the flag means "expect CP
-shared-KV manifests" (``decode_manifest``): it must use Mooncake and stay non-CP; its pool, model and
-kernels are SGLang's.
+What is accepted is exactly what the pools, their read path and the PD manifest honour (the table in
+``docs/sglang_plugin.md``): a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA
+model on CUDA on a prefill kernel that reads through the kv-shard contract; a PD decode server only checks
+the manifests (``decode_manifest``), on Mooncake, non-CP, its pool, model and kernels SGLang's.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
 logger = logging.getLogger(__name__)
@@ -73,12 +73,6 @@ class RoomBounds:
         }
 
 
-def _guarded_prefill(mgr: Any) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL and runtime_enabled()
-
-
 def bounds_of(mgr: Any) -> RoomBounds:
     """The manager's ``RoomBounds`` (made on first use)."""
     state = state_of(mgr)
@@ -96,7 +90,7 @@ def _forget_room(mgr: Any, room: int) -> None:
 
 def guard_update_status(original, mgr, bootstrap_room, status):
     """Wraps ``CommonKVManager.update_status`` (prefill, flag on): track live rooms; drop late destinations."""
-    if not _guarded_prefill(mgr):
+    if not manager_enabled(mgr, "prefill"):
         return original(mgr, bootstrap_room, status)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -123,7 +117,7 @@ def guard_update_status(original, mgr, bootstrap_room, status):
 def close_room(original, sender):
     """Wraps ``CommonKVSender.clear`` (prefill, flag on): the room closes, then expired rooms are swept."""
     mgr = sender.kv_mgr
-    if not _guarded_prefill(mgr):
+    if not manager_enabled(mgr, "prefill"):
         return original(sender)
     # A duplicate sender under a deferred bootstrap clears nothing; the owning one is still live.
     owner = mgr.deferred_bootstrap is None or sender._owns_bootstrap_room

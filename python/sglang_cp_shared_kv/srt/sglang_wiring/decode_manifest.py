@@ -23,13 +23,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring import metrics
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
 from sglang_cp_shared_kv.srt.sglang_wiring.transfer import MANIFEST_FRAME, latent_page_bytes
 
@@ -51,19 +50,13 @@ class RoomCheck:
     logged: bool = False  # the error logged and counted (once per request)
 
 
-def _checking_decode(mgr: Any) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE and runtime_enabled()
-
-
 def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
     """Wraps ``CommonKVReceiver.send_metadata``: open the request's collector first."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = receiver.kv_mgr
     info = getattr(receiver, "prefill_info", None)
-    if _checking_decode(mgr) and info is not None and receiver.conclude_state != KVPoll.Failed:
+    if manager_enabled(mgr, "decode") and info is not None and receiver.conclude_state != KVPoll.Failed:
         room = receiver.bootstrap_room
         collector = ManifestCollector(str(room), len(kv_indices), info.attn_cp_size, latent_page_bytes(mgr.kv_args))
         check = RoomCheck(collector, senders=int(info.required_prefill_response_num))
@@ -127,7 +120,7 @@ def check_status_message(original, mgr, msg):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     parsed = original(mgr, msg)
-    if parsed is None or parsed[1] != KVPoll.Success or not _checking_decode(mgr):
+    if parsed is None or parsed[1] != KVPoll.Success or not manager_enabled(mgr, "decode"):
         return parsed
     room, _status, prefill_rank, _reason = parsed
     failed = int(KVPoll.Failed)

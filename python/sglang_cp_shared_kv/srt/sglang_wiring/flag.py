@@ -27,3 +27,11 @@ def runtime_enabled() -> bool:
     except ValueError:  # "Global server args is not set yet!"
         return False
     return enabled(server_args)
+
+
+def manager_enabled(mgr: Any, mode: str) -> bool:
+    """Whether ``mgr`` is a KV manager of disaggregation ``mode`` (``"prefill"``, ``"decode"``) in a process
+    with the flag on."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode(mode) and runtime_enabled()

@@ -28,7 +28,7 @@ import numpy as np
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled, local_page, page_owner
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled, runtime_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
 
 logger = logging.getLogger(__name__)
@@ -97,10 +97,7 @@ def latent_page_bytes(kv_args: Any) -> int:
 
 
 def _sharded_prefill(mgr: Any) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    mode = getattr(mgr, "disaggregation_mode", None)
-    return mode == DisaggregationMode.PREFILL and mgr.kv_shard_size > 1 and runtime_enabled()
+    return manager_enabled(mgr, "prefill") and mgr.kv_shard_size > 1
 
 
 def record_sent_share(result, sender, kv_indices, state_indices=None):

@@ -118,9 +118,8 @@ class _Driver:
         return entry[0]
 
     def capture(self, stream: int, body) -> int | None:
-        """The stream calls ``body(stream)`` queues, captured on ``stream`` (idle, not the legacy default
-        stream) into an instantiated graph: its handle, for ``graph_launch``; None where this driver cannot
-        (``body``'s calls then have to be made one by one)."""
+        """The calls ``body(stream)`` queues, captured on ``stream`` (idle, not the legacy default stream) as an
+        instantiated graph for ``graph_launch``; None where this driver cannot (make the calls one by one)."""
         if self.begin_capture is None:
             return None
         graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
@@ -160,11 +159,8 @@ def driver() -> _Driver:
 
 
 class CopyEngineGroup:
-    """In-place all-gathers inside registered buffers, pulled by copy engines (see the module docstring).
-
-    ``group`` exchanges the IPC handles once (and serves ``all_gather_object`` / ``barrier``); ``buffers``:
-    this rank's registered CUDA tensors. Collective: every rank constructs it with the same shapes.
-    """
+    """In-place all-gathers inside registered ``buffers`` (this rank's CUDA tensors), pulled by copy engines;
+    ``group`` exchanges the IPC handles once. Collective: every rank constructs it with the same shapes."""
 
     backend = "copy_engine"
 
@@ -463,11 +459,9 @@ class CopyEngineGroup:
         stream: torch.cuda.Stream | None = None,
         ack: bool = True,
     ) -> PendingCollective:
-        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place.
-
-        Queued on ``stream`` (default: the current one) after the caller's writes there: the result needs
-        no wait. ``ack=False`` leaves out the wait for the peers' reads of this rank's part (module docstring).
-        """
+        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place, queued on
+        ``stream`` (default: the current one) after the caller's writes there: the result needs no wait.
+        ``ack=False`` leaves out the wait for the peers' reads of this rank's part (module docstring)."""
         pulls = self._pulls(outs, locals_)
         d = self._driver
         stream = self._handle(stream)
@@ -559,9 +553,8 @@ def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
 
 
 def prefetch_on(group: CPGroup | CopyEngineGroup | None, requested: bool) -> bool:
-    """Whether views all-gathered by ``group`` (``view_group``'s choice) are prefetched a layer ahead, when
-    ``requested``: not over NCCL, whose kernels wait for the SMs the layer holds, so its prefetch was slower
-    than building each view in line (``docs/design.md``, "Layer-ahead prefetch")."""
+    """Whether views all-gathered by ``group`` are prefetched a layer ahead, when ``requested``: not over NCCL,
+    whose kernels wait for the SMs the layer holds (``docs/design.md``, "Layer-ahead prefetch")."""
     if requested and getattr(group, "backend", None) == "nccl":
         logger.info("CP-shared KV: layer-ahead prefetch of the views off: they are all-gathered by NCCL")
         return False

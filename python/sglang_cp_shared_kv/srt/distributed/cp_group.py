@@ -58,13 +58,11 @@ class CPGroup:
         coalesce: bool | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> PendingCollective:
-        """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call.
-
-        On NCCL (or with ``coalesce=True`` where the backend supports it) one kernel launch moves every
-        buffer; other backends run them in order. ``async_op``: returns at once (on CUDA the collectives
-        follow what the current stream queued), and the caller must ``wait()`` on the result before reading
-        ``outs``. ``stream`` (CUDA): the collectives and their wait are queued there, nothing left to wait
-        for. The next write into ``locals_`` is always safe (no ack, unlike ``CopyEngineGroup``).
+        """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call: on NCCL (or with
+        ``coalesce=True`` where the backend supports it) one kernel launch, else in order. ``async_op``: returns
+        at once (on CUDA the collectives follow what the current stream queued); ``wait()`` on the result before
+        reading ``outs``. ``stream`` (CUDA): the collectives and their wait are queued there, nothing left to
+        wait for. The next write into ``locals_`` is always safe (no ack, unlike ``CopyEngineGroup``).
         """
         if stream is None:
             return self._all_gather_many(outs, locals_, async_op, coalesce)

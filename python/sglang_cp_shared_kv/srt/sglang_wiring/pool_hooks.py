@@ -107,9 +107,8 @@ def check_built_pools(result, configurator, **_kwargs):
 
 @dataclass(frozen=True)
 class SharedPrefixHint:
-    """One extend batch's shared-prefix hint, from ``ForwardBatch.init_new`` to the batch's ``begin``: its
-    ``rids`` and ``extend_prefix_lens_cpu``, and ``(source, pages)`` per request (``BatchInputs.shared_prefix``).
-    """
+    """An extend batch's shared-prefix hint: its ``rids`` and ``extend_prefix_lens_cpu``, and ``(source, pages)``
+    per request (``BatchInputs.shared_prefix``)."""
 
     rids: tuple[str, ...]
     prefix_lens: tuple[int, ...]
@@ -130,13 +129,12 @@ def shared_prefix_from_paths(
     paths: Sequence[Sequence[tuple[Hashable, int]]], prefix_lens: Sequence[int], page_size: int
 ) -> list[tuple[int, int]]:
     """``BatchInputs.shared_prefix`` for a batch, from the radix paths its requests' prefixes end at.
-
-    ``paths[b]``: request ``b``'s root-to-node path, root side first (the root left out), per node its
-    identity and the KV tokens from the root to the node's end. Invariant (SGLang's radix cache keeps it):
-    a request's first tokens, as far as its path and ``prefix_lens[b]`` both reach, sit at its path's KV
-    locs. So two requests whose paths meet at a node hold the same logical pages up to its depth: the later
-    one gets the first request through its deepest shared node as source, and the whole pages of that
-    depth both prefixes hold. Host ints only.
+    ``paths[b]``: request ``b``'s root-to-node path, root side first (the root left out), per node its identity
+    and the KV tokens from the root to the node's end. Invariant (SGLang's radix cache keeps it): a request's
+    first tokens, as far as its path and ``prefix_lens[b]`` both reach, sit at its path's KV locs. So two
+    requests whose paths meet at a node hold the same logical pages up to its depth: the later one gets the
+    first request through its deepest shared node as source, and the whole pages of that depth both prefixes
+    hold. Host ints only.
     """
     first: dict[Hashable, tuple[int, int]] = {}  # node -> (first request through it, its depth in tokens)
     out = []
@@ -193,9 +191,8 @@ def _radix_paths(tree_cache, last_nodes: list) -> list[list[tuple[int, int]]] | 
 def batch_shared_prefix(
     batch, rids: Sequence[str] | None, prefix_lens: Sequence[int] | None, page_size: int
 ) -> SharedPrefixHint | None:
-    """The hint of a ``ScheduleBatch`` whose ForwardBatch has these ``rids`` and ``prefix_lens`` (same requests,
-    same order), from its requests' ``last_node`` s in its ``tree_cache``; ``None`` when no two requests
-    share a whole prefix page. Host objects only."""
+    """The hint of a ``ScheduleBatch`` whose ForwardBatch has these ``rids`` and ``prefix_lens``, from its
+    requests' ``last_node`` s; ``None`` when no two requests share a whole prefix page. Host objects only."""
     reqs = batch.reqs
     if rids is None or prefix_lens is None or not len(reqs) == len(rids) == len(prefix_lens):
         return None

@@ -47,11 +47,9 @@ def _host_ints(values) -> tuple[int, ...]:
 
 
 class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
-    """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers.
-
-    SGLang's kv-shard mixin is inherited only for the type: its backends detect a sharded pool by
-    ``isinstance(pool, PageInterleaveKVPoolMixin)`` and then call the methods below, all ours. SGLang's
-    own scratch, gather communicator and write plan are never built.
+    """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers. SGLang's kv-shard
+    mixin is inherited only for the type: its backends detect a sharded pool by ``isinstance(pool,
+    PageInterleaveKVPoolMixin)`` and call the methods below, all ours (its scratch and gather never built).
     """
 
     def _init_cp_shared(
@@ -110,11 +108,8 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         logger.debug("CP-shared KV pool: %s", spec)  # the rank's one INFO line: metrics.startup_line
 
     def attach_view_arena(self, spec, prefetch: bool = False) -> int:
-        """Allocate the read path's view arena once, sized by the allocator's ``PageShardSpec`` ``spec``, which
-        SGLang's prefill admission keeps every batch within (``BatchReadState.attach_arena``; ``prefetch``: a
-        second chunk and page). Returns its bytes: what ``view_arena.charge_arena`` took out of the KV budget
-        (and logged).
-        """
+        """Allocate the view arena once, sized by the allocator's ``PageShardSpec`` ``spec`` (``prefetch``: a
+        second chunk and page). Returns its bytes, which ``view_arena.charge_arena`` took out of the KV budget."""
         if spec.page_size != self.page_size or spec.shard_size != self.spec.cp_size:
             raise ValueError(
                 f"arena spec (page size {spec.page_size}, {spec.shard_size} ranks) does not match the pool "

@@ -28,9 +28,8 @@ ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
 
 
 def builds_cp_shared_pool(configurator: Any) -> bool:
-    """Whether this KV cache configurator builds a CP-shared pool: the flag is on, the server is a prefill
-    (on a decode server the flag only checks manifests, ``decode_manifest``: its pool stays stock), and the
-    pool is the target model's, not a draft's."""
+    """Whether this KV cache configurator builds a CP-shared pool: flag on, a prefill server (a decode's pool
+    stays stock), the target model's pool (not a draft's)."""
     from sglang.srt.runtime_context import get_disagg
 
     return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
@@ -42,9 +41,8 @@ def arena_contexts() -> int:
 
 
 def read_mode_for(configurator: Any) -> ReadMode:
-    """This server's read mode (``read_mode.choose_read_mode``) from its CP size, context, chunk budget and the
-    bytes of one token's row and indexer record. The transport is chosen at the first prefix batch; a
-    prefetch chosen here then runs only where it is not NCCL (``copy_engine.prefetch_on``)."""
+    """This server's read mode (``read_mode.choose_read_mode``) from its limits; a prefetch chosen here runs
+    only where the transport chosen at the first prefix batch is not NCCL (``copy_engine.prefetch_on``)."""
     from sglang.srt.mem_cache import page_interleave
 
     spec = spec_for(configurator)

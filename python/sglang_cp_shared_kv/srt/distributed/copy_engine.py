@@ -226,9 +226,8 @@ class CopyEngineGroup:
             self._map_sources(sources)
 
     def _map_sources(self, sources: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Map every peer's page buffers (``sources[layer][k]``: uint8 ``[P, W]`` latent and indexer pages, the
-        same shapes on every rank, empty where a layer has none) for ``source_table``. Collective: where any
-        rank cannot, no rank maps them (views stay all-gathered in the registered buffers; one INFO line)."""
+        """Map every peer's page buffers (``sources[layer][k]``: uint8 ``[P, W]`` pages, or empty) for
+        ``source_table``. Collective: where any rank cannot, no rank maps them (one INFO line says why)."""
         d = self._driver
         shapes = [[(tuple(t.shape), t.stride(0) if t.numel() else 0) for t in layer] for layer in sources]
         kinds = len(sources[0])
@@ -510,10 +509,9 @@ def view_group(
     setting: str | None = None,
     sources: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> CPGroup | CopyEngineGroup:
-    """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself.
-    Collective, decided alike on every rank: copy engines only if every rank loads the driver, on one host;
-    CPU buffers always use ``group``; under ``auto`` a fallback is a WARNING with its reason. ``sources``
-    (per layer, the pool's page buffers) are mapped too (``CopyEngineGroup.source_table``)."""
+    """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself,
+    decided alike on every rank (copy engines only if every rank loads the driver, on one host; never for CPU
+    buffers; a fallback under ``auto`` is a WARNING). ``sources``: the pools' page buffers, mapped too."""
     setting = transport_setting(setting)
     if setting == "nccl" or not buffers or not buffers[0].is_cuda:
         if setting == "copy_engine":

@@ -75,9 +75,8 @@ def _wraps(target: str, hook: object) -> bool:
 
 
 def missing_hooks() -> list[str]:
-    """The targets (and resolution steps) of ``register`` not installed in this process: SGLang's
-    ``HookRegistry.apply_hooks`` logs a target it cannot wrap and goes on. A target is installed when the
-    registry marked it patched and the callable there now wraps this plugin's hook."""
+    """The targets (and resolution steps) of ``register`` not installed here (SGLang's registry logs a target it
+    cannot wrap and goes on): installed means marked patched, and the callable there wraps this plugin's hook."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS
     from sglang.srt.plugins.hook_registry import HookRegistry
 

@@ -114,9 +114,8 @@ def _judge(check: RoomCheck, msg: list[bytes], room: int, prefill_rank: int) -> 
 
 
 def check_status_message(original, mgr, msg):
-    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on): SGLang's parse, except
-    for a Success of an armed request whose manifest is refused: ``None`` (ignored) while the request
-    waits for its other senders, then a Failed status carrying the reason."""
+    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on): SGLang's parse, but a refused
+    manifest's Success is ``None`` (ignored) until every sender reported, then a Failed with the reason."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     parsed = original(mgr, msg)

@@ -170,9 +170,8 @@ def shared_prefix_from_nodes(
 
 
 def _radix_paths(tree_cache, last_nodes: list) -> list[list[tuple[int, int]]] | None:
-    """Each request's root-to-``last_node`` path as ``(node id, KV tokens from the root)`` per node, from
-    SGLang's ``UnifiedRadixCache`` (``last_node`` s are node ids; its tree core copies the paths out);
-    ``None`` where the cache is not one, or a node is unknown to it."""
+    """Each request's root-to-``last_node`` path as ``(node id, KV tokens from the root)`` per node, from SGLang's
+    ``UnifiedRadixCache``'s tree core; ``None`` where the cache is not one, or a node is unknown to it."""
     core = getattr(tree_cache, "tree_core", None)
     if core is None or not all(type(n) is int for n in last_nodes):
         return None

@@ -31,9 +31,8 @@ _HELP = (
 
 
 class _FlagAction(argparse._StoreTrueAction):
-    """``store_true`` that, when the flag is given, checks that every plugin hook is installed: parsing is
-    the first thing a launcher does after SGLang applied the hooks. The rejection prints as its line alone
-    (``startup_checks.install_clean_exit``), as every later rejection of the flag does."""
+    """``store_true`` that, when the flag is given, checks that every plugin hook is installed (parsing comes
+    first after SGLang applied them); the rejection prints as its line alone (``install_clean_exit``)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)

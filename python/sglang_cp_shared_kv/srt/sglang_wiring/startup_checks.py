@@ -72,9 +72,8 @@ def _not_wired(flag: str, value: Any) -> str:
 
 
 def sglang_version_rejections() -> list[str]:
-    """One line when the installed SGLang is not one the hooks were checked against (``SGLANG_VERSIONS``):
-    they wrap private functions that change between releases, so another version may start and shard
-    wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
+    """One line unless SGLang is a version the hooks (on private functions) were checked against; another may
+    shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
     global _version_warned
     from sglang.version import __version__ as version
 
@@ -173,9 +172,8 @@ def _staging_buffer_rejections(why: str) -> list[str]:
     """The one ``SGLANG_DISAGG_STAGING_BUFFER`` check, for either server: ``why`` it is refused there."""
     from sglang.srt.environ import envs
 
-    if not envs.SGLANG_DISAGG_STAGING_BUFFER.get():
-        return []
-    return [_line(f"SGLANG_DISAGG_STAGING_BUFFER{why}", "unset SGLANG_DISAGG_STAGING_BUFFER")]
+    staged = envs.SGLANG_DISAGG_STAGING_BUFFER.get()
+    return _lines([(staged, f"SGLANG_DISAGG_STAGING_BUFFER{why}", "unset SGLANG_DISAGG_STAGING_BUFFER")])
 
 
 def decode_rejections(cfg: Any) -> list[str]:

@@ -50,9 +50,8 @@ class SendShareError(AssertionError):
 
 
 def check_send_indices(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on): every chunk's selection
-    against the (local pages, positions) of the pages this rank owns and, on the last chunk, that this rank
-    sent exactly the positions it owns."""
+    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on): each chunk's selection is
+    this rank's owned pages and positions, and the last chunk's tally all the positions it owns."""
     if not (debug_enabled() and runtime_enabled()):
         return None
     mgr = sender.kv_mgr
@@ -101,9 +100,8 @@ def _sharded_prefill(mgr: Any) -> bool:
 
 
 def record_sent_share(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill): records the chunk's
-    logical pages by position (``kv_indices``) and the positions SGLang's filter selected for this rank
-    (in ``result``: what the transfer worker sends)."""
+    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill): record the chunk's logical
+    pages (``kv_indices``) and the positions SGLang's filter selected for this rank (what its worker sends)."""
     mgr = sender.kv_mgr
     if not _sharded_prefill(mgr):
         return None
@@ -127,10 +125,9 @@ def record_sent_share(result, sender, kv_indices, state_indices=None):
 
 
 def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
-    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill): a Success status
-    carries this rank's manifest; a Failed one carries nothing and drops the record; a bootstrap notice
-    (WaitingForInput) leaves it. The frames follow SGLang's own (an empty reason frame first where the
-    backend sends none), so SGLang's parser on the decode reads the status unchanged."""
+    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill): a Success carries
+    this rank's manifest, after SGLang's frames (and an empty reason frame where the backend sends none), so
+    the decode's parser reads the status unchanged; a Failed drops the record; WaitingForInput leaves it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if not _sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
@@ -154,9 +151,8 @@ def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
 
 
 def drop_unsent_share(_result, sender) -> None:
-    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success, and the debug check's
-    record of a request cleared before its last chunk (aborted). A concluded Success keeps its record: the
-    transfer worker marks the room Success before it encodes the status, so the sender may be cleared first."""
+    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success (a concluded Success keeps
+    its record: the sender may be cleared before the status is encoded) and the debug check's record."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     state = state_if_any(sender.kv_mgr)

@@ -120,8 +120,7 @@ def arena_bytes(pool: Any) -> int:
 
 
 def sglang_labels() -> dict[str, Any]:
-    """SGLang's scheduler metric labels for this process (``model_name``, ``engine_type``, ``tp_rank``, its
-    extra labels) and ``cp_rank``."""
+    """SGLang's scheduler metric labels for this process (with its extra labels), and ``cp_rank``."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_serving
 

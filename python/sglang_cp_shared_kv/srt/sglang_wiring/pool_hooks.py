@@ -80,8 +80,7 @@ def build_allocator(original, configurator, **kwargs):
 
 
 def check_built_pools(result, configurator, **_kwargs):
-    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, the pool and allocator it built must
-    be ours, or a refusal (one line per problem)."""
+    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, refuse a pool or allocator not ours."""
     if not builds_cp_shared_pool(configurator):
         return result
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator

@@ -101,8 +101,7 @@ def sglang_version_rejections() -> list[str]:
 
 
 def hook_rejections() -> list[str]:
-    """The SGLang version line, else one line naming every plugin hook SGLang did not install in this
-    process (none: ``[]``)."""
+    """The SGLang version line, else one line naming the plugin hooks SGLang did not install here (or none)."""
     from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
 
     version = sglang_version_rejections()
@@ -450,8 +449,7 @@ def _disable_prefill_cuda_graph(server_args: Any) -> None:
 
 
 def _tree_core_rejections(cfg: Any) -> list[str]:
-    """The owner-rotating allocator needs the radix tree core that tracks rotation bases (the Python one):
-    made the default here, and any other refused."""
+    """Make the radix tree core that tracks the allocator's rotation bases (Python's) the default; refuse others."""
     from sglang.srt.environ import envs
 
     core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND

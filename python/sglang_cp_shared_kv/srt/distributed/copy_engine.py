@@ -1,15 +1,11 @@
-"""A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync.
+"""A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync (``docs/design.md``, "Transports").
 
-A view is all-gathered in place, owner-major: rank ``r`` writes its part ``out[r * n : (r + 1) * n]``
-and every rank needs every part. NCCL moves parts with kernels, which wait for the SMs the attention
-holds. Here each rank *pulls* its peers' parts from their buffers with ``cuMemcpyDtoDAsync`` (copy
-engines), and the ranks order themselves with 64-bit counters: a rank writes a counter into its own
-memory (``cuStreamWriteValue64``), copies those 8 bytes into each peer's signal slot, and waits only on
-its own memory (``cuStreamWaitValue64``). No kernel, no host wait, no NVLink multicast.
-
-Buffers are registered once, collectively (the view arena, identical shapes on every rank), exported by
-CUDA IPC and opened in this rank's own context with lazy peer access, so the pulls run GPU to GPU over
-NVLink. Per call ``k`` (the same count on every rank), on the caller's stream::
+A view is all-gathered in place, owner-major: rank ``r`` writes its part ``out[r * n : (r + 1) * n]`` and
+every rank pulls its peers' parts from their buffers with ``cuMemcpyDtoDAsync`` (copy engines, where NCCL's
+kernels would wait for the SMs the attention holds). The ranks order themselves with 64-bit counters, each
+waiting only on its own memory. Buffers are registered once, collectively, exported by CUDA IPC and opened
+in this rank's own context with lazy peer access. Per call ``k`` (the same count on every rank), on the
+caller's stream::
 
     ready[me] := k on every peer          (after this rank's part is written)
     wait ready[p] >= k; pull p's part      (every peer p)
@@ -22,13 +18,13 @@ a peer signals only after its pulls of call ``k``; it ends with an acked call or
 Counters only grow, so a wait is never satisfied by an older call.
 
 The group can also map the peers' pools (``sources``): a view built in line is then one kernel reading
-every owner's pages where they lie (``materialize_kernels.pull_pages`` through ``source_table``), and one
-``fence`` per batch (a word set on every peer, waited for and reset: one graph launch) orders the pools
-across ranks: a batch reads only pages written before it began."""
+every owner's pages where they lie (``source_table``), and one ``fence`` per batch orders the pools across
+ranks: a batch reads only pages written before it began."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import socket
@@ -61,37 +57,25 @@ class _Driver:
         except OSError as e:
             raise CopyEngineUnavailable(f"the CUDA driver library cannot be loaded: {e}") from e
         self._lib = lib
-        self.write64 = self._fn(
-            ("cuStreamWriteValue64_v2", "cuStreamWriteValue64"),
-            [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint],
-        )
-        self.wait64 = self._fn(
-            ("cuStreamWaitValue64_v2", "cuStreamWaitValue64"),
-            [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint],
-        )
-        self.copy = self._fn(
-            ("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"),
-            [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p],
-        )
+        vp, u64, uint, u64_p = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64)
+        self.write64 = self._fn(("cuStreamWriteValue64_v2", "cuStreamWriteValue64"), [vp, u64, u64, uint])
+        self.wait64 = self._fn(("cuStreamWaitValue64_v2", "cuStreamWaitValue64"), [vp, u64, u64, uint])
+        self.copy = self._fn(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [u64, u64, ctypes.c_size_t, vp])
         self.address_range = self._fn(
-            ("cuMemGetAddressRange_v2", "cuMemGetAddressRange"),
-            [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64],
+            ("cuMemGetAddressRange_v2", "cuMemGetAddressRange"), [u64_p, ctypes.POINTER(ctypes.c_size_t), u64]
         )
-        self.ipc_get = self._fn(("cuIpcGetMemHandle",), [ctypes.POINTER(_IpcHandle), ctypes.c_uint64])
-        self.ipc_open = self._fn(
-            ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
-            [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint],
-        )
-        self.ipc_close = self._fn(("cuIpcCloseMemHandle",), [ctypes.c_uint64])
+        self.ipc_get = self._fn(("cuIpcGetMemHandle",), [ctypes.POINTER(_IpcHandle), u64])
+        self.ipc_open = self._fn(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"), [u64_p, _IpcHandle, uint])
+        self.ipc_close = self._fn(("cuIpcCloseMemHandle",), [u64])
         # Graphs of stream calls (``capture``); None where the driver lacks them.
         try:
-            ptr = ctypes.POINTER(ctypes.c_void_p)
-            self.begin_capture = self._fn(("cuStreamBeginCapture_v2",), [ctypes.c_void_p, ctypes.c_int])
-            self.end_capture = self._fn(("cuStreamEndCapture",), [ctypes.c_void_p, ptr])
-            self.instantiate = self._fn(("cuGraphInstantiateWithFlags",), [ptr, ctypes.c_void_p, ctypes.c_uint64])
-            self.graph_launch = self._fn(("cuGraphLaunch",), [ctypes.c_void_p, ctypes.c_void_p])
-            self.graph_destroy = self._fn(("cuGraphDestroy",), [ctypes.c_void_p])
-            self.exec_destroy = self._fn(("cuGraphExecDestroy",), [ctypes.c_void_p])
+            ptr = ctypes.POINTER(vp)
+            self.begin_capture = self._fn(("cuStreamBeginCapture_v2",), [vp, ctypes.c_int])
+            self.end_capture = self._fn(("cuStreamEndCapture",), [vp, ptr])
+            self.instantiate = self._fn(("cuGraphInstantiateWithFlags",), [ptr, vp, u64])
+            self.graph_launch = self._fn(("cuGraphLaunch",), [vp, vp])
+            self.graph_destroy = self._fn(("cuGraphDestroy",), [vp])
+            self.exec_destroy = self._fn(("cuGraphExecDestroy",), [vp])
         except CopyEngineUnavailable:
             self.begin_capture = None
         self._mapped: dict[bytes, list[int]] = {}  # IPC handle -> [address here, registrations]
@@ -122,11 +106,8 @@ class _Driver:
         return bytes(handle.reserved), t.data_ptr() - base.value
 
     def open(self, handle: bytes) -> int:
-        """Map a peer's allocation into the current context (this rank's device), peer access enabled.
-
-        A handle maps once per context: a second registration over the same allocation (the caching
-        allocator keeps its blocks) shares the mapping, which the last ``release`` unmaps.
-        """
+        """Map a peer's allocation into the current context (this rank's device), peer access enabled. A handle
+        maps once per context: registrations over the same allocation share it; the last ``release`` unmaps."""
         entry = self._mapped.get(handle)
         if entry is None:
             ptr = ctypes.c_uint64()
@@ -137,9 +118,8 @@ class _Driver:
         return entry[0]
 
     def capture(self, stream: int, body) -> int | None:
-        """The stream calls ``body(stream)`` queues, captured on ``stream`` (idle, not the legacy default
-        stream) into an instantiated graph: its handle, for ``graph_launch``; None where this driver cannot
-        (``body``'s calls then have to be made one by one)."""
+        """The calls ``body(stream)`` queues, captured on ``stream`` (idle, not the legacy default stream) as an
+        instantiated graph for ``graph_launch``; None where this driver cannot (make the calls one by one)."""
         if self.begin_capture is None:
             return None
         graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
@@ -171,23 +151,16 @@ class _Driver:
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: other threads' CUDA calls are not checked
-_driver: _Driver | None = None
 
 
+@functools.cache  # one per process; a failure is not cached, so it is raised again at the next call
 def driver() -> _Driver:
-    global _driver
-    if _driver is None:
-        _driver = _Driver()
-    return _driver
+    return _Driver()
 
 
 class CopyEngineGroup:
-    """In-place all-gathers inside registered buffers, pulled by copy engines (see the module docstring).
-
-    ``group`` carries the one-time exchange of IPC handles (and ``all_gather_object`` / ``barrier``
-    for callers that need them); ``buffers`` are this rank's registered CUDA tensors, one shape per
-    position on every rank. Collective: every rank of ``group`` constructs it with the same shapes.
-    """
+    """In-place all-gathers inside registered ``buffers`` (this rank's CUDA tensors), pulled by copy engines;
+    ``group`` exchanges the IPC handles once. Collective: every rank constructs it with the same shapes."""
 
     backend = "copy_engine"
 
@@ -200,13 +173,10 @@ class CopyEngineGroup:
         self.rank, self.size = group.rank, group.size
         self.device = buffers[0].device
         self._driver = d = driver()
-        # ready[p], ack[p], then the fence's two alternating words fence0[p], fence1[p], written by peer p;
-        # read (waited on) only by this rank.
+        # ready[p], ack[p], fence0[p], fence1[p]: written by peer p, waited on only by this rank.
         self.signals = torch.zeros(4, self.size, dtype=torch.int64, device=self.device)
-        # This rank's outgoing counter (a call's ready and ack carry the same value), copied from here
-        # into the peers' signals.
+        # This rank's outgoing counter (a call's ready and ack carry the same value), copied to the peers.
         self.outbox = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # Both fixed for the group's life: their addresses once, not per fence (host time).
         self._signals_at, self._outbox_at = self.signals.data_ptr(), self.outbox.data_ptr()
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
@@ -218,7 +188,7 @@ class CopyEngineGroup:
                 why = f"exporting this rank's arena by CUDA IPC failed: {e}"
             torch.cuda.current_stream(self.device).synchronize()  # sync-ok: once, at registration
             everyone = group.all_gather_object(mine)
-            # Peer addresses only (ints): the peers' signals and buffers, mapped into this context.
+            # The peers' signals and buffers, mapped into this context (addresses).
             self._peer_signals: dict[int, int] = {}
             self._peer_buffers: dict[int, list[int]] = {}
             self._opened: list[bytes] = []
@@ -240,8 +210,7 @@ class CopyEngineGroup:
                     why = f"opening rank {p}'s arena by CUDA IPC failed: {e}"
                     continue
                 self._peer_signals[p], self._peer_buffers[p] = addresses[0], addresses[1:]
-        # Every rank learns whether every rank could export and open every arena: all use the copy
-        # engines, or all raise (and ``view_group`` falls back to the CP group on every rank alike).
+        # All ranks use the copy engines, or all raise (``view_group`` then falls back on every rank alike).
         failures = [f"rank {p}: {w}" for p, w in enumerate(group.all_gather_object(why)) if w]
         if failures:
             self.close()
@@ -257,11 +226,8 @@ class CopyEngineGroup:
             self._map_sources(sources)
 
     def _map_sources(self, sources: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Map every peer's page buffers (``sources[layer][k]``: a pool's latent and indexer pages, uint8
-        ``[P, W]``, the same shapes on every rank; empty for a layer without them) into this context, for
-        views read straight from the owners' pools (``source_table``). Collective. Where any rank cannot
-        (an allocator whose memory does not export, rows not in int32 words) no rank maps them and the
-        views are all-gathered inside the registered buffers as before: one INFO line says why."""
+        """Map every peer's page buffers (``sources[layer][k]``: uint8 ``[P, W]`` pages, or empty) for
+        ``source_table``. Collective: where any rank cannot, no rank maps them (one INFO line says why)."""
         d = self._driver
         shapes = [[(tuple(t.shape), t.stride(0) if t.numel() else 0) for t in layer] for layer in sources]
         kinds = len(sources[0])
@@ -325,21 +291,13 @@ class CopyEngineGroup:
         self._capture_stream: torch.cuda.Stream | None = None
 
     def fence(self, stream: torch.cuda.Stream | None = None, then=None) -> None:
-        """Queue on ``stream`` (default: the current one) a point that every rank's stream passes only after
-        every rank's has reached its own: what each rank queued before (pool writes, reads of the peers'
-        pools) is done on every rank before what any rank queues after. No host wait.
-
-        Fence ``f`` uses word ``q = f % 2`` of each pair: ``fence_q[me] := 1`` on every peer (after a
-        memory barrier), wait ``fence_q[p] == 1`` from every peer, then ``fence_q[p] := 0``. A peer sets
-        that word again only at its fence ``f + 2``, past its fence ``f + 1``, which waits for this rank's
-        fence ``f + 1``, queued after the reset: so no set is lost and none is seen twice. The values
-        never change, so the calls are one graph per parity, captured at its first fence and launched
-        after that: one driver call per fence instead of ``1 + 3 * peers`` (host time).
-
-        ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None) is
-        queued right after the fence: inside the same graph once it has run (compiled), one graph per parity
-        and per ``then.graph_key()`` (its kernel and every argument's value), so a launch whose arguments do
-        not change from call to call costs no launch of its own; otherwise called after the fence.
+        """Queue on ``stream`` (default: the current one) a point every rank's stream passes only once every
+        rank's has reached it: what any rank queued before is done everywhere before what any queues after.
+        Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and resets it (a peer sets it
+        again only past its fence ``f + 1``, which waits for this rank's reset); fixed values, so one graph per
+        parity. ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None)
+        is queued right after: once compiled, inside the fence's graph (one per parity and
+        ``then.graph_key()``), else called after the fence.
         """
         handle, q = self._handle(stream), self.fences % 2
         self.fences += 1
@@ -367,7 +325,6 @@ class CopyEngineGroup:
             self.fused_fences += 1
 
     def _fence_calls(self, stream: int, q: int) -> None:
-        """Fence ``q``'s calls (``fence``), queued on ``stream``."""
         d, one, row = self._driver, self._one.data_ptr(), 2 + q
         d.check(d.write64(stream, one, 1, 0), "cuStreamWriteValue64")  # the barrier: earlier work visible
         for peer in self._peer_signals.values():
@@ -379,8 +336,7 @@ class CopyEngineGroup:
             d.check(d.write64(stream, slot, 0, 0), "cuStreamWriteValue64")
 
     def _capture_fence(self, q: int, then=None) -> int:
-        """Fence ``q``'s calls, and ``then``'s launch after them, as a graph (0 where the driver cannot
-        capture them: made one by one)."""
+        """Fence ``q``'s calls and ``then``'s launch as a graph (0 where the driver cannot: made one by one)."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
 
@@ -409,8 +365,8 @@ class CopyEngineGroup:
             d.check(d.wait64(stream, slot, k, WAIT_GEQ), "cuStreamWaitValue64")
 
     def _announce(self, stream: int) -> int:
-        """The next call's counter ``k`` into the outbox (the write carries a memory barrier: what the stream
-        ran before is visible), then to every peer as ready. Returns ``k``."""
+        """The next call's counter ``k`` into the outbox (a write with a memory barrier), then to every peer as
+        ready. Returns ``k``."""
         d = self._driver
         self.calls += 1
         d.check(d.write64(stream, self._outbox_at, self.calls, 0), "cuStreamWriteValue64")
@@ -434,9 +390,6 @@ class CopyEngineGroup:
                 self._driver.release(handle)
         self._peer_signals, self._peer_buffers = {}, {}
         self._pull_cache = {}
-
-    def __repr__(self) -> str:
-        return f"CopyEngineGroup(rank={self.rank}, size={self.size}, buffers={len(self.buffers)})"
 
     def all_gather_object(self, obj: object) -> list[object]:
         return self.cpu_group.all_gather_object(obj)
@@ -467,11 +420,8 @@ class CopyEngineGroup:
         raise ValueError("out lies outside every registered buffer")
 
     def _pulls(self, outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> list[tuple[int, list]]:
-        """Per peer, in rank order: ``(its ready signal's address, [(destination, source, bytes)])``.
-
-        Checked and computed once per set of buffers: a read path all-gathers into the same view
-        buffers every layer of a batch, so later calls only look the list up (host time).
-        """
+        """Per peer, in rank order: ``(its ready signal's address, [(destination, source, bytes)])``, checked
+        and computed once per set of buffers (a batch all-gathers into the same views every layer)."""
         key = tuple(
             (o.data_ptr(), o.numel(), o.is_contiguous(), o.dtype, x.data_ptr(), x.numel(), x.dtype)
             for o, x in zip(outs, locals_)
@@ -508,13 +458,9 @@ class CopyEngineGroup:
         stream: torch.cuda.Stream | None = None,
         ack: bool = True,
     ) -> PendingCollective:
-        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place.
-
-        Everything is queued on ``stream`` (default: the current stream), ordered after the caller's
-        writes of its parts there and before whatever it queues next, so the result needs no wait.
-        ``ack=False`` leaves out the wait for the peers to finish reading this rank's part (the module
-        docstring says when).
-        """
+        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place, queued on
+        ``stream`` (default: the current one) after the caller's writes there: the result needs no wait.
+        ``ack=False`` leaves out the wait for the peers' reads of this rank's part (module docstring)."""
         pulls = self._pulls(outs, locals_)
         d = self._driver
         stream = self._handle(stream)
@@ -547,11 +493,11 @@ TRANSPORT_ENV = "SGLANG_CP_SHARED_KV_TRANSPORT"
 TRANSPORTS = ("auto", "copy_engine", "nccl")
 
 
-def transport_setting() -> str:
-    """``$SGLANG_CP_SHARED_KV_TRANSPORT``: ``auto`` (default: copy engines when every CP rank is on this
-    node, else the CP group's collectives), ``copy_engine`` (required: an error where it cannot run) or
-    ``nccl`` (the CP group's collectives, never copy engines)."""
-    raw = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+def transport_setting(setting: str | None = None) -> str:
+    """``setting``, else ``$SGLANG_CP_SHARED_KV_TRANSPORT``: ``auto`` (default: copy engines when every CP rank
+    is on this node, else the CP group's collectives), ``copy_engine`` (required: an error where it cannot
+    run) or ``nccl`` (the CP group's collectives, never copy engines)."""
+    raw = setting or os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
     if raw not in TRANSPORTS:
         raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
     return raw
@@ -563,17 +509,10 @@ def view_group(
     setting: str | None = None,
     sources: Sequence[Sequence[torch.Tensor]] | None = None,
 ) -> CPGroup | CopyEngineGroup:
-    """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself.
-
-    Collective: every rank of ``group`` calls it, and all of them decide alike (each says whether the
-    driver entry points load here and which host it is on; copy engines only if all can, on one host).
-    CPU buffers always use ``group``. Under ``auto``, falling back to ``group`` is a WARNING with its reason.
-    ``sources`` (per layer, the pool's page buffers): the copy engines' group maps them on every peer too,
-    for views read straight from the owners' pools (``CopyEngineGroup.source_table``).
-    """
-    setting = setting or transport_setting()
-    if setting not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {setting!r}")
+    """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself,
+    decided alike on every rank (copy engines only if every rank loads the driver, on one host; never for CPU
+    buffers; a fallback under ``auto`` is a WARNING). ``sources``: the pools' page buffers, mapped too."""
+    setting = transport_setting(setting)
     if setting == "nccl" or not buffers or not buffers[0].is_cuda:
         if setting == "copy_engine":
             raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine needs CUDA view buffers")
@@ -612,10 +551,8 @@ def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
 
 
 def prefetch_on(group: CPGroup | CopyEngineGroup | None, requested: bool) -> bool:
-    """Whether views all-gathered by ``group`` (the transport ``view_group`` chose) are prefetched a layer
-    ahead, when ``requested``: not over NCCL, whose prefetch was slower than building each view in line
-    (its kernels wait for the SMs the layer holds: ``docs/design.md``, "Layer-ahead prefetch"); on the copy
-    engines (no SMs) and elsewhere (gloo, a single rank) yes."""
+    """Whether views all-gathered by ``group`` are prefetched a layer ahead, when ``requested``: not over NCCL,
+    whose kernels wait for the SMs the layer holds (``docs/design.md``, "Layer-ahead prefetch")."""
     if requested and getattr(group, "backend", None) == "nccl":
         logger.info("CP-shared KV: layer-ahead prefetch of the views off: they are all-gathered by NCCL")
         return False

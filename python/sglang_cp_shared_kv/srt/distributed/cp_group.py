@@ -41,11 +41,8 @@ class CPGroup:
         return f"CPGroup(rank={self.rank}, size={self.size}, backend={self.backend})"
 
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """``out`` (``[size * n, ...]``) <- every rank's ``local`` (``[n, ...]``), rank-major.
-
-        Moves raw bytes: fp8 and other dtypes gloo cannot reduce are gathered as uint8.
-        ``local`` may be this rank's slice of ``out`` (an in-place all-gather).
-        """
+        """``out`` (``[size * n, ...]``) <- every rank's ``local`` (``[n, ...]``), rank-major, as raw bytes (fp8
+        on gloo too). ``local`` may be this rank's slice of ``out`` (an in-place all-gather)."""
         check_pairs([out], [local])
         out_b, local_b = self._byte_pair(out, local)
         self._all_gather_bytes(out_b, local_b)
@@ -61,17 +58,11 @@ class CPGroup:
         coalesce: bool | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> PendingCollective:
-        """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call.
-
-        On NCCL (or with ``coalesce=True`` where the backend supports it) the all-gathers form
-        one NCCL group: one kernel launch moves every buffer. Other backends run them in order.
-        With ``async_op`` the call returns at once and the caller must ``wait()`` on the result
-        before reading ``outs``; on CUDA the collectives start after everything already queued on
-        the current stream, so a caller may keep queuing work that does not touch the buffers.
-        With ``stream`` (CUDA) the collectives and the wait for them are queued on that stream
-        instead: what that stream runs next sees the result, and nothing is left to wait for.
-        A collective returns only once every rank has sent its part, so the next write into ``locals_``
-        is always safe (``CopyEngineGroup`` needs an ack for that).
+        """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call: on NCCL (or with
+        ``coalesce=True`` where the backend supports it) one kernel launch, else in order. ``async_op``: returns
+        at once (on CUDA the collectives follow what the current stream queued); ``wait()`` on the result before
+        reading ``outs``. ``stream`` (CUDA): the collectives and their wait are queued there, nothing left to
+        wait for. The next write into ``locals_`` is always safe (no ack, unlike ``CopyEngineGroup``).
         """
         if stream is None:
             return self._all_gather_many(outs, locals_, async_op, coalesce)
@@ -133,15 +124,11 @@ def check_pairs(outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -
     if len(outs) != len(locals_) or not outs:
         raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
     for out, local in zip(outs, locals_):
-        _check_pair(out, local)
-
-
-def _check_pair(out: torch.Tensor, local: torch.Tensor) -> None:
-    if out.dim() == 0 or local.dim() == 0 or out.dtype != local.dtype:
-        raise ValueError(
-            f"out and local must share a dtype and have a first dimension, got {out.dtype} {tuple(out.shape)} "
-            f"and {local.dtype} {tuple(local.shape)}"
-        )
+        if out.dim() == 0 or local.dim() == 0 or out.dtype != local.dtype:
+            raise ValueError(
+                f"out and local must share a dtype and have a first dimension, got {out.dtype} {tuple(out.shape)} "
+                f"and {local.dtype} {tuple(local.shape)}"
+            )
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -2,26 +2,24 @@
 
 - ``server_args_hook``: the ``--enable-cp-shared-kv`` flag on SGLang's server args.
 - ``startup_checks``: the flag's rules, run where SGLang resolves its arguments.
-- ``pool_hooks``: SGLang's MLA/DSA pools replaced by ``sharded_kv_pool``'s subclasses and its
-  allocator widened by N (SGLang's owner-rotating allocator); each extend batch's request ids and
-  shared-prefix hint (from the scheduler's radix tree) handed to the pool's read state.
-- ``view_arena``: the read buffer's size, charged to the KV budget, and SGLang's batch admission
-  held to it.
-- ``sharded_kv_pool`` (with ``layers.attention.nsa.read_state``): the masked write path and the kv-shard read contract
-  (current-reuse / materialized view) that SGLang's DSA backend, indexer and FA3 call.
-- ``transfer``: SGLang's Mooncake sender in sharded mode (owned pages at their positions), and
-  each prefill rank's manifest on its Success status.
+- ``pool_hooks``: SGLang's MLA/DSA pools replaced by ``sharded_kv_pool``'s subclasses and its allocator
+  widened by N (SGLang's owner-rotating allocator); each extend batch's request ids and shared-prefix hint
+  (from the scheduler's radix tree) handed to the pool's read state.
+- ``view_arena``: the read buffer's size, charged to the KV budget, and SGLang's batch admission held to it.
+- ``sharded_kv_pool`` (with ``layers.attention.nsa.read_state``): the masked write path and the kv-shard
+  read contract (current-reuse / materialized view) that SGLang's DSA backend, indexer and FA3 call.
+- ``transfer``: SGLang's Mooncake sender in sharded mode (owned pages at their positions), and each
+  prefill rank's manifest on its Success status.
 - ``decode_manifest``: on a decode server, the manifests checked before a request is ready.
-- ``metrics``: each prefill CP rank's startup line, and the plugin's series in SGLang's
-  ``/metrics`` (``--enable-metrics``).
-- ``connector_bounds``: on a prefill server, the connector's per-room tables bounded (rooms that
-  SGLang 0.5.23 would keep after their request ended are dropped).
-- ``connector_sockets``: the connector's status sockets reconnect after a connect made while the
-  peer was unreachable.
+- ``metrics``: each prefill CP rank's startup line, and the plugin's series in SGLang's ``/metrics``.
+- ``connector_bounds``: on a prefill server, the connector's per-room tables bounded (rooms that SGLang
+  0.5.23 would keep after their request ended are dropped).
+- ``connector_sockets``: the connector's status sockets reconnect after a connect made while the peer
+  was unreachable.
 
-Each module lists its hooks in a table (``HOOKS``: target, hook, ``"before"``, ``"after"`` or ``"around"``;
-``startup_checks.RESOLUTION_HOOKS``: resolution step, check); ``register`` installs them all.
-Every hook passes through unless ``--enable-cp-shared-kv`` is on.
+Each module lists its hooks in a table (``HOOKS``: target, hook, ``"before"``, ``"after"`` or
+``"around"``; ``startup_checks.RESOLUTION_HOOKS``: resolution step, check); ``register`` installs them
+all. Every hook passes through unless ``--enable-cp-shared-kv`` is on.
 """
 
 from __future__ import annotations
@@ -77,12 +75,8 @@ def _wraps(target: str, hook: object) -> bool:
 
 
 def missing_hooks() -> list[str]:
-    """The targets (and resolution steps) of ``register`` that are not installed in this process.
-
-    SGLang's ``HookRegistry.apply_hooks`` logs a target it cannot resolve or wrap and goes on;
-    a target counts as installed when the registry marked it patched and the callable there
-    now wraps this plugin's hook.
-    """
+    """The targets (and resolution steps) of ``register`` not installed here (SGLang's registry logs a target it
+    cannot wrap and goes on): installed means marked patched, and the callable there wraps this plugin's hook."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS
     from sglang.srt.plugins.hook_registry import HookRegistry
 

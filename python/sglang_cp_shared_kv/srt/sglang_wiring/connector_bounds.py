@@ -1,41 +1,25 @@
 """Bounded per-request state in a prefill's Mooncake KV manager (SGLang 0.5.23).
 
-Three of the manager's tables outlive the requests they describe:
+Two of the manager's tables outlive the requests they describe (``docs/sglang_plugin.md``, "Bounded
+connector state", says how, and why ``decode_kv_args_table`` is left alone): **late destinations** that
+reach a prefill rank after its sender was cleared make SGLang's bootstrap thread record the room again
+(``transfer_infos``, ``req_to_decode_prefix_len``, ``request_status``) with no sender left to clear it;
+and ``_deferred_ack_poisoned_rooms`` keeps a failed batch's room for ever.
 
-- **late destinations**: the decode's destination pages for a room can reach a prefill rank
-  after that rank's sender was aborted and cleared (a client abort racing the decode's
-  metadata, or a delayed network). SGLang's bootstrap thread then records the room again
-  (``transfer_infos``, ``req_to_decode_prefix_len``, and ``request_status`` through
-  ``update_status(room, WaitingForInput)``, which may open a room because destinations may
-  also arrive before their sender); no sender is left to clear it.
-- ``_deferred_ack_poisoned_rooms``: a room whose Mooncake batch failed is poisoned so that no
-  abort acknowledgement tells the decode its pages are safe while the batch may still write
-  them; only a new request under the same room (random 63-bit ids: never) removes it.
-- ``decode_kv_args_table``: one registration per decode rank session, kept for ever. It grows
-  with decode restarts, not with requests, and is left alone here: dropping a registration the
-  decode still relies on would fail every later transfer to it (SGLang's transfer worker reads
-  it unguarded), and a decode re-registers only after its heartbeat declared the prefill dead.
+This module bounds both, per prefill manager, by wrapping ``CommonKVManager.update_status`` and
+``CommonKVSender.clear``:
 
-This module bounds the first two, per prefill manager, from the two steps it wraps
-(``CommonKVManager.update_status`` and ``CommonKVSender.clear``):
+- a room is *live* from its sender's opening status (``update_status(room, Bootstrapping)``, set only
+  by ``CommonKVSender.__init__``) until ``CommonKVSender.clear``, then *closed* for ``window_s``:
+  destinations that reach a closed room are dropped at once (their tables popped, the room not opened);
+- destinations for a room neither live nor closed open it as SGLang does (they may precede their
+  sender), and are dropped if no sender opens it within ``window_s``;
+- when a closed room's window ends, its poison is dropped: the decode has released its pages by then.
 
-- a room is *live* from its sender's opening status (``update_status(room, Bootstrapping)``,
-  called only by ``CommonKVSender.__init__`` on a prefill) until ``CommonKVSender.clear``;
-- a cleared room is *closed* for ``window_s``. Destinations that reach a closed room are dropped
-  at once (in ``update_status``: the tables the bootstrap thread filled are popped and the
-  room is not opened). Destinations for a room that is neither live nor closed open it as SGLang
-  does (they may precede their sender) and are dropped if no sender opens it within ``window_s``;
-- when a closed room's window ends, its poison is dropped: by then the decode has released the
-  room's pages (it fails a request at most ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` after it sent
-  its destinations, which precede any transfer and so the clear, and releases a failed request's
-  pages at most ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` later), so no abort
-  acknowledgement can matter any more.
-
-``window_s`` is those two timeouts plus a margin, read from SGLang's environment as the decode
-reads them (a deployment sets them alike on both sides). Expired rooms are swept at every clear;
-closed rooms beyond ``MAX_CLOSED`` are forgotten oldest first keeping their poison (SGLang's
-behaviour), so this module's own state is bounded too. With the flag off, or on a decode, both
-wrappers call SGLang's step and nothing else.
+``window_s`` is SGLang's waiting and deferred-release timeouts plus a margin, read as the decode reads
+them. Expired rooms are swept at every clear; closed rooms beyond ``MAX_CLOSED`` are forgotten oldest
+first keeping their poison (SGLang's behaviour). With the flag off, or on a decode, both wrappers only
+call SGLang's step.
 """
 
 from __future__ import annotations
@@ -46,7 +30,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
 logger = logging.getLogger(__name__)
@@ -89,12 +73,6 @@ class RoomBounds:
         }
 
 
-def _guarded_prefill(mgr: Any) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL and runtime_enabled()
-
-
 def bounds_of(mgr: Any) -> RoomBounds:
     """The manager's ``RoomBounds`` (made on first use)."""
     state = state_of(mgr)
@@ -112,7 +90,7 @@ def _forget_room(mgr: Any, room: int) -> None:
 
 def guard_update_status(original, mgr, bootstrap_room, status):
     """Wraps ``CommonKVManager.update_status`` (prefill, flag on): track live rooms; drop late destinations."""
-    if not _guarded_prefill(mgr):
+    if not manager_enabled(mgr, "prefill"):
         return original(mgr, bootstrap_room, status)
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -139,7 +117,7 @@ def guard_update_status(original, mgr, bootstrap_room, status):
 def close_room(original, sender):
     """Wraps ``CommonKVSender.clear`` (prefill, flag on): the room closes, then expired rooms are swept."""
     mgr = sender.kv_mgr
-    if not _guarded_prefill(mgr):
+    if not manager_enabled(mgr, "prefill"):
         return original(sender)
     # A duplicate sender under a deferred bootstrap clears nothing; the owning one is still live.
     owner = mgr.deferred_bootstrap is None or sender._owns_bootstrap_room
@@ -187,7 +165,6 @@ def sweep(mgr: Any, now: float | None = None) -> None:
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_COMMON}.CommonKVManager.update_status", guard_update_status, "around"),
     (f"{_COMMON}.CommonKVSender.clear", close_room, "around"),

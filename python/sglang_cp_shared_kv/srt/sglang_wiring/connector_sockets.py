@@ -1,21 +1,13 @@
 """A KV manager's status sockets that connect once the peer is reachable again.
 
-SGLang 0.5.23's ``CommonKVManager._connect`` caches one ZMQ PUSH socket per peer endpoint (a
-prefill rank's channel to a decode for status messages and abort acknowledgements), made with
-``RECONNECT_IVL = -1`` (never reconnect) and a monitor for ``EVENT_DISCONNECTED``: on a disconnect
-the next send drops the socket and makes a new one. A socket made while the peer's network is down
-(a partition: the connect fails at once, "network unreachable") reports ``EVENT_CLOSED``, which that
-monitor does not watch, and never tries again: it takes every later message and delivers none, so
-every later request to that decode waits for the decode's waiting timeout, for as long as the
-prefill runs (a bare ZMQ PUSH behind a downed veth shows it).
-
-``reconnect_new_sockets`` (wraps ``CommonKVManager._connect``, flag on) gives each socket SGLang
-has just made ZMQ's reconnect (every 100 ms) before anything is sent on it: the first connect is
-dropped and made again with reconnect on. A socket made during a partition then connects when the
-link comes back and delivers what was queued; a disconnect still drops the socket as SGLang does.
-Several sender threads may reach a new endpoint at once and get the same socket: the first to take
-the endpoint's send lock sets it up, and the manager remembers that socket per endpoint, so no later
-thread drops its connection (and a message another thread queued on it).
+SGLang 0.5.23's ``CommonKVManager._connect`` makes each peer's ZMQ PUSH socket with ``RECONNECT_IVL = -1``
+and watches only ``EVENT_DISCONNECTED``: a socket made while the peer is unreachable (a partition) never
+retries and swallows every later status message (``docs/sglang_plugin.md``). ``reconnect_new_sockets``
+(wraps ``_connect``, flag on) drops the first connect of each socket SGLang has just made and connects it
+again with ZMQ's reconnect on (every 100 ms) before anything is sent on it, so it connects once the link is
+back and delivers what was queued; a disconnect still drops the socket as SGLang does. Of several sender
+threads that reach a new endpoint at once, the first to take its send lock sets the socket up, and the
+manager remembers it, so no later thread drops its connection (and a message queued on it).
 """
 
 from __future__ import annotations
@@ -47,5 +39,4 @@ def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [(f"{_COMMON}.CommonKVManager._connect", reconnect_new_sockets, "around")]

@@ -1,28 +1,21 @@
-"""The decode side's manifest check, inside SGLang's Mooncake KV receiver.
+"""The decode side's manifest check, inside SGLang's Mooncake KV receiver (``docs/sglang_plugin.md``,
+"Manifest").
 
-A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP;
-the flag means "expect CP shared-KV manifests". Each prefill CP rank appends its manifest to its
-Success status message (``transfer.attach_manifest``). Three functions at SGLang's receiver check them:
+A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP; the flag
+means "expect CP shared-KV manifests" (``transfer.attach_manifest``). Three hooks check them:
 
-- ``arm_manifest_check`` (wraps ``CommonKVReceiver.send_metadata``): before the destination
-  pages leave, the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages (the
-  positions SGLang's prefill senders index), the prefill's CP size and the decode's per-page
-  latent bytes; it expects as many senders as SGLang's own success count.
-- ``check_status_message`` (wraps ``CommonKVManager.parse_kv_status_message``, on the decode
-  thread, before SGLang counts the status): a Success passes only if its manifest is accepted by
-  the collector: the rank matches the status frame's sender, every rank lists the same page
-  table, positions are in range, none twice, each claimed by the rank that owns its logical page
-  (``page % N``), and all of them once every rank is in. So SGLang's count of N successes, its
-  only condition for ``KVPoll.Success``, is reached exactly when the collector is complete.
-  Otherwise the status is held back, and once every expected sender has reported (so no prefill
-  rank is still writing into the request's pages) it is turned into ``KVPoll.Failed`` with a
-  one-line reason. SGLang's decode scheduler then fails that request and releases its pages as it
-  does for any failed transfer; other requests are not touched.
-- ``forget_room`` (runs after ``CommonKVReceiver.clear``) drops the request's collector.
+- ``arm_manifest_check`` (wraps ``CommonKVReceiver.send_metadata``): before the destination pages leave,
+  the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages, expecting as many senders as
+  SGLang's own success count.
+- ``check_status_message`` (wraps ``CommonKVManager.parse_kv_status_message``, on the decode thread,
+  before SGLang counts the status): a Success passes only if the collector accepts its manifest, so
+  SGLang's N successes, its only condition for ``KVPoll.Success``, are reached exactly when the collector
+  is complete. Otherwise the status is held back until every expected sender has reported (no prefill
+  rank still writes into the request's pages), then turned into ``KVPoll.Failed`` with a one-line reason.
+- ``forget_room`` (after ``CommonKVReceiver.clear``) drops the request's collector.
 
-A failure is logged when it is found; if a rank never reports, SGLang's waiting timeout fails
-the request instead. Other statuses (a prefill's own Failed) pass through unchanged. With the
-flag off, or in a prefill process, each of them calls SGLang's step and nothing else.
+A rank that never reports is left to SGLang's waiting timeout. Other statuses pass through unchanged;
+with the flag off, or in a prefill process, each hook only calls SGLang's step.
 """
 
 from __future__ import annotations
@@ -30,13 +23,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring import metrics
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
 from sglang_cp_shared_kv.srt.sglang_wiring.transfer import MANIFEST_FRAME, latent_page_bytes
 
@@ -58,19 +50,13 @@ class RoomCheck:
     logged: bool = False  # the error logged and counted (once per request)
 
 
-def _checking_decode(mgr: Any) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.DECODE and runtime_enabled()
-
-
 def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
     """Wraps ``CommonKVReceiver.send_metadata``: open the request's collector first."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = receiver.kv_mgr
     info = getattr(receiver, "prefill_info", None)
-    if _checking_decode(mgr) and info is not None and receiver.conclude_state != KVPoll.Failed:
+    if manager_enabled(mgr, "decode") and info is not None and receiver.conclude_state != KVPoll.Failed:
         room = receiver.bootstrap_room
         collector = ManifestCollector(str(room), len(kv_indices), info.attn_cp_size, latent_page_bytes(mgr.kv_args))
         check = RoomCheck(collector, senders=int(info.required_prefill_response_num))
@@ -128,16 +114,12 @@ def _judge(check: RoomCheck, msg: list[bytes], room: int, prefill_rank: int) -> 
 
 
 def check_status_message(original, mgr, msg):
-    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on).
-
-    Returns SGLang's parse for anything but a Success status of an armed request; for those, the
-    parse itself if the manifest is accepted, ``None`` (not a status message: ignored) while a
-    failed request waits for its other senders, then a Failed status carrying the reason.
-    """
+    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on): SGLang's parse, but a refused
+    manifest's Success is ``None`` (ignored) until every sender reported, then a Failed with the reason."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     parsed = original(mgr, msg)
-    if parsed is None or parsed[1] != KVPoll.Success or not _checking_decode(mgr):
+    if parsed is None or parsed[1] != KVPoll.Success or not manager_enabled(mgr, "decode"):
         return parsed
     room, _status, prefill_rank, _reason = parsed
     failed = int(KVPoll.Failed)
@@ -150,14 +132,9 @@ def check_status_message(original, mgr, msg):
             return room, failed, prefill_rank, f"{FLAG}: manifest check failed: {why}"
         _judge(check, msg, room, prefill_rank)
         if check.error is None:
-            if check.collector.complete and debug_enabled():
-                logger.info(
-                    "%s: room %s: %d manifests cover its %d pages",
-                    FLAG,
-                    room,
-                    check.collector.cp_size,
-                    check.collector.n_pages,
-                )
+            c = check.collector
+            if c.complete and debug_enabled():
+                logger.info("%s: room %s: %d manifests cover its %d pages", FLAG, room, c.cp_size, c.n_pages)
             return parsed
         if not check.logged:  # found here or when the check was armed: reported at the first Success
             check.logged = True
@@ -178,7 +155,6 @@ def forget_room(_result, receiver) -> None:
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_COMMON}.CommonKVReceiver.send_metadata", arm_manifest_check, "around"),
     (f"{_COMMON}.CommonKVManager.parse_kv_status_message", check_status_message, "around"),

@@ -18,10 +18,8 @@ def enabled(server_args: Any) -> bool:
 
 
 def runtime_enabled() -> bool:
-    """Whether the server args published in this process have the flag on.
-
-    False before any server args are published (e.g. a pool built by a test).
-    """
+    """Whether the server args published in this process have the flag on (False before any are published,
+    e.g. for a pool built by a test)."""
     from sglang.srt.runtime_context import get_context
 
     try:
@@ -29,3 +27,11 @@ def runtime_enabled() -> bool:
     except ValueError:  # "Global server args is not set yet!"
         return False
     return enabled(server_args)
+
+
+def manager_enabled(mgr: Any, mode: str) -> bool:
+    """Whether ``mgr`` is a KV manager of disaggregation ``mode`` (``"prefill"``, ``"decode"``) in a process
+    with the flag on."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode(mode) and runtime_enabled()

@@ -1,35 +1,15 @@
 """What ``--enable-cp-shared-kv`` does, per CP rank: one startup line, and metrics in SGLang's ``/metrics``.
 
-**Startup line** (INFO, every prefill CP rank, once its pool and allocator are built): the CP size,
-the KV token slots this rank holds against the logical tokens the group caches (and what a
-replicated pool would hold in the same memory), the view arena, the transport setting and whether
-views are prefetched (the transport, and with it the prefetch, is settled at the first prefix batch).
+**Startup line** (INFO, every prefill CP rank, once its pool and allocator are built): the CP size, the
+KV token slots this rank holds against the logical tokens the group caches (and what a replicated pool
+would hold in the same memory), the view arena, the transport setting and whether views are prefetched
+(the transport, and with it the prefetch, is settled at the first prefix batch).
 
-**Metrics** (only with SGLang's ``--enable-metrics``). SGLang serves ``/metrics`` from
-prometheus_client's multiprocess directory (``$PROMETHEUS_MULTIPROC_DIR``, set by its launcher
-before the scheduler processes start); each scheduler writes its own series there. These are made
-the same way: prometheus_client imported only when they are built, gauges in ``mostrecent`` mode,
-names ``sglang:cp_shared_kv_*``, labels ``model_name``, ``engine_type``, ``tp_rank`` (plus
-``--extra-metric-labels``) and ``cp_rank``: every CP rank reports its own shard (SGLang's own
-scheduler metrics come from CP rank 0 only).
-
-=====================================================  =========  ========================================
-``sglang:cp_shared_kv_held_tokens``                    gauge      KV token slots this rank's pool holds
-``sglang:cp_shared_kv_logical_capacity_tokens``        gauge      logical tokens the CP group caches (N x)
-``sglang:cp_shared_kv_view_arena_bytes``               gauge      the view arena, allocated once
-``sglang:cp_shared_kv_view_arena_peak_used_bytes``     gauge      the most of it one batch has used
-``sglang:cp_shared_kv_view_bytes_received_per_batch``  histogram  bytes one batch's views received
-``sglang:cp_shared_kv_view_bytes_received_total``      counter    the same, summed over batches
-``sglang:cp_shared_kv_arena_deferrals_total``          counter    times admission held a request back
-``sglang:cp_shared_kv_view_transport``                 gauge      1 on the transport the views use
-``sglang:cp_shared_kv_slot_overflows_total``           counter    batches failed by a slot overflow
-``sglang:cp_shared_kv_manifest_rejections_total``      counter    requests a decode server refused
-=====================================================  =========  ========================================
-
-Every value is one the host already has: sizes from the pool and allocator, per-batch byte counts
-that the read path sums from host lengths (``BatchCounters``), the arena share from the shapes of
-the buffers the batch reads, SGLang's admission answer. Nothing reads the device. A batch's view
-bytes are recorded when the next batch begins (its layers have all read their views by then).
+**Metrics** (only with ``--enable-metrics``; ``docs/usage.md`` lists them), made as SGLang's scheduler
+metrics (prometheus_client's multiprocess directory, gauges in ``mostrecent`` mode, SGLang's labels) plus
+``cp_rank``: every CP rank reports its own shard. Every value is one the host already has: nothing reads
+the device. A batch's view bytes are recorded when the next batch begins (its layers have all read their
+views by then).
 """
 
 from __future__ import annotations
@@ -39,7 +19,7 @@ from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import serves_arena
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import is_cp_shared_pool, serves_arena
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +100,7 @@ class CPSharedKVMetrics:
                 self._peak_used = used
                 self.series(self.view_arena_peak_used_bytes).set(used)
         if self._transport is None and read.views is not None and read.views.group is not None:
-            self._transport = transport_name(read.views.group)
+            self._transport = str(read.views.group.backend)  # copy_engine, nccl or gloo
             self.view_transport.labels(**self.labels, transport=self._transport).set(1)
 
     def batch_done(self, counters: Any) -> None:
@@ -139,16 +119,8 @@ def arena_bytes(pool: Any) -> int:
     return sum(t.nbytes for t in arena.values()) if arena is not None else 0
 
 
-def transport_name(group: Any) -> str:
-    """``copy_engine`` for the copy-engine group, else the CP group's collective backend (``nccl``, ``gloo``)."""
-    from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup
-
-    return "copy_engine" if isinstance(group, CopyEngineGroup) else str(group.backend)
-
-
 def sglang_labels() -> dict[str, Any]:
-    """SGLang's scheduler metric labels for this process (``model_name``, ``engine_type``, ``tp_rank``, its
-    extra labels) and ``cp_rank``."""
+    """SGLang's scheduler metric labels for this process (with its extra labels), and ``cp_rank``."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_disagg, get_observability, get_parallel, get_serving
 
@@ -208,16 +180,10 @@ def startup_line(pool: Any, allocator: Any) -> str:
 # -- at SGLang's call sites --
 
 
-def _ours(pool: Any) -> bool:
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
-    return isinstance(pool, CPSharedKVPoolMixin)
-
-
 def report_pools(result, _configurator, **_kwargs):
     """Runs after ``KVCacheConfigurator._init_pools``: the startup line and the start-up sizes."""
     pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
-    if not _ours(pool):
+    if not is_cp_shared_pool(pool):
         return result
     logger.info(startup_line(pool, allocator))
     metrics = get()
@@ -228,7 +194,7 @@ def report_pools(result, _configurator, **_kwargs):
 
 def observe_batch(original, pool, req_to_token, forward_batch):
     """Wraps ``prepare_kv_shard_forward``: the previous batch's bytes, this batch's arena share, overflows."""
-    metrics = get() if _ours(pool) else None
+    metrics = get() if is_cp_shared_pool(pool) else None
     if metrics is None:
         return original(pool, req_to_token, forward_batch)
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
@@ -247,20 +213,22 @@ def observe_batch(original, pool, req_to_token, forward_batch):
 def count_deferral(reserved: bool, adder, *_args, **_kwargs) -> bool:
     """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: a request held back by the view arena."""
     if not reserved and serves_arena(adder.token_to_kv_pool_allocator):
-        metrics = get()
-        if metrics is not None:
-            metrics.series(metrics.arena_deferrals).inc()
+        _count("arena_deferrals")
     return reserved
 
 
 def count_manifest_rejection() -> None:
     """A decode server refused a request's manifests (``decode_manifest``)."""
+    _count("manifest_rejections")
+
+
+def _count(counter: str) -> None:
+    """One more on this process's counter named ``counter`` (a ``CPSharedKVMetrics`` attribute), if any."""
     metrics = get()
     if metrics is not None:
-        metrics.series(metrics.manifest_rejections).inc()
+        metrics.series(getattr(metrics, counter)).inc()
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools", report_pools, "after"),
     ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", observe_batch, "around"),

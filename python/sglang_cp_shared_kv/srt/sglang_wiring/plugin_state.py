@@ -14,20 +14,13 @@ from typing import Any
 
 @dataclass
 class ManagerState:
-    """The plugin's tables for one KV manager, each by bootstrap room unless said otherwise.
+    """The plugin's tables for one KV manager, each by bootstrap room unless said otherwise."""
 
-    - ``shares`` (prefill): the pages and positions this rank sent (``transfer.SentShare``), for its manifest;
-    - ``sent`` (prefill, debug): every page of the request seen and the positions this rank sent;
-    - ``checks`` (decode): the manifests expected and received (``decode_manifest.RoomCheck``);
-    - ``bounds`` (prefill): the connector's per-room tables bounded (``connector_bounds.RoomBounds``);
-    - ``ready_sockets``: status sockets by endpoint that connected (``connector_sockets``).
-    """
-
-    shares: dict = field(default_factory=dict)
-    sent: dict = field(default_factory=dict)
-    checks: dict = field(default_factory=dict)
-    bounds: Any = None
-    ready_sockets: dict = field(default_factory=dict)
+    shares: dict = field(default_factory=dict)  # prefill: what this rank sent, for its manifest (transfer.SentShare)
+    sent: dict = field(default_factory=dict)  # prefill, debug: the request's pages seen, the positions sent
+    checks: dict = field(default_factory=dict)  # decode: manifests expected and received (decode_manifest)
+    bounds: Any = None  # prefill: the connector's per-room tables bounded (connector_bounds.RoomBounds)
+    ready_sockets: dict = field(default_factory=dict)  # by endpoint: status sockets that connected
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,52 +1,33 @@
 """Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
 
-Three builders wrap the configurator's steps, each calling the stock step unchanged unless
-``--enable-cp-shared-kv`` is on (and the configurator builds a target, not a draft, pool):
+With ``--enable-cp-shared-kv`` on and a target (not a draft) pool, ``build_dsa_kv_pool`` /
+``build_mla_kv_pool`` run the stock builder with our pool class (every size, dtype and layer decision stays
+SGLang's); ``build_allocator`` builds SGLang's owner-rotating ``PageInterleavePoolAllocator`` over it with
+our view arena's ``PageShardSpec`` (its admission keeps every prefill batch inside the arena), then turns
+on sharded transfer (``transfer``); ``check_built_pools`` refuses a pool or allocator that is not ours.
 
-- ``build_dsa_kv_pool`` / ``build_mla_kv_pool``: the stock builder with our pool class in place of
-  ``DSATokenToKVPool`` / ``MLATokenToKVPool`` (same arguments: every size, dtype and layer decision
-  stays SGLang's).
-- ``build_allocator``: SGLang's own owner-rotating ``PageInterleavePoolAllocator`` over our pool (logical
-  page ``lp`` drawn for owner ``lp % N``, as ``PageOwnership``), handed our view arena's
-  ``PageShardSpec`` so SGLang's scratch admission keeps every prefill batch inside the arena; then the
-  process transfers sharded KV (``transfer``).
-
-``check_built_pools`` refuses to go on, one line per problem, unless the pool and allocator SGLang built
-are ours.
-
-**Shared prefixes**: only the scheduler knows which requests of a batch share prefix pages (the radix
-paths their ``Req.last_node`` s end at), and ``ForwardBatch`` does not carry them. ``hint_shared_prefix``
-runs after ``ForwardBatch.init_new``, computes the hint from the radix paths and the batch's
-``extend_prefix_lens_cpu`` and hands it to the pool (``expect_shared_prefix``), keyed by the batch's rids
-and prefix lens (SGLang's eager runner rebuilds the ForwardBatch before the backend begins it, so an
-attribute of the batch would not arrive). ``name_batch_requests`` runs before
-``prepare_kv_shard_forward`` and names the batch to the pool (``name_next_batch``), whose next begin
-takes the hint when the batch is the hint's (same requests, same prefix lens, prefix-free padding
-past them). Host objects only; every CP rank holds the same tree and batches, so every rank plans with
-the same hint, and the read state checks it against the page ids on the device."""
+**Shared prefixes**: only the scheduler's radix tree knows which requests of a batch share prefix pages.
+``hint_shared_prefix`` (after ``ForwardBatch.init_new``) hands the hint to the pool, keyed by the batch's
+rids and prefix lens (SGLang's eager runner rebuilds the ForwardBatch before the backend begins it);
+``name_batch_requests`` (before ``prepare_kv_shard_forward``) names the batch, whose begin takes the hint
+if it is the hint's. Every CP rank holds the same tree and batches, so every rank plans with the same hint,
+and the read state checks it against the page ids on the device."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, takewhile
 
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import builds_cp_shared_pool, read_mode_for, spec_for
-
-logger = logging.getLogger(__name__)
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
+    builds_cp_shared_pool,
+    is_cp_shared_pool,
+    read_mode_for,
+    spec_for,
+)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-
-
-def _check_built(pool) -> None:
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
-    if not isinstance(pool, CPSharedKVPoolMixin):
-        raise RuntimeError(
-            f"{FLAG}: SGLang built a {type(pool).__name__} instead of the CP-shared pool "
-            "(a pool-selecting option the startup checks do not know about is on)"
-        )
 
 
 def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_class: str):
@@ -56,7 +37,11 @@ def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_
     from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
     pool = original(configurator, **{**kwargs, class_arg: getattr(sharded_kv_pool, pool_class)})
-    _check_built(pool)
+    if not is_cp_shared_pool(pool):
+        raise RuntimeError(
+            f"{FLAG}: SGLang built a {type(pool).__name__} instead of the CP-shared pool "
+            "(a pool-selecting option the startup checks do not know about is on)"
+        )
     return pool
 
 
@@ -69,10 +54,8 @@ def build_mla_kv_pool(original, configurator, **kwargs):
 
 
 def build_allocator(original, configurator, **kwargs):
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
     pool = kwargs.get("token_to_kv_pool")
-    if not isinstance(pool, CPSharedKVPoolMixin) or kwargs.get("token_to_kv_pool_allocator") is not None:
+    if not is_cp_shared_pool(pool) or kwargs.get("token_to_kv_pool_allocator") is not None:
         return original(configurator, **kwargs)
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.runtime_context import get_disagg
@@ -92,31 +75,21 @@ def build_allocator(original, configurator, **kwargs):
     )
     # The read buffers, once: the bytes view_arena charged to the budget.
     pool.attach_view_arena(spec, read_mode_for(configurator).prefetch)
-    logger.debug(  # the rank's one INFO line: metrics.startup_line
-        "%s: allocator widened to %d logical slots over %d CP ranks; per batch at most %d prefix + %d chunk tokens",
-        FLAG,
-        allocator.size,
-        pool.shard_size,
-        spec.max_prefix_tokens,
-        spec.chunk_tokens,
-    )
     enable_sharded_transfer()
     return allocator
 
 
 def check_built_pools(result, configurator, **_kwargs):
-    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, the pool and allocator it built must
-    be ours, or a refusal (one line per problem)."""
+    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, refuse a pool or allocator not ours."""
     if not builds_cp_shared_pool(configurator):
         return result
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
     from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, hook_rejections
 
     lines = hook_rejections()  # as a plugin: a line if SGLang did not install one of its hooks
     pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
-    if not isinstance(pool, CPSharedKVPoolMixin):
+    if not is_cp_shared_pool(pool):
         lines.append(
             f"{FLAG}: SGLang built a {type(pool).__name__}, not the CP-shared pool (a pool-selecting option "
             "the startup checks do not know about is on); drop that option or the flag."
@@ -133,11 +106,8 @@ def check_built_pools(result, configurator, **_kwargs):
 
 @dataclass(frozen=True)
 class SharedPrefixHint:
-    """One extend batch's shared-prefix hint, from ``ForwardBatch.init_new`` to the batch's ``begin``.
-
-    ``rids`` and ``prefix_lens``: the batch's requests and their ``extend_prefix_lens_cpu``, as
-    ``init_new`` built them; ``pairs``: ``(source, pages)`` per request (``BatchInputs.shared_prefix``).
-    """
+    """An extend batch's shared-prefix hint: its ``rids`` and ``extend_prefix_lens_cpu``, and ``(source, pages)``
+    per request (``BatchInputs.shared_prefix``)."""
 
     rids: tuple[str, ...]
     prefix_lens: tuple[int, ...]
@@ -158,14 +128,12 @@ def shared_prefix_from_paths(
     paths: Sequence[Sequence[tuple[Hashable, int]]], prefix_lens: Sequence[int], page_size: int
 ) -> list[tuple[int, int]]:
     """``BatchInputs.shared_prefix`` for a batch, from the radix paths its requests' prefixes end at.
-
-    ``paths[b]`` is request ``b``'s root-to-node path in the radix tree, root side first (the root
-    itself left out): per node, its identity and the KV tokens from the root to the node's end.
-    Invariant (SGLang's radix cache keeps it): a request's first tokens, as far as its path and its
-    ``prefix_lens[b]`` both reach, sit at its path's KV locs. Two requests whose paths meet at a node
-    hold the same locs, so the same logical pages, up to that node's depth: the later one gets the
-    first request through its deepest shared node as source, and the whole pages of that depth both
-    prefixes hold. Host ints only.
+    ``paths[b]``: request ``b``'s root-to-node path, root side first (the root left out), per node its identity
+    and the KV tokens from the root to the node's end. Invariant (SGLang's radix cache keeps it): a request's
+    first tokens, as far as its path and ``prefix_lens[b]`` both reach, sit at its path's KV locs. So two
+    requests whose paths meet at a node hold the same logical pages up to its depth: the later one gets the
+    first request through its deepest shared node as source, and the whole pages of that depth both prefixes
+    hold. Host ints only.
     """
     first: dict[Hashable, tuple[int, int]] = {}  # node -> (first request through it, its depth in tokens)
     out = []
@@ -186,30 +154,23 @@ def shared_prefix_from_paths(
 def shared_prefix_from_nodes(
     last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int
 ) -> list[tuple[int, int]]:
-    """``shared_prefix_from_paths`` from node objects: ``last_nodes[b]`` is request ``b``'s ``Req.last_node``
-    in a tree of SGLang's ``TreeNode`` s (``parent``, ``value``, the root's parent ``None``).
-
-    A node's depth is the host-known length of its values (of its key where it has none): no device
-    data is read.
-    """
+    """``shared_prefix_from_paths`` from ``Req.last_node`` s in a tree of SGLang's ``TreeNode`` s (``parent``,
+    ``value``, the root's parent ``None``); a node's depth is the host length of its value (else its key)."""
     paths = []
     for node in last_nodes:
         chain = []
         while node is not None and getattr(node, "parent", None) is not None:
             chain.append(node)
             node = node.parent
-        path, depth = [], 0
-        for n in reversed(chain):  # root side first
-            depth += len(n.value) if n.value is not None else len(n.key)
-            path.append((id(n), depth))
-        paths.append(path)
+        chain.reverse()  # root side first
+        depths = accumulate(len(n.value) if n.value is not None else len(n.key) for n in chain)
+        paths.append(list(zip(map(id, chain), depths)))
     return shared_prefix_from_paths(paths, prefix_lens, page_size)
 
 
 def _radix_paths(tree_cache, last_nodes: list) -> list[list[tuple[int, int]]] | None:
-    """Each request's root-to-``last_node`` path as ``(node id, KV tokens from the root)`` per node, from
-    SGLang's ``UnifiedRadixCache`` (``last_node`` s are node ids; its tree core copies the paths out);
-    ``None`` where the cache is not one, or a node is unknown to it."""
+    """Each request's root-to-``last_node`` path as ``(node id, KV tokens from the root)`` per node, from SGLang's
+    ``UnifiedRadixCache``'s tree core; ``None`` where the cache is not one, or a node is unknown to it."""
     core = getattr(tree_cache, "tree_core", None)
     if core is None or not all(type(n) is int for n in last_nodes):
         return None
@@ -219,22 +180,17 @@ def _radix_paths(tree_cache, last_nodes: list) -> list[list[tuple[int, int]]] | 
         return None
     paths = []
     for path in infos:
-        out, depth = [], 0
-        for info in path:
-            if info.full_value_len is None:  # no KV on the device from here on: nothing to share past it
-                break
-            depth += info.full_value_len
-            out.append((info.node_id, depth))
-        paths.append(out)
+        # Up to the first node with no KV on the device: nothing to share past it.
+        held = list(takewhile(lambda info: info.full_value_len is not None, path))
+        paths.append(list(zip((i.node_id for i in held), accumulate(i.full_value_len for i in held))))
     return paths
 
 
 def batch_shared_prefix(
     batch, rids: Sequence[str] | None, prefix_lens: Sequence[int] | None, page_size: int
 ) -> SharedPrefixHint | None:
-    """The hint of a ``ScheduleBatch`` whose ForwardBatch has these ``rids`` and ``prefix_lens`` (same requests,
-    same order), from its requests' ``last_node`` s in its ``tree_cache``; ``None`` when no two requests
-    share a whole prefix page. Host objects only."""
+    """The hint of a ``ScheduleBatch`` whose ForwardBatch has these ``rids`` and ``prefix_lens``, from its
+    requests' ``last_node`` s; ``None`` when no two requests share a whole prefix page. Host objects only."""
     reqs = batch.reqs
     if rids is None or prefix_lens is None or not len(reqs) == len(rids) == len(prefix_lens):
         return None
@@ -254,15 +210,10 @@ def batch_shared_prefix(
 
 
 def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
-    """Runs after ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint to a CP-shared pool.
-
-    Every extend batch replaces the pool's hint (``None``: no sharing), so a hint never outlives the
-    next batch. Passes through unless the flag is on and the model runner's pool is ours.
-    """
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
+    """Runs after ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint (``None``: no sharing)
+    to a CP-shared pool. Every extend batch replaces it, so a hint never outlives the next batch."""
     pool = getattr(model_runner, "token_to_kv_pool", None)
-    if not isinstance(pool, CPSharedKVPoolMixin) or not runtime_enabled():
+    if not is_cp_shared_pool(pool) or not runtime_enabled():
         return result
     if result.forward_mode.is_extend_or_draft_extend_or_mixed():
         pool.expect_shared_prefix(
@@ -274,14 +225,11 @@ def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
 def name_batch_requests(pool, req_to_token, forward_batch) -> None:
     """Give a CP-shared pool the batch's request ids (for errors) and its shared-prefix hint before SGLang's
     backend begins the batch (a hook that runs first: ``metrics`` holds the one around the call)."""
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
-    if isinstance(pool, CPSharedKVPoolMixin):
+    if is_cp_shared_pool(pool):
         rids = getattr(forward_batch, "rids", None)
         pool.name_next_batch(rids, getattr(forward_batch, "extend_prefix_lens_cpu", None))
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, "around"),
     (f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, "around"),

@@ -1,20 +1,16 @@
 """``--enable-cp-shared-kv``: the flag, and where it lives on SGLang's server args.
 
-sglang 0.5.23 has no API that adds a ``ServerArgs`` field, so the flag rides on
-two AFTER hooks:
+sglang 0.5.23 has no API that adds a ``ServerArgs`` field, so the flag rides on two AFTER hooks:
 
-- ``ServerArgs.add_cli_args`` adds the argparse option. The launcher loads
-  plugins before it builds its parser, so the option shows in
-  ``python -m sglang.launch_server --help`` and is accepted in a ``--config``
-  YAML file (SGLang's config merger reads the parser's store_true actions).
-- ``ServerArgs.from_cli_args`` copies the parsed value onto the record as the
-  plain attribute ``enable_cp_shared_kv``. It lives in the record's
-  ``__dict__``, which ``ServerArgs.__reduce__`` carries to spawned scheduler
-  processes.
+- ``ServerArgs.add_cli_args`` adds the argparse option. The launcher loads plugins before it builds its
+  parser, so the option shows in ``python -m sglang.launch_server --help`` and is accepted in a
+  ``--config`` YAML file (SGLang's config merger reads the parser's store_true actions).
+- ``ServerArgs.from_cli_args`` copies the parsed value onto the record as the plain attribute
+  ``enable_cp_shared_kv``, in its ``__dict__``, which ``ServerArgs.__reduce__`` carries to spawned
+  scheduler processes.
 
-Not covered (documented): ``sglang serve --help`` (that command prints help
-before it loads plugins; the flag itself works there) and ``Engine(...)``
-keyword construction (``ServerArgs(**kwargs)`` rejects unknown fields).
+Not covered (documented): ``sglang serve --help`` (it prints help before it loads plugins; the flag itself
+works there) and ``Engine(...)`` keyword construction (``ServerArgs(**kwargs)`` rejects unknown fields).
 """
 
 from __future__ import annotations
@@ -35,12 +31,8 @@ _HELP = (
 
 
 class _FlagAction(argparse._StoreTrueAction):
-    """``store_true`` that, when the flag is given, checks that every plugin hook is installed.
-
-    Parsing the command line is the first thing a launcher does after SGLang applied the hooks,
-    so a missing hook stops it here. On a command line the rejection prints as its line alone
-    (``startup_checks.install_clean_exit``), as every later rejection of the flag does.
-    """
+    """``store_true`` that, when the flag is given, checks that every plugin hook is installed (parsing comes
+    first after SGLang applied them); the rejection prints as its line alone (``install_clean_exit``)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
@@ -62,7 +54,6 @@ def copy_flag(server_args: Any, _cls: type, args: argparse.Namespace) -> None:
     setattr(server_args, ATTR, bool(getattr(args, ATTR, False)))
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     ("sglang.srt.server_args.ServerArgs.add_cli_args", add_flag, "after"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", copy_flag, "after"),

@@ -4,18 +4,16 @@
 ``isinstance`` check and byte format stays SGLang's; they change where rows go and what a read sees:
 
 - **Storage**: the stock per-rank buffers. Logical page ``lp`` lives on CP rank ``lp % cp_size`` as
-  physical page ``lp // cp_size`` (``PageOwnership``); the widened allocator never hands out logical
-  pages ``[0, cp_size)``, so physical page 0 of every rank is the trash page. ``CPSharedSpec`` is built
-  and checked once, in ``_init_cp_shared``.
-- **Write path**: every rank receives the whole current chunk; SGLang's own writers quantize it, to
-  ``store_rows(locs)``: the physical row of an owned loc, a row of the trash page otherwise (a masked
-  store: static shapes, no ``nonzero``, no host sync).
+  physical page ``lp // cp_size`` (``PageOwnership``); the widened allocator never hands out logical pages
+  ``[0, cp_size)``, so physical page 0 of every rank is the trash page.
+- **Write path**: every rank receives the whole current chunk, which SGLang's own writers quantize to
+  ``store_rows(locs)`` (a masked store: static shapes, no ``nonzero``, no host sync).
 - **Read path**: the kv-shard contract SGLang's backends already call (``begin_shard_extend`` /
   ``translate_loc_to_scratch`` / ``get_key_buffer`` and the indexer's page reads), served by
-  ``read_state.BatchReadState`` from the ``BatchInputs`` built here.
+  ``read_state.BatchReadState``.
 
-Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): every stored row is checked to map back to its logical loc on
-this rank, and the read plan and translation are checked (syncing)."""
+Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): the stored rows, the read plan and the translation are checked
+(syncing)."""
 
 from __future__ import annotations
 
@@ -41,21 +39,6 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import CPSharedSpec
 logger = logging.getLogger(__name__)
 
 
-def _runtime_cp() -> tuple[int, int]:
-    """This process's attention-CP rank and size (SGLang's parallel context)."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    return parallel.attn_cp_rank, parallel.attn_cp_size
-
-
-def _runtime_cp_group() -> CPGroup:
-    """The attention-CP group's device communicator (NCCL on GPUs); looked up at first use."""
-    from sglang.srt.runtime_context import get_parallel
-
-    return CPGroup(get_parallel().attn_cp_group.device_group)
-
-
 def _host_ints(values) -> tuple[int, ...]:
     """SGLang's host lengths (a list or a CPU tensor) as Python ints, a tensor through one ``tolist``."""
     if isinstance(values, torch.Tensor):
@@ -64,24 +47,22 @@ def _host_ints(values) -> tuple[int, ...]:
 
 
 class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
-    """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers.
-
-    It inherits SGLang's kv-shard mixin only for the type: SGLang's backends detect a
-    sharded pool by ``isinstance(pool, PageInterleaveKVPoolMixin)`` and then call the
-    methods below, all of which are ours. SGLang's own scratch, gather communicator and
-    write plan are never built.
+    """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers. SGLang's kv-shard
+    mixin is inherited only for the type: its backends detect a sharded pool by ``isinstance(pool,
+    PageInterleaveKVPoolMixin)`` and call the methods below, all ours (its scratch and gather never built).
     """
 
     def _init_cp_shared(
         self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | Callable[[], CPGroup] | None
     ) -> None:
-        """Ranks from the arguments, else from SGLang's parallel context (and its CP group, at first use).
-
-        Builds the pool's ``CPSharedSpec`` once; everything below reads it.
-        """
+        """Build the pool's ``CPSharedSpec`` once (everything below reads it): ranks from the arguments, else
+        from SGLang's parallel context, whose CP device group (NCCL on GPUs) is then looked up at first use."""
         if cp_rank is None or cp_size is None:
-            cp_rank, cp_size = _runtime_cp()
-            cp_group = cp_group or _runtime_cp_group
+            from sglang.srt.runtime_context import get_parallel
+
+            parallel = get_parallel()
+            cp_rank, cp_size = parallel.attn_cp_rank, parallel.attn_cp_size
+            cp_group = cp_group or (lambda: CPGroup(get_parallel().attn_cp_group.device_group))
         if not isinstance(cp_size, int) or cp_size < 2:
             raise ValueError(f"cp_size must be an int > 1 for a sharded pool, got {cp_size!r}")
         ps = self.page_size
@@ -124,52 +105,26 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         # The request ids and shared-prefix pairs the next ``begin_shard_extend`` takes (``name_next_batch``).
         self.next_batch: tuple[tuple[str, ...] | None, tuple | None] = (None, None)
         self._shard_extend_active = False
-        logger.debug(  # the rank's one INFO line: metrics.startup_line
-            "CP-shared KV pool: rank %d of %d, %d physical pages per rank (page 0 reserved), page size %d, "
-            "%d B latent rows%s",
-            spec.cp_rank,
-            spec.cp_size,
-            spec.phys_pages,
-            ps,
-            spec.row_bytes,
-            ", with indexer pages" if spec.with_indexer else "",
-        )
+        logger.debug("CP-shared KV pool: %s", spec)  # the rank's one INFO line: metrics.startup_line
 
     def attach_view_arena(self, spec, prefetch: bool = False) -> int:
-        """Allocate the read path's view arena once, sized by SGLang's ``PageShardSpec`` ``spec`` (the
-        allocator's, which SGLang's prefill admission keeps every batch within: ``max_prefix_tokens``
-        of all-gathered prefix pages, ``chunk_tokens`` of staged chunk pages, one trash page), and with
-        ``prefetch`` a second chunk and page (``BatchReadState.attach_arena``).
-
-        Its bytes are what ``view_arena.charge_arena`` took out of the KV budget. Returns them.
-        """
+        """Allocate the view arena once, sized by the allocator's ``PageShardSpec`` ``spec`` (``prefetch``: a
+        second chunk and page). Returns its bytes, which ``view_arena.charge_arena`` took out of the KV budget."""
         if spec.page_size != self.page_size or spec.shard_size != self.spec.cp_size:
             raise ValueError(
                 f"arena spec (page size {spec.page_size}, {spec.shard_size} ranks) does not match the pool "
                 f"(page size {self.page_size}, {self.spec.cp_size} ranks)"
             )
-        nbytes = self.read.attach_arena(spec.max_prefix_tokens, spec.chunk_tokens, prefetch)
-        logger.debug(
-            "CP-shared KV pool: view arena allocated once, %.1f MiB (%d prefix + %s%d chunk tokens + a page%s)",
-            nbytes / 2**20,
-            spec.max_prefix_tokens,
-            "2 x " if prefetch else "",
-            spec.chunk_tokens,
-            ", views prefetched a layer ahead" if prefetch else "",
-        )
-        return nbytes
+        return self.read.attach_arena(spec.max_prefix_tokens, spec.chunk_tokens, prefetch)
 
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
-        """Physical row (int64) of every loc on this rank: its own row if owned, else a row of the trash page.
-
-        Debug mode checks the rows (``PageOwnership.check_store_rows``). Once per loc tensor (``TensorMemo``).
-        """
+        """Physical row (int64) of every loc on this rank: its own row if owned, else a row of the trash page
+        (checked in debug mode). Once per loc tensor (``TensorMemo``)."""
         return self._store_rows(locs)
 
     def _local_layer(self, layer, layer_id_override) -> int:
-        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-        return layer_id - self.start_layer
+        return (layer_id_override if layer_id_override is not None else layer.layer_id) - self.start_layer
 
     def _stage_rows(self, locs: torch.Tensor) -> torch.Tensor | None:
         """Rows of the batch's staging pages for ``locs`` (the current-reuse buffer, or the pages past a
@@ -315,8 +270,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
     """The DSA indexer K + scale pages of a CP-shared pool: masked writes, reads from the batch's buffer."""
 
     def _has_keys(self, local: int) -> bool:
-        """Whether local layer ``local`` holds indexer keys: the read state's pages over these buffers
-        know it (``PageBuffers.has_index``)."""
+        """Whether local layer ``local`` holds indexer keys (``PageBuffers.has_index``)."""
         return self.pool.read.source.has_index[local]
 
     def get_buffer(self, layer_id: int) -> torch.Tensor:
@@ -344,11 +298,8 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         )
 
     def write_targets(self, layer_id: int, loc: torch.Tensor):
-        """(buffer, token slots, None) pairs an indexer writer stores the whole chunk to.
-
-        Every token goes to the pool at its masked row (owned row or trash page) and, inside an
-        extend batch, to the staging page the batch reads. No row selection, no sync.
-        """
+        """(buffer, token slots, None) pairs an indexer writer stores the whole chunk to: the pool at its masked
+        rows and, inside an extend batch, the staging page the batch reads. No row selection, no sync."""
         if loc.numel() == 0:
             return []
         pool = self.pool

@@ -1,35 +1,26 @@
 """Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
 
-Two checks wrap existing resolution steps, each taking the stock step as an argument:
+Two checks wrap existing resolution steps, each taking the stock step as an argument: flag-only checks
+(:func:`flag_rejections`) with ``validate_prefill_cp_platform``, before model resolution and the dummy-model
+early return; model and resolved-value checks (:func:`resolved_rejections`) with ``handle_kv_cache_sharding``,
+after page size, attention backends and CP topology are resolved, and again (idempotent) over the final view.
 
-- ``validate_prefill_cp_platform`` runs before model resolution and before the
-  dummy-model early return: flag-only checks (:func:`flag_rejections`).
-- ``handle_kv_cache_sharding`` runs after page size, attention backends and
-  CP topology are resolved, and again at the very end over the final view:
-  model and resolved-value checks (:func:`resolved_rejections`). Both runs
-  see the same inputs, so the checks are idempotent.
-
-Every rejection is one line naming the offending flag and the fix; all of a
-configuration's rejections are raised together in one ``CPSharedKVStartupError``
-(a ``ValueError``). On a command line (the flag's argparse action installs it)
-such an error prints as its lines alone, without a traceback.
+Every rejection is one line naming the offending flag and the fix; all of a configuration's rejections are
+raised together in one ``CPSharedKVStartupError`` (a ``ValueError``).
+On a command line (the flag's argparse action installs it) such an error prints as its lines alone, without a traceback.
 With the flag off both only call the stock step.
 
-Before anything else, with the flag on: the installed SGLang must be a version the
-hooks were checked against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1``
-overrides, with a WARNING), every hook the plugin registered must be installed in this
-process (SGLang's ``HookRegistry`` logs a target it cannot install and goes on: the server
-would start with replicated KV), and the model config must be readable without the network
-(a local directory, or a model in the Hugging Face cache), since the rest of resolution may
-download it.
+Before anything else, with the flag on: the installed SGLang must be a version the hooks were checked
+against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` overrides, with a WARNING), every hook
+the plugin registered must be installed in this process (SGLang's ``HookRegistry`` logs a target it
+cannot install and goes on: the server would start with replicated KV), and the model config must be
+readable without the network (a local directory, or a model in the Hugging Face cache),
+since the rest of resolution may download it.
 
-What is accepted is exactly what the pools, their read path and the PD manifest honour:
-a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks,
-an MLA model on CUDA, either a DSA model (the lightning indexer) on the DSA
-backend's ``flashmla_sparse`` or ``trtllm`` prefill kernels, or a plain MLA
-model on the ``fa3`` prefill backend. On a PD decode server the flag means
-"expect CP shared-KV manifests" (``decode_manifest``): it must
-use Mooncake and stay non-CP; its pool, model and kernels are SGLang's.
+What is accepted is exactly what the pools, their read path and the PD manifest honour (the table in
+``docs/sglang_plugin.md``): a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA
+model on CUDA on a prefill kernel that reads through the kv-shard contract; a PD decode server only checks
+the manifests (``decode_manifest``), on Mooncake, non-CP, its pool, model and kernels SGLang's.
 """
 
 from __future__ import annotations
@@ -44,9 +35,8 @@ from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, enabled
 
 logger = logging.getLogger(__name__)
 
-# DSA prefill kernels whose reads go through SGLang's kv-shard pool contract
-# (translated page tables + ``get_key_buffer`` + logical indexer pages) that
-# the sharded pool implements. Others read the pool in ways it does not serve.
+# DSA prefill kernels whose reads go through the kv-shard pool contract the sharded pool implements
+# (translated page tables + ``get_key_buffer`` + logical indexer pages); others read the pool otherwise.
 DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
 # Plain-MLA prefill backends that consume the same contract in 0.5.23.
 MLA_PREFILL_BACKENDS = ("fa3",)
@@ -65,17 +55,25 @@ def _line(what: str, fix: str) -> str:
     return f"{FLAG}: {what}; {fix}."
 
 
+def _lines(checks: list[tuple[Any, str, str]]) -> list[str]:
+    """The lines of the ``(rejected, what, fix)`` checks that reject."""
+    return [_line(what, fix) for rejected, what, fix in checks if rejected]
+
+
+# Both servers' rejection of SGLang's own sharding (what, fix).
+_KV_CACHE_SHARDING = (
+    "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
+    "pass only one of the two flags",
+)
+
+
 def _not_wired(flag: str, value: Any) -> str:
     return f"{flag} is not set" if value in (None, "null", "") else f"{flag} {value} is not wired"
 
 
 def sglang_version_rejections() -> list[str]:
-    """One line when the installed SGLang is not one the hooks were checked against (``SGLANG_VERSIONS``).
-
-    The hooks wrap private functions whose signatures and call order change between releases: another
-    version may start and shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start anyway,
-    with a WARNING (once per process); the missing-hook check still runs.
-    """
+    """One line unless SGLang is a version the hooks (on private functions) were checked against; another may
+    shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
     global _version_warned
     from sglang.version import __version__ as version
 
@@ -103,8 +101,7 @@ def sglang_version_rejections() -> list[str]:
 
 
 def hook_rejections() -> list[str]:
-    """The SGLang version line, else one line naming every plugin hook SGLang did not install in this
-    process (none: ``[]``)."""
+    """The SGLang version line, else one line naming the plugin hooks SGLang did not install here (or none)."""
     from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
 
     version = sglang_version_rejections()
@@ -174,51 +171,38 @@ def _staging_buffer_rejections(why: str) -> list[str]:
     """The one ``SGLANG_DISAGG_STAGING_BUFFER`` check, for either server: ``why`` it is refused there."""
     from sglang.srt.environ import envs
 
-    if not envs.SGLANG_DISAGG_STAGING_BUFFER.get():
-        return []
-    return [_line(f"SGLANG_DISAGG_STAGING_BUFFER{why}", "unset SGLANG_DISAGG_STAGING_BUFFER")]
+    staged = envs.SGLANG_DISAGG_STAGING_BUFFER.get()
+    return _lines([(staged, f"SGLANG_DISAGG_STAGING_BUFFER{why}", "unset SGLANG_DISAGG_STAGING_BUFFER")])
 
 
 def decode_rejections(cfg: Any) -> list[str]:
     """A decode server with the flag: non-CP, Mooncake, checking the prefill ranks' manifests."""
-    out = []
-    if cfg.disaggregation_transfer_backend != "mooncake":
-        out.append(
-            _line(
-                f"--disaggregation-transfer-backend {cfg.disaggregation_transfer_backend}: the manifests ride on the "
-                "Mooncake connector's status messages",
-                "use --disaggregation-transfer-backend mooncake",
-            )
-        )
     cp_flags = [
         f
         for f, on in (
             ("--enable-prefill-cp", cfg.enable_prefill_cp),
             ("--enable-cp-decode-attn-tp", cfg.enable_cp_decode_attn_tp),
+            (f"--attn-cp-size {cfg.attn_cp_size}", (cfg.attn_cp_size or 1) > 1),
+            (f"--dcp-size {cfg.dcp_size}", (cfg.dcp_size or 1) > 1),
         )
         if on
     ]
-    if cfg.attn_cp_size is not None and cfg.attn_cp_size > 1:
-        cp_flags.append(f"--attn-cp-size {cfg.attn_cp_size}")
-    if cfg.dcp_size is not None and cfg.dcp_size > 1:
-        cp_flags.append(f"--dcp-size {cfg.dcp_size}")
-    if cp_flags:
-        out.append(
-            _line(
-                f"{', '.join(cp_flags)} on the decode server: it stays non-CP (it receives whole pages and checks "
-                "the manifests); the KV is sharded on the prefill server (--disaggregation-mode prefill)",
-                f"drop {', '.join(f.split()[0] for f in cp_flags)} here",
-            )
-        )
-    if cfg.enable_kv_cache_sharding:
-        out.append(
-            _line(
-                "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
-                "pass only one of the two flags",
-            )
-        )
-    out += _staging_buffer_rejections(": staged transfers are not wired with the manifest check")
-    return out
+    checks = [  # (rejected, what, fix)
+        (
+            cfg.disaggregation_transfer_backend != "mooncake",
+            f"--disaggregation-transfer-backend {cfg.disaggregation_transfer_backend}: the manifests ride on the "
+            "Mooncake connector's status messages",
+            "use --disaggregation-transfer-backend mooncake",
+        ),
+        (
+            cp_flags,
+            f"{', '.join(cp_flags)} on the decode server: it stays non-CP (it receives whole pages and checks "
+            "the manifests); the KV is sharded on the prefill server (--disaggregation-mode prefill)",
+            f"drop {', '.join(f.split()[0] for f in cp_flags)} here",
+        ),
+        (cfg.enable_kv_cache_sharding, *_KV_CACHE_SHARDING),
+    ]
+    return _lines(checks) + _staging_buffer_rejections(": staged transfers are not wired with the manifest check")
 
 
 def flag_rejections(cfg: Any) -> list[str]:
@@ -251,11 +235,7 @@ def flag_rejections(cfg: Any) -> list[str]:
             "owned-page sender",
             "use --disaggregation-transfer-backend mooncake",
         ),
-        (
-            cfg.enable_kv_cache_sharding,
-            "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
-            "pass only one of the two flags",
-        ),
+        (cfg.enable_kv_cache_sharding, *_KV_CACHE_SHARDING),
         (
             cfg.enable_dsa_cache_layer_split,
             "--enable-dsa-cache-layer-split splits the same DSA cache by layer instead of by page",
@@ -282,8 +262,7 @@ def flag_rejections(cfg: Any) -> list[str]:
             "use --pp-size 1",
         ),
     ]
-    out += [_line(what, fix) for rejected, what, fix in checks if rejected]
-    return out + _plumbing_rejections(cfg) + _setting_rejections()
+    return out + _lines(checks) + _plumbing_rejections(cfg) + _setting_rejections()
 
 
 def _setting_rejections() -> list[str]:
@@ -304,55 +283,43 @@ def _setting_rejections() -> list[str]:
 
 def _plumbing_rejections(cfg: Any) -> list[str]:
     """Features that bypass the widened allocator / rotation-aware radix tree the wiring reuses from SGLang."""
-    unsupported = (
-        ("speculative_algorithm", "--speculative-algorithm", "the draft model's KV pool is not sharded"),
-        ("dllm_algorithm", "--dllm-algorithm", "diffusion admission bypasses the widened allocator"),
-        ("radix_cache_backend", "--radix-cache-backend", "only the built-in radix tree tracks page-owner rotation"),
-        (
-            "enable_hierarchical_cache",
-            "--enable-hierarchical-cache",
-            "HiCache host copies of a sharded pool are not wired",
-        ),
-        ("enable_lmcache", "--enable-lmcache", "LMCache reads whole pages from one rank"),
-        ("enable_hisparse", "--enable-hisparse", "HiSparse assumes each rank holds complete pages"),
-        ("enable_flexkv", "--enable-flexkv", "FlexKV load-back allocates through the flat allocator"),
-        ("enable_unified_memory", "--enable-unified-memory", "the unified pool has its own allocator and layout"),
-        (
-            "enable_unified_cache_external_linker",
-            "--enable-unified-cache-external-linker",
-            "load-back allocates through the flat allocator",
-        ),
-        ("enable_streaming_session", "--enable-streaming-session", "session nodes carry no page-owner rotation"),
-        ("enable_session_radix_cache", "--enable-session-radix-cache", "session nodes carry no page-owner rotation"),
-        (
-            "enable_two_batch_overlap",
-            "--enable-two-batch-overlap",
-            "the per-batch read plan is one per pool, and TBO builds two",
-        ),
-        ("enable_pdmux", "--enable-pdmux", "split prefill batches are not planned"),
+    unsupported = (  # (flag, why); the server args attribute is the flag's name
+        ("--speculative-algorithm", "the draft model's KV pool is not sharded"),
+        ("--dllm-algorithm", "diffusion admission bypasses the widened allocator"),
+        ("--radix-cache-backend", "only the built-in radix tree tracks page-owner rotation"),
+        ("--enable-hierarchical-cache", "HiCache host copies of a sharded pool are not wired"),
+        ("--enable-lmcache", "LMCache reads whole pages from one rank"),
+        ("--enable-hisparse", "HiSparse assumes each rank holds complete pages"),
+        ("--enable-flexkv", "FlexKV load-back allocates through the flat allocator"),
+        ("--enable-unified-memory", "the unified pool has its own allocator and layout"),
+        ("--enable-unified-cache-external-linker", "load-back allocates through the flat allocator"),
+        ("--enable-streaming-session", "session nodes carry no page-owner rotation"),
+        ("--enable-session-radix-cache", "session nodes carry no page-owner rotation"),
+        ("--enable-two-batch-overlap", "the per-batch read plan is one per pool, and TBO builds two"),
+        ("--enable-pdmux", "split prefill batches are not planned"),
     )
-    out = []
-    for attr, flag, why in unsupported:
-        value = getattr(cfg, attr, None)
-        if value not in (None, False):
-            out.append(_line(f"{flag} is not supported ({why})", f"drop {flag}"))
     chunk, ps = cfg.chunked_prefill_size, cfg.page_size
-    if chunk is not None and chunk <= 0:
-        out.append(
-            _line(
-                f"--chunked-prefill-size {chunk} turns chunked prefill off (the view arena and its batch admission are sized from the chunk)",
-                "set --chunked-prefill-size to a positive multiple of the page size",
-            )
+    checks = [
+        (
+            getattr(cfg, flag[2:].replace("-", "_"), None) not in (None, False),
+            f"{flag} is not supported ({why})",
+            f"drop {flag}",
         )
-    if chunk is not None and chunk > 0 and _is_pow2(ps) and chunk % ps:
-        out.append(
-            _line(
-                f"--chunked-prefill-size {chunk} is not a multiple of the page size {ps} (chunks must end on a page: the owner-rotating allocator extends whole pages)",
-                f"use a multiple of {ps}",
-            )
-        )
-    out += _staging_buffer_rejections(" sends contiguous slices, not owned pages")
-    return out
+        for flag, why in unsupported
+    ]
+    checks += [
+        (
+            chunk is not None and chunk <= 0,
+            f"--chunked-prefill-size {chunk} turns chunked prefill off (the view arena and its batch admission are sized from the chunk)",
+            "set --chunked-prefill-size to a positive multiple of the page size",
+        ),
+        (
+            chunk is not None and chunk > 0 and _is_pow2(ps) and chunk % ps,
+            f"--chunked-prefill-size {chunk} is not a multiple of the page size {ps} (chunks must end on a page: the owner-rotating allocator extends whole pages)",
+            f"use a multiple of {ps}",
+        ),
+    ]
+    return _lines(checks) + _staging_buffer_rejections(" sends contiguous slices, not owned pages")
 
 
 def resolved_rejections(server_args: Any) -> list[str]:
@@ -369,107 +336,95 @@ def resolved_rejections(server_args: Any) -> list[str]:
     out = flag_rejections(cfg)
     if cfg.disaggregation_mode == "decode":  # the decode pool, model and kernels stay stock
         return out
-    if cfg.enable_prefill_cp and (cfg.attn_cp_size is None or cfg.attn_cp_size <= 1):
-        # SGLang sets a DeepSeek model's attention CP size itself (--tp-size / --attn-dp-size unless an
-        # interleaved --attn-cp-size N > 1 is given): judged here, on what it resolved to.
-        out.append(
-            _line(
-                f"the prefill's attention CP size resolves to {cfg.attn_cp_size or 1} (--tp-size {cfg.tp_size}, "
-                f"--attn-dp-size {cfg.attn_dp_size}): nothing to shard over",
-                "give it N > 1 CP ranks: --tp-size N with --attn-dp-size 1, or --attn-cp-size N",
-            )
+    # SGLang sets a DeepSeek model's attention CP size itself (--tp-size / --attn-dp-size unless an
+    # interleaved --attn-cp-size N > 1 is given): judged here, on what it resolved to.
+    checks = [
+        (
+            cfg.enable_prefill_cp and (cfg.attn_cp_size or 1) <= 1,
+            f"the prefill's attention CP size resolves to {cfg.attn_cp_size or 1} (--tp-size {cfg.tp_size}, "
+            f"--attn-dp-size {cfg.attn_dp_size}): nothing to shard over",
+            "give it N > 1 CP ranks: --tp-size N with --attn-dp-size 1, or --attn-cp-size N",
         )
+    ]
     if str(cfg.model_path).lower() in ("none", "dummy"):
-        return out
+        return out + _lines(checks)
     model_config = model_config_of(server_args)
     hf_config = model_config.hf_config
     arch = (hf_config.architectures or ["?"])[0]
     if model_config.attention_arch != AttentionArch.MLA:
-        out.append(
-            _line(
-                f"{arch} is not an MLA model (attention {model_config.attention_arch.name}); the sharded pool stores MLA latent rows",
-                "serve an MLA model (DeepSeek-V3/V3.2, GLM-5) or drop the flag",
-            )
+        what = f"{arch} is not an MLA model (attention {model_config.attention_arch.name}); the sharded pool stores MLA latent rows"
+        return out + _lines([*checks, (True, what, "serve an MLA model (DeepSeek-V3/V3.2, GLM-5) or drop the flag")])
+    checks.append(
+        (
+            cfg.device != "cuda",
+            f"--device {cfg.device}: the read path all-gathers over NCCL and the MLA/DSA kernels are CUDA-only",
+            "run on CUDA GPUs",
         )
-        return out
-    if cfg.device != "cuda":
-        out.append(
-            _line(
-                f"--device {cfg.device}: the read path all-gathers over NCCL and the MLA/DSA kernels are CUDA-only",
-                "run on CUDA GPUs",
-            )
-        )
+    )
     prefill_backend, _ = attention_backends_of(resolved_view(server_args))
     if is_deepseek_dsa(hf_config):
-        if prefill_backend != "dsa":
-            chosen = getattr(cfg, "prefill_attention_backend", None)
-            fix = (
+        chosen = getattr(cfg, "prefill_attention_backend", None)
+        head_dim = getattr(hf_config, "index_head_dim", _INDEX_HEAD_DIM)
+        pooled = get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config)
+        checks += [
+            (
+                prefill_backend != "dsa",
+                f"DSA model {arch} on prefill attention backend {prefill_backend!r}",
                 f"drop --prefill-attention-backend {chosen} and use --attention-backend dsa"
                 if chosen
-                else "use --attention-backend dsa"
-            )
-            out.append(_line(f"DSA model {arch} on prefill attention backend {prefill_backend!r}", fix))
-        elif cfg.dsa_prefill_backend not in DSA_PREFILL_BACKENDS:
-            out.append(
-                _line(
-                    f"--dsa-prefill-backend {cfg.dsa_prefill_backend} reads the pool outside the sharded read contract",
-                    f"use --dsa-prefill-backend {' or '.join(DSA_PREFILL_BACKENDS)}",
-                )
-            )
-        if getattr(hf_config, "index_head_dim", _INDEX_HEAD_DIM) != _INDEX_HEAD_DIM:
-            out.append(
-                _line(
-                    f"indexer head dim {hf_config.index_head_dim} != {_INDEX_HEAD_DIM} (the sharded indexer page layout)",
-                    "serve a model with 128-dim indexer keys",
-                )
-            )
-        pooled = get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config)
-        if cfg.page_size != _DSA_PAGE_SIZE and not pooled:  # a pooled indexer sets the page size itself
-            out.append(
-                _line(
-                    f"--page-size {cfg.page_size}: SGLang's DSA pool stores {_DSA_PAGE_SIZE}-token indexer pages",
-                    f"set --page-size {_DSA_PAGE_SIZE}",
-                )
-            )
-        if pooled:
-            out.append(
-                _line(
-                    "the model pools indexer keys (index_kpool > 1 or compressed), not wired",
-                    "serve a model with index_kpool = 1",
-                )
-            )
-    elif prefill_backend not in MLA_PREFILL_BACKENDS:
+                else "use --attention-backend dsa",
+            ),
+            (
+                prefill_backend == "dsa" and cfg.dsa_prefill_backend not in DSA_PREFILL_BACKENDS,
+                f"--dsa-prefill-backend {cfg.dsa_prefill_backend} reads the pool outside the sharded read contract",
+                f"use --dsa-prefill-backend {' or '.join(DSA_PREFILL_BACKENDS)}",
+            ),
+            (
+                head_dim != _INDEX_HEAD_DIM,
+                f"indexer head dim {head_dim} != {_INDEX_HEAD_DIM} (the sharded indexer page layout)",
+                "serve a model with 128-dim indexer keys",
+            ),
+            (  # a pooled indexer sets the page size itself
+                cfg.page_size != _DSA_PAGE_SIZE and not pooled,
+                f"--page-size {cfg.page_size}: SGLang's DSA pool stores {_DSA_PAGE_SIZE}-token indexer pages",
+                f"set --page-size {_DSA_PAGE_SIZE}",
+            ),
+            (
+                pooled,
+                "the model pools indexer keys (index_kpool > 1 or compressed), not wired",
+                "serve a model with index_kpool = 1",
+            ),
+        ]
+    else:
         # SGLang moves fa3 to triton for an fp8_e5m2 cache (FA3 reads fp8 as e4m3 only): the dtype is the fix.
         e5m2 = cfg.kv_cache_dtype == "fp8_e5m2"
-        out.append(
-            _line(
+        checks.append(
+            (
+                prefill_backend not in MLA_PREFILL_BACKENDS,
                 f"prefill attention backend {prefill_backend!r} for MLA model {arch} reads the pool outside the sharded read contract"
                 + (" (SGLang moves fa3 to triton for --kv-cache-dtype fp8_e5m2)" if e5m2 else ""),
                 ("use --kv-cache-dtype fp8_e4m3 or auto with " if e5m2 else "use ")
                 + f"--prefill-attention-backend {' or '.join(MLA_PREFILL_BACKENDS)}",
             )
         )
-    if not _is_pow2(cfg.page_size) or cfg.page_size == 1:
-        out.append(
-            _line(
-                f"resolved page size {cfg.page_size} must be a power of two greater than 1 (a page is the ownership and transfer unit)",
-                "set --page-size 64",
-            )
-        )
-    if model_config.is_encoder_decoder:
-        out.append(
-            _line(
-                "encoder-decoder models keep a second page table that is not planned", "serve a decoder-only MLA model"
-            )
-        )
-    if getattr(model_config, "attention_chunk_size", None) is not None:
-        out.append(
-            _line(
-                "chunked/local-attention models build metadata the read plan does not cover",
-                "serve a full-attention MLA model",
-            )
-        )
-    return out
+    checks += [
+        (
+            not _is_pow2(cfg.page_size) or cfg.page_size == 1,
+            f"resolved page size {cfg.page_size} must be a power of two greater than 1 (a page is the ownership and transfer unit)",
+            "set --page-size 64",
+        ),
+        (
+            model_config.is_encoder_decoder,
+            "encoder-decoder models keep a second page table that is not planned",
+            "serve a decoder-only MLA model",
+        ),
+        (
+            getattr(model_config, "attention_chunk_size", None) is not None,
+            "chunked/local-attention models build metadata the read plan does not cover",
+            "serve a full-attention MLA model",
+        ),
+    ]
+    return out + _lines(checks)
 
 
 def _raise(rejections: list[str]) -> None:
@@ -493,26 +448,16 @@ def _disable_prefill_cuda_graph(server_args: Any) -> None:
     )
 
 
-def _set_tree_core_default() -> None:
-    """The owner-rotating allocator needs the radix tree core that tracks rotation bases (the Python one)."""
-    from sglang.srt.environ import envs
-
-    if not envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.is_set():
-        envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.set("python")
-
-
 def _tree_core_rejections(cfg: Any) -> list[str]:
+    """Make the radix tree core that tracks the allocator's rotation bases (Python's) the default; refuse others."""
     from sglang.srt.environ import envs
 
-    backend = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.get()
-    if not cfg.disable_radix_cache and backend != "python":
-        return [
-            _line(
-                f"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND={backend!r} does not track page-owner rotation",
-                "unset it or set it to python",
-            )
-        ]
-    return []
+    core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
+    if not core.is_set():
+        core.set("python")
+    if cfg.disable_radix_cache or core.get() == "python":
+        return []
+    return [_line(f"{core.name}={core.get()!r} does not track page-owner rotation", "unset it or set it to python")]
 
 
 def early_check(server_args: Any, previous) -> None:
@@ -531,15 +476,14 @@ def resolved_check(server_args: Any, previous) -> None:
         return
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    if resolving_view(server_args).disaggregation_mode == "decode":
+    cfg = resolving_view(server_args)
+    if cfg.disaggregation_mode == "decode":
         _raise(resolved_rejections(server_args))
         return
-    _set_tree_core_default()
-    _raise(resolved_rejections(server_args) + _tree_core_rejections(resolving_view(server_args)))
+    _raise(resolved_rejections(server_args) + _tree_core_rejections(cfg))
     _disable_prefill_cuda_graph(server_args)
 
 
-# (SGLang resolution step, check) for ``sglang_wiring.register``.
 RESOLUTION_HOOKS = [
     ("validate_prefill_cp_platform", early_check),
     ("handle_kv_cache_sharding", resolved_check),

@@ -1,36 +1,21 @@
-"""PD transfer of a CP-shared pool through SGLang's Mooncake connector.
+"""PD transfer of a CP-shared pool through SGLang's Mooncake connector (``docs/sglang_plugin.md``,
+"Transfer" and "Manifest").
 
-SGLang 0.5.23's Mooncake connector already carries sharded-KV transfers for its own page
-sharding, with the ownership arithmetic of ``PageOwnership`` (logical page ``lp`` on group
-rank ``lp % N`` as local page ``lp // N``) over the same group (the attention-CP group when
-prefill CP is on):
+SGLang 0.5.23's connector already sends sharded KV for its own page sharding, with ``PageOwnership``'s
+arithmetic over the attention-CP group: each prefill CP rank sends the request pages it owns to their
+positions (``filter_kv_indices_for_shard_rank``; DSA indexer pages likewise), and the decode pulls from all
+N ranks. Those paths key on ``get_parallel().enable_kv_cache_sharding``: ``enable_sharded_transfer`` sets it
+once the CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV
+manager, created later, takes them; the only later reader, the FlashInfer autotune, then skips.
 
-- each prefill CP rank's sender keeps the request pages it owns and sends them as local pages
-  to the decode destinations at their positions in the request
-  (``disaggregation.utils.filter_kv_indices_for_shard_rank`` from
-  ``CommonKVSender._prepare_send_indices``; DSA indexer pages likewise in
-  ``MooncakeKVManager.maybe_send_extra``);
-- the prefill advertises the sharding in its bootstrap info, so a stock decode server pulls
-  from all N prefill CP ranks and waits for N completions.
+The manifest (ours): SGLang's sender never sends positions, so each CP rank records per request the
+logical page at every position (the same on every rank) and the positions it selected
+(``record_sent_share``), and appends them to its Success status message (``attach_manifest``), after the
+frames SGLang parses: a stock decode reads the message as before; a decode running the flag checks them
+before the request is ready (``decode_manifest``).
 
-Those paths key on ``get_parallel().enable_kv_cache_sharding``. ``enable_sharded_transfer``
-sets it for this process once the CP-shared pool and its allocator exist (after the only pool
-builders that read it), so SGLang's KV manager, created later, takes them. Nothing else reads
-the flag in a prefill scheduler after that point except the FlashInfer autotune, which it then
-skips (its dummy decode batch would read logical locs outside a planned batch).
-
-The manifest (ours): SGLang's sender derives positions on the prefill and never sends them,
-so each CP rank records, per request, the logical page at every position (the request's page
-table, the same on every rank) and the positions it selected (``record_sent_share``, after
-``CommonKVSender._prepare_send_indices``), and appends them to its Success status message
-(``attach_manifest``, after ``CommonKVManager._encode_kv_status_message``): the one message
-every prefill rank already sends every decode endpoint of the request once its pages, its
-indexer pages and its aux data are written. The frames go after the status frames SGLang
-parses, so a stock decode reads the message exactly as before; a decode server running the
-flag checks them before the request is marked ready (``decode_manifest``).
-
-With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects
-it (``check_send_indices``).
+With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects it
+(``check_send_indices``).
 """
 
 from __future__ import annotations
@@ -43,7 +28,7 @@ import numpy as np
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled, local_page, page_owner
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled, runtime_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
 
 logger = logging.getLogger(__name__)
@@ -64,18 +49,9 @@ class SendShareError(AssertionError):
     """A prefill rank's sender selected pages it does not own, or missed some it does."""
 
 
-def owned_share(pages: np.ndarray, positions: np.ndarray, rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """What rank ``rank`` must send of a chunk: (local pages, positions) of the pages it owns."""
-    owned = page_owner(pages, cp_size) == rank
-    return local_page(pages[owned], cp_size), positions[owned]
-
-
 def check_send_indices(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on).
-
-    Checks every chunk's selection against ``owned_share`` and, on the last chunk, that this
-    rank sent exactly the positions of the request it owns: its share of the manifest.
-    """
+    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on): each chunk's selection is
+    this rank's owned pages and positions, and the last chunk's tally all the positions it owns."""
     if not (debug_enabled() and runtime_enabled()):
         return None
     mgr = sender.kv_mgr
@@ -85,7 +61,8 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
     local, positions, is_last, skip = result
     pages = np.asarray(kv_indices, dtype=np.int64)
     start = sender.curr_idx - len(pages)
-    want_local, want_pos = owned_share(pages, np.arange(start, start + len(pages)), rank, cp_size)
+    owned = page_owner(pages, cp_size) == rank
+    want_local, want_pos = local_page(pages[owned], cp_size), np.arange(start, start + len(pages))[owned]
     got_pos = np.arange(positions.start, positions.stop) if isinstance(positions, slice) else np.asarray(positions)
     if not (np.array_equal(np.asarray(local, dtype=np.int64), want_local) and np.array_equal(got_pos, want_pos)):
         raise SendShareError(
@@ -119,18 +96,12 @@ def latent_page_bytes(kv_args: Any) -> int:
 
 
 def _sharded_prefill(mgr: Any) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    mode = getattr(mgr, "disaggregation_mode", None)
-    return mode == DisaggregationMode.PREFILL and mgr.kv_shard_size > 1 and runtime_enabled()
+    return manager_enabled(mgr, "prefill") and mgr.kv_shard_size > 1
 
 
 def record_sent_share(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill).
-
-    ``kv_indices`` is the chunk's logical pages by position; ``result`` holds the positions
-    SGLang's filter selected for this rank, which are what the transfer worker sends.
-    """
+    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill): record the chunk's logical
+    pages (``kv_indices``) and the positions SGLang's filter selected for this rank (what its worker sends)."""
     mgr = sender.kv_mgr
     if not _sharded_prefill(mgr):
         return None
@@ -154,13 +125,9 @@ def record_sent_share(result, sender, kv_indices, state_indices=None):
 
 
 def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
-    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill).
-
-    A Success status carries this rank's manifest; a Failed one carries nothing and drops the
-    record; a bootstrap notice (WaitingForInput) leaves it. The frames follow SGLang's own (an
-    empty reason frame first where the backend sends none), so SGLang's parser on the decode
-    reads the status unchanged.
-    """
+    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill): a Success carries
+    this rank's manifest, after SGLang's frames (and an empty reason frame where the backend sends none), so
+    the decode's parser reads the status unchanged; a Failed drops the record; WaitingForInput leaves it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if not _sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
@@ -184,12 +151,8 @@ def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
 
 
 def drop_unsent_share(_result, sender) -> None:
-    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success, and the debug check's
-    record of a request cleared before its last chunk (aborted).
-
-    A concluded Success keeps its record: the transfer worker marks the room Success before it
-    encodes the status message, so the scheduler may clear the sender first.
-    """
+    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success (a concluded Success keeps
+    its record: the sender may be cleared before the status is encoded) and the debug check's record."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     state = state_if_any(sender.kv_mgr)
@@ -201,7 +164,6 @@ def drop_unsent_share(_result, sender) -> None:
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     (f"{_COMMON}.CommonKVSender._prepare_send_indices", check_send_indices, "after"),
     (f"{_COMMON}.CommonKVSender._prepare_send_indices", record_sent_share, "after"),

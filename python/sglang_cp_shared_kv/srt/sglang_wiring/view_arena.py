@@ -1,22 +1,12 @@
-"""The view arena: the read buffer of a CP-shared pool, sized once from the server's limits.
+"""The view arena: the read buffer of a CP-shared pool, ``[prefix view | current chunk | trash page]``,
+sized once from the server's limits (``docs/sglang_plugin.md``, "View arena").
 
-A prefill batch's read buffer holds ``[prefix view | current chunk | trash page]``: the prefix
-pages all-gathered owner-major (``N * sum_i ceil(prefix_pages_i / N)`` pages) and the chunk's
-pages staged locally. SGLang's own scheduler already bounds exactly those two regions per batch
-for its page-interleave pool (``PrefillAdder._kv_shard_reserve_scratch``, from the allocator's
-``PageShardSpec``): a request that would overflow either waits for a later batch. We hand the
-allocator a spec of our own sizes, so the same admission keeps every batch inside our arena,
-and charge the arena's bytes to the KV budget in place of SGLang's scratch
-(``pool_configurator.compute_page_shard_scratch_bytes``), so the token capacity the scheduler
-sees shrinks by exactly the arena.
-
-Sizes, per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``,
-default ``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page, times the bytes of one
-token's latent row and indexer record. With one-layer-ahead prefetch (the read mode, ``read_mode``: chosen
-from the rank model at startup; it runs only if the transport chosen is not NCCL) a second chunk and page: a batch
-whose views fit the arena twice (at most half the prefix budget: the usual batch) is prefetched, a
-larger one is read layer by layer; admission stays the same. SGLang's page-interleave scratch keeps eight contexts,
-twice (double-buffered for its layer-ahead gather)::
+Per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``, default
+``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page (with layer-ahead prefetch, ``read_mode``,
+a second chunk and page), times one token's latent row and indexer record. The allocator gets these region
+sizes as its ``PageShardSpec``, so SGLang's own admission (``PrefillAdder._kv_shard_reserve_scratch``) keeps
+every batch inside the arena, and its bytes are charged to the KV budget in place of SGLang's
+page-interleave scratch (``pool_configurator.compute_page_shard_scratch_bytes``; eight contexts, twice)::
 
     ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
 """
@@ -38,9 +28,8 @@ ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
 
 
 def builds_cp_shared_pool(configurator: Any) -> bool:
-    """Whether this KV cache configurator builds a CP-shared pool: the flag is on, the server is a prefill
-    (on a decode server the flag only checks manifests, ``decode_manifest``: its pool stays stock), and the
-    pool is the target model's, not a draft's."""
+    """Whether this KV cache configurator builds a CP-shared pool: flag on, a prefill server (a decode's pool
+    stays stock), the target model's pool (not a draft's)."""
     from sglang.srt.runtime_context import get_disagg
 
     return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
@@ -52,9 +41,8 @@ def arena_contexts() -> int:
 
 
 def read_mode_for(configurator: Any) -> ReadMode:
-    """This server's read mode (``read_mode.choose_read_mode``) from its CP size, context, chunk budget and the
-    bytes of one token's row and indexer record. The transport is chosen at the first prefix batch; a
-    prefetch chosen here then runs only where it is not NCCL (``copy_engine.prefetch_on``)."""
+    """This server's read mode (``read_mode.choose_read_mode``) from its limits; a prefetch chosen here runs
+    only where the transport chosen at the first prefix batch is not NCCL (``copy_engine.prefetch_on``)."""
     from sglang.srt.mem_cache import page_interleave
 
     spec = spec_for(configurator)
@@ -120,8 +108,7 @@ def charge_arena(original, kvc, **kwargs):
     spec = spec_for(kvc)
     token_bytes = page_interleave._page_shard_row_bytes(kvc)
     mode = read_mode_for(kvc)
-    prefetch = mode.prefetch
-    ours = arena_bytes(spec, token_bytes, prefetch)
+    ours = arena_bytes(spec, token_bytes, mode.prefetch)
     theirs = upstream_scratch_bytes(spec, token_bytes, kvc.model_config.context_len)
     layers = max(int(getattr(kvc.model_config, "num_hidden_layers", 1) or 1), 1)
     logger.info(
@@ -130,7 +117,7 @@ def charge_arena(original, kvc, **kwargs):
         FLAG,
         ours / 2**20,
         spec.max_prefix_tokens,
-        "2 x " if prefetch else "",
+        "2 x " if mode.prefetch else "",
         spec.chunk_tokens,
         ours // (token_bytes * layers),
         theirs / 2**20,
@@ -139,13 +126,18 @@ def charge_arena(original, kvc, **kwargs):
     return ours
 
 
+def is_cp_shared_pool(pool: Any) -> bool:
+    """Whether ``pool`` is a CP-shared pool (``sharded_kv_pool``, imported only when asked)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
+
+    return isinstance(pool, CPSharedKVPoolMixin)
+
+
 def serves_arena(allocator) -> bool:
     """Whether ``allocator`` hands out a CP-shared pool's slots: SGLang's admission then keeps each batch
     within that pool's view arena."""
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedKVPoolMixin
-
     get_kvcache = getattr(allocator, "get_kvcache", None)
-    return get_kvcache is not None and isinstance(get_kvcache(), CPSharedKVPoolMixin)
+    return get_kvcache is not None and is_cp_shared_pool(get_kvcache())
 
 
 def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
@@ -165,7 +157,6 @@ def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> boo
     return reserved
 
 
-# (target, hook, kind) for ``sglang_wiring.register``.
 HOOKS = [
     ("sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes", charge_arena, "around"),
     ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", log_deferred, "after"),

@@ -144,7 +144,7 @@ def schedule(scale: Scale, ps: int, cp_size: int = 2) -> list[list[tuple[int, in
     if cur:
         batches.append(cur)
     from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions
-    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts
+    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
 
     max_prefix_pages = arena_regions(cp_size, ps, scale.context_len, scale.chunk, arena_contexts())[0] // ps
     cur, block, budget = [], 0, scale.chunk
@@ -503,7 +503,8 @@ def _path_pool(name, rank, world, size, kwargs, group, scale, ps, device, cpu_gr
     if name == "ours":
         from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
         from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
-        from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts, make_arena_spec
+        from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
+        from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import make_arena_spec
 
         pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)
         arena = make_arena_spec(rank, world, ps, scale.context_len, scale.chunk, arena_contexts())

@@ -1,5 +1,5 @@
 """Test fixtures over plain tensors: owner-rotating logical pages, page tables, one rank's share of a
-sharded pool as the views read it (``read_state.PageBuffers``), written with the pools' masked store
+sharded pool as the views read it (``page_source.PageBuffers``), written with the pools' masked store
 (``PageOwnership.store_rows``), and a batch planned over a page table (``build_slot_plan``) and begun on a
 bare ``ViewMaterializer`` (``begin_batch``)."""
 
@@ -10,8 +10,8 @@ import torch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
-from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, plan_meta_rows, slots_per_rank
 from sglang_cp_shared_kv.srt.mem_cache.kv_formats import index_page_views
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES, mla_row_bytes

@@ -326,7 +326,7 @@ def test_debug_share_check_catches_a_wrong_selection(results):
 
 
 def test_view_arena_is_charged_to_the_kv_budget_and_bounds_admission(results):
-    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import ARENA_CONTEXTS
+    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import ARENA_CONTEXTS
 
     on, off = results["flag_True"], results["flag_False"]
     assert off["charged"] == 0 and off["shard_spec"] == "'absent'"  # flag off: SGLang's own (no scratch)

@@ -55,7 +55,7 @@ def test_prefetch_follows_the_read_mode_unless_set(monkeypatch):
 
 
 def test_arena_contexts_from_the_environment(monkeypatch):
-    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import ARENA_CONTEXTS, ARENA_CONTEXTS_ENV, arena_contexts
+    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import ARENA_CONTEXTS, ARENA_CONTEXTS_ENV, arena_contexts
 
     monkeypatch.delenv(ARENA_CONTEXTS_ENV, raising=False)
     assert arena_contexts() == ARENA_CONTEXTS

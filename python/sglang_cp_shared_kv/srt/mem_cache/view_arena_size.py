@@ -3,11 +3,20 @@
 A prefill batch's read buffer is ``[prefix view | current chunk | trash page]``. The arena bounds it
 once: ``contexts`` full contexts of prefix, each rounded up to whole rotations of ``N`` pages (the view
 all-gathers ``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefill budget in whole pages.
+``contexts`` is ``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``, else ``ARENA_CONTEXTS``.
 """
 
 from __future__ import annotations
 
-from sglang_cp_shared_kv.srt.utils import check_int
+from sglang_cp_shared_kv.srt.utils import check_int, env_int
+
+ARENA_CONTEXTS = 2
+ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
+
+
+def arena_contexts() -> int:
+    """``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS`` (an int >= 1), else ``ARENA_CONTEXTS``."""
+    return env_int(ARENA_CONTEXTS_ENV, ARENA_CONTEXTS, 1)
 
 
 def ceil_align(x: int, granule: int) -> int:

@@ -58,9 +58,7 @@ def build_allocator(original, configurator, **kwargs):
     if not is_cp_shared_pool(pool) or kwargs.get("token_to_kv_pool_allocator") is not None:
         return original(configurator, **kwargs)
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-    from sglang.srt.runtime_context import get_disagg
-
-    from sglang_cp_shared_kv.srt.sglang_wiring.transfer import enable_sharded_transfer
+    from sglang.srt.runtime_context import get_disagg, get_parallel
 
     spec = spec_for(configurator)
     allocator = PageInterleavePoolAllocator(
@@ -75,7 +73,9 @@ def build_allocator(original, configurator, **kwargs):
     )
     # The read buffers, once: the bytes view_arena charged to the budget.
     pool.attach_view_arena(spec, read_mode_for(configurator).prefetch)
-    enable_sharded_transfer()
+    # SGLang's Mooncake sender takes its sharded path (each CP rank sends the pages it owns) on this field;
+    # set after the only pool builders that read it, before the KV manager is made.
+    get_parallel().override_permanently(enable_kv_cache_sharding=True)
     return allocator
 
 

@@ -270,7 +270,7 @@ def _setting_rejections() -> list[str]:
     value stops the server at startup instead of in each scheduler once its pool is sized."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
     from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
-    from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import arena_contexts
+    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
 
     out = []
     for read in (arena_contexts, prefetch_setting, transport_setting):

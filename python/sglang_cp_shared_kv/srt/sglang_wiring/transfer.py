@@ -4,9 +4,9 @@
 SGLang 0.5.23's connector already sends sharded KV for its own page sharding, with ``PageOwnership``'s
 arithmetic over the attention-CP group: each prefill CP rank sends the request pages it owns to their
 positions (``filter_kv_indices_for_shard_rank``; DSA indexer pages likewise), and the decode pulls from all
-N ranks. Those paths key on ``get_parallel().enable_kv_cache_sharding``: ``enable_sharded_transfer`` sets it
-once the CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV
-manager, created later, takes them; the only later reader, the FlashInfer autotune, then skips.
+N ranks. Those paths key on ``get_parallel().enable_kv_cache_sharding``, which ``pool_hooks`` sets once the
+CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV manager,
+created later, takes them; the only later reader, the FlashInfer autotune, then skips.
 
 The manifest (ours): SGLang's sender never sends positions, so each CP rank records per request the
 logical page at every position (the same on every rank) and the positions it selected
@@ -36,13 +36,6 @@ logger = logging.getLogger(__name__)
 # Marks the manifest frames appended to a prefill rank's Success status message:
 # [..status frames.., MANIFEST_FRAME, cp_size, control_messages.Manifest as JSON].
 MANIFEST_FRAME = b"CP_SHARED_KV_MANIFEST"
-
-
-def enable_sharded_transfer() -> None:
-    from sglang.srt.runtime_context import get_parallel
-
-    get_parallel().override_permanently(enable_kv_cache_sharding=True)
-    logger.info("%s: Mooncake transfers send each CP rank's owned pages (SGLang's sharded sender path)", FLAG)
 
 
 class SendShareError(AssertionError):

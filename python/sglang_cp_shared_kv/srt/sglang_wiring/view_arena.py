@@ -16,16 +16,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions, ceil_align
+from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import (
+    ARENA_CONTEXTS_ENV,
+    arena_contexts,
+    arena_regions,
+    ceil_align,
+)
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import ReadMode, choose_read_mode
-from sglang_cp_shared_kv.srt.utils import check_int, env_int
+from sglang_cp_shared_kv.srt.utils import check_int
 
 logger = logging.getLogger(__name__)
-
-ARENA_CONTEXTS = 2
-ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
-
 
 def builds_cp_shared_pool(configurator: Any) -> bool:
     """Whether this KV cache configurator builds a CP-shared pool: flag on, a prefill server (a decode's pool
@@ -33,11 +34,6 @@ def builds_cp_shared_pool(configurator: Any) -> bool:
     from sglang.srt.runtime_context import get_disagg
 
     return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
-
-
-def arena_contexts() -> int:
-    """``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS`` (an int >= 1), else ``ARENA_CONTEXTS``."""
-    return env_int(ARENA_CONTEXTS_ENV, ARENA_CONTEXTS, 1)
 
 
 def read_mode_for(configurator: Any) -> ReadMode:

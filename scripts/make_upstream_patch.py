@@ -70,6 +70,8 @@ PLUGIN_ONLY = {
     "srt.layers.attention",
     "srt.disaggregation",
 }
+# Built and tested here, not wired into SGLang yet: not part of the series until it is.
+UNWIRED = {"srt.layers.attention.nsa.decode_cp"}
 # Our other top-level packages (the benchmark harness's stacks, etc.) are not part of the series.
 SHIPPED_ROOT = "srt"
 
@@ -144,7 +146,10 @@ class Commit:
     key: str
     subject: str
     body: str
-    homes: tuple[str, ...] = ()  # SGLang module prefixes whose new files go in this commit
+    homes: tuple[str, ...] = ()  # SGLang modules (packages: ending in ".") whose new files go in this commit
+    # The project's tests (file names under test/, optionally ::test) that pass from this commit on: CI runs
+    # them, with every module of the prefix imported, on the series applied up to each commit.
+    tests: tuple[str, ...] = ()
 
 
 COMMITS = [
@@ -158,6 +163,11 @@ owned by rank lp % N (the arithmetic of the page-interleave allocator), the fp8 
 and the indexer's page layout, the view arena's sizes, and the gloo/NCCL collectives that all-gather
 a batch's views across the CP group. Nothing calls them yet.""",
         ("srt.mem_cache.cp_shared_kv.", "srt.distributed.cp_shared_kv."),
+        (
+            "test_placement.py",
+            "test_kv_formats.py::test_mla_fp8_row_hand_computed",
+            "test_kv_formats.py::test_index_k_hand_computed",
+        ),
     ),
     Commit(
         "views",
@@ -167,8 +177,25 @@ The stock DSA/MLA kernels read a dense page table. Per batch, a sync-free slot p
 host-known sizes from seq_lens_cpu) gives each of the batch's page positions a slot in an owner-major
 view; per layer, each rank gathers its owned pages into its block and the CP group all-gathers the
 blocks, so the kernels run unchanged on the view. A batch that reads only its current chunk reuses the
-gathered current tensors and moves nothing. Every kernel has a plain-torch reference beside it.""",
-        ("srt.layers.attention.dsa.cp_shared_kv.",),
+gathered current tensors and moves nothing. Every kernel has a plain-torch reference beside it. A
+small model of the layer and the pull decides whether the views are gathered one layer ahead.""",
+        ("srt.layers.attention.dsa.cp_shared_kv.", "srt.mem_cache.cp_shared_kv.read_mode"),
+        ("test_slot_plan.py",),
+    ),
+    Commit(
+        "flag",
+        "[CP shared KV] --enable-cp-shared-kv and its startup checks",
+        """\
+The flag joins the parallel argument group next to --enable-kv-cache-sharding. Its checks run at two
+resolution steps: flag-only checks with validate_prefill_cp_platform, model and resolved-value checks
+with handle_kv_cache_sharding (twice, idempotent). Every rejection is one line naming the flag and
+the fix; prefill CUDA graphs are declared off (the read plan runs eagerly). With the flag off both
+steps run as before; with it on, until the next commit builds the pools, the checks are all it does.""",
+        ("srt.arg_groups.cp_shared_kv_flag", "srt.arg_groups.cp_shared_kv_hook"),
+        (
+            "patched_tree_checks.py::test_sglang_is_the_patched_copy_and_the_plugin_is_not_importable",
+            "patched_tree_checks.py::test_the_flag_is_a_server_args_field",
+        ),
     ),
     Commit(
         "pools",
@@ -188,19 +215,14 @@ from the radix tree through ForwardBatch.init_new.""",
             "srt.mem_cache.cp_shared_kv.sharded_kv_pool",
             "srt.mem_cache.cp_shared_kv.pool_selection",
             "srt.mem_cache.cp_shared_kv.view_arena",
-            "srt.mem_cache.cp_shared_kv.read_mode",
         ),
-    ),
-    Commit(
-        "flag",
-        "[CP shared KV] --enable-cp-shared-kv and its startup checks",
-        """\
-The flag joins the parallel argument group next to --enable-kv-cache-sharding. Its checks run at two
-resolution steps: flag-only checks with validate_prefill_cp_platform, model and resolved-value checks
-with handle_kv_cache_sharding (twice, idempotent). Every rejection is one line naming the flag and
-the fix; prefill CUDA graphs are declared off (the read plan runs eagerly). With the flag off both
-steps run as before.""",
-        ("srt.arg_groups.cp_shared_kv",),
+        (
+            "patched_tree_checks.py::test_the_sites_call_the_patched_modules",
+            "test_plugin_sharded_pool.py::test_sglang_pools_store_exactly_the_owned_rows",
+            "test_read_state.py",
+            "test_view_arena.py",
+            "test_view_arena_size.py",
+        ),
     ),
     Commit(
         "pd",
@@ -211,6 +233,7 @@ position, and its Success status carries a manifest of those positions. The non-
 collects every rank's manifest before a request is ready and fails it with the reason if they do not
 cover its pages exactly once.""",
         ("srt.disaggregation.mooncake.cp_shared_kv.",),
+        ("test_mooncake_manifest.py",),
     ),
     Commit(
         "tests",
@@ -647,7 +670,7 @@ def home(mod: str) -> str:
 
 
 def shipped_modules() -> dict[str, Path]:
-    mods = {m: p for m, p in our_modules().items() if m not in PLUGIN_ONLY}
+    mods = {m: p for m, p in our_modules().items() if m not in PLUGIN_ONLY and m not in UNWIRED}
     homes: dict[str, str] = {}
     for mod in mods:
         h = home(mod)
@@ -655,6 +678,18 @@ def shipped_modules() -> dict[str, Path]:
             raise GenerationError(f"{PKG}.{mod} and {PKG}.{homes[h]} both map to sglang.{h}")
         homes[h] = mod
     return mods
+
+
+def prefix_modules(count: int) -> list[str]:
+    """The SGLang modules the first ``count`` commits add or edit: each must import at that prefix."""
+    keys = {c.key for c in COMMITS[:count]}
+    mods = []
+    for mod, path in shipped_modules().items():
+        if _commit_of(home_file(home(mod), path.name == "__init__.py")) in keys:
+            mods.append("sglang." + home(mod))
+    edited = {s.path for s in SITES if s.commit in keys} | (set(FLAG_FILES) if "flag" in keys else set())
+    mods += ["sglang." + p.removesuffix(".py").replace("/", ".") for p in edited]
+    return sorted(mods)
 
 
 def home_file(sglang_mod: str, is_package: bool) -> str:
@@ -942,6 +977,8 @@ def build_series(out: Path) -> list[Path]:
         src = find_test(ours)
         new_files[f"test/srt/cp_shared_kv/{theirs}"] = rewrite_imports(src.read_text(), our_modules(), ours)
 
+    check_bisect(new_files, [(site.commit, site_text(site, hooks, modules)) for site in SITES])
+
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_upstream_") as tmp:
         repo = Path(tmp)
         for rel in base_files():
@@ -978,12 +1015,44 @@ def build_series(out: Path) -> list[Path]:
     return sorted(out.glob("*.patch"))
 
 
+_SGLANG_IMPORT_RE = re.compile(
+    r"^[ \t]*(?:from (sglang\.[\w.]+) import ([^\n]+)|import (sglang\.[\w.]+))", re.MULTILINE
+)
+
+
+def check_bisect(new_files: dict[str, str], site_texts: list[tuple[str, str]]) -> None:
+    """Every prefix of the series imports: a commit's new files and call-site edits import only the new
+    modules of that commit or an earlier one (imports inside functions included: a flag-off path may
+    run them). ``site_texts``: ``(commit key, the text a site puts in SGLang)``."""
+    order = [c.key for c in COMMITS]
+    added = {
+        path[len("python/") :].removesuffix(".py").removesuffix("/__init__").replace("/", "."): _commit_of(path)
+        for path in new_files
+        if path.startswith("python/")
+    }
+    uses = [(_commit_of(path), path, text) for path, text in new_files.items() if path.startswith("python/")]
+    uses += [(key, f"a call site of commit '{key}'", text) for key, text in site_texts]
+    late = []
+    for key, where, text in uses:
+        for m in _SGLANG_IMPORT_RE.finditer(text):
+            names = [m[1]] if m[1] else [m[3]]
+            if m[1]:  # ``from sglang.x import y`` may import the module ``sglang.x.y``
+                names += [f"{m[1]}.{n.split(' as ')[0].strip(' ()')}" for n in m[2].split(",") if n.strip(" ()")]
+            for name in names:
+                needed = added.get(name)
+                if needed is not None and order.index(needed) > order.index(key):
+                    late.append(f"{where} imports {name} (commit '{needed}')")
+    if late:
+        raise GenerationError("a commit imports a module that a later commit adds: " + "; ".join(sorted(set(late))))
+
+
 def _commit_of(repo_path: str) -> str:
     mod = repo_path[len("python/sglang/") :].removesuffix(".py").removesuffix("/__init__").replace("/", ".")
     best, key = "", None
     for commit in COMMITS:
         for prefix in commit.homes:
-            if (mod == prefix.rstrip(".") or mod.startswith(prefix)) and len(prefix) > len(best):
+            hit = mod == prefix.rstrip(".") or (prefix.endswith(".") and mod.startswith(prefix))
+            if hit and len(prefix) > len(best):
                 best, key = prefix, commit.key
     if key is None:
         raise GenerationError(f"{repo_path} belongs to no commit: add its home to COMMITS")

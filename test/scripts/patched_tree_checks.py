@@ -15,6 +15,16 @@ import pytest
 TREE = os.environ["CP_SHARED_KV_PATCHED_TREE"]
 
 
+def test_every_module_of_the_prefix_imports():
+    """The modules the series has added or edited so far (``CP_SHARED_KV_PREFIX_MODULES``) import."""
+    import importlib
+
+    mods = [m for m in os.environ.get("CP_SHARED_KV_PREFIX_MODULES", "").split(",") if m]
+    assert mods, "CP_SHARED_KV_PREFIX_MODULES is empty"
+    for mod in mods:
+        importlib.import_module(mod)
+
+
 def test_sglang_is_the_patched_copy_and_the_plugin_is_not_importable():
     import sglang
 

@@ -1,9 +1,10 @@
 """The upstream patch series, tested as applied: built from the plugin, applied to a copy of the installed
 SGLang 0.5.23, and the project's SGLang-path tests run there with the plugin not importable.
 
-CI runs the flag and import checks and the sharded pools' equivalence, read state and view arena tests
-(``FAST``); ``CP_SHARED_KV_UPSTREAM_FULL=1`` adds the startup checks through SGLang's real resolution
-pipeline, the pools' multi-rank read contract and the series' own tests.
+CI applies every prefix of the series and runs there the import check and each commit's tests (the
+generator's ``Commit.tests``); ``CP_SHARED_KV_UPSTREAM_FULL=1`` adds, on the whole series, the startup
+checks through SGLang's real resolution pipeline, the pools' multi-rank read contract and the series'
+own tests.
 """
 
 from __future__ import annotations
@@ -25,13 +26,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-# The project's tests run in the patched tree, by file name (wherever under test/ they now are).
-FAST = [
-    "patched_tree_checks.py",
-    "test_plugin_sharded_pool.py::test_sglang_pools_store_exactly_the_owned_rows",
-    "test_read_state.py",
-    "test_view_arena.py",
-]
+# CP_SHARED_KV_UPSTREAM_FULL=1 adds these at the whole series, and the copies its last commit carries.
 FULL = [
     "test_plugin_sharded_pool.py",
     "test_plugin_startup_checks.py",
@@ -113,8 +108,8 @@ def test_docs_list_the_files_of_the_series(gen, series):
     assert files(stat) and files(stat) <= files(doc), sorted(files(stat) - files(doc))
 
 
-def _run_in_tree(gen, tree, args: list[str]):
-    env = {**gen.patched_env(tree), "CP_SHARED_KV_PATCHED_TREE": str(tree)}
+def _run_in_tree(gen, tree, args: list[str], **env):
+    env = {**gen.patched_env(tree), "CP_SHARED_KV_PATCHED_TREE": str(tree), **env}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"), *args],
         cwd=ROOT,
@@ -128,14 +123,21 @@ def _run_in_tree(gen, tree, args: list[str]):
     assert " passed" in summary and "skipped" not in summary, proc.stdout[-2000:]
 
 
-def test_project_tests_pass_on_the_patched_tree_without_the_plugin(gen, tree):
-    """The project's own tests, unchanged, their ``sglang_cp_shared_kv.srt`` names resolving to the series'
-    modules in the patched SGLang (``patched_env``)."""
-    full = os.environ.get("CP_SHARED_KV_UPSTREAM_FULL") == "1"
-    files = []
-    for name in FAST + (FULL if full else []):
-        path, _, test = name.partition("::")
-        files.append(str(gen.find_test(path).relative_to(ROOT)) + (f"::{test}" if test else ""))
-    _run_in_tree(gen, tree, files)
-    if full:  # the copies the series' last commit adds, as SGLang would run them
-        _run_in_tree(gen, tree, [str(tree / "test/srt/cp_shared_kv")])
+def _node(gen, name: str) -> str:
+    path, _, test = name.partition("::")
+    return str(gen.find_test(path).relative_to(ROOT)) + (f"::{test}" if test else "")
+
+
+@pytest.mark.parametrize("count", range(1, len(_generator().COMMITS) + 1))
+def test_every_prefix_of_the_series_imports_and_passes_its_tests(gen, series, tmp_path, count):
+    """Bisect: the series applied up to each commit, the plugin not importable. Every module added or edited
+    so far imports, and the project's tests of the commits so far pass, unchanged, their
+    ``sglang_cp_shared_kv.srt`` names resolving to the modules the series put in SGLang (``patched_env``)."""
+    tree = tmp_path / "tree"
+    gen.apply_series(series[:count], tree)
+    tests = [_node(gen, "patched_tree_checks.py::test_every_module_of_the_prefix_imports")]
+    tests += [_node(gen, t) for c in gen.COMMITS[:count] for t in c.tests]
+    _run_in_tree(gen, tree, tests, CP_SHARED_KV_PREFIX_MODULES=",".join(gen.prefix_modules(count)))
+    if count == len(series) and os.environ.get("CP_SHARED_KV_UPSTREAM_FULL") == "1":
+        _run_in_tree(gen, tree, [_node(gen, t) for t in FULL])
+        _run_in_tree(gen, tree, [str(tree / "test/srt/cp_shared_kv")])  # the copies, as SGLang would run them

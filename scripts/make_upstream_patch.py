@@ -66,6 +66,7 @@ PLUGIN_ONLY = {
     "srt.plugin",
     "srt.sglang_wiring",
     "srt.sglang_wiring.server_args_hook",
+    "srt.sglang_wiring.connector_sockets",  # the series fixes SGLang's _connect itself
     "srt.layers",
     "srt.layers.attention",
     "srt.disaggregation",
@@ -150,9 +151,26 @@ class Commit:
     # The project's tests (file names under test/, optionally ::test) that pass from this commit on: CI runs
     # them, with every module of the prefix imported, on the series applied up to each commit.
     tests: tuple[str, ...] = ()
+    # SGLang-style tests this commit adds to SGLang's tree: (our file's name under test/, its path there).
+    carries: tuple[tuple[str, str], ...] = ()
 
 
 COMMITS = [
+    Commit(
+        "sockets",
+        "[PD] Retry a KV status socket whose first connect failed",
+        """\
+CommonKVManager._connect makes one PUSH socket per peer and caches it, with RECONNECT_IVL = -1. A
+socket made while its peer cannot be reached (not listening yet, or a network partition) fails its
+connect, ZMQ never retries it and reports no disconnect, so the cached socket silently drops every
+status message sent on it: the decode waits for a Success that never comes. A reconnect interval
+makes it connect once the peer is there; a disconnect after a connection still replaces the socket
+through the monitor as before. Independent of the rest of the series.""",
+        tests=("test_status_socket_reconnect.py",),
+        carries=(
+            ("test_status_socket_reconnect.py", "test/registered/unit/disaggregation/test_status_socket_reconnect.py"),
+        ),
+    ),
     Commit(
         "ownership",
         "[CP shared KV] page ownership, KV row formats and the CP group's collectives",
@@ -594,14 +612,14 @@ def _prepare_kv_shard_forward(
         [(f"{_COMMON}.CommonKVReceiver.clear", "forget_room")],
     ),
     Site(
-        "pd",
+        "sockets",
         "srt/disaggregation/common/conn.py",
-        "        sock = self._connect(endpoint, is_ipv6=is_ipv6)\n",
+        "            sock.setsockopt(zmq.RECONNECT_IVL, -1)\n",
         """\
-        {import:reconnect_new_sockets}
-
-        # --enable-cp-shared-kv: a socket made during a partition connects once the peer is back.
-        sock = reconnect_new_sockets(type(self)._connect, self, endpoint, is_ipv6=is_ipv6)
+            # Retry a connect that fails (the peer not listening yet, or unreachable): with -1 ZMQ never
+            # retries it, reports no disconnect, and this cached socket drops every message sent on it.
+            # A disconnect after a connection still replaces the socket (the monitor below).
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
 """,
         [(f"{_COMMON}.CommonKVManager._connect", "reconnect_new_sockets")],
     ),
@@ -999,6 +1017,9 @@ def build_series(out: Path) -> list[Path]:
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_text(new_files[rel])
                 placed.add(rel)
+            for ours, theirs in commit.carries:
+                (repo / theirs).parent.mkdir(parents=True, exist_ok=True)
+                (repo / theirs).write_text(find_test(ours).read_text())
             apply_sites(repo, commit.key, hooks, modules)
             if commit.key == "flag":
                 apply_flag(repo, modules)

@@ -48,7 +48,7 @@ HOMES: list[tuple[str, str]] = [
     ("srt.sglang_wiring.view_arena", "srt.mem_cache.cp_shared_kv.view_arena"),
     ("srt.sglang_wiring.read_mode", "srt.mem_cache.cp_shared_kv.read_mode"),
     ("srt.sglang_wiring.metrics", "srt.mem_cache.cp_shared_kv.metrics"),
-    ("srt.sglang_wiring.connector_bounds", "srt.disaggregation.mooncake.cp_shared_kv.connector_bounds"),
+    ("srt.sglang_wiring.connector_bounds", "srt.disaggregation.common.room_bounds"),
     ("srt.sglang_wiring.connector_sockets", "srt.disaggregation.mooncake.cp_shared_kv.connector_sockets"),
     ("srt.sglang_wiring.transfer", "srt.disaggregation.mooncake.cp_shared_kv.transfer"),
     ("srt.sglang_wiring.decode_manifest", "srt.disaggregation.mooncake.cp_shared_kv.decode_manifest"),
@@ -91,6 +91,7 @@ PACKAGE_DOCS = {
 # SGLang version they wrap), and the command-line excepthook of the flag's argparse action. In SGLang
 # itself the wiring is direct edits: there is nothing to have failed to install.
 DROP: dict[str, list[str]] = {
+    "srt.sglang_wiring.connector_bounds": ["bounds_of", "guard_update_status", "close_room"],
     "srt.sglang_wiring.startup_checks": [
         "SGLANG_VERSIONS",
         "ANY_SGLANG_ENV",
@@ -170,6 +171,22 @@ through the monitor as before. Independent of the rest of the series.""",
         carries=(
             ("test_status_socket_reconnect.py", "test/registered/unit/disaggregation/test_status_socket_reconnect.py"),
         ),
+    ),
+    Commit(
+        "rooms",
+        "[PD] Bound the prefill rooms that late destinations reopen",
+        """\
+Two tables of a prefill KV manager outlive their request. Destinations that reach a prefill rank after
+its sender was cleared (a retried or slow decode) make the bootstrap thread record the room again
+(transfer_infos, req_to_decode_prefix_len, request_status) with no sender left to clear it, and
+_deferred_ack_poisoned_rooms keeps a failed batch's room for ever; a long-running prefill grows both
+without bound. A room is now live from its sender's Bootstrapping until its clear, then closed for the
+waiting plus deferred-release timeouts: destinations reaching a closed room are dropped, destinations no
+sender claims within the window are dropped, and a closed room's poison is released when its window
+ends. Independent of the rest of the series.""",
+        ("srt.disaggregation.common.room_bounds",),
+        tests=("test_prefill_room_bounds.py",),
+        carries=(("test_prefill_room_bounds.py", "test/registered/unit/disaggregation/test_prefill_room_bounds.py"),),
     ),
     Commit(
         "ownership",
@@ -286,6 +303,64 @@ _CFG = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 
 SITES: list[Site] = [
+    # -- bounded prefill rooms (a fix for every prefill manager, before the feature)
+    Site(
+        "rooms",
+        "srt/disaggregation/common/conn.py",
+        "        self._deferred_ack_poisoned_rooms: Set[int] = set()\n",
+        """\
+        self._deferred_ack_poisoned_rooms: Set[int] = set()
+        {import:RoomBounds}
+        {import:window_s}
+
+        # A prefill's rooms outlive their request only for a window (late destinations, poison).
+        self._room_bounds = (
+            RoomBounds(window_s())
+            if disaggregation_mode == DisaggregationMode.PREFILL
+            else None
+        )
+""",
+    ),
+    Site(
+        "rooms",
+        "srt/disaggregation/common/conn.py",
+        """\
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        current = self.request_status.get(bootstrap_room)
+""",
+        """\
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        {import:admit_status}
+
+        bounds = self._room_bounds
+        if bounds is not None and not admit_status(bounds, self, bootstrap_room, status):
+            return  # destinations of a cleared room: nobody will send
+        current = self.request_status.get(bootstrap_room)
+""",
+        [(f"{_COMMON}.CommonKVManager.update_status", "guard_update_status")],
+    ),
+    Site(
+        "rooms",
+        "srt/disaggregation/common/conn.py",
+        """\
+    def clear(self) -> None:
+        notification = None
+""",
+        """\
+    def clear(self) -> None:
+        # Only the room's owner closes it (a duplicate sender under a deferred bootstrap clears nothing).
+        owner = self.kv_mgr.deferred_bootstrap is None or self._owns_bootstrap_room
+        self._clear_room()
+        if owner and self.kv_mgr._room_bounds is not None:
+            {import:room_cleared}
+
+            room_cleared(self.kv_mgr._room_bounds, self.kv_mgr, self.bootstrap_room)
+
+    def _clear_room(self) -> None:
+        notification = None
+""",
+        [(f"{_COMMON}.CommonKVSender.clear", "close_room")],
+    ),
     # -- the pools and the allocator, where the configurator builds them
     Site(
         "pools",
@@ -507,25 +582,6 @@ def _prepare_kv_shard_forward(
         "pd",
         "srt/disaggregation/common/conn.py",
         """\
-    def update_status(self, bootstrap_room: int, status: KVPoll):
-        current = self.request_status.get(bootstrap_room)
-""",
-        """\
-    def update_status(self, bootstrap_room: int, status: KVPoll):
-        \"\"\"With --enable-cp-shared-kv on a prefill, destinations that reach a cleared room are dropped.\"\"\"
-        {import:guard_update_status}
-
-        return guard_update_status(CommonKVManager._update_room_status, self, bootstrap_room, status)
-
-    def _update_room_status(self, bootstrap_room: int, status: KVPoll):
-        current = self.request_status.get(bootstrap_room)
-""",
-        [(f"{_COMMON}.CommonKVManager.update_status", "guard_update_status")],
-    ),
-    Site(
-        "pd",
-        "srt/disaggregation/common/conn.py",
-        """\
         parts = self._encode_kv_status_message(
             bootstrap_room=bootstrap_room,
             status=status,
@@ -552,23 +608,15 @@ def _prepare_kv_shard_forward(
     Site(
         "pd",
         "srt/disaggregation/common/conn.py",
+        "            room_cleared(self.kv_mgr._room_bounds, self.kv_mgr, self.bootstrap_room)\n",
         """\
-    def clear(self) -> None:
-        notification = None
-""",
-        """\
-    def clear(self) -> None:
-        {import:close_room}
+            room_cleared(self.kv_mgr._room_bounds, self.kv_mgr, self.bootstrap_room)
         {import:drop_unsent_share}
 
-        # --enable-cp-shared-kv: the room stays closed to late destinations; an unsent share is dropped.
-        close_room(CommonKVSender._clear_room, self)
+        # --enable-cp-shared-kv: a share recorded for a request that never sent is dropped.
         drop_unsent_share(None, self)
-
-    def _clear_room(self) -> None:
-        notification = None
 """,
-        [(f"{_COMMON}.CommonKVSender.clear", "drop_unsent_share"), (f"{_COMMON}.CommonKVSender.clear", "close_room")],
+        [(f"{_COMMON}.CommonKVSender.clear", "drop_unsent_share")],
     ),
     Site(
         "pd",
@@ -879,14 +927,25 @@ def check_coverage(hooks: dict[tuple[str, str], object]) -> None:
         raise GenerationError(f"SITES for hooks the plugin no longer registers: {stale}")
 
 
+def _defining_module(name: str, modules: dict[str, Path]) -> str:
+    """The one shipped module that defines ``name`` at top level."""
+    found = []
+    for mod, path in modules.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+                found.append(mod)
+    if len(found) != 1:
+        raise GenerationError(f"{{import:{name}}}: defined in {len(found)} shipped modules, not one")
+    return found[0]
+
+
 def site_text(site: Site, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
     by_name = {name: fn for (_, name), fn in hooks.items()}
 
     def imp(m: re.Match) -> str:
-        fn = by_name[m[1]]
-        mod = our_module_of(fn)
+        mod = our_module_of(by_name[m[1]]) if m[1] in by_name else _defining_module(m[1], modules)
         if mod not in modules or mod in PLUGIN_ONLY:
-            raise GenerationError(f"hook {m[1]} lives in {PKG}.{mod}, which the series does not ship")
+            raise GenerationError(f"{m[1]} lives in {PKG}.{mod}, which the series does not ship")
         return f"from sglang.{home(mod)} import {m[1]}"
 
     return re.sub(r"\{import:(\w+)\}", imp, site.new)
@@ -1190,67 +1249,25 @@ def patched_env(tree: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The PR text: docs/upstream.md, its tables generated from the series, SITES and the benchmark JSON
+# The docs: the PR text's generated parts (docs/upstream.md) and the generator's page (upstream_generator.md)
 
 DOC = ROOT / "docs" / "upstream.md"
+GENERATOR_DOC = ROOT / "docs" / "upstream_generator.md"
 BENCH = ROOT / "docs" / "benchmarks"
 
-_DOC_HEAD = """\
-# Upstream form: `--enable-cp-shared-kv` as an SGLang pull request
+_GENERATOR_HEAD = (
+    """\
+# The upstream series: how it is generated from the plugin
 
 <!-- Generated by `python scripts/make_upstream_patch.py --docs`; edit the script, not this file. -->
 
-The same code as the plugin, as a patch series against SGLang 0.5.23 that a maintainer can review
-and a fork can apply. `python scripts/make_upstream_patch.py` writes it to `dist/upstream/`
-(`git format-patch` files, `stat.txt`); `--apply-to DIR` also applies it to a copy of the installed
-SGLang and prints the environment that runs that copy without the plugin. The series is generated
-from the plugin's modules at the time it runs: there is one source, and a hook the plugin gains or
-loses without a site in the generator's table stops the generator.
+The PR text is [`upstream.md`](upstream.md). `python scripts/make_upstream_patch.py` writes the series
+to `dist/upstream/` (`git format-patch` files, `stat.txt`); `--apply-to DIR` also applies it to a copy of
+the installed SGLang and prints the environment that runs that copy without the plugin. The series is
+generated from the plugin's modules at the time it runs: there is one source.
 
-## Motivation
-
-Prefill context parallelism over N ranks (`--enable-prefill-cp --cp-strategy interleave
---attn-cp-size N`) keeps the persistent MLA latent and DSA indexer KV of every page on every CP rank:
-CP8 stores eight copies of the cache. For DeepSeek-V3.2 and GLM-5 on a PD prefill server, this
-change keeps one: logical page `lp` lives on rank `lp % N`, so the same memory holds N times the
-cached tokens. The DSA indexer and the MLA kernels run unchanged: per batch, a sync-free slot plan
-builds a dense view of exactly the prefix pages the batch reads, and a batch that reads only its
-current chunk reuses the gathered chunk and moves nothing. Over Mooncake, each prefill rank sends only
-its pages, and the decode server checks every rank's page manifest before a request is ready.
-
-## Design: what is reused of `--enable-kv-cache-sharding`, what replaces it, and why
-
-Reused as it is:
-
-- the owner-rotating `PageInterleavePoolAllocator` (logical space `size x N`, page `lp` drawn for
-  owner `lp % N`) and the radix tree's rotation bases, the scheduler's capacity widening and its
-  batch admission against a `PageShardSpec`;
-- the kv-shard contract the DSA backend, its indexer and FA3 already call (`prepare_kv_shard_forward`,
-  translated page tables, `get_key_buffer`, logical indexer pages), SGLang's pool classes, byte
-  formats, quantizers and writer kernels;
-- the sharded Mooncake sender: each CP rank sends its owned pages to their positions in the decode
-  pages, and the decode waits for N successes.
-
-Replaced, behind the new flag (`--enable-kv-cache-sharding` itself is untouched):
-
-- **the pool's read side.** The CP-shared pools subclass `MLATokenToKVPool` / `DSATokenToKVPool`
-  with the same constructor arguments, store each row on its owner with a masked store, and answer
-  the contract from a per-batch read state: a slot plan computed on the device with host-known sizes
-  (no host sync; SGLang's sharded pool syncs {upstream_syncs} times per forward in `{run}` below), a
-  per-layer gather into an owner-major view shared by the CP group (copy engines inside a node, NCCL
-  otherwise, one layer ahead), and current-reuse for batches without history;
-- **the scratch.** A view arena sized from the context length and the chunk, charged to the KV budget
-  in place of the sharding scratch ({scratch_ratio}x its bytes in `{run}`), and the prefill batch admission
-  held to it;
-- **the manifest.** Each prefill rank's Success status carries the positions it sent; the decode
-  collects all N and fails a request whose pages are not covered exactly once.
-
-Why a new flag rather than a mode of the old one: the old flag shards what the attention-CP or TP
-group replicates for any model and keeps its own gather scratch; this one is MLA + DSA/NSA under
-interleaved prefill CP only, with a different read path, scratch and transfer check, and its startup
-checks refuse every combination it does not honour. Both read the same allocator and contract.
-
-## Keeping the series current
+"""
+    + """## Keeping the series current
 
 The generator reads the plugin's modules and hook tables when it runs. A new module needs a home
 (`HOMES` in `scripts/make_upstream_patch.py`), a new hook a site (`SITES`: the SGLang file, the
@@ -1258,8 +1275,10 @@ exact text there, the direct call that replaces it); a site whose text SGLang no
 hook without a site or a site for a hook that is gone each stop it with one line, and so does
 `test/scripts/test_upstream_patch.py`. So does a shipped module whose prose speaks of the plugin's
 hook machinery (`PLUGIN_PROSE`): its docstrings say what each function does at its SGLang call
-site, which holds in both forms. `python scripts/make_upstream_patch.py --docs` regenerates
-this page (the tables and the diff stat below).
+site, which holds in both forms. So does a commit that imports a module a later commit adds (the
+series must import at every prefix; CI also applies each prefix and runs its commits' tests).
+`python scripts/make_upstream_patch.py --docs` regenerates this page and the generated parts of
+`upstream.md` (its measurement table, the commit list and the diff stat).
 
 ## Where each plugin hook went
 
@@ -1268,22 +1287,7 @@ each one is a direct edit at its place in SGLang's source (no monkeypatching, no
 `sys.excepthook` swap); an AROUND hook becomes a call that takes the stock step as its first
 argument, an AFTER hook a call on the result.
 """
-
-_DOC_TESTS = """\
-## Test plan
-
-- `test/scripts/test_upstream_patch.py` (CI): builds the series, checks and applies every patch to a
-  copy of the installed SGLang 0.5.23, and runs in that tree, with the plugin not importable and the
-  flag coming from the patched `ServerArgs`: the flag on the parser and on the parsed record, and the
-  project's own tests of the sharded pools (the owned rows equal the replicated SGLang pool's and an
-  independent reference's), the read state and the view arena, their `sglang_cp_shared_kv.srt` names
-  resolved to the modules the series put in SGLang. `CP_SHARED_KV_UPSTREAM_FULL=1` adds the startup
-  checks through SGLang's real resolution pipeline, the multi-rank read-contract equivalence and the
-  series' own test copies.
-- The series' last commit carries the CPU tests that need nothing but SGLang (`test/srt/cp_shared_kv/`).
-- On GPUs, the plugin's GPU tests and the side-by-side harness run the same modules; the series adds no
-  code path of its own except the edits at the sites above.
-"""
+)
 
 _DOC_EXTENSION_POINTS = """\
 ## Public extension points that would let the plugin drop its private hooks
@@ -1310,7 +1314,8 @@ _DOC_EXTENSION_POINTS = """\
    the targets it could not patch.
 8. Metrics a pool class can register with the scheduler's (the plugin's `metrics` wraps `_init_pools`,
    `prepare_kv_shard_forward` and `_kv_shard_reserve_scratch` to observe sizes, bytes and deferrals).
-9. Two fixes rather than extension points, after which `connector_sockets` and `connector_bounds` go:
+9. Two fixes rather than extension points, which the series carries as its first two patches (after
+   which the plugin's `connector_sockets` and the wrappers in `connector_bounds` go):
    `CommonKVManager._connect` makes sockets that never reconnect (a socket made during a partition
    delivers nothing, ever), and `CommonKVManager.update_status` lets destinations that arrive after a
    room was cleared open it again, with nothing left to clear it.
@@ -1335,6 +1340,8 @@ def _site_rows(hooks: dict[tuple[str, str], object]) -> list[str]:
             sites = [s for s in SITES if (target, name) in s.covers]
             paths = ", ".join(f"`{s.path}`" + (f" ({s.count} call sites)" if s.count > 1 else "") for s in sites)
             where = f"{paths}, calling `sglang.{home(mod)}.{name}`"
+            if mod in PLUGIN_ONLY:  # the series fixes SGLang's code there instead
+                where = f"{paths}, an edit of SGLang's own code (no call)"
         shown = target.replace("resolution:", "resolution step ").replace("sglang.srt.", "")
         rows.append(f"| `{shown}` | `{name}` (`{mod}`) | {where} |")
     return rows
@@ -1348,89 +1355,98 @@ def _home_rows(modules: dict[str, Path]) -> list[str]:
 
 
 def _fmt(v) -> str:
-    return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+    return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def _table(cols: list[tuple[str, str]], runs: list[tuple[str, dict]]) -> list[str]:
-    rows = [
-        "| run | GPUs | date (UTC) | " + " | ".join(c[1] for c in cols) + " |",
-        "|---|---|---|" + "---|" * len(cols),
-    ]
-    for name, d in runs:
-        s, env = d.get("summary", {}), d.get("environment", {})
-        gpus = f"{env.get('gpu_count', '?')} x {env.get('gpu', '?')}"
-        rows.append(
-            f"| [`{name}`](benchmarks/{name}) | {gpus} | {env.get('date_utc', '-')} | "
-            + " | ".join(_fmt(s.get(k)) for k, _ in cols)
-            + " |"
-        )
-    return rows
+# (summary key, column title); a run without the key gets the reason its kind gives, as a footnote.
+_PR_COLUMNS = [
+    ("ours_vs_stock_layer_time", "layer time, stock / ours"),
+    ("ours_vs_upstream_layer_time", "layer time, `--enable-kv-cache-sharding` / ours"),
+    ("ours_vs_layersplit_layer_time", "layer time, layer split / ours"),
+    ("bytes_ratio", "bytes moved, ours / `--enable-kv-cache-sharding`"),
+    ("peak_scratch_ratio_equal_admission", "scratch, ours / SGLang's at equal admission"),
+    ("host_syncs_ours_per_forward", "host syncs per forward, ours"),
+    ("host_syncs_upstream_per_forward", "host syncs per forward, `--enable-kv-cache-sharding`"),
+    ("correct_all", "bit-exact"),
+]
+_WHY_ABSENT = {
+    "backend": (
+        "not in this run: two ranks share one GPU, and SGLang's page-interleave pool needs a GPU per rank for "
+        "its NCCL communicator; the layer split over gloo would broadcast through host memory"
+    ),
+    "pools": (
+        "not shown: this earlier harness form drove the pools without the DSA backend and decoded each whole "
+        "buffer before FlashMLA, which SGLang never does: its times do not stand (its bytes, scratch and syncs do)"
+    ),
+}
+_HIDDEN = {"pools": {"ours_vs_upstream_layer_time"}}  # present in the JSON, not a figure that stands
+# A figure a run kind has in place of a column's: (kind, column key) -> (its key, what it is).
+_INSTEAD = {
+    ("pools", "peak_scratch_ratio_equal_admission"): (
+        "peak_scratch_ratio",
+        "ours at its default size (2 contexts), not at equal admission",
+    )
+}
 
 
-def _measurement_rows() -> list[str]:
-    """Two tables from the side-by-side JSON: runs through SGLang's DSA backend (every figure), and runs
-    of the harness's earlier form, which drove the pools in the backend's order and decoded each whole
-    buffer before FlashMLA: their bytes, scratch and host syncs stand, their times do not."""
-    backend_cols = [
-        ("ours_vs_stock_layer_time_median_batch", "stock / ours, layer time (median batch)"),
-        ("ours_vs_stock_layer_time", "stock / ours, layer time (all batches)"),
-        ("ours_vs_upstream_layer_time", "SGLang sharding / ours, layer time"),
-        ("ours_vs_layersplit_layer_time", "layer split / ours, layer time"),
-        ("bytes_ratio", "ours / SGLang sharding, bytes"),
-        ("peak_scratch_ratio_equal_admission", "ours / SGLang, scratch at equal admission"),
-        ("host_syncs_ours_per_forward", "host syncs per forward, ours"),
-        ("correct_all", "timed outputs bit-exact"),
-    ]
-    pool_cols = [
-        ("bytes_ratio", "ours / SGLang sharding, bytes received"),
-        ("bytes_ratio_shared_prefix_turn", "the same, shared-prefix turn"),
-        ("peak_scratch_ratio", "ours / SGLang, scratch bytes"),
-        ("host_syncs_ours_per_forward", "host syncs per forward, ours"),
-        ("host_syncs_upstream_per_forward", "the same, SGLang sharding"),
-        ("correct_all", "all reads bit-exact"),
-    ]
-    backend, pools, commands, superseded = [], [], [], []
+def _pr_measurements() -> list[str]:
+    """The side-by-side runs as one table: every cell a figure from its JSON or a numbered reason."""
+    runs = []
     for path in sorted(BENCH.glob("vs_upstream*.json")):
         d = json.loads(path.read_text())
-        s = d.get("summary", {})
-        if "_before_" in path.stem:
-            superseded.append(f"[`{path.name}`](benchmarks/{path.name})")
-            continue  # a run the project superseded (docs/benchmarks.md says why)
-        if "ours_vs_stock_layer_time" in s:
-            backend.append((path.name, d))
-        elif s.get("ours_vs_upstream_forward_time") is not None:
-            pools.append((path.name, d))
-        else:
-            continue
-        note = f" ({d['note']})" if d.get("note") else ""
-        commands.append(f"- `{path.name}`: `{d.get('command', '?')}`{note}")
-    out = ["Through SGLang's DSA backend (`init_forward_metadata`, `forward_extend` with `flashmla_kv`, a MoE", ""]
-    out[0] += " stand-in after each layer; a ratio above 1 in the time columns means ours is faster):"
-    out += _table(backend_cols, backend)
-    out += [
-        "",
-        "The harness's earlier form (the pools driven in the backend's order, each whole buffer decoded before",
-        "FlashMLA, which SGLang never does): its time ratios are not shown, its bytes, scratch and syncs stand:",
-        "",
-        *_table(pool_cols, pools),
+        kind = "backend" if "ours_vs_stock_layer_time" in d.get("summary", {}) else "pools"
+        runs.append((path.name, d, kind))
+    notes: list[str] = []
+    rows = [
+        "| run | GPUs | " + " | ".join(title for _, title in _PR_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(_PR_COLUMNS),
     ]
-    tail = (
-        ["", f"Superseded, not shown (`docs/benchmarks.md` says why): {', '.join(superseded)}."] if superseded else []
-    )
-    return out + ["", "Commands:", "", *commands, *tail]
+    for name, d, kind in runs:
+        summary, env = d["summary"], d.get("environment", {})
+        cells = []
+        for key, _ in _PR_COLUMNS:
+            if summary.get(key) is not None and key not in _HIDDEN.get(kind, ()):
+                cells.append(_fmt(summary[key]))
+                continue
+            other, what = _INSTEAD.get((kind, key), (None, None))
+            if other is not None and summary.get(other) is not None:
+                if what not in notes:
+                    notes.append(what)
+                cells.append(f"{_fmt(summary[other])} ({notes.index(what) + 1})")
+                continue
+            why = _WHY_ABSENT[kind]
+            if why not in notes:
+                notes.append(why)
+            cells.append(f"n/a ({notes.index(why) + 1})")
+        gpus = f"{env.get('gpu_count', '?')} x {env.get('gpu', '?')}"
+        rows.append(f"| [`{name}`](benchmarks/{name}) | {gpus} | " + " | ".join(cells) + " |")
+    out = ["Side by side in one run each (`benchmark/cp_shared_kv/bench_vs_upstream.py`; a time ratio above 1", ""]
+    out[0] += " means ours is faster):"
+    out += rows + [""] + [f"({i}) {why}." for i, why in enumerate(notes, 1)]
+    out += ["", "Commands (each JSON holds its command, machine and versions):", ""]
+    out += [f"- `{name}`: `{d.get('command', '?')}`" for name, d, _ in runs]
+    return out
 
 
-def render_doc(stat: str) -> str:
+def _replace_generated(text: str, name: str, body: list[str]) -> str:
+    begin = f"<!-- generated: {name} (python scripts/make_upstream_patch.py --docs) -->"
+    end = "<!-- end generated -->"
+    i = text.index(begin) + len(begin)
+    j = text.index(end, i)
+    return text[:i] + "\n" + "\n".join(body) + "\n" + text[j:]
+
+
+def render_docs(stat: str) -> tuple[str, str]:
+    """``(docs/upstream.md, docs/upstream_generator.md)``: the PR text with its generated parts filled, and
+    the generator's page."""
     modules = shipped_modules()
     hooks = plugin_hooks()
     check_coverage(hooks)
-    main_run = json.loads((BENCH / "vs_upstream.json").read_text())["summary"]
-    parts = [
-        _DOC_HEAD.format(
-            run="vs_upstream.json",
-            upstream_syncs=main_run["host_syncs_upstream_per_forward"],
-            scratch_ratio=main_run["peak_scratch_ratio"],
-        ),
+    series = ["\n".join(f"{i}. {c.subject}" for i, c in enumerate(COMMITS, 1))]
+    pr = _replace_generated(DOC.read_text(), "measurements", _pr_measurements())
+    pr = _replace_generated(pr, "series", series + ["", "```", stat.rstrip(), "```"])
+    generator = [
+        _GENERATOR_HEAD,
         *_site_rows(hooks),
         "",
         "Where each module of the plugin sits in SGLang (`HOMES`; imports rewritten to match):",
@@ -1438,32 +1454,13 @@ def render_doc(stat: str) -> str:
         *_home_rows(modules),
         "",
         "Plugin-only, not in the series: the entry point (`srt/plugin.py`), the hook registration",
-        "(`srt/sglang_wiring/__init__.py`), the argparse hook (`srt/sglang_wiring/server_args_hook.py`), and",
-        "in the startup checks the SGLang-version and installed-hook checks and the command-line excepthook.",
-        "",
-        "## Measurements",
-        "",
-        "The side-by-side harness (`benchmark/cp_shared_kv/bench_vs_upstream.py`): the same workload through",
-        "SGLang's stock pool, its rivals and ours, in one run (`docs/benchmarks.md` has the rows and each",
-        "run's caveats).",
-        "",
-        *_measurement_rows(),
-        "",
-        "Not measured in this form: a full server (model, scheduler) with the flag on, CP4/CP8, the 128K",
-        "workload to its end. The batch plan's host cost is above its goal (see `docs/benchmarks.md`).",
-        "",
-        _DOC_TESTS,
-        "## The series",
-        "",
-        "\n".join(f"{i}. {c.subject}" for i, c in enumerate(COMMITS, 1)),
-        "",
-        "```",
-        stat.rstrip(),
-        "```",
+        "(`srt/sglang_wiring/__init__.py`), the argparse hook (`srt/sglang_wiring/server_args_hook.py`), the",
+        "status-socket wrapper (`srt/sglang_wiring/connector_sockets.py`: the series fixes `_connect` itself),",
+        "and in the startup checks the SGLang-version and installed-hook checks and the command-line excepthook.",
         "",
         _DOC_EXTENSION_POINTS,
     ]
-    return "\n".join(parts)
+    return pr, "\n".join(generator)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1477,12 +1474,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also apply the series to a copy of the installed SGLang in DIR (new) and print the environment "
         "that runs it without the plugin",
     )
-    parser.add_argument("--docs", action="store_true", help=f"also write {DOC.relative_to(ROOT)}")
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help="also fill docs/upstream.md's generated parts and write upstream_generator.md",
+    )
     args = parser.parse_args(argv)
     try:
         patches = build_series(args.out)
         if args.docs:
-            DOC.write_text(render_doc((args.out / "stat.txt").read_text()))
+            pr, generator = render_docs((args.out / "stat.txt").read_text())
+            DOC.write_text(pr)
+            GENERATOR_DOC.write_text(generator)
         if args.apply_to:
             apply_series(patches, args.apply_to)
             env = patched_env(args.apply_to)

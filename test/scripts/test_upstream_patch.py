@@ -78,7 +78,8 @@ def test_a_site_that_no_longer_matches_stops_the_generator(gen, monkeypatch, tmp
 
 
 def test_a_hook_without_a_site_stops_the_generator(gen, monkeypatch, tmp_path):
-    monkeypatch.setattr(gen, "SITES", gen.SITES[1:])
+    first = next(s for s in gen.SITES if s.covers)
+    monkeypatch.setattr(gen, "SITES", [s for s in gen.SITES if s is not first])
     with pytest.raises(gen.GenerationError, match="plugin hooks without a site"):
         gen.build_series(tmp_path / "out")
 

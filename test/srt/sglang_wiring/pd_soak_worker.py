@@ -1043,10 +1043,10 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     if cfg["bounds_wait"] == "real":
         time.sleep(max(0.0, last_window_end - time.monotonic()) + 0.1)
         for m in mgrs:
-            connector_bounds.sweep(m)
+            connector_bounds.sweep(connector_bounds.bounds_of(m), m)
     else:
         for m in mgrs:
-            connector_bounds.sweep(m, now=max(time.monotonic(), last_window_end) + 0.1)
+            connector_bounds.sweep(connector_bounds.bounds_of(m), m, now=max(time.monotonic(), last_window_end) + 0.1)
     prefill_tables = []
     for m in mgrs:
         prefill_tables.append(

@@ -1,13 +1,12 @@
-"""Bounded per-request state in a prefill's Mooncake KV manager (SGLang 0.5.23).
+"""Bounded per-request state in a prefill's KV manager.
 
-Two of the manager's tables outlive the requests they describe (``docs/sglang_plugin.md``, "Bounded
-connector state", says how, and why ``decode_kv_args_table`` is left alone): **late destinations** that
+Two of the manager's tables outlive the requests they describe: **late destinations** that
 reach a prefill rank after its sender was cleared make SGLang's bootstrap thread record the room again
 (``transfer_infos``, ``req_to_decode_prefix_len``, ``request_status``) with no sender left to clear it;
 and ``_deferred_ack_poisoned_rooms`` keeps a failed batch's room for ever.
 
-This module bounds both, per prefill manager, by wrapping ``CommonKVManager.update_status`` and
-``CommonKVSender.clear``:
+This module bounds both, per prefill manager (its ``RoomBounds``), before ``CommonKVManager.update_status``
+(``admit_status``) and after the room's own ``CommonKVSender.clear`` (``room_cleared``):
 
 - a room is *live* from its sender's opening status (``update_status(room, Bootstrapping)``, set only
   by ``CommonKVSender.__init__``) until ``CommonKVSender.clear``, then *closed* for ``window_s``:
@@ -18,8 +17,7 @@ This module bounds both, per prefill manager, by wrapping ``CommonKVManager.upda
 
 ``window_s`` is SGLang's waiting and deferred-release timeouts plus a margin, read as the decode reads
 them. Expired rooms are swept at every clear; closed rooms beyond ``MAX_CLOSED`` are forgotten oldest
-first keeping their poison (SGLang's behaviour). With the flag off, or on a decode, both wrappers only
-call SGLang's step.
+first keeping their poison. Nothing here reads a flag: the caller decides which managers it serves.
 """
 
 from __future__ import annotations
@@ -29,9 +27,6 @@ import threading
 import time
 from collections import OrderedDict
 from typing import Any
-
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +68,6 @@ class RoomBounds:
         }
 
 
-def bounds_of(mgr: Any) -> RoomBounds:
-    """The manager's ``RoomBounds`` (made on first use)."""
-    state = state_of(mgr)
-    if state.bounds is None:
-        state.bounds = RoomBounds(window_s())
-    return state.bounds
-
-
 def _forget_room(mgr: Any, room: int) -> None:
     """Pop a room with no sender from the tables the bootstrap thread fills."""
     mgr.transfer_infos.pop(room, None)
@@ -88,55 +75,43 @@ def _forget_room(mgr: Any, room: int) -> None:
     mgr.request_status.pop(room, None)
 
 
-def guard_update_status(original, mgr, bootstrap_room, status):
-    """Wraps ``CommonKVManager.update_status`` (prefill, flag on): track live rooms; drop late destinations."""
-    if not manager_enabled(mgr, "prefill"):
-        return original(mgr, bootstrap_room, status)
+def admit_status(bounds: RoomBounds, mgr: Any, bootstrap_room: int, status: Any) -> bool:
+    """Before a prefill manager's ``update_status``: track live rooms; False for destinations that reach a
+    closed room (their tables popped, the room not opened: the caller drops the status)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    b = bounds_of(mgr)
-    with b.lock:
+    with bounds.lock:
         if status == KVPoll.Bootstrapping:  # a sender opens the room (only CommonKVSender.__init__ sets it)
-            b.live.add(bootstrap_room)
-            b.closed.pop(bootstrap_room, None)
-            b.unclaimed.pop(bootstrap_room, None)
+            bounds.live.add(bootstrap_room)
+            bounds.closed.pop(bootstrap_room, None)
+            bounds.unclaimed.pop(bootstrap_room, None)
         elif (
             status == KVPoll.WaitingForInput
-            and bootstrap_room not in b.live
+            and bootstrap_room not in bounds.live
             and bootstrap_room not in mgr.request_status
         ):
-            if bootstrap_room in b.closed:  # destinations of a cleared request: nobody will send
+            if bootstrap_room in bounds.closed:  # destinations of a cleared request: nobody will send
                 _forget_room(mgr, bootstrap_room)
-                b.late_dropped += 1
-                logger.debug("%s: dropped late destinations of cleared room %s", FLAG, bootstrap_room)
-                return None
-            b.unclaimed[bootstrap_room] = time.monotonic() + b.window
-    return original(mgr, bootstrap_room, status)
+                bounds.late_dropped += 1
+                logger.debug("dropped late destinations of cleared room %s", bootstrap_room)
+                return False
+            bounds.unclaimed[bootstrap_room] = time.monotonic() + bounds.window
+    return True
 
 
-def close_room(original, sender):
-    """Wraps ``CommonKVSender.clear`` (prefill, flag on): the room closes, then expired rooms are swept."""
-    mgr = sender.kv_mgr
-    if not manager_enabled(mgr, "prefill"):
-        return original(sender)
-    # A duplicate sender under a deferred bootstrap clears nothing; the owning one is still live.
-    owner = mgr.deferred_bootstrap is None or sender._owns_bootstrap_room
-    result = original(sender)
-    if owner:
-        b = bounds_of(mgr)
-        room = sender.bootstrap_room
-        with b.lock:
-            b.live.discard(room)
-            b.unclaimed.pop(room, None)
-            b.closed.pop(room, None)
-            b.closed[room] = time.monotonic() + b.window
-        sweep(mgr)
-    return result
+def room_cleared(bounds: RoomBounds, mgr: Any, bootstrap_room: int) -> None:
+    """After the room's own sender cleared it (``CommonKVSender.clear``): the room closes for a window,
+    then expired rooms are swept."""
+    with bounds.lock:
+        bounds.live.discard(bootstrap_room)
+        bounds.unclaimed.pop(bootstrap_room, None)
+        bounds.closed.pop(bootstrap_room, None)
+        bounds.closed[bootstrap_room] = time.monotonic() + bounds.window
+    sweep(bounds, mgr)
 
 
-def sweep(mgr: Any, now: float | None = None) -> None:
+def sweep(b: RoomBounds, mgr: Any, now: float | None = None) -> None:
     """Release the rooms whose window has ended: poison of closed rooms, unclaimed destinations."""
-    b = bounds_of(mgr)
     now = time.monotonic() if now is None else now
     with b.lock:
         while b.closed:
@@ -159,9 +134,44 @@ def sweep(mgr: Any, now: float | None = None) -> None:
             if room not in b.live:
                 _forget_room(mgr, room)
                 b.unclaimed_dropped += 1
-                logger.info(
-                    "%s: dropped destinations of room %s: no request claimed them in %.0fs", FLAG, room, b.window
-                )
+                logger.info("dropped destinations of room %s: no request claimed them in %.0fs", room, b.window)
+
+
+# The plugin's wrapping of SGLang 0.5.23 (flag on, prefill managers); the series edits conn.py instead.
+
+
+def bounds_of(mgr: Any) -> RoomBounds:
+    """The manager's ``RoomBounds`` (made on first use)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
+
+    state = state_of(mgr)
+    if state.bounds is None:
+        state.bounds = RoomBounds(window_s())
+    return state.bounds
+
+
+def guard_update_status(original, mgr, bootstrap_room, status):
+    """Wraps ``CommonKVManager.update_status``."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.flag import manager_enabled
+
+    if manager_enabled(mgr, "prefill") and not admit_status(bounds_of(mgr), mgr, bootstrap_room, status):
+        return None
+    return original(mgr, bootstrap_room, status)
+
+
+def close_room(original, sender):
+    """Wraps ``CommonKVSender.clear``: only the room's owner closes it (a duplicate sender under a deferred
+    bootstrap clears nothing)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.flag import manager_enabled
+
+    mgr = sender.kv_mgr
+    if not manager_enabled(mgr, "prefill"):
+        return original(sender)
+    owner = mgr.deferred_bootstrap is None or sender._owns_bootstrap_room
+    result = original(sender)
+    if owner:
+        room_cleared(bounds_of(mgr), mgr, sender.bootstrap_room)
+    return result
 
 
 _COMMON = "sglang.srt.disaggregation.common.conn"

@@ -269,8 +269,8 @@ def _setting_rejections() -> list[str]:
     """The plugin's environment settings, read here as the pools and their read path read them later, so a bad
     value stops the server at startup instead of in each scheduler once its pool is sized."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
-    from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
     from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
+    from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
 
     out = []
     for read in (arena_contexts, prefetch_setting, transport_setting):

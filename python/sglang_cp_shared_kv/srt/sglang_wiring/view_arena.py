@@ -28,6 +28,7 @@ from sglang_cp_shared_kv.srt.utils import check_int
 
 logger = logging.getLogger(__name__)
 
+
 def builds_cp_shared_pool(configurator: Any) -> bool:
     """Whether this KV cache configurator builds a CP-shared pool: flag on, a prefill server (a decode's pool
     stays stock), the target model's pool (not a draft's)."""

@@ -308,7 +308,7 @@ class BatchReadState:
         rows = req_pool_indices  # read by address in the launch: int64, one after another
         if rows.dtype != torch.int64 or not rows.is_contiguous():
             rows = rows.to(torch.int64).contiguous()
-        buf, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
+        buf, host = self.flags.host_views(m + n + 2 + b, self.device)
         # One host write: the header, the lengths, and the flags zeroed (the landed word, set by the launch).
         host[:] = (
             plan_header(b, width, num_positions, slots_per_rank, base, fill, rows)
@@ -328,7 +328,6 @@ class BatchReadState:
             self.page_pos,
             base,
             fill,
-            flags=flags,
             workspace=self._workspace,
             header=True,
             queue=False,

@@ -14,13 +14,12 @@ more than ``ceil(pages_b / N)`` of request ``b``'s pages and a block never overf
 allocator's policy, not a law: a position past its owner's block (pages that do not rotate
 owners) gets a slot holding the trash page, never one past the view, and the plan's ``status``
 (a device tensor, no host sync) flags it. The read state reads the flag two batches later, on every
-rank at the same batch (``DeviceFlagCheck``), and fails (``SlotOverflowError``). A prefix page shared by two
-requests gets two slots: more bytes, static shapes.
+rank at the same batch (``DeviceFlagCheck``), and fails (``SlotOverflowError``). A prefix page shared by
+two requests gets two slots: more bytes, static shapes.
 
-Everything sized by the plan (``M``, ``S``, the view) comes from host-known lengths; the
-host work is O(batch size) and the device work (page-position list, per-owner scan, scatters)
-never syncs, so the plan can be built ahead of the batch's kernels without stalling them, or
-captured in a CUDA graph. The plan is the same on every rank.
+Everything the plan sizes (``M``, ``S``, the view) comes from host lengths and its device work never
+syncs, so it can be queued ahead of the batch's kernels or captured in a CUDA graph. It is the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def plan_meta_rows(
     prefix_pages = pages if prefix_pages is None else prefix_pages
     b = len(pages)
     shared = [0] * b if hint is None else [s for _, s in hint]
-    # Plain ints for a batch's few requests (host time: no numpy call per row).
-    starts, plan_starts, start, plan_start = [], [], 0, 0
+    starts, plan_starts, start, plan_start = [], [], 0, 0  # plain ints (host time)
     for total, prefix, skip in zip(pages, prefix_pages, shared):
         starts.append(start)
         plan_starts.append(plan_start)
@@ -64,11 +62,6 @@ def plan_meta_rows(
         plan_start += prefix - skip
     sources = [-1] * b if hint is None else [src for src, _ in hint]
     return [*shared, *prefix_pages, *pages, *starts, *sources, *plan_starts]
-
-
-# ---------------------------------------------------------------------------------------------
-# Overflow: read the plan's device flag where the batch synchronizes anyway
-# ---------------------------------------------------------------------------------------------
 
 
 class SlotOverflowError(RuntimeError):
@@ -92,11 +85,6 @@ def request_names(requests: Sequence[object] | None, count: int) -> list[str]:
     return names if len(names) == count else [f"#{b}" for b in range(count)]
 
 
-def _no_error(host: list) -> None:
-    """A dropped record's ``fail``: its buffer is only waited for, its values ignored."""
-    return None
-
-
 VERDICT_LAG = 2  # batches: batch k's flags are acted on when batch k + VERDICT_LAG begins
 WAIT_DEADLINE_S = 60.0  # the longest a due record is waited for (well under SGLang's watchdog)
 
@@ -118,8 +106,7 @@ class DeviceFlagCheck:
     another. Under SGLang's overlap scheduler a batch's outputs reach the host before the batch after next
     is scheduled, so with ``lag = 2`` the records are due after they landed and the read waits for nothing;
     a record still pending is waited for, up to ``deadline_s`` (then ``FlagWaitTimeout``). ``poll(wait=True)``
-    reads every record, for a caller that synchronizes there anyway. A read record's event and buffer serve
-    later records: nothing is allocated per batch once they exist.
+    reads every record. A read record's event and buffer serve later records (no allocation per batch).
     """
 
     def __init__(self, lag: int = VERDICT_LAG, deadline_s: float = WAIT_DEADLINE_S) -> None:
@@ -133,16 +120,16 @@ class DeviceFlagCheck:
         self._spare: list[torch.cuda.Event] = []  # events of read records
         self._buffers: list[torch.Tensor] = []  # buffers of read records
 
-    def host_views(self, numel: int, device: torch.device, split: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    def host_views(self, numel: int, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
         """int64 ``[numel]`` for a ``watch`` record (pinned on a CUDA ``device``, a read record's where one
-        is large enough), its words from ``split`` on, and the buffer as numpy (the same memory)."""
+        is large enough), and the same memory as numpy."""
         i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
         if i is None:
             base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
         else:
             base = self._buffers.pop(i)
         buf = base[:numel]
-        return buf, buf[split:], buf.numpy()  # sync-ok: host memory
+        return buf, buf.numpy()  # sync-ok: host memory
 
     def watch(
         self,
@@ -189,9 +176,9 @@ class DeviceFlagCheck:
                 self._buffers.append(flags if flags._base is None else flags._base)
             error = fail(host)
             if error is not None:
-                # The later records are dropped, but their buffers stay held until they land: the launches
-                # still in flight read and write them.
-                self._pending = [(k, f, a, e, i, p, _no_error) for k, f, a, e, i, p, _ in self._pending if p]
+                # The later records' values are dropped, but their pinned buffers stay held until they land:
+                # the launches still in flight read and write them.
+                self._pending = [(k, f, a, e, i, p, lambda _: None) for k, f, a, e, i, p, _ in self._pending if p]
                 raise error
 
     @staticmethod

@@ -82,16 +82,12 @@ _TRANSLATION_AT = PLAN_HEADER.index(TRANSLATION_WORDS[0])
 
 @dataclass(frozen=True)
 class BatchInputs:
-    """One extend batch as ``BatchReadState.begin`` takes it, built by the wiring from SGLang's arguments.
-
-    - ``req_to_token``: the token table (SGLang's ``req_to_token``, int32 ``[rows, columns]``) on the pool's
-      device: token ``t`` of request ``b`` is at loc ``req_to_token[rows[b], t]``;
-    - ``rows``: the batch's requests' rows of it (SGLang's ``req_pool_indices``), on the same device;
-    - ``prefix_lens``, ``seq_lens``: host ints per request (tokens read from earlier batches, and in all);
-    - ``request_ids``: the requests' names for errors (None: ``#0``, ``#1``, ...);
-    - ``shared_prefix``: ``(source, pages)`` per request, the first ``pages`` prefix pages shared with the
-      earlier request ``source`` (None: no sharing known).
-    """
+    """One extend batch as ``BatchReadState.begin`` takes it, built by the wiring from SGLang's arguments:
+    token ``t`` of request ``b`` is at loc ``req_to_token[rows[b], t]`` (int32 ``[rows, columns]`` and
+    ``req_pool_indices``, on the pool's device); ``prefix_lens`` and ``seq_lens`` are host ints (tokens read
+    from earlier batches, and in all); ``request_ids`` name the requests in errors (None: ``#0``, ``#1``, ...);
+    ``shared_prefix`` gives ``(source, pages)`` per request, its first ``pages`` prefix pages shared with the
+    earlier request ``source`` (None: no sharing known)."""
 
     req_to_token: torch.Tensor
     rows: torch.Tensor
@@ -225,12 +221,6 @@ class BatchReadState:
         self._arena_pages = min(buf.shape[0] for buf in self.arena.values())
         return sum(t.numel() for t in self.arena.values())
 
-    def _buffer(self, key: str, pages: int, width: int) -> torch.Tensor:
-        """``pages`` pages of a read buffer: the arena's leading pages, else a fresh allocation."""
-        if self.arena is not None:
-            return arena_pages(self.arena, key, pages, width)
-        return torch.empty((pages, width), dtype=torch.uint8, device=self.device)
-
     def check_overflow(self, wait: bool = False) -> None:
         """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose flags are on the host;
         ``wait``: wait for those in flight (at shutdown, in tests; ``begin`` acts on them at a fixed batch)."""
@@ -332,10 +322,12 @@ class BatchReadState:
         return plan
 
     def _begin_current(self, inputs: BatchInputs, pages: list[int]) -> None:
-        ps = self.page_size
-        total = sum(pages)
-        stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
-        stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
+        ps, total = self.page_size, sum(pages)
+        # The arena's leading pages (checked before the plan writes anything), else new buffers.
+        stage_latent = arena_pages(self.arena, "latent", total + 1, ps * self.latent.row_bytes, self.device)
+        stage_index = None
+        if self.index is not None:
+            stage_index = arena_pages(self.arena, "index", total + 1, ps * INDEX_TOKEN_BYTES, self.device)
         # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
         # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
         # The peers may still read pages this batch's writes reuse: fenced where there are views.
@@ -345,11 +337,7 @@ class BatchReadState:
         self.mode = "current"
 
     def _begin_materialized(
-        self,
-        inputs: BatchInputs,
-        pages: list[int],
-        prefix_pages: list[int],
-        hint: list[tuple[int, int]],
+        self, inputs: BatchInputs, pages: list[int], prefix_pages: list[int], hint: list[tuple[int, int]]
     ) -> None:
         if self.views is None:
             if callable(self.group):

@@ -42,9 +42,7 @@ def slots_per_rank(pages_per_req: Sequence[int], cp_size: int) -> int:
 
 
 def plan_meta_rows(
-    pages: Sequence[int],
-    prefix_pages: Sequence[int] | None = None,
-    hint: Sequence[tuple[int, int]] | None = None,
+    pages: Sequence[int], prefix_pages: Sequence[int] | None = None, hint: Sequence[tuple[int, int]] | None = None
 ) -> list[int]:
     """``plan_batch``'s ``meta`` as host ints, row after row (rows ``PLAN_META_ROWS``, ``B`` each).
 

@@ -140,9 +140,8 @@ def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch
 def gather_launch(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
 ) -> Launch:
-    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two
-    ``word_pair`` s of buffers ``prepare_gather`` accepts). ``programs`` per buffer (None: one per slot):
-    fewer hold fewer SMs at once, what a gather running beside other kernels wants."""
+    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two ``word_pair``
+    s of buffers ``prepare_gather`` accepts). ``programs`` per buffer (None: one per slot): fewer hold fewer SMs."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
     slots = page_ids.shape[0]
     grid0 = slots if programs is None else max(1, min(slots, programs))
@@ -319,6 +318,25 @@ if triton is not None:
         row = _translated_rows(page_pos, loc, live, page_size, num_pages)
         tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
 
+    @triton.jit(do_not_specialize=["page_size", "num_pages"])
+    def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        # ``words`` (int64, device): ``plan_kernels.TRANSLATION_WORDS``; locs and rows int32. A fixed grid walks
+        # any count, so the launch can sit in a captured graph. (No parameter may be named ``params``:
+        # Triton's argument binder takes that name for its own dict.)
+        n = tl.load(words + 1)
+        locs = tl.load(words).to(tl.pointer_type(tl.int32))
+        cols = tl.load(words + 2)
+        stride = tl.load(words + 3)
+        out = tl.load(words + 4).to(tl.pointer_type(tl.int32))
+        lanes = tl.arange(0, BLOCK)
+        for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
+            i = i0 + lanes
+            live = i < n
+            r = i // cols
+            loc = tl.load(locs + r * stride + (i - r * cols), mask=live, other=0).to(tl.int64)
+            row = _translated_rows(page_pos, loc, live, page_size, num_pages)
+            tl.store(out + i, row.to(tl.int32), mask=live)
+
 
 _TRANSLATE_BLOCK = 1024
 
@@ -343,28 +361,6 @@ def translate_locs(
     args = (page_pos, flat, out, n, page_size, page_pos.shape[0])
     launch(_translate_kernel, (triton.cdiv(n, _TRANSLATE_BLOCK),), args, {"BLOCK": _TRANSLATE_BLOCK})
     return out
-
-
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["page_size", "num_pages"])
-    def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        # ``words`` (int64, device): ``plan_kernels.TRANSLATION_WORDS``; locs and rows int32. A fixed grid walks
-        # any count, so the launch can sit in a captured graph. (No parameter may be named ``params``:
-        # Triton's argument binder takes that name for its own dict.)
-        n = tl.load(words + 1)
-        locs = tl.load(words).to(tl.pointer_type(tl.int32))
-        cols = tl.load(words + 2)
-        stride = tl.load(words + 3)
-        out = tl.load(words + 4).to(tl.pointer_type(tl.int32))
-        lanes = tl.arange(0, BLOCK)
-        for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
-            i = i0 + lanes
-            live = i < n
-            r = i // cols
-            loc = tl.load(locs + r * stride + (i - r * cols), mask=live, other=0).to(tl.int64)
-            row = _translated_rows(page_pos, loc, live, page_size, num_pages)
-            tl.store(out + i, row.to(tl.int32), mask=live)
 
 
 _PLANNED_PROGRAMS = 128  # one wave on an H200 (132 SMs); a 32K-token table is one pass of them

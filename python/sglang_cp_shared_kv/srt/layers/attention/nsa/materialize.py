@@ -53,28 +53,22 @@ HIGHEST_STREAM_PRIORITY = -(1 << 10)
 PREFETCH_GATHER_PLACES = ("compute", "side")
 
 
+@dataclass(eq=False, slots=True)
 class LayerView:
     """What the indexer and MLA kernels read for one layer: ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages``
     uint8 ``[P, page_size * 132]`` (None: the layer has no indexer pages); ``page_table`` int32 ``[B, max_pages]``
-    into both (position ``p`` of request ``b`` is row ``page_table[b, p // ps] * ps + p % ps``), or the
-    ``BatchPlan`` it is taken from at its first read (SGLang's read path reads the buffers only)."""
+    into both (position ``p`` of request ``b`` is row ``page_table[b, p // ps] * ps + p % ps``), given as
+    ``table`` or taken from that ``BatchPlan`` at its first read (SGLang's read path reads the buffers only)."""
 
-    __slots__ = ("kv_rows", "index_pages", "page_size", "use_triton", "_table")
-
-    def __init__(
-        self,
-        kv_rows: torch.Tensor,
-        index_pages: torch.Tensor | None,
-        page_table: torch.Tensor | BatchPlan,
-        page_size: int,
-        use_triton: bool | None = None,
-    ):
-        self.kv_rows, self.index_pages, self.page_size, self.use_triton = kv_rows, index_pages, page_size, use_triton
-        self._table = page_table
+    kv_rows: torch.Tensor
+    index_pages: torch.Tensor | None
+    table: torch.Tensor | BatchPlan
+    page_size: int
+    use_triton: bool | None = None
 
     @property
     def page_table(self) -> torch.Tensor:
-        table = self._table
+        table = self.table
         return table if isinstance(table, torch.Tensor) else table.slot_table
 
     def rows(self, positions: torch.Tensor, q_req: torch.Tensor) -> torch.Tensor:
@@ -144,13 +138,11 @@ def allocate_arena(
 
 
 class ViewMaterializer:
-    """Builds, per batch and layer, the dense view a sharded pool's kernels read.
-
-    ``group``: the CP group owning the pool's pages (``None`` only for a single-rank pool), or a
-    ``copy_engine.CopyEngineGroup`` registered over the arena. ``arena`` (optional, ``allocate_arena``):
-    every batch's views are its leading pages; a batch whose views would not fit raises ``ViewArenaError``
-    before anything is written, one whose two view sets do not fit is not prefetched.
-    """
+    """Builds, per batch and layer, the dense view a sharded pool's kernels read. ``group``: the CP group
+    owning the pool's pages (None only for a single-rank pool), or a ``copy_engine.CopyEngineGroup``
+    registered over the arena. ``arena`` (optional, ``allocate_arena``): every batch's views are its leading
+    pages; a batch whose views would not fit raises ``ViewArenaError`` before anything is written, one whose
+    two view sets do not fit is not prefetched."""
 
     def __init__(
         self,
@@ -191,8 +183,7 @@ class ViewMaterializer:
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched = self._fork = self._gathered = None  # CUDA events, made with the side stream
         self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
-        # Views built in line over a copy-engine group that mapped the peers' pools are read straight from
-        # the owners' pages (``_pull``), after a per-batch ``fence``.
+        # Over a copy-engine group that mapped the peers' pools: in-line views read from them (``_pull``, ``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
 
     def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
@@ -235,10 +226,7 @@ class ViewMaterializer:
         if not 0 <= layer < pool.num_layers:
             raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
         slot = layer % len(self._views)
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._wait(pending)
-        if pending is None or pending[:2] != (layer, slot):  # not gathered ahead
+        if self._wait() != (layer, slot):  # not gathered ahead
             self._gather(layer, slot)
         if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
@@ -349,17 +337,17 @@ class ViewMaterializer:
             self._gather(layer, slot)
         self._pending = (layer, slot, event)
 
-    def _wait(self, pending: tuple[int, int, torch.cuda.Event | None]) -> None:
-        event = pending[2]
-        if event is not None:
-            event.wait(torch.cuda.current_stream(self.pool.device))
+    def _wait(self) -> tuple[int, int] | None:
+        """Order the current stream after the gather started ahead, if any; returns its ``(layer, view set)``."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[2] is not None:
+            pending[2].wait(torch.cuda.current_stream(self.pool.device))
+        return None if pending is None else pending[:2]
 
     def drain(self) -> None:
         """Order what the caller queues next after a gather started ahead (none: nothing), and after the
         peers' reads of this rank's views where the last transfer did not wait for them. No host wait."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._wait(pending)
+        self._wait()
         if self._unacked:  # copy engines only
             self._unacked = False
             self.group.finish_reads()

@@ -480,10 +480,7 @@ class CopyEngineGroup:
         self._wait_peers(stream, 1, k)
 
 
-# Sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets).
-PULL_CACHE_SIZE = 16
-
-
+PULL_CACHE_SIZE = 16  # sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets)
 TRANSPORT_ENV = "SGLANG_CP_SHARED_KV_TRANSPORT"
 TRANSPORTS = ("auto", "copy_engine", "nccl")
 

@@ -461,8 +461,7 @@ def plan_batch(
         )
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    batch = rows.shape[0]
-    m, send = num_positions, cp_size * slots_per_rank
+    batch, m = rows.shape[0], num_positions
     check_index("tokens", tokens, 2)
     lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
     if header:
@@ -500,7 +499,7 @@ def plan_batch(
             plan = replace(plan, flags=flags)
         return plan if queue else (plan, None)
     # positions, logical, slots, send entries (and the dump entry), the host lengths' device copy: one buffer.
-    words = 3 * m + send + 1 + lengths
+    words = 3 * m + cp_size * slots_per_rank + 1 + lengths
     if flags is None:
         flags = torch.empty(cp_size + 2 + batch, dtype=torch.int64, device=tokens.device)
     if workspace is None:

@@ -22,10 +22,10 @@ buffer sized as SGLang's scratch admission bounds a batch, with a second chunk w
 alternate between two view sets). A batch past it raises ``ViewArenaError`` in ``begin``, before any write.
 
 Sizes come from host lengths; nothing reads device data back (debug mode aside). A plan whose pages do not
-rotate owners reads the trash page past an owner's block and sets a device flag, which its launch writes into
-pinned memory with a landed word. The ``begin`` of the batch two later raises ``SlotOverflowError`` on every
-rank (``slot_plan.DeviceFlagCheck``): one verdict, at the same batch, before its collectives, for flags that
-under SGLang's overlap scheduler have landed by then.
+rotate owners reads the trash page past an owner's block and sets a device flag in pinned memory: batch ``k``'s
+flags raise ``SlotOverflowError`` when batch ``k + 2`` begins, on every rank alike, before its collectives
+(``slot_plan.DeviceFlagCheck``: one verdict per batch, for flags that have landed by then under SGLang's
+overlap scheduler).
 
 **One launch per batch start** (``DeferredPlan``): ``begin`` queues nothing; the fence and the plan wait for
 the batch's first device call. When that is SGLang's translation of its int32 page table, a fixed-grid
@@ -76,8 +76,8 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, L
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
 
-# Where the translation's words start in a plan's pinned buffer.
-_TRANSLATION_AT = PLAN_HEADER.index(TRANSLATION_WORDS[0])
+# The translation's words in a plan's pinned buffer.
+_TRANSLATION_AT = slice(PLAN_HEADER.index(TRANSLATION_WORDS[0]), len(PLAN_HEADER))
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,7 @@ class BatchReadState:
         self._arena_pages = float("inf")  # the pages every arena buffer holds (host time: read once)
         self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
         self.flags = DeviceFlagCheck()  # each batch's overflow and wrong-hint flags, read back later
-        # The plan's outputs, reused every batch like ``page_pos`` (stream order).
-        self._workspace = PlanWorkspace()
+        self._workspace = PlanWorkspace()  # the plan's outputs, reused every batch like ``page_pos``
         self._deferred: DeferredPlan | None = None  # this batch's plan until it is queued
         self._translation: Launch | None = None  # planned_translation over the workspace's params
         self.planned_translations = 0  # translations queued with their batch's plan, since start-up
@@ -200,12 +199,10 @@ class BatchReadState:
         self.translate_pages_once = TensorMemo(self.translate_pages)
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int, prefetch: bool = False) -> int:
-        """Allocate the view arena once (``materialize.allocate_arena``): room for a batch of ``prefix_tokens``
-        of view and ``chunk_tokens`` staged (SGLang's ``PageShardSpec.scratch_rows``), and with
-        ``prefetch`` a second chunk: a batch whose views fit twice alternates its layers between two
-        view sets, layer ``l + 1``'s prefix gathered (on a side stream) while layer ``l`` reads.
-        Returns its bytes. Every later batch reads from it; call before the first batch.
-        """
+        """Allocate the view arena, once, before the first batch (``materialize.allocate_arena``): room for
+        ``prefix_tokens`` of view and ``chunk_tokens`` staged (SGLang's ``PageShardSpec.scratch_rows``), and
+        with ``prefetch`` a second chunk (a batch whose views fit twice alternates its layers between two view
+        sets, layer ``l + 1`` gathered on a side stream while ``l`` reads). Returns its bytes."""
         if self.views is not None or self.mode is not None:
             raise RuntimeError("attach the view arena before the first batch")
         self.arena = allocate_arena(
@@ -328,9 +325,8 @@ class BatchReadState:
         stage_index = None
         if self.index is not None:
             stage_index = arena_pages(self.arena, "index", total + 1, ps * INDEX_TOKEN_BYTES, self.device)
-        # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
-        # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
-        # The peers may still read pages this batch's writes reuse: fenced where there are views.
+        # Staged pages follow the batch's positions from page 1; unplanned ones land on page 0, SGLang's padding
+        # slot (row writers skip row 0). Fenced where there are views: peers may still read the pages reused.
         self._plan(inputs, pages, [0] * len(pages), [(-1, 0)] * len(pages), 0, 0, 1, 0, self.views is not None)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
@@ -371,9 +367,7 @@ class BatchReadState:
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        launch = deferred.launch
-        if translation is not None:
-            launch = LaunchSequence(launch, translation)
+        launch = deferred.launch if translation is None else LaunchSequence(deferred.launch, translation)
         if deferred.fence:
             self.views.fence(launch)
         elif launch is not None:
@@ -400,8 +394,7 @@ class BatchReadState:
         if translation is None or translation.args[1] is not params:
             translation = self._translation = planned_translation(self.page_pos, params, self.page_size)
         out = torch.empty(locs.shape, dtype=torch.int32, device=self.device)
-        at = _TRANSLATION_AT
-        deferred.header[at : at + len(TRANSLATION_WORDS)] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
+        deferred.header[_TRANSLATION_AT] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
         self._queue_plan(translation)
         self.planned_translations += 1
         return out
@@ -488,9 +481,8 @@ class BatchReadState:
 def _batch_pages(
     prefix_lens: list[int], seq_lens: list[int], page_size: int, columns: int
 ) -> tuple[list[int], list[int]]:
-    """Per request the pages it reads (``ceil(seq_len / ps)``) and its prefix pages, its lengths checked:
-    a prefix within ``[0, seq_len]`` and page-aligned, ``seq_len`` within the token table's ``columns``.
-    Host ints, through builtins (host time)."""
+    """Per request the pages it reads (``ceil(seq_len / ps)``) and its prefix pages (host ints), its lengths
+    checked: a prefix within ``[0, seq_len]`` and page-aligned, ``seq_len`` within the token table's ``columns``."""
     pages = pages_for_lens(seq_lens, page_size)
     prefix_pages = [p // page_size for p in prefix_lens]
     if prefix_lens and (

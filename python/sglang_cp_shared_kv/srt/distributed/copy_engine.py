@@ -216,9 +216,14 @@ class CopyEngineGroup:
             self.close()
             raise CopyEngineUnavailable("; ".join(failures))
         self.calls = 0
-        self._init_fence()
-        # Bytes this rank pulled from the others (a counter for benchmarks).
-        self.bytes_received = 0
+        self.fences = 0  # fences queued so far (the same count on every rank)
+        self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # what a fence sends
+        self._fence_graphs: list[int | None] = [None, None]  # per parity, captured at its first fence
+        # Per parity and companion launch (``fence(then=)``): the fence and that launch as one graph.
+        self._fused_graphs: dict[tuple, int] = {}
+        self.fused_fences = 0  # fences launched with their companion inside the graph
+        self._capture_stream: torch.cuda.Stream | None = None
+        self.bytes_received = 0  # pulled from the others (a counter for benchmarks)
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
         self.source_table: torch.Tensor | None = None
         self.source_strides: list[int] = []
@@ -281,24 +286,14 @@ class CopyEngineGroup:
             next((layer[k].stride(0) // 4 for layer in sources if layer[k].numel()), 0) for k in range(kinds)
         ]
 
-    def _init_fence(self) -> None:
-        self.fences = 0  # fences queued so far (the same count on every rank)
-        self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # what a fence sends
-        self._fence_graphs: list[int | None] = [None, None]  # per parity, captured at its first fence
-        # Per parity and companion launch (``fence(then=)``): the fence and that launch as one graph.
-        self._fused_graphs: dict[tuple, int] = {}
-        self.fused_fences = 0  # fences launched with their companion inside the graph
-        self._capture_stream: torch.cuda.Stream | None = None
-
     def fence(self, stream: torch.cuda.Stream | None = None, then=None) -> None:
         """Queue on ``stream`` (default: the current one) a point every rank's stream passes only once every
         rank's has reached it: what any rank queued before is done everywhere before what any queues after.
         Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and resets it (a peer sets it
         again only past its fence ``f + 1``, which waits for this rank's reset); fixed values, so one graph per
         parity. ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None)
-        is queued right after: once compiled, inside the fence's graph (one per parity and
-        ``then.graph_key()``), else called after the fence.
-        """
+        is queued right after: once compiled, inside the fence's graph (one per parity and ``then.graph_key()``),
+        else called after the fence."""
         handle, q = self._handle(stream), self.fences % 2
         self.fences += 1
         key = then.graph_key() if then is not None and then.ran else None
@@ -485,10 +480,7 @@ class CopyEngineGroup:
         self._wait_peers(stream, 1, k)
 
 
-# Sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets).
-PULL_CACHE_SIZE = 16
-
-
+PULL_CACHE_SIZE = 16  # sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets)
 TRANSPORT_ENV = "SGLANG_CP_SHARED_KV_TRANSPORT"
 TRANSPORTS = ("auto", "copy_engine", "nccl")
 

@@ -31,7 +31,7 @@ def test_non_rotating_pages_plan_inside_the_view_and_fail_without_a_sync(cp_size
     check = DeviceFlagCheck()
 
     def record(plan):  # the plan's status copied into pinned memory, read once that copy has landed
-        buf, _, array = check.host_views(n + 1, dev, 0)
+        buf, array = check.host_views(n + 1, dev)
         buf.copy_(plan.status, non_blocking=True)
         s = plan.slots_per_rank
         check.watch(
@@ -69,7 +69,7 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
     rows = torch.arange(2, device=dev)
     s, m = slots_per_rank(pages, n), len(PLAN_META_ROWS) * len(pages)
     check = DeviceFlagCheck()
-    buf = check.host_views(m + n + 2 + len(pages), dev, 0)[0]
+    buf = check.host_views(m + n + 2 + len(pages), dev)[0]
     assert buf.is_pinned()
     buf.fill_(0)
     seen = []
@@ -92,7 +92,7 @@ def test_plan_reads_pinned_lengths_in_place_and_writes_its_flags_to_pinned_memor
     with pytest.raises(RuntimeError, match="overflow"):
         check.poll()
     assert seen == [device.status.tolist() + device.wrong.tolist() + [1]]
-    assert check.host_views(m, dev, 0)[0].data_ptr() == buf.data_ptr()  # the landed buffer is reused
+    assert check.host_views(m, dev)[0].data_ptr() == buf.data_ptr()  # the landed buffer is reused
     # The torch formulation takes the same pinned lengths and flags (it copies the lengths over).
     flags = torch.zeros(n + 2 + len(pages), dtype=torch.int64, pin_memory=True)
     ref = plan_batch(table, rows, 1, meta, 6, sum(pages), n, s, 0, None, 0, 0, use_triton=False, flags=flags)
@@ -105,7 +105,7 @@ def test_a_failed_record_keeps_the_later_buffers_until_they_land():
     (a launch may still read or write them) until their events land; then they serve new records."""
     dev = torch.device("cuda")
     check = DeviceFlagCheck()
-    first, second = check.host_views(8, dev, 0)[0], check.host_views(8, dev, 0)[0]
+    first, second = check.host_views(8, dev)[0], check.host_views(8, dev)[0]
     first.fill_(1)
     second.fill_(0)
     check.watch(first, lambda host: RuntimeError("first") if host[0] else None, dev)
@@ -117,7 +117,7 @@ def test_a_failed_record_keeps_the_later_buffers_until_they_land():
     assert check.pending == 1  # the second, still in flight, is held
     check.poll(wait=True)  # its values are dropped: no error, its buffer recycled
     assert check.pending == 0
-    assert check.host_views(8, dev, 0)[0].data_ptr() in (first.data_ptr(), second.data_ptr())
+    assert check.host_views(8, dev)[0].data_ptr() in (first.data_ptr(), second.data_ptr())
 
 
 def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():

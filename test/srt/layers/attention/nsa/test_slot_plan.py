@@ -182,7 +182,7 @@ def test_flags_are_acted_on_two_batches_later_whatever_their_landing():
     device would); a ``fail`` that returns an error raises it, once; one that never lands times out."""
     check, seen = DeviceFlagCheck(), []
     cpu = torch.device("cpu")
-    first, second = check.host_views(4, cpu, 0)[0], check.host_views(4, cpu, 0)[0]
+    first, second = check.host_views(4, cpu)[0], check.host_views(4, cpu)[0]
     check.next_batch()  # batch 1
     first[:] = torch.tensor([0, 7, 0, 0])  # flags 0, 7, 0 and the landed word, not yet set
     check.watch(first, lambda host: seen.append(host) or None, cpu, landed=3)
@@ -202,7 +202,7 @@ def test_flags_are_acted_on_two_batches_later_whatever_their_landing():
     assert check.pending == 0
 
     stuck = DeviceFlagCheck(deadline_s=0.2)
-    word = stuck.host_views(2, cpu, 0)[0]
+    word = stuck.host_views(2, cpu)[0]
     word[:] = 0
     stuck.watch(word, lambda host: None, cpu, landed=1)  # batch 0, never lands
     stuck.next_batch()

@@ -48,36 +48,27 @@ class BatchCounters:
 # The side stream's default priority, the device's highest (torch maps one past its range to its end):
 # the block scheduler then starts the prefetch kernels' blocks ahead of the compute stream's next ones.
 HIGHEST_STREAM_PRIORITY = -(1 << 10)
-# Where a prefetched layer's owned-page gather runs: in line on the compute stream, the side stream taking
-# over the transfer ("compute": no SM work of the view beside the layer's kernels), or on the side stream.
+# Where a prefetched layer's own-page gather runs: on the compute stream, the side stream only transferring
+# ("compute": no SM work of the view beside the layer's kernels), or on the side stream.
 PREFETCH_GATHER_PLACES = ("compute", "side")
 
 
+@dataclass(eq=False, slots=True)
 class LayerView:
-    """What the indexer and MLA kernels read for one layer.
+    """What the indexer and MLA kernels read for one layer: ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages``
+    uint8 ``[P, page_size * 132]`` (None: the layer has no indexer pages); ``page_table`` int32 ``[B, max_pages]``
+    into both (position ``p`` of request ``b`` is row ``page_table[b, p // ps] * ps + p % ps``), given as
+    ``table`` or taken from that ``BatchPlan`` at its first read (SGLang's read path reads the buffers only)."""
 
-    ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages`` uint8 ``[P, page_size * 132]`` (``None`` for a
-    layer without indexer pages); ``page_table`` int32 ``[B, max_pages]`` into both (position ``p`` of
-    request ``b`` is row ``page_table[b, p // ps] * ps + p % ps``), or the ``BatchPlan`` it is taken
-    from at its first read (SGLang's read path reads the buffers only).
-    """
-
-    __slots__ = ("kv_rows", "index_pages", "page_size", "use_triton", "_table")
-
-    def __init__(
-        self,
-        kv_rows: torch.Tensor,
-        index_pages: torch.Tensor | None,
-        page_table: torch.Tensor | BatchPlan,
-        page_size: int,
-        use_triton: bool | None = None,
-    ):
-        self.kv_rows, self.index_pages, self.page_size, self.use_triton = kv_rows, index_pages, page_size, use_triton
-        self._table = page_table
+    kv_rows: torch.Tensor
+    index_pages: torch.Tensor | None
+    table: torch.Tensor | BatchPlan
+    page_size: int
+    use_triton: bool | None = None
 
     @property
     def page_table(self) -> torch.Tensor:
-        table = self._table
+        table = self.table
         return table if isinstance(table, torch.Tensor) else table.slot_table
 
     def rows(self, positions: torch.Tensor, q_req: torch.Tensor) -> torch.Tensor:
@@ -89,9 +80,13 @@ class ViewArenaError(RuntimeError):
     """A batch's read buffer would not fit the view arena (admission let through a batch too large)."""
 
 
-def arena_pages(arena: dict[str, torch.Tensor], key: str, pages: int, width: int, part: int = 0) -> torch.Tensor:
+def arena_pages(
+    arena: dict[str, torch.Tensor] | None, key: str, pages: int, width: int, device, part: int = 0
+) -> torch.Tensor:
     """View set ``part`` of ``pages`` pages of ``arena[key]`` (uint8 ``[P, width]``; a prefetching reader
-    alternates two), or ``ViewArenaError`` if even one set does not fit."""
+    alternates two), or ``ViewArenaError`` if even one set does not fit; without an arena, a new buffer."""
+    if arena is None:
+        return torch.empty((pages, width), dtype=torch.uint8, device=device)
     buf = arena.get(key)
     if buf is None or buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != width:
         got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
@@ -143,13 +138,11 @@ def allocate_arena(
 
 
 class ViewMaterializer:
-    """Builds, per batch and layer, the dense view a sharded pool's kernels read.
-
-    ``group``: the CP group owning the pool's pages (``None`` only for a single-rank pool), or a
-    ``copy_engine.CopyEngineGroup`` registered over the arena. ``arena`` (optional, ``allocate_arena``):
-    every batch's views are its leading pages; a batch whose views would not fit raises ``ViewArenaError``
-    before anything is written, one whose two view sets do not fit is not prefetched.
-    """
+    """Builds, per batch and layer, the dense view a sharded pool's kernels read. ``group``: the CP group
+    owning the pool's pages (None only for a single-rank pool), or a ``copy_engine.CopyEngineGroup``
+    registered over the arena. ``arena`` (optional, ``allocate_arena``): every batch's views are its leading
+    pages; a batch whose views would not fit raises ``ViewArenaError`` before anything is written, one whose
+    two view sets do not fit is not prefetched."""
 
     def __init__(
         self,
@@ -180,9 +173,8 @@ class ViewMaterializer:
         self.use_triton = use_triton
         self.plan: BatchPlan | None = None
         self.counters: BatchCounters | None = None
-        # Per view set (one, or prefetching two, used by alternate layers): its buffers, its latent buffer as
-        # rows, what the caller stages the current chunk into, and (this rank's page ids, its part of each
-        # view, each whole view).
+        # Per view set (two, for alternate layers, when prefetching): its buffers, its latent rows, what the caller
+        # stages the current chunk into, and (this rank's page ids, its part of each view, each whole view).
         self._views: list[dict[str, torch.Tensor]] = []
         self._rows: list[torch.Tensor] = []
         self.stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -191,8 +183,7 @@ class ViewMaterializer:
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched = self._fork = self._gathered = None  # CUDA events, made with the side stream
         self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
-        # Views built in line over a copy-engine group that mapped the peers' pools are read straight from
-        # the owners' pages (``_pull``), after a per-batch ``fence``.
+        # Over a copy-engine group that mapped the peers' pools: in-line views read from them (``_pull``, ``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
 
     def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
@@ -217,13 +208,7 @@ class ViewMaterializer:
         if arena is not None:  # as many view sets as the arena holds (at least 1)
             copies = max(1, min(copies, min(buf.shape[0] for buf in arena.values()) // max(pages, 1)))
         self._views = [
-            {
-                k: arena_pages(arena, k, pages, w, part)
-                if arena is not None
-                else torch.empty((pages, w), dtype=torch.uint8, device=pool.device)
-                for k, w in widths.items()
-            }
-            for part in range(copies)
+            {k: arena_pages(arena, k, pages, w, pool.device, part) for k, w in widths.items()} for part in range(copies)
         ]
         self._rows = [v["latent"].view(-1, pool.row_bytes) for v in self._views]
         self.stages = [(r, v.get("index")) for r, v in zip(self._rows, self._views)]
@@ -240,17 +225,13 @@ class ViewMaterializer:
         pool = self.pool
         if not 0 <= layer < pool.num_layers:
             raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer!r}")
-        counters = self.counters
         slot = layer % len(self._views)
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._wait(pending)
-        if pending is None or pending[:2] != (layer, slot):  # not gathered ahead
+        if self._wait() != (layer, slot):  # not gathered ahead
             self._gather(layer, slot)
         if len(self._views) > 1 and layer + 1 < pool.num_layers:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
-        counters.layers += 1
-        index = self._views[slot].get("index") if self.pool.has_index[layer] else None
+        self.counters.layers += 1
+        index = self._views[slot].get("index") if pool.has_index[layer] else None
         return LayerView(self._rows[slot], index, self.plan, pool.page_size, self.use_triton)
 
     @property
@@ -267,10 +248,9 @@ class ViewMaterializer:
     def _gather(
         self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None, ack: bool = True
     ) -> None:
-        """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, on the current stream
-        or, after the gather, on ``transfer_stream``. ``ack=False`` (a transfer on ``transfer_stream`` whose
-        view set the next layer's transfer waits for before it is written again): the copy engines' wait
-        for the peers' reads is left out (``copy_engine``'s docstring)."""
+        """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, on the current stream or,
+        after the gather, on ``transfer_stream``. ``ack=False`` (the set is rewritten only after a later transfer
+        on that stream): the copy engines' wait for the peers' reads is left out (``copy_engine``'s docstring)."""
         plan, group = self.plan, self.group
         if self._source_table is not None:
             page_bytes = self._pull(layer)
@@ -319,10 +299,10 @@ class ViewMaterializer:
         return page_bytes
 
     def fence(self, then=None) -> None:
-        """Where views are read straight from the peers' pools: a point on the current stream that every
-        rank's stream passes together (``CopyEngineGroup.fence``), queued at each batch's start: a batch reads
-        only pages written before it started, rewritten only by a later batch. No host wait. ``then`` (a bound
-        ``triton_launch.Launch``, or None) is queued after it, in the fence's graph where there is one."""
+        """Where views are read straight from the peers' pools, a point every rank's stream passes together
+        (``CopyEngineGroup.fence``), queued at each batch's start: a batch reads only pages written before it
+        started, rewritten only by a later batch. No host wait. ``then`` (a bound ``Launch``) follows it, in the
+        fence's graph where there is one."""
         if self._source_table is not None:
             self.group.fence(then=then)
         elif then is not None:
@@ -357,17 +337,17 @@ class ViewMaterializer:
             self._gather(layer, slot)
         self._pending = (layer, slot, event)
 
-    def _wait(self, pending: tuple[int, int, torch.cuda.Event | None]) -> None:
-        event = pending[2]
-        if event is not None:
-            event.wait(torch.cuda.current_stream(self.pool.device))
+    def _wait(self) -> tuple[int, int] | None:
+        """Order the current stream after the gather started ahead, if any; returns its ``(layer, view set)``."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[2] is not None:
+            pending[2].wait(torch.cuda.current_stream(self.pool.device))
+        return None if pending is None else pending[:2]
 
     def drain(self) -> None:
         """Order what the caller queues next after a gather started ahead (none: nothing), and after the
         peers' reads of this rank's views where the last transfer did not wait for them. No host wait."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._wait(pending)
+        self._wait()
         if self._unacked:  # copy engines only
             self._unacked = False
             self.group.finish_reads()

@@ -36,6 +36,17 @@ def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tenso
     return torch.index_select(src, 0, page_ids.long(), out=out)
 
 
+def pull_pages_ref(
+    sources: Sequence[torch.Tensor], slot_phys: torch.Tensor, slots_per_rank: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[x] = sources[x // S][slot_phys[x]]``: every owner's block of the view from that owner's pages
+    (``sources[o]`` page-major ``[P, W]``, owner ``o``'s buffer; ``S`` = ``slots_per_rank``)."""
+    s = slots_per_rank
+    parts = [src.index_select(0, slot_phys[o * s : (o + 1) * s].long()) for o, src in enumerate(sources)]
+    view = torch.cat(parts)
+    return view if out is None else out.copy_(view)
+
+
 if triton is not None:
 
     @triton.jit
@@ -70,6 +81,37 @@ if triton is not None:
                 _copy_page(src_a + page * src_stride_a, out_a + slot * out_stride_a, words_a, BLOCK)
             else:
                 _copy_page(src_b + page * src_stride_b, out_b + slot * out_stride_b, words_b, BLOCK)
+
+    @triton.jit(do_not_specialize=["start", "layer"])
+    def _pull_pages_kernel(
+        slot_phys,
+        start,
+        num_slots,
+        slots_per_rank,
+        table,
+        layer,
+        cp_size,
+        out_a,
+        words_a,
+        stride_a,
+        out_b,
+        words_b,
+        stride_b,
+        BLOCK: tl.constexpr,
+    ):
+        # slot_phys: int64, the view's send entries from word ``start`` on. table: int64 [layers, 2, cp_size],
+        # the address of owner o's buffer k (0 latent, 1 indexer) of a layer, int32 words apart by stride_k per
+        # page. Program (i, k) copies slots i, i + G, ... of buffer k, each from the owner whose block holds it.
+        first = tl.program_id(0).to(tl.int64)
+        k = tl.program_id(1)
+        owners = table + (layer.to(tl.int64) * 2 + k) * cp_size
+        for slot in range(first, num_slots, tl.num_programs(0)):
+            page = tl.load(slot_phys + start + slot).to(tl.int64)
+            src = tl.load(owners + slot // slots_per_rank).to(tl.pointer_type(tl.int32))
+            if k == 0:
+                _copy_page(src + page * stride_a, out_a + slot * words_a, words_a, BLOCK)
+            else:
+                _copy_page(src + page * stride_b, out_b + slot * words_b, words_b, BLOCK)
 
 
 def word_view(t: torch.Tensor) -> torch.Tensor:
@@ -140,9 +182,8 @@ def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch
 def gather_launch(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
 ) -> Launch:
-    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two
-    ``word_pair`` s of buffers ``prepare_gather`` accepts). ``programs`` per buffer (None: one per slot):
-    fewer hold fewer SMs at once, what a gather running beside other kernels wants."""
+    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two ``word_pair``
+    s of buffers ``prepare_gather`` accepts). ``programs`` per buffer (None: one per slot): fewer hold fewer SMs."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
     slots = page_ids.shape[0]
     grid0 = slots if programs is None else max(1, min(slots, programs))
@@ -165,52 +206,6 @@ def gather_pages(
     return gather_page_buffers([src], page_ids, None if out is None else [out], use_triton)[0]
 
 
-def pull_pages_ref(
-    sources: Sequence[torch.Tensor], slot_phys: torch.Tensor, slots_per_rank: int, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``out[x] = sources[x // S][slot_phys[x]]``: every owner's block of the view from that owner's pages
-    (``sources[o]`` page-major ``[P, W]``, owner ``o``'s buffer; ``S`` = ``slots_per_rank``)."""
-    s = slots_per_rank
-    parts = [src.index_select(0, slot_phys[o * s : (o + 1) * s].long()) for o, src in enumerate(sources)]
-    view = torch.cat(parts)
-    return view if out is None else out.copy_(view)
-
-
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["start", "layer"])
-    def _pull_pages_kernel(
-        slot_phys,
-        start,
-        num_slots,
-        slots_per_rank,
-        table,
-        layer,
-        cp_size,
-        out_a,
-        words_a,
-        stride_a,
-        out_b,
-        words_b,
-        stride_b,
-        BLOCK: tl.constexpr,
-    ):
-        # slot_phys: int64, the view's send entries from word ``start`` on (a plan's output buffer).
-        # table: int64 [layers, 2, cp_size], the address of owner o's buffer k (0 latent, 1 indexer) of a
-        # layer, int32 words apart by stride_k per page. Program (i, k) copies slots i, i + G, ... of buffer
-        # k (grid column k), each from the pool of the owner whose block holds it.
-        first = tl.program_id(0).to(tl.int64)
-        k = tl.program_id(1)
-        owners = table + (layer.to(tl.int64) * 2 + k) * cp_size
-        for slot in range(first, num_slots, tl.num_programs(0)):
-            page = tl.load(slot_phys + start + slot).to(tl.int64)
-            src = tl.load(owners + slot // slots_per_rank).to(tl.pointer_type(tl.int32))
-            if k == 0:
-                _copy_page(src + page * stride_a, out_a + slot * words_a, words_a, BLOCK)
-            else:
-                _copy_page(src + page * stride_b, out_b + slot * words_b, words_b, BLOCK)
-
-
 def pull_launch(
     table: torch.Tensor,
     slot_phys: torch.Tensor,
@@ -221,10 +216,10 @@ def pull_launch(
     start: int = 0,
     slots: int | None = None,
 ) -> Launch:
-    """The launch that fills whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of
-    ``layer`` from every owner's pool pages, through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer
-    addresses); ``source_strides[k]``: words from one page of buffer ``k`` to the next. The send entries are
-    ``slots`` (default: all past ``start``) words of ``slot_phys`` from ``start`` (a plan's ``send_start``)."""
+    """The launch filling whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of ``layer``
+    from every owner's pool pages through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer addresses),
+    ``source_strides[k]`` words apart per page of buffer ``k``. The send entries are ``slots`` (default: all
+    past ``start``) words of ``slot_phys`` from ``start`` (a plan's ``send_start``)."""
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
     slots = slot_phys.shape[0] - start if slots is None else slots
     if start < 0 or slots < 0 or start + slots > slot_phys.shape[0]:
@@ -319,6 +314,25 @@ if triton is not None:
         row = _translated_rows(page_pos, loc, live, page_size, num_pages)
         tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
 
+    @triton.jit(do_not_specialize=["page_size", "num_pages"])
+    def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        # ``words`` (int64, device): ``plan_kernels.TRANSLATION_WORDS``; locs and rows int32. A fixed grid walks
+        # any count, so the launch can sit in a captured graph. (No parameter may be named ``params``:
+        # Triton's argument binder takes that name for its own dict.)
+        n = tl.load(words + 1)
+        locs = tl.load(words).to(tl.pointer_type(tl.int32))
+        cols = tl.load(words + 2)
+        stride = tl.load(words + 3)
+        out = tl.load(words + 4).to(tl.pointer_type(tl.int32))
+        lanes = tl.arange(0, BLOCK)
+        for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
+            i = i0 + lanes
+            live = i < n
+            r = i // cols
+            loc = tl.load(locs + r * stride + (i - r * cols), mask=live, other=0).to(tl.int64)
+            row = _translated_rows(page_pos, loc, live, page_size, num_pages)
+            tl.store(out + i, row.to(tl.int32), mask=live)
+
 
 _TRANSLATE_BLOCK = 1024
 
@@ -343,28 +357,6 @@ def translate_locs(
     args = (page_pos, flat, out, n, page_size, page_pos.shape[0])
     launch(_translate_kernel, (triton.cdiv(n, _TRANSLATE_BLOCK),), args, {"BLOCK": _TRANSLATE_BLOCK})
     return out
-
-
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["page_size", "num_pages"])
-    def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        # ``words`` (int64, device): ``plan_kernels.TRANSLATION_WORDS``; locs and rows int32. A fixed grid walks
-        # any count, so the launch can sit in a captured graph. (No parameter may be named ``params``:
-        # Triton's argument binder takes that name for its own dict.)
-        n = tl.load(words + 1)
-        locs = tl.load(words).to(tl.pointer_type(tl.int32))
-        cols = tl.load(words + 2)
-        stride = tl.load(words + 3)
-        out = tl.load(words + 4).to(tl.pointer_type(tl.int32))
-        lanes = tl.arange(0, BLOCK)
-        for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
-            i = i0 + lanes
-            live = i < n
-            r = i // cols
-            loc = tl.load(locs + r * stride + (i - r * cols), mask=live, other=0).to(tl.int64)
-            row = _translated_rows(page_pos, loc, live, page_size, num_pages)
-            tl.store(out + i, row.to(tl.int32), mask=live)
 
 
 _PLANNED_PROGRAMS = 128  # one wave on an H200 (132 SMs); a 32K-token table is one pass of them

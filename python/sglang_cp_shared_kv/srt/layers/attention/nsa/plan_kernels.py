@@ -52,10 +52,9 @@ def assign_slots_ref(
     physical page ``lp // N`` (unused entries: ``trash_page``). ``slot_table[b, j]`` is the slot of page
     ``j`` of request ``b``, ``pad`` past its pages.
 
-    **Overflow**: a position with ``r >= S`` (the pages do not rotate owners) gets no send entry, and
-    its slot is the first unused entry of the owner with the fewest positions, which exists
-    (``M <= N * S``) and holds ``trash_page``. ``status`` (int64, on the device) reports it:
-    ``status[0]`` is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o`` holds.
+    **Overflow**: a position with ``r >= S`` gets no send entry; its slot is the first unused entry of the
+    owner with the fewest positions, which exists (``M <= N * S``) and holds ``trash_page``. ``status[0]``
+    is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o`` holds (int64, on the device).
     """
     n, s = cp_size, slots_per_rank
     device = page_table.device
@@ -135,15 +134,11 @@ def map_batch_pages_ref(
     """Fill ``page_pos`` (int64 ``[logical pages]``) with ``fill``, then map the batch's pages into it.
 
     ``meta`` int64 ``[4, B]`` holds per request ``shared``, ``prefix`` and ``pages`` (page counts) and
-    ``start`` (the request's first staged page among the batch's). Page ``j`` of request ``b``
-    (logical page ``page_table[b, j]``) maps to:
-
-    - nothing for ``j < shared[b]`` (the page is the source request's, mapped by it),
-    - ``plan_table[b, j - shared[b]]`` for ``j < prefix[b]`` (its view slot),
-    - ``base + start[b] + j - prefix[b]`` for ``j < pages[b]`` (its staged page).
-
-    A page two requests both read is written twice, with slots holding the same bytes. Unmapped writes go
-    to logical page 0 (never handed out) with ``fill``.
+    ``start`` (its first staged page among the batch's). Page ``j`` of request ``b`` (logical page
+    ``page_table[b, j]``) maps to nothing for ``j < shared[b]`` (the source request maps it), to its view
+    slot ``plan_table[b, j - shared[b]]`` for ``j < prefix[b]``, and to its staged page ``base + start[b] +
+    j - prefix[b]`` for ``j < pages[b]``. A page two requests both read is written twice, with slots holding
+    the same bytes. Unmapped writes go to logical page 0 (never handed out) with ``fill``.
     """
     width = page_table.shape[1]
     shared, prefix, pages, start = (v.unsqueeze(1) for v in meta.long())
@@ -157,26 +152,22 @@ def map_batch_pages_ref(
     return page_pos
 
 
-# Rows of ``plan_batch``'s per-request ``meta``.
-PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")
-# The words of a translation queued after the plan, which a header launch copies to the workspace's
-# ``params`` for it: the address of an int32 table of token locs, its elements (0: no translation), its
-# row length, its row stride in elements (columns one apart), and the address of the contiguous int32 rows out.
+PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")  # ``plan_batch``'s ``meta``
+# A translation queued after the plan, copied by a header launch to the workspace's ``params``: the address
+# of an int32 table of token locs, its elements (0: none), its row length and row stride (columns one apart),
+# and the address of the contiguous int32 rows out.
 TRANSLATION_WORDS = ("locs", "count", "cols", "stride", "out")
 # Words ahead of the lengths in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values,
 # the address of the request rows (int64), then ``TRANSLATION_WORDS``.
 PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows") + TRANSLATION_WORDS
-# The device words a header launch copies them to (``PlanWorkspace.params``): one power-of-two block.
-PARAMS_WORDS = 8
+PARAMS_WORDS = 8  # ``PlanWorkspace.params``, where a header launch copies them: one power-of-two block
 
 
 @dataclass(frozen=True)
 class BatchPlan:
     """Where each planned page position of one batch lives in the dense view (identical on every rank):
-    ``plan_batch``'s device outputs and the host sizes they were built for. The per-position outputs and
-    the send entries are one int64 buffer (``words``), which the view's launches take by offset
-    (``send_start``); ``status`` and ``wrong`` are views of ``flags``, read on the host as one list.
-    """
+    ``plan_batch``'s device outputs and the host sizes they were built for. The view's launches take the
+    send entries by offset (``send_start``) in ``words``; ``status`` and ``wrong`` are views of ``flags``."""
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
     slot_table: torch.Tensor  # int32 [B, width]: the kernels' page table, in view slots (pad past a request's pages)
@@ -262,10 +253,9 @@ def plan_batch_ref(
 
     Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size``. ``meta`` int64
     ``[6, B]`` (or flat) holds per request the ``PLAN_META_ROWS``: shared, prefix and total pages, first
-    staged page, the source of its shared pages (-1: none) and first planned position. The plan covers
-    pages ``[shared, prefix)`` of each request; ``page_pos`` (None: no map) receives the page map, and
-    ``wrong[b]`` counts request ``b``'s first ``shared`` pages that are not its source's.
-    """
+    staged page, the source of its shared pages (-1: none) and first planned position. The plan covers pages
+    ``[shared, prefix)`` of each request; ``page_pos`` (None: no map) receives the page map; ``wrong[b]``
+    counts request ``b``'s first ``shared`` pages that are not its source's."""
     shared, prefix, pages, start, source, plan_start = meta.long().view(len(PLAN_META_ROWS), -1)
     page_table = tokens[rows.long()][:, : width * page_size : page_size].long() // page_size
     cols = torch.arange(width, device=tokens.device).unsqueeze(0)
@@ -323,15 +313,13 @@ if triton is not None:
         MAP: tl.constexpr,
         HEADER: tl.constexpr,
     ):
-        # One program walks the batch request by request, twice: the positions per owner first, then each
-        # position's rank, slot and stores (the tokens' column stride is 1, checked by the wrapper).
-        # ``out`` holds, in int64 words: positions, logical pages and slots ([M] each), the send entries
-        # ([N * S] and a dump entry), then the host lengths' device copy ([6 * B]); ``flags_out`` the
-        # status ([N + 1]), the hint's wrong pages ([B]) and a landed word, written last (1: the flags
-        # before it are visible); ``table_out`` is int32 [B, width], contiguous.
-        # With ``HEADER`` every per-batch value comes from ``meta_in`` instead (``PLAN_HEADER``), its lengths
-        # and then the flags following, so the launch can be captured once into a graph; ``params_out`` (int64
-        # [PARAMS_WORDS], device) receives the header's translation words (unused without ``HEADER``).
+        # One program walks the batch twice: the positions per owner first, then each position's rank, slot
+        # and stores (the tokens' column stride is 1). ``out``, int64: positions, logical pages and slots ([M]
+        # each), the send entries ([N * S] and a dump entry), the host lengths' device copy ([6 * B]);
+        # ``flags_out``: status ([N + 1]), the hint's wrong pages ([B]), a landed word written last (1: the
+        # flags before it are visible); ``table_out``: int32 [B, width], contiguous. With ``HEADER`` every
+        # per-batch value comes from ``meta_in`` (``PLAN_HEADER``, then the lengths and the flags), so a graph
+        # replays the launch, and ``params_out`` (int64 [PARAMS_WORDS]) receives the translation words.
         if HEADER:
             batch = tl.load(meta_in)
             width = tl.load(meta_in + 1)
@@ -458,13 +446,11 @@ def plan_batch(
     ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 + B]``;
     default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the words before
     it are written): pinned, they reach the host with the launch (``slot_plan.DeviceFlagCheck``).
-    ``workspace``: the outputs are views of its buffers, valid until the next plan over it.
-
-    ``header``: ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (the request
-    rows by address: contiguous int64), the lengths, then the flags; the launch reads everything from it, so
-    its arguments stay the same batch after batch (a captured graph replays it), and copies the translation
-    words to ``workspace.params``. ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued
-    (None where the reference computed the plan)."""
+    ``workspace``: the outputs are views of its buffers, valid until the next plan over it. ``header``:
+    ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (the request rows by
+    address: contiguous int64), the lengths, then the flags (default ``flags``); the launch reads everything
+    from it, so a captured graph replays it, and copies the translation words to ``workspace.params``.
+    ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued (None: the reference ran)."""
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
@@ -475,8 +461,7 @@ def plan_batch(
         )
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    batch = rows.shape[0]
-    m, send = num_positions, cp_size * slots_per_rank
+    batch, m = rows.shape[0], num_positions
     check_index("tokens", tokens, 2)
     lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
     if header:
@@ -514,7 +499,7 @@ def plan_batch(
             plan = replace(plan, flags=flags)
         return plan if queue else (plan, None)
     # positions, logical, slots, send entries (and the dump entry), the host lengths' device copy: one buffer.
-    words = 3 * m + send + 1 + lengths
+    words = 3 * m + cp_size * slots_per_rank + 1 + lengths
     if flags is None:
         flags = torch.empty(cp_size + 2 + batch, dtype=torch.int64, device=tokens.device)
     if workspace is None:
@@ -531,13 +516,8 @@ def plan_batch(
     else:
         args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, pages_out, flat)
         args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill, num_pages)
-    constexprs = {
-        "N": cp_size,
-        "NP2": max(2, 1 << (cp_size - 1).bit_length()),  # the next power of two (host time: no Triton helper)
-        "BLOCK": 1024,
-        "MAP": page_pos is not None,
-        "HEADER": header,
-    }
+    np2 = max(2, 1 << (cp_size - 1).bit_length())  # the next power of two (host time: no Triton helper)
+    constexprs = {"N": cp_size, "NP2": np2, "BLOCK": 1024, "MAP": page_pos is not None, "HEADER": header}
     prepared = Launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
     if queue:
         prepared()
@@ -559,8 +539,7 @@ class PlanWorkspace:
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
-        # int64 [PARAMS_WORDS]: a header launch's translation words (``TRANSLATION_WORDS``), for ``translate_planned``.
-        self.params: torch.Tensor | None = None
+        self.params: torch.Tensor | None = None  # int64 [PARAMS_WORDS]: a header launch's TRANSLATION_WORDS
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""

@@ -1,40 +1,35 @@
 """Per-batch read state of a sharded SGLang pool: what its page table and buffers mean this batch.
 
-SGLang's attention backends (the DSA backend and its indexer, FA3 for plain MLA) read a "kv-shard pool"
-through one contract: once per extend batch ``begin_shard_extend``, then ``translate_loc_to_scratch(locs)``
-maps logical token locs to rows of the buffer ``get_key_buffer(layer)`` (and the indexer's page reads)
-return. ``BatchReadState.begin(BatchInputs)`` decides what that buffer is:
+SGLang's attention backends (DSA and its indexer, FA3 for plain MLA) read a "kv-shard pool" through one
+contract: once per extend batch ``begin_shard_extend``, then ``translate_loc_to_scratch(locs)`` maps logical
+token locs to rows of the buffer ``get_key_buffer(layer)`` (and the indexer's page reads) return.
+``BatchReadState.begin(BatchInputs)`` decides what that buffer is:
 
-- **current-reuse** (no request reads a prefix): every key the batch sees is the chunk being computed,
-  which every rank holds (prefill CP all-gathers it before the pool write). The write path stages it
-  page-aligned into a local buffer; nothing is gathered.
-- **materialized** (any prefix): the batch's prefix pages are planned (``plan_kernels.plan_batch``) and
-  per layer gathered from their owners into a dense owner-major view (``materialize.ViewMaterializer``);
-  the current chunk is staged into the pages past it. Per layer the buffer is ``[prefix view (N * S
-  pages) | current pages | trash page]``, latent rows and indexer pages alike, one plan, one gather and
-  one collective for both. A history batch receives exactly its prefix pages.
+- **current-reuse** (no request reads a prefix): every key is in the chunk being computed, which every rank
+  holds (prefill CP all-gathers it before the pool write); it is staged page-aligned locally, nothing gathered.
+- **materialized** (any prefix): the prefix pages are planned (``plan_kernels.plan_batch``) and per layer
+  gathered from their owners into a dense owner-major view (``materialize.ViewMaterializer``), the current
+  chunk staged past it: ``[prefix view (N * S pages) | current pages | trash page]``, latent rows and indexer
+  pages alike (one plan, one gather, one collective for both).
 
-**Shared prefixes read once** (optional): ``BatchInputs.shared_prefix`` gives per request ``(source,
-pages)``: its first ``pages`` prefix pages are those of the earlier request ``source`` (from the radix
-tree: ``pool_hooks.shared_prefix_from_paths``). The plan skips them (``S = sum_b ceil((Q_b - shared_b) /
-N)``) and the translation finds them through the source's slots. The hint is checked on the device, not
-trusted: a mismatch raises ``SharedPrefixError`` like an overflow (below).
+**Shared prefixes** (optional, ``BatchInputs.shared_prefix``, from the radix tree): request ``b``'s first
+``pages`` prefix pages are those of the earlier request ``source``. The plan skips them (``S = sum_b
+ceil((Q_b - shared_b) / N)``) and the translation finds them through the source's slots. The hint is checked
+on the device: a mismatch raises ``SharedPrefixError`` like an overflow (below).
 
-**View arena** (``attach_arena``, once at start-up): the buffers are the leading pages of one latent and
-one indexer buffer sized as SGLang's scratch admission bounds a batch, with a second chunk when
-prefetching (layers then alternate between two view sets, layer ``l + 1`` gathered while ``l`` reads).
-A batch past the arena raises ``ViewArenaError`` in ``begin``, before anything is written.
+**View arena** (``attach_arena``, once): the buffers are the leading pages of one latent and one indexer
+buffer sized as SGLang's scratch admission bounds a batch, with a second chunk when prefetching (layers then
+alternate between two view sets). A batch past it raises ``ViewArenaError`` in ``begin``, before any write.
 
-Sizes come from host lengths; nothing reads device data back (debug mode aside). A plan whose pages do
-not rotate owners reads the trash page past an owner's block and sets a device flag, which the plan's
-launch writes into pinned memory with a landed word. The ``begin`` of the batch two later raises
-``SlotOverflowError`` on every rank (``slot_plan.DeviceFlagCheck``): one verdict, at the same batch,
-before its collectives, for flags that under SGLang's overlap scheduler have landed by then.
+Sizes come from host lengths; nothing reads device data back (debug mode aside). A plan whose pages do not
+rotate owners reads the trash page past an owner's block and sets a device flag in pinned memory: batch ``k``'s
+flags raise ``SlotOverflowError`` when batch ``k + 2`` begins, on every rank alike, before its collectives
+(``slot_plan.DeviceFlagCheck``: one verdict per batch, for flags that have landed by then under SGLang's
+overlap scheduler).
 
-**One launch per batch start** (``DeferredPlan``): ``begin`` queues nothing; the fence and the plan wait
-for the batch's first device call. When that is SGLang's translation of its int32 page table, the
-table's address goes into the plan's pinned buffer and a fixed-grid translation runs right after the
-plan, in the fence's captured graph.
+**One launch per batch start** (``DeferredPlan``): ``begin`` queues nothing; the fence and the plan wait for
+the batch's first device call. When that is SGLang's translation of its int32 page table, a fixed-grid
+translation runs right after the plan, in the fence's captured graph.
 """
 
 from __future__ import annotations
@@ -81,22 +76,18 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, L
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
 
-# Where the translation's words start in a plan's pinned buffer.
-_TRANSLATION_AT = PLAN_HEADER.index(TRANSLATION_WORDS[0])
+# The translation's words in a plan's pinned buffer.
+_TRANSLATION_AT = slice(PLAN_HEADER.index(TRANSLATION_WORDS[0]), len(PLAN_HEADER))
 
 
 @dataclass(frozen=True)
 class BatchInputs:
-    """One extend batch as ``BatchReadState.begin`` takes it, built by the wiring from SGLang's arguments.
-
-    - ``req_to_token``: the token table (SGLang's ``req_to_token``, int32 ``[rows, columns]``) on the pool's
-      device: token ``t`` of request ``b`` is at loc ``req_to_token[rows[b], t]``;
-    - ``rows``: the batch's requests' rows of it (SGLang's ``req_pool_indices``), on the same device;
-    - ``prefix_lens``, ``seq_lens``: host ints per request (tokens read from earlier batches, and in all);
-    - ``request_ids``: the requests' names for errors (None: ``#0``, ``#1``, ...);
-    - ``shared_prefix``: ``(source, pages)`` per request, the first ``pages`` prefix pages shared with the
-      earlier request ``source`` (None: no sharing known).
-    """
+    """One extend batch as ``BatchReadState.begin`` takes it, built by the wiring from SGLang's arguments:
+    token ``t`` of request ``b`` is at loc ``req_to_token[rows[b], t]`` (int32 ``[rows, columns]`` and
+    ``req_pool_indices``, on the pool's device); ``prefix_lens`` and ``seq_lens`` are host ints (tokens read
+    from earlier batches, and in all); ``request_ids`` name the requests in errors (None: ``#0``, ``#1``, ...);
+    ``shared_prefix`` gives ``(source, pages)`` per request, its first ``pages`` prefix pages shared with the
+    earlier request ``source`` (None: no sharing known)."""
 
     req_to_token: torch.Tensor
     rows: torch.Tensor
@@ -108,12 +99,10 @@ class BatchInputs:
 
 @dataclass
 class DeferredPlan:
-    """A begun batch's plan, bound but not yet queued: queued at the batch's first device call
-    (``BatchReadState._queue_plan``), with the copy engines' fence first where ``fence``.
-
-    ``launch`` is None where the plan was computed in line. ``header`` is its pinned buffer as numpy (a
-    planned translation writes its words there); ``rows`` the request rows the launch reads by address,
-    held until it is queued (stream order keeps them after that)."""
+    """A begun batch's plan, bound, queued at the batch's first device call (``BatchReadState._queue_plan``)
+    after the copy engines' fence where ``fence``. ``launch``: None where the plan was computed in line;
+    ``header``: its pinned buffer as numpy (a planned translation writes its words there); ``rows``: the
+    request rows the launch reads by address, held until it is queued (stream order keeps them after)."""
 
     launch: Launch | None
     fence: bool
@@ -142,11 +131,10 @@ def shared_prefix_message(
 
 
 class TensorMemo:
-    """``fn(t)`` once per input tensor: a later call with the very same tensor, unmodified (the same
-    object at the same ``_version``), returns the first result. SGLang hands every layer of a batch
-    the same loc and page tensors, so their translations run once per batch instead of once per
-    layer (host time). Holds the last ``size`` inputs; ``clear()`` when what ``fn`` reads changes.
-    """
+    """``fn(t)`` once per input tensor: a later call with the very same, unmodified tensor (same object, same
+    ``_version``) returns the first result. SGLang hands every layer of a batch the same loc and page tensors,
+    so their translations run once per batch (host time). Holds the last ``size`` inputs; ``clear()`` when
+    what ``fn`` reads changes."""
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], size: int = 4):
         self.fn, self.size = fn, size
@@ -187,8 +175,7 @@ class BatchReadState:
             ownership, rank, latent.row_bytes, latent.buffers, index.buffers if index is not None else None
         )
         self.group = group
-        # Built at the first materialized batch: a pool with no group (a single-process test of
-        # the write path) can still serve current-reuse batches.
+        # Built at the first materialized batch: a pool with no group still serves current-reuse batches.
         self.views: ViewMaterializer | None = None
         self.device = latent.device
         # Per batch: the page of the read buffer each logical page maps to.
@@ -196,18 +183,14 @@ class BatchReadState:
         self._device_index = self.page_pos.get_device()  # -1 on CPU (host time: compared as an int)
         self.mode: str | None = None  # None (no extend in flight), "current" or "materialized"
         self.counters: BatchCounters | None = None
-        # Per view buffer (one, or two alternating by layer when prefetching): the latent rows and
-        # indexer pages the write path stages the current chunk into, and the kernels read.
+        # Per view set (two alternating by layer when prefetching): the latent rows and indexer pages staged into.
         self._stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._layer_cache: dict[int, LayerView] = {}
         self.arena: dict[str, torch.Tensor] | None = None
         self._arena_pages = float("inf")  # the pages every arena buffer holds (host time: read once)
         self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
-        # Per batch: the plan's host lengths and flags (overflow, the hint's wrong pages) in one pinned
-        # buffer that its launch reads and writes in place, read back at a later begin or end.
-        self.flags = DeviceFlagCheck()
-        # The plan's outputs, reused every batch like ``page_pos`` (stream order).
-        self._workspace = PlanWorkspace()
+        self.flags = DeviceFlagCheck()  # each batch's overflow and wrong-hint flags, read back later
+        self._workspace = PlanWorkspace()  # the plan's outputs, reused every batch like ``page_pos``
         self._deferred: DeferredPlan | None = None  # this batch's plan until it is queued
         self._translation: Launch | None = None  # planned_translation over the workspace's params
         self.planned_translations = 0  # translations queued with their batch's plan, since start-up
@@ -216,12 +199,10 @@ class BatchReadState:
         self.translate_pages_once = TensorMemo(self.translate_pages)
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int, prefetch: bool = False) -> int:
-        """Allocate the view arena once (``materialize.allocate_arena``): room for a batch of ``prefix_tokens``
-        of view and ``chunk_tokens`` staged (SGLang's ``PageShardSpec.scratch_rows``), and with
-        ``prefetch`` a second chunk: a batch whose views fit twice alternates its layers between two
-        view sets, layer ``l + 1``'s prefix gathered (on a side stream) while layer ``l`` reads.
-        Returns its bytes. Every later batch reads from it; call before the first batch.
-        """
+        """Allocate the view arena, once, before the first batch (``materialize.allocate_arena``): room for
+        ``prefix_tokens`` of view and ``chunk_tokens`` staged (SGLang's ``PageShardSpec.scratch_rows``), and
+        with ``prefetch`` a second chunk (a batch whose views fit twice alternates its layers between two view
+        sets, layer ``l + 1`` gathered on a side stream while ``l`` reads). Returns its bytes."""
         if self.views is not None or self.mode is not None:
             raise RuntimeError("attach the view arena before the first batch")
         self.arena = allocate_arena(
@@ -237,16 +218,9 @@ class BatchReadState:
         self._arena_pages = min(buf.shape[0] for buf in self.arena.values())
         return sum(t.numel() for t in self.arena.values())
 
-    def _buffer(self, key: str, pages: int, width: int) -> torch.Tensor:
-        """``pages`` pages of a read buffer: the arena's leading pages, else a fresh allocation."""
-        if self.arena is not None:
-            return arena_pages(self.arena, key, pages, width)
-        return torch.empty((pages, width), dtype=torch.uint8, device=self.device)
-
     def check_overflow(self, wait: bool = False) -> None:
-        """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose overflow (wrong
-        hint) flag is on the host; ``wait``: wait for the flags still in flight (at shutdown or in tests:
-        ``begin`` acts on them at a fixed batch). Every batch's plan records its flags here."""
+        """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose flags are on the host;
+        ``wait``: wait for those in flight (at shutdown, in tests; ``begin`` acts on them at a fixed batch)."""
         if wait:
             self._queue_plan()
         self.flags.poll(wait=wait)
@@ -272,7 +246,7 @@ class BatchReadState:
         if batch_kind(prefix_pages) == "current":
             self._begin_current(inputs, pages)
         else:
-            self._begin_materialized(inputs, pages, prefix_pages, hint, batch_kind(prefix_pages))
+            self._begin_materialized(inputs, pages, prefix_pages, hint)
         if debug_enabled():
             self._queue_plan()  # the checks read the plan
             if self.mode == "materialized":
@@ -295,20 +269,17 @@ class BatchReadState:
         fill: int,
         fence: bool,
     ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``) from one pinned buffer and no copy: the launch's
-        values and the host lengths (``plan_header``, ``plan_meta_rows``) go into it, the launch reads them in
-        place and writes its flags back into it; ``flags`` reads them at the ``begin`` ``VERDICT_LAG`` batches
-        later and raises ``SlotOverflowError`` (``SharedPrefixError``) for a batch whose pages overflowed
-        an owner's block (whose hint was wrong). Returns the plan; its launch, bound but not queued, is the
-        batch's ``DeferredPlan`` (``fence``: the copy engines' fence goes first), queued in the fence's graph
-        where there is one (the launch's arguments are the same batch after batch)."""
-        req_to_token, req_pool_indices, width = inputs.req_to_token, inputs.rows, max(pages, default=0)
-        b, n = len(pages), self.ownership.cp_size
+        """The batch's plan and page map (``plan_batch``) from one pinned buffer, no copy: ``plan_header`` and
+        ``plan_meta_rows`` go in, the launch reads them in place and writes its flags after them, which
+        ``flags`` reads at the ``begin`` ``VERDICT_LAG`` batches later (``SlotOverflowError``, ``SharedPrefixError``).
+        Its launch, bound, is the batch's ``DeferredPlan`` (``fence``: after the copy engines' fence), its
+        arguments the same batch after batch (the fence's captured graph replays it)."""
+        width, b, n = max(pages, default=0), len(pages), self.ownership.cp_size
         m = len(PLAN_HEADER) + len(PLAN_META_ROWS) * b  # the header, then the lengths
-        rows = req_pool_indices  # read by address in the launch: int64, one after another
+        rows = inputs.rows  # read by address in the launch: int64, one after another
         if rows.dtype != torch.int64 or not rows.is_contiguous():
             rows = rows.to(torch.int64).contiguous()
-        buf, flags, host = self.flags.host_views(m + n + 2 + b, self.device, m)
+        buf, host = self.flags.host_views(m + n + 2 + b, self.device)
         # One host write: the header, the lengths, and the flags zeroed (the landed word, set by the launch).
         host[:] = (
             plan_header(b, width, num_positions, slots_per_rank, base, fill, rows)
@@ -316,7 +287,7 @@ class BatchReadState:
             + [0] * (n + 2 + b)
         )
         plan, queued = plan_batch(
-            req_to_token,
+            inputs.req_to_token,
             rows,
             self.page_size,
             buf,
@@ -328,7 +299,6 @@ class BatchReadState:
             self.page_pos,
             base,
             fill,
-            flags=flags,
             workspace=self._workspace,
             header=True,
             queue=False,
@@ -348,51 +318,32 @@ class BatchReadState:
         self._deferred = DeferredPlan(queued, fence, host, rows)
         return plan
 
-    def _pool_pages(self) -> list[list[torch.Tensor]]:
-        """Per layer the pool's latent and indexer pages, which the copy engines' group maps on every peer."""
-        source = self.source
-        return [
-            [source.buffers[layer]] + ([source.index[layer]] if source.with_indexer else [])
-            for layer in range(source.num_layers)
-        ]
-
     def _begin_current(self, inputs: BatchInputs, pages: list[int]) -> None:
-        ps = self.page_size
-        total = sum(pages)
-        stage_latent = self._buffer("latent", total + 1, ps * self.latent.row_bytes)  # arena checked first
-        stage_index = self._buffer("index", total + 1, ps * INDEX_TOKEN_BYTES) if self.index is not None else None
-        # Staged pages follow the batch's positions from page 1; anything unplanned lands on page 0,
-        # which SGLang's row writers treat as the reserved padding slot (they skip row 0).
-        # The peers may still read pages this batch's writes reuse: fenced where there are views.
+        ps, total = self.page_size, sum(pages)
+        # The arena's leading pages (checked before the plan writes anything), else new buffers.
+        stage_latent = arena_pages(self.arena, "latent", total + 1, ps * self.latent.row_bytes, self.device)
+        stage_index = None
+        if self.index is not None:
+            stage_index = arena_pages(self.arena, "index", total + 1, ps * INDEX_TOKEN_BYTES, self.device)
+        # Staged pages follow the batch's positions from page 1; unplanned ones land on page 0, SGLang's padding
+        # slot (row writers skip row 0). Fenced where there are views: peers may still read the pages reused.
         self._plan(inputs, pages, [0] * len(pages), [(-1, 0)] * len(pages), 0, 0, 1, 0, self.views is not None)
         self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
 
     def _begin_materialized(
-        self,
-        inputs: BatchInputs,
-        pages: list[int],
-        prefix_pages: list[int],
-        hint: list[tuple[int, int]],
-        kind: str,
+        self, inputs: BatchInputs, pages: list[int], prefix_pages: list[int], hint: list[tuple[int, int]]
     ) -> None:
         if self.views is None:
             if callable(self.group):
                 self.group = self.group()
-            group = self.group
+            group, src = self.group, self.source
             if self.arena is not None and group is not None:  # copy engines: the peers' arenas and pools mapped
-                group = view_group(
-                    group, list(self.arena.values()), sources=None if self.prefetch else self._pool_pages()
-                )
-            # Each layer stages its chunk into the view buffer it reads (layers alternate between two
-            # when prefetching).
-            self.views = ViewMaterializer(
-                self.source,
-                group,
-                arena=self.arena,
-                prefetch=prefetch_on(group, self.prefetch),  # follows the transport chosen
-            )
+                pools = [[src.buffers[i]] + ([src.index[i]] if src.with_indexer else []) for i in range(src.num_layers)]
+                group = view_group(group, list(self.arena.values()), sources=None if self.prefetch else pools)
+            prefetch = prefetch_on(group, self.prefetch)  # follows the transport chosen
+            self.views = ViewMaterializer(src, group, arena=self.arena, prefetch=prefetch)
         n = self.ownership.cp_size
         # The planned pages: each request's prefix pages past those it shares.
         plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
@@ -404,9 +355,8 @@ class BatchReadState:
             check_arena_fits(self.arena, view_pages + staged + 1)
         # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
         # (padding locs of the write path) to the trash page past those.
-        # Its flags are watched: queued at the latest by the next begin or end.
         out = self._plan(inputs, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged, True)
-        self.counters = self.views.begin_planned(out, kind, extra_pages=staged + 1)
+        self.counters = self.views.begin_planned(out, batch_kind(prefix_pages), extra_pages=staged + 1)
         self.counters.pages_staged = staged
         self._stages = self.views.stages
         self.mode = "materialized"
@@ -417,9 +367,7 @@ class BatchReadState:
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        launch = deferred.launch
-        if translation is not None:
-            launch = LaunchSequence(launch, translation)
+        launch = deferred.launch if translation is None else LaunchSequence(deferred.launch, translation)
         if deferred.fence:
             self.views.fence(launch)
         elif launch is not None:
@@ -446,8 +394,7 @@ class BatchReadState:
         if translation is None or translation.args[1] is not params:
             translation = self._translation = planned_translation(self.page_pos, params, self.page_size)
         out = torch.empty(locs.shape, dtype=torch.int32, device=self.device)
-        at = _TRANSLATION_AT
-        deferred.header[at : at + len(TRANSLATION_WORDS)] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
+        deferred.header[_TRANSLATION_AT] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
         self._queue_plan(translation)
         self.planned_translations += 1
         return out
@@ -494,10 +441,9 @@ class BatchReadState:
 
     def _check_translation(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
         """Debug: every position of every request maps inside the read buffer."""
-        if self.mode == "current":
-            low, limit = 1, self.stage_latent.shape[0] // self.page_size
-        else:  # the view and the staged pages, not the trash page past them
-            low, limit = 0, self.stage_latent.shape[0] // self.page_size - 1
+        pages = self.stage_latent.shape[0] // self.page_size
+        # Current-reuse: from page 1 (page 0 is the padding slot); materialized: all but the trash page.
+        low, limit = (1, pages) if self.mode == "current" else (0, pages - 1)
         for b, p in enumerate(pages_for_lens(seq_lens, self.page_size)):
             mapped = self.page_pos[page_table[b, :p]]
             if p and bool((mapped >= limit).any() | (mapped < low).any()):
@@ -522,12 +468,9 @@ class BatchReadState:
         return pages
 
     def _layer_view(self, layer: int) -> LayerView:
-        """The layer's view, gathered at its first read (latent and indexer prefix pages together).
-
-        The prefix pages are in the pool before the batch starts and the staged pages lie past the
-        gathered ones, so the gather may run before or after the layer's writes: when prefetching,
-        this read also starts gathering layer ``l + 1`` into the other view buffer.
-        """
+        """The layer's view, gathered at its first read (latent and indexer prefix pages together). The prefix
+        pages predate the batch and the staged pages lie past them, so the gather may run before or after the
+        layer's writes: when prefetching, this read also starts gathering layer ``l + 1`` into the other set."""
         view = self._layer_cache.get(layer)
         if view is None:  # the batch's first read of the layer: its fence and plan go first
             self._queue_plan()
@@ -538,9 +481,8 @@ class BatchReadState:
 def _batch_pages(
     prefix_lens: list[int], seq_lens: list[int], page_size: int, columns: int
 ) -> tuple[list[int], list[int]]:
-    """Per request the pages it reads (``ceil(seq_len / ps)``) and its prefix pages, its lengths checked:
-    a prefix within ``[0, seq_len]`` and page-aligned, ``seq_len`` within the token table's ``columns``.
-    Host ints, through builtins (host time)."""
+    """Per request the pages it reads (``ceil(seq_len / ps)``) and its prefix pages (host ints), its lengths
+    checked: a prefix within ``[0, seq_len]`` and page-aligned, ``seq_len`` within the token table's ``columns``."""
     pages = pages_for_lens(seq_lens, page_size)
     prefix_pages = [p // page_size for p in prefix_lens]
     if prefix_lens and (
@@ -556,11 +498,8 @@ def _batch_pages(
 
 
 def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:
-    """``(source, pages)`` each request shares with an earlier one (``(-1, 0)``: none), from a
-    ``shared_prefix`` hint (host ints).
-
-    A request may share at most the prefix pages it and its source both have, with an earlier source.
-    """
+    """``(source, pages)`` each request shares with an earlier one (``(-1, 0)``: none), from a ``shared_prefix``
+    hint (host ints): at most the prefix pages it and its earlier source both have."""
     if shared is None:
         return [(-1, 0)] * len(prefix_pages)
     if len(shared) != len(prefix_pages):

@@ -1,26 +1,22 @@
 """The per-batch slot plan of the materialized view: where every page position of a batch lands.
 
-A forward batch reads, for request ``b``, its logical pages ``page_table[b, :pages_b]``. Listed
-request-major they are ``M = sum(pages_b)`` page positions. Owner ``o`` of a page sends a block
-of ``S = sum(ceil(pages_b / N))`` pages; position ``(b, j)`` with owner ``o`` and rank
-``r`` among the batch's positions with the same owner is entry ``r`` of that block.
-
-The view (``N * S`` pages) is the all-gather of those blocks, owner-major::
+A forward batch reads, for request ``b``, its logical pages ``page_table[b, :pages_b]``: request-major,
+``M = sum(pages_b)`` page positions. Owner ``o`` of a page sends a block of ``S = sum(ceil(pages_b / N))``
+pages; position ``(b, j)`` with owner ``o`` and rank ``r`` among the batch's positions with that owner is
+entry ``r`` of the block. The view (``N * S`` pages) is the all-gather of the blocks, owner-major::
 
     slot(b, j) = o * S + r
 
-Balanced allocation spreads each request's pages over owners within one page, so no owner holds
-more than ``ceil(pages_b / N)`` of request ``b``'s pages and a block never overflows. That is the
-allocator's policy, not a law: a position past its owner's block (pages that do not rotate
-owners) gets a slot holding the trash page, never one past the view, and the plan's ``status``
-(a device tensor, no host sync) flags it. The read state reads the flag two batches later, on every
-rank at the same batch (``DeviceFlagCheck``), and fails (``SlotOverflowError``). A prefix page shared by two
-requests gets two slots: more bytes, static shapes.
+Balanced allocation spreads each request's pages over owners within one page, so no owner holds more than
+``ceil(pages_b / N)`` of them and a block never overflows. That is the allocator's policy, not a law: a
+position past its owner's block (pages that do not rotate owners) gets a slot holding the trash page, never
+one past the view, and the plan's device ``status`` flags it. The read state reads the flag two batches
+later, on every rank at the same batch (``DeviceFlagCheck``), and fails (``SlotOverflowError``). A prefix
+page shared by two requests gets two slots: more bytes, static shapes.
 
-Everything sized by the plan (``M``, ``S``, the view) comes from host-known lengths; the
-host work is O(batch size) and the device work (page-position list, per-owner scan, scatters)
-never syncs, so the plan can be built ahead of the batch's kernels without stalling them, or
-captured in a CUDA graph. The plan is the same on every rank.
+Everything the plan sizes (``M``, ``S``, the view) comes from host lengths and its device work never
+syncs, so it can be queued ahead of the batch's kernels or captured in a CUDA graph. It is the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -43,20 +39,15 @@ def slots_per_rank(pages_per_req: Sequence[int], cp_size: int) -> int:
 
 
 def plan_meta_rows(
-    pages: Sequence[int],
-    prefix_pages: Sequence[int] | None = None,
-    hint: Sequence[tuple[int, int]] | None = None,
+    pages: Sequence[int], prefix_pages: Sequence[int] | None = None, hint: Sequence[tuple[int, int]] | None = None
 ) -> list[int]:
-    """``plan_batch``'s ``meta`` as host ints, row after row (rows ``PLAN_META_ROWS``, ``B`` each).
-
-    Request ``b`` has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default:
-    all, none staged), the first ``hint[b] = (source, shared)`` of those the source's (default: none).
-    """
+    """``plan_batch``'s ``meta`` as host ints, row after row (rows ``PLAN_META_ROWS``, ``B`` each): request ``b``
+    has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default: all, none staged), the
+    first ``hint[b] = (source, shared)`` of those the source's (default: none)."""
     prefix_pages = pages if prefix_pages is None else prefix_pages
     b = len(pages)
     shared = [0] * b if hint is None else [s for _, s in hint]
-    # Plain ints for a batch's few requests (host time: no numpy call per row).
-    starts, plan_starts, start, plan_start = [], [], 0, 0
+    starts, plan_starts, start, plan_start = [], [], 0, 0  # plain ints (host time)
     for total, prefix, skip in zip(pages, prefix_pages, shared):
         starts.append(start)
         plan_starts.append(plan_start)
@@ -64,11 +55,6 @@ def plan_meta_rows(
         plan_start += prefix - skip
     sources = [-1] * b if hint is None else [src for src, _ in hint]
     return [*shared, *prefix_pages, *pages, *starts, *sources, *plan_starts]
-
-
-# ---------------------------------------------------------------------------------------------
-# Overflow: read the plan's device flag where the batch synchronizes anyway
-# ---------------------------------------------------------------------------------------------
 
 
 class SlotOverflowError(RuntimeError):
@@ -92,11 +78,6 @@ def request_names(requests: Sequence[object] | None, count: int) -> list[str]:
     return names if len(names) == count else [f"#{b}" for b in range(count)]
 
 
-def _no_error(host: list) -> None:
-    """A dropped record's ``fail``: its buffer is only waited for, its values ignored."""
-    return None
-
-
 VERDICT_LAG = 2  # batches: batch k's flags are acted on when batch k + VERDICT_LAG begins
 WAIT_DEADLINE_S = 60.0  # the longest a due record is waited for (well under SGLang's watchdog)
 
@@ -108,41 +89,38 @@ class FlagWaitTimeout(RuntimeError):
 class DeviceFlagCheck:
     """Device flags read on the host at a batch fixed in advance: one verdict per batch on every rank.
 
-    ``host_views`` hands a buffer (pinned on CUDA: a kernel writes it through unified addressing) that
-    queued work fills with flags; ``watch(host, fail)`` records it for the current batch, read once the
-    work queued so far is done (an event), ``watch(host, fail, landed=i)`` once that work has set
-    ``host[i]`` to 1 (no event: the host reads that word). ``next_batch()`` starts batch ``k`` and hands
-    the values of every record of batches ``<= k - lag`` to its ``fail``, oldest first, raising the
-    exception ``fail`` returns (``None``: nothing wrong). The ranks of a CP group run the same batches, so
-    they raise at the same batch whatever their timing, before its collectives: none is left waiting for
-    another. Under SGLang's overlap scheduler a batch's outputs reach the host before the batch after next
-    is scheduled, so with ``lag = 2`` the records are due after they landed and the read waits for nothing;
-    a record still pending is waited for, up to ``deadline_s`` (then ``FlagWaitTimeout``). ``poll(wait=True)``
-    reads every record, for a caller that synchronizes there anyway. A read record's event and buffer serve
-    later records: nothing is allocated per batch once they exist.
+    ``host_views`` hands a buffer (pinned on CUDA: a kernel writes it through unified addressing) that queued
+    work fills with flags; ``watch(host, fail)`` records it for the current batch, read once the work queued so
+    far is done (an event), or with ``landed=i`` once that work has set ``host[i]`` to 1 (the host reads that
+    word). ``next_batch()`` starts batch ``k`` and hands the values of every record of batches ``<= k - lag`` to
+    its ``fail``, oldest first, raising the exception ``fail`` returns (None: nothing wrong). The ranks of a CP
+    group run the same batches, so they raise at the same batch whatever their timing, before its collectives:
+    none is left waiting for another. Under SGLang's overlap scheduler a batch's outputs reach the host before
+    the batch after next is scheduled, so with ``lag = 2`` due records have landed; one still pending is waited
+    for, up to ``deadline_s`` (then ``FlagWaitTimeout``). ``poll(wait=True)`` reads every record. A read
+    record's event and buffer serve later records (no allocation per batch).
     """
 
     def __init__(self, lag: int = VERDICT_LAG, deadline_s: float = WAIT_DEADLINE_S) -> None:
         self.lag, self.deadline_s = lag, deadline_s
         self.batch = 0  # the batch in progress (``next_batch`` calls so far)
-        # Per record: its batch, its host values (a tensor and the same memory as a numpy array), its event
-        # (None: on CPU, or watched by a landed word), that word's index (None: none), whether the values
-        # are a pinned buffer (kept for later records once read), and ``fail``.
+        # Per record: its batch, its host values (a tensor, and as numpy), its event (None: on CPU, or watched by
+        # a landed word), that word's index, whether the values are pinned (kept for later records), ``fail``.
         self._pending: list[tuple[int, torch.Tensor, np.ndarray, torch.cuda.Event | None, int | None, bool, Callable]]
         self._pending = []
         self._spare: list[torch.cuda.Event] = []  # events of read records
         self._buffers: list[torch.Tensor] = []  # buffers of read records
 
-    def host_views(self, numel: int, device: torch.device, split: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    def host_views(self, numel: int, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
         """int64 ``[numel]`` for a ``watch`` record (pinned on a CUDA ``device``, a read record's where one
-        is large enough), its words from ``split`` on, and the buffer as numpy (the same memory)."""
+        is large enough), and the same memory as numpy."""
         i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
         if i is None:
             base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
         else:
             base = self._buffers.pop(i)
         buf = base[:numel]
-        return buf, buf[split:], buf.numpy()  # sync-ok: host memory
+        return buf, buf.numpy()  # sync-ok: host memory
 
     def watch(
         self,
@@ -189,9 +167,9 @@ class DeviceFlagCheck:
                 self._buffers.append(flags if flags._base is None else flags._base)
             error = fail(host)
             if error is not None:
-                # The later records are dropped, but their buffers stay held until they land: the launches
-                # still in flight read and write them.
-                self._pending = [(k, f, a, e, i, p, _no_error) for k, f, a, e, i, p, _ in self._pending if p]
+                # The later records' values are dropped, but their pinned buffers stay held until they land:
+                # the launches still in flight read and write them.
+                self._pending = [(k, f, a, e, i, p, lambda _: None) for k, f, a, e, i, p, _ in self._pending if p]
                 raise error
 
     @staticmethod

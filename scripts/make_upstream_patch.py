@@ -1339,9 +1339,10 @@ def _site_rows(hooks: dict[tuple[str, str], object]) -> list[str]:
         else:
             sites = [s for s in SITES if (target, name) in s.covers]
             paths = ", ".join(f"`{s.path}`" + (f" ({s.count} call sites)" if s.count > 1 else "") for s in sites)
-            where = f"{paths}, calling `sglang.{home(mod)}.{name}`"
-            if mod in PLUGIN_ONLY:  # the series fixes SGLang's code there instead
-                where = f"{paths}, an edit of SGLang's own code (no call)"
+            called = sorted({n for s in sites for n in re.findall(r"\{import:(\w+)\}", s.new)})
+            modules = shipped_modules()
+            calls = [f"`sglang.{home(_defining_module(n, modules))}.{n}`" for n in called]
+            where = f"{paths}, calling {', '.join(calls)}" if calls else f"{paths}, an edit of SGLang's own code"
         shown = target.replace("resolution:", "resolution step ").replace("sglang.srt.", "")
         rows.append(f"| `{shown}` | `{name}` (`{mod}`) | {where} |")
     return rows

@@ -52,7 +52,7 @@ HOMES: list[tuple[str, str]] = [
     ("srt.sglang_wiring.connector_sockets", "srt.disaggregation.mooncake.cp_shared_kv.connector_sockets"),
     ("srt.sglang_wiring.transfer", "srt.disaggregation.mooncake.cp_shared_kv.transfer"),
     ("srt.sglang_wiring.decode_manifest", "srt.disaggregation.mooncake.cp_shared_kv.decode_manifest"),
-    ("srt.sglang_wiring.plugin_state", "srt.disaggregation.mooncake.cp_shared_kv.plugin_state"),
+    ("srt.sglang_wiring.plugin_state", "srt.disaggregation.mooncake.cp_shared_kv.manager_state"),
     ("srt.utils", "srt.mem_cache.cp_shared_kv.utils"),
     ("srt.mem_cache.", "srt.mem_cache.cp_shared_kv."),
     ("srt.distributed.", "srt.distributed.cp_shared_kv."),
@@ -119,6 +119,9 @@ SUBST: list[tuple[str, str, str]] = [
 # pattern, replacement, how many matches at least). A module-specific one that stops matching stops the
 # generator, so the prose never silently goes stale.
 PROSE: list[tuple[str, str, str, int]] = [
+    # Pointers to the plugin's own documentation, which SGLang does not carry.
+    ("*", r" ?\(``docs/sglang_plugin\.md``[^)]*\)", "", 0),
+    ("*", r" ?\(the table in\s+``docs/sglang_plugin\.md``\)", "", 0),
     (
         "srt.sglang_wiring.startup_checks",
         r"Before anything else, with the flag on: the installed SGLang.*?since the rest of resolution may\s+download it\.",
@@ -422,7 +425,7 @@ SITES: list[Site] = [
         {import:check_built_pools}
         {import:report_pools}
 
-        # --enable-cp-shared-kv: refuse a pool or allocator other than ours, then the startup line.
+        # --enable-cp-shared-kv: refuse a pool or allocator that is not CP-shared, then the startup line.
         pools = report_pools(check_built_pools(pools, self), self)
 """,
         [(f"{_CFG}._init_pools", "check_built_pools"), (f"{_CFG}._init_pools", "report_pools")],
@@ -1055,6 +1058,7 @@ def build_series(out: Path) -> list[Path]:
         new_files[f"test/srt/cp_shared_kv/{theirs}"] = rewrite_imports(src.read_text(), our_modules(), ours)
 
     check_bisect(new_files, [(site.commit, site_text(site, hooks, modules)) for site in SITES])
+    check_vocabulary(new_files, [site_text(site, hooks, modules) for site in SITES])
 
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_upstream_") as tmp:
         repo = Path(tmp)
@@ -1124,6 +1128,22 @@ def check_bisect(new_files: dict[str, str], site_texts: list[tuple[str, str]]) -
                     late.append(f"{where} imports {name} (commit '{needed}')")
     if late:
         raise GenerationError("a commit imports a module that a later commit adds: " + "; ".join(sorted(set(late))))
+
+
+# Words of the plugin's own point of view, which an SGLang change does not use about itself.
+PLUGIN_VOCABULARY = re.compile(r"\b(?:ours|stock)\b|plugin", re.IGNORECASE)
+
+
+def check_vocabulary(new_files: dict[str, str], site_texts: list[str]) -> None:
+    """No added line speaks as the plugin ("ours", "stock", "plugin")."""
+    said = [
+        f"{where}: {line.strip()[:80]}"
+        for where, text in [*new_files.items(), *(("a call site", t) for t in site_texts)]
+        for line in text.splitlines()
+        if PLUGIN_VOCABULARY.search(line)
+    ]
+    if said:
+        raise GenerationError(f"{len(said)} added lines speak as the plugin: " + "; ".join(said[:12]))
 
 
 def _commit_of(repo_path: str) -> str:

@@ -15,11 +15,11 @@ def test_arena_spec_regions_and_ratio_to_sglang_scratch():
     assert isinstance(spec, PageShardSpec) and (spec.shard_rank, spec.shard_size) == (3, 8)
     assert spec.max_prefix_tokens == 2 * (131072 + 512) and spec.chunk_tokens == 16384
     token_bytes = 656 + 132
-    ours, theirs = arena_bytes(spec, token_bytes), upstream_scratch_bytes(spec, token_bytes, 131072 + 100)
-    assert ours == (2 * (131072 + 512) + 16384 + 64) * token_bytes
+    arena, theirs = arena_bytes(spec, token_bytes), upstream_scratch_bytes(spec, token_bytes, 131072 + 100)
+    assert arena == (2 * (131072 + 512) + 16384 + 64) * token_bytes
     assert theirs == 2 * (8 * (131072 + 512) + 16384 + 64) * token_bytes
-    assert 0.125 < ours / theirs < 0.14  # about contexts / 16, plus the chunk, which ours holds once
-    assert ours * 4 <= theirs  # the goal: at most a quarter of SGLang's scratch
+    assert 0.125 < arena / theirs < 0.14  # about contexts / 16, plus the chunk, which the arena holds once
+    assert arena * 4 <= theirs  # the goal: at most a quarter of SGLang's scratch
     with pytest.raises(ValueError, match="contexts must be an int >= 1"):
         make_arena_spec(0, 2, 64, 4096, 1024, 0)
 
@@ -29,9 +29,9 @@ def test_prefetch_adds_a_second_chunk_and_keeps_admission():
 
     spec = make_arena_spec(3, 8, 64, 131072 + 100, 16384, 2)
     token_bytes = 656 + 132
-    ours = arena_bytes(spec, token_bytes, prefetch=True)
-    assert ours == (2 * (131072 + 512) + 2 * (16384 + 64)) * token_bytes
-    assert ours * 4 <= upstream_scratch_bytes(spec, token_bytes, 131072 + 100)  # 0.14x
+    arena = arena_bytes(spec, token_bytes, prefetch=True)
+    assert arena == (2 * (131072 + 512) + 2 * (16384 + 64)) * token_bytes
+    assert arena * 4 <= upstream_scratch_bytes(spec, token_bytes, 131072 + 100)  # 0.14x
 
 
 def test_prefetch_follows_the_read_mode_unless_set(monkeypatch):

@@ -138,8 +138,6 @@ def sweep(b: RoomBounds, mgr: Any, now: float | None = None) -> None:
 
 
 # The plugin's wrapping of SGLang 0.5.23 (flag on, prefill managers); the series edits conn.py instead.
-
-
 def bounds_of(mgr: Any) -> RoomBounds:
     """The manager's ``RoomBounds`` (made on first use)."""
     from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of

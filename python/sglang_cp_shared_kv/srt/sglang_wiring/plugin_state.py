@@ -1,7 +1,7 @@
-"""What the plugin keeps about an SGLang KV manager, beside it: one ``ManagerState`` per manager.
+"""What the CP-shared KV cache keeps about an SGLang KV manager, beside it: one ``ManagerState`` per manager.
 
 The states live in a ``weakref.WeakKeyDictionary`` keyed by the manager, so SGLang's objects carry no
-attribute of ours and a state goes with its manager. Each hook module reads and writes only its own
+added attribute and a state goes with its manager. Each hook module reads and writes only its own
 fields.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 @dataclass
 class ManagerState:
-    """The plugin's tables for one KV manager, each by bootstrap room unless said otherwise."""
+    """The tables kept for one KV manager, each by bootstrap room unless said otherwise."""
 
     shares: dict = field(default_factory=dict)  # prefill: what this rank sent, for its manifest (transfer.SentShare)
     sent: dict = field(default_factory=dict)  # prefill, debug: the request's pages seen, the positions sent

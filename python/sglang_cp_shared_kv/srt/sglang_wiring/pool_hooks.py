@@ -1,10 +1,10 @@
 """Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
 
 With ``--enable-cp-shared-kv`` on and a target (not a draft) pool, ``build_dsa_kv_pool`` /
-``build_mla_kv_pool`` run the stock builder with our pool class (every size, dtype and layer decision stays
+``build_mla_kv_pool`` run SGLang's builder with the CP-shared pool class (every size, dtype and layer decision stays
 SGLang's); ``build_allocator`` builds SGLang's owner-rotating ``PageInterleavePoolAllocator`` over it with
 our view arena's ``PageShardSpec`` (its admission keeps every prefill batch inside the arena), then turns
-on sharded transfer (``transfer``); ``check_built_pools`` refuses a pool or allocator that is not ours.
+on sharded transfer (``transfer``); ``check_built_pools`` refuses a pool or allocator that is not the CP-shared one.
 
 **Shared prefixes**: only the scheduler's radix tree knows which requests of a batch share prefix pages.
 ``hint_shared_prefix`` (after ``ForwardBatch.init_new``) hands the hint to the pool, keyed by the batch's
@@ -80,7 +80,7 @@ def build_allocator(original, configurator, **kwargs):
 
 
 def check_built_pools(result, configurator, **_kwargs):
-    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, refuse a pool or allocator not ours."""
+    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, refuse a pool or allocator not CP-shared."""
     if not builds_cp_shared_pool(configurator):
         return result
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator

@@ -11,7 +11,7 @@ and 512-4K new tokens per rank; the cheaper one follows the pull's share of the 
     layer_us = max(LAYER_FLOOR_US, tokens_per_rank * (US_PER_TOKEN + US_PER_TOKEN_CONTEXT * context_len))
     prefetch  iff  pull_us >= PULL_SHARE * layer_us
 
-``layer_us`` is a fit of the model's stock layer (its test checks the fit against the JSON); the pull is
+``layer_us`` is a fit of the model's layer on the replicated pool (its test checks the fit against the JSON); the pull is
 one layer's view of a full context over NVLink inside a node. Across nodes the views go through NCCL,
 where the prefetch does not run whatever is chosen (``copy_engine.prefetch_on``).
 ``$SGLANG_CP_SHARED_KV_PREFETCH`` (1 or 0) overrides the choice.

@@ -3,7 +3,7 @@
 ``CPSharedMLATokenToKVPool`` / ``CPSharedDSATokenToKVPool`` subclass SGLang's own pools, so every
 ``isinstance`` check and byte format stays SGLang's; they change where rows go and what a read sees:
 
-- **Storage**: the stock per-rank buffers. Logical page ``lp`` lives on CP rank ``lp % cp_size`` as
+- **Storage**: SGLang's per-rank buffers. Logical page ``lp`` lives on CP rank ``lp % cp_size`` as
   physical page ``lp // cp_size`` (``PageOwnership``); the widened allocator never hands out logical pages
   ``[0, cp_size)``, so physical page 0 of every rank is the trash page.
 - **Write path**: every rank receives the whole current chunk, which SGLang's own writers quantize to
@@ -47,9 +47,9 @@ def _host_ints(values) -> tuple[int, ...]:
 
 
 class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
-    """Sharded storage + the kv-shard read contract over a stock MLA/DSA pool's buffers. SGLang's kv-shard
+    """Sharded storage + the kv-shard read contract over an SGLang MLA/DSA pool's buffers. SGLang's kv-shard
     mixin is inherited only for the type: its backends detect a sharded pool by ``isinstance(pool,
-    PageInterleaveKVPoolMixin)`` and call the methods below, all ours (its scratch and gather never built).
+    PageInterleaveKVPoolMixin)`` and call the methods below, all defined here (its scratch and gather never built).
     """
 
     def _init_cp_shared(
@@ -245,7 +245,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         get_mla_kv_buffer_triton(kv, rows, nope, rope)
         return nope, rope
 
-    # -- stock operations that assume whole pages on every rank --
+    # -- SGLang's operations that assume whole pages on every rank --
     def move_kv_cache(self, tgt_loc, src_loc):
         raise NotImplementedError("moving KV between logical locs crosses page owners on a CP-shared pool")
 
@@ -277,7 +277,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
         pool = self.pool
         if not pool._shard_extend_active or not self._has_keys(layer_id - pool.start_layer):
             return self.get_local_buffer(layer_id)
-        counter = pool.layer_transfer_counter  # as the stock read: the layer's pages loaded first
+        counter = pool.layer_transfer_counter  # as SGLang's read: the layer's pages loaded first
         if counter is not None:
             counter.wait_until(layer_id - pool.start_layer)
         return self._kernel_view(pool.read.index_pages(layer_id - pool.start_layer))

@@ -1,6 +1,6 @@
 """Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
 
-Two checks wrap existing resolution steps, each taking the stock step as an argument: flag-only checks
+Two checks wrap existing resolution steps, each taking SGLang's step as an argument: flag-only checks
 (:func:`flag_rejections`) with ``validate_prefill_cp_platform``, before model resolution and the dummy-model
 early return; model and resolved-value checks (:func:`resolved_rejections`) with ``handle_kv_cache_sharding``,
 after page size, attention backends and CP topology are resolved, and again (idempotent) over the final view.
@@ -8,7 +8,7 @@ after page size, attention backends and CP topology are resolved, and again (ide
 Every rejection is one line naming the offending flag and the fix; all of a configuration's rejections are
 raised together in one ``CPSharedKVStartupError`` (a ``ValueError``).
 On a command line (the flag's argparse action installs it) such an error prints as its lines alone, without a traceback.
-With the flag off both only call the stock step.
+With the flag off both only call SGLang's step.
 
 Before anything else, with the flag on: the installed SGLang must be a version the hooks were checked
 against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` overrides, with a WARNING), every hook
@@ -266,7 +266,7 @@ def flag_rejections(cfg: Any) -> list[str]:
 
 
 def _setting_rejections() -> list[str]:
-    """The plugin's environment settings, read here as the pools and their read path read them later, so a bad
+    """The feature's environment settings, read here as the pools and their read path read them later, so a bad
     value stops the server at startup instead of in each scheduler once its pool is sized."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
     from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
@@ -334,7 +334,7 @@ def resolved_rejections(server_args: Any) -> list[str]:
 
     cfg = resolving_view(server_args)
     out = flag_rejections(cfg)
-    if cfg.disaggregation_mode == "decode":  # the decode pool, model and kernels stay stock
+    if cfg.disaggregation_mode == "decode":  # the decode pool, model and kernels stay SGLang's
         return out
     # SGLang sets a DeepSeek model's attention CP size itself (--tp-size / --attn-dp-size unless an
     # interleaved --attn-cp-size N > 1 is given): judged here, on what it resolved to.

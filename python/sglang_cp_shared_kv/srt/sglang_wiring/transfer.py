@@ -8,10 +8,10 @@ N ranks. Those paths key on ``get_parallel().enable_kv_cache_sharding``, which `
 CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV manager,
 created later, takes them; the only later reader, the FlashInfer autotune, then skips.
 
-The manifest (ours): SGLang's sender never sends positions, so each CP rank records per request the
+The manifest: SGLang's sender never sends positions, so each CP rank records per request the
 logical page at every position (the same on every rank) and the positions it selected
 (``record_sent_share``), and appends them to its Success status message (``attach_manifest``), after the
-frames SGLang parses: a stock decode reads the message as before; a decode running the flag checks them
+frames SGLang parses: a decode without the flag reads the message as before; a decode running the flag checks them
 before the request is ready (``decode_manifest``).
 
 With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects it

@@ -8,7 +8,7 @@ sizes as its ``PageShardSpec``, so SGLang's own admission (``PrefillAdder._kv_sh
 every batch inside the arena, and its bytes are charged to the KV budget in place of SGLang's
 page-interleave scratch (``pool_configurator.compute_page_shard_scratch_bytes``; eight contexts, twice)::
 
-    ours / upstream = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
+    arena / page-interleave scratch = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 def builds_cp_shared_pool(configurator: Any) -> bool:
     """Whether this KV cache configurator builds a CP-shared pool: flag on, a prefill server (a decode's pool
-    stays stock), the target model's pool (not a draft's)."""
+    stays SGLang's), the target model's pool (not a draft's)."""
     from sglang.srt.runtime_context import get_disagg
 
     return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
@@ -105,22 +105,22 @@ def charge_arena(original, kvc, **kwargs):
     spec = spec_for(kvc)
     token_bytes = page_interleave._page_shard_row_bytes(kvc)
     mode = read_mode_for(kvc)
-    ours = arena_bytes(spec, token_bytes, mode.prefetch)
+    arena = arena_bytes(spec, token_bytes, mode.prefetch)
     theirs = upstream_scratch_bytes(spec, token_bytes, kvc.model_config.context_len)
     layers = max(int(getattr(kvc.model_config, "num_hidden_layers", 1) or 1), 1)
     logger.info(
         "%s: view arena %.1f MiB per rank (%d prefix + %s%d chunk tokens), charged to the KV budget: about %d "
         "fewer cached tokens; SGLang's --enable-kv-cache-sharding scratch would take %.1f MiB; %s",
         FLAG,
-        ours / 2**20,
+        arena / 2**20,
         spec.max_prefix_tokens,
         "2 x " if mode.prefetch else "",
         spec.chunk_tokens,
-        ours // (token_bytes * layers),
+        arena // (token_bytes * layers),
         theirs / 2**20,
         mode.describe(),
     )
-    return ours
+    return arena
 
 
 def is_cp_shared_pool(pool: Any) -> bool:

@@ -1,6 +1,6 @@
 """Per-batch materialized read path over a sharded MLA/NSA pool.
 
-The stock indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool this
+SGLang's indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool this
 module builds one per layer from the batch's plan (``plan_kernels.BatchPlan``: a view of ``N * S``
 pages, owner-major): this rank copies its owned pages in slot order into its part of the view and the
 CP group all-gathers the parts in place; or, over a copy-engine group that mapped the peers' pools, one

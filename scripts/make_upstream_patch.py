@@ -882,7 +882,7 @@ def module_text(mod: str, path: Path, modules: dict[str, Path]) -> str:
         if doc is None:
             raise GenerationError(f"sglang.{home(mod)} is a new package without a docstring in PACKAGE_DOCS")
         text = '"""' + "\n".join(textwrap.wrap(doc, 100)) + '"""\n'
-    text = rewrite_imports(text, modules, f"{PKG}.{mod}")
+    text = rewrite_imports(text, modules, f"{PKG}.{mod}").rstrip("\n") + "\n"  # dropped tables leave blanks
     said = PLUGIN_PROSE.search(text)
     if said:
         line = text.count("\n", 0, said.start()) + 1

@@ -930,23 +930,26 @@ def check_coverage(hooks: dict[tuple[str, str], object]) -> None:
         raise GenerationError(f"SITES for hooks the plugin no longer registers: {stale}")
 
 
-def _defining_module(name: str, modules: dict[str, Path]) -> str:
-    """The one shipped module that defines ``name`` at top level."""
-    found = []
-    for mod, path in modules.items():
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
-                found.append(mod)
+def _module_of_name(name: str, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
+    """Our module that a site's ``{import:name}`` imports from: the hook's, else the one shipped module
+    defining ``name`` at top level."""
+    for (_, hook_name), fn in hooks.items():
+        if hook_name == name:
+            return our_module_of(fn)
+    found = [
+        mod
+        for mod, path in modules.items()
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name
+    ]
     if len(found) != 1:
         raise GenerationError(f"{{import:{name}}}: defined in {len(found)} shipped modules, not one")
     return found[0]
 
 
 def site_text(site: Site, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
-    by_name = {name: fn for (_, name), fn in hooks.items()}
-
     def imp(m: re.Match) -> str:
-        mod = our_module_of(by_name[m[1]]) if m[1] in by_name else _defining_module(m[1], modules)
+        mod = _module_of_name(m[1], hooks, modules)
         if mod not in modules or mod in PLUGIN_ONLY:
             raise GenerationError(f"{m[1]} lives in {PKG}.{mod}, which the series does not ship")
         return f"from sglang.{home(mod)} import {m[1]}"
@@ -954,10 +957,11 @@ def site_text(site: Site, hooks: dict[tuple[str, str], object], modules: dict[st
     return re.sub(r"\{import:(\w+)\}", imp, site.new)
 
 
-def apply_sites(tree: Path, commit: str, hooks, modules) -> list[str]:
-    """Apply this commit's sites to ``tree``; the SGLang files it changed."""
+def apply_sites(tree: Path, commit: str, texts: list[str]) -> list[str]:
+    """Apply this commit's sites to ``tree`` (``texts``: each site's ``site_text``, in ``SITES`` order); the
+    SGLang files it changed."""
     changed = []
-    for site in SITES:
+    for site, new in zip(SITES, texts):
         if site.commit != commit:
             continue
         path = tree / "python" / "sglang" / site.path
@@ -966,7 +970,7 @@ def apply_sites(tree: Path, commit: str, hooks, modules) -> list[str]:
         if n != site.count:
             first = site.old.strip().splitlines()[0]
             raise GenerationError(f"sglang/{site.path}: {first!r} found {n} times, expected {site.count}")
-        path.write_text(text.replace(site.old, site_text(site, hooks, modules)))
+        path.write_text(text.replace(site.old, new))
         changed.append(site.path)
     return changed
 
@@ -1057,8 +1061,9 @@ def build_series(out: Path) -> list[Path]:
         src = find_test(ours)
         new_files[f"test/srt/cp_shared_kv/{theirs}"] = rewrite_imports(src.read_text(), our_modules(), ours)
 
-    check_bisect(new_files, [(site.commit, site_text(site, hooks, modules)) for site in SITES])
-    check_vocabulary(new_files, [site_text(site, hooks, modules) for site in SITES])
+    texts = [site_text(site, hooks, modules) for site in SITES]
+    check_bisect(new_files, [(site.commit, text) for site, text in zip(SITES, texts)])
+    check_vocabulary(new_files, texts)
 
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_upstream_") as tmp:
         repo = Path(tmp)
@@ -1083,7 +1088,7 @@ def build_series(out: Path) -> list[Path]:
             for ours, theirs in commit.carries:
                 (repo / theirs).parent.mkdir(parents=True, exist_ok=True)
                 (repo / theirs).write_text(find_test(ours).read_text())
-            apply_sites(repo, commit.key, hooks, modules)
+            apply_sites(repo, commit.key, texts)
             if commit.key == "flag":
                 apply_flag(repo, modules)
             _git(repo, "add", "-A")
@@ -1350,7 +1355,7 @@ today the pool cannot tell, without reading it on the device, that a tensor it i
 """
 
 
-def _site_rows(hooks: dict[tuple[str, str], object]) -> list[str]:
+def _site_rows(hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> list[str]:
     rows = ["| plugin hook | hook function (plugin module) | edit in the series |", "|---|---|---|"]
     for (target, name), fn in sorted(hooks.items(), key=lambda kv: kv[0]):
         mod = our_module_of(fn)
@@ -1360,8 +1365,7 @@ def _site_rows(hooks: dict[tuple[str, str], object]) -> list[str]:
             sites = [s for s in SITES if (target, name) in s.covers]
             paths = ", ".join(f"`{s.path}`" + (f" ({s.count} call sites)" if s.count > 1 else "") for s in sites)
             called = sorted({n for s in sites for n in re.findall(r"\{import:(\w+)\}", s.new)})
-            modules = shipped_modules()
-            calls = [f"`sglang.{home(_defining_module(n, modules))}.{n}`" for n in called]
+            calls = [f"`sglang.{home(_module_of_name(n, hooks, modules))}.{n}`" for n in called]
             where = f"{paths}, calling {', '.join(calls)}" if calls else f"{paths}, an edit of SGLang's own code"
         shown = target.replace("resolution:", "resolution step ").replace("sglang.srt.", "")
         rows.append(f"| `{shown}` | `{name}` (`{mod}`) | {where} |")
@@ -1468,7 +1472,7 @@ def render_docs(stat: str) -> tuple[str, str]:
     pr = _replace_generated(pr, "series", series + ["", "```", stat.rstrip(), "```"])
     generator = [
         _GENERATOR_HEAD,
-        *_site_rows(hooks),
+        *_site_rows(hooks, modules),
         "",
         "Where each module of the plugin sits in SGLang (`HOMES`; imports rewritten to match):",
         "",

@@ -15,6 +15,7 @@ and the read state checks it against the page ids on the device."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, takewhile
@@ -28,6 +29,8 @@ from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
 )
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+
+logger = logging.getLogger(__name__)
 
 
 def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_class: str):
@@ -76,6 +79,7 @@ def build_allocator(original, configurator, **kwargs):
     # SGLang's Mooncake sender takes its sharded path (each CP rank sends the pages it owns) on this field;
     # set after the only pool builders that read it, before the KV manager is made.
     get_parallel().override_permanently(enable_kv_cache_sharding=True)
+    logger.info("%s: Mooncake transfers send each CP rank's owned pages (SGLang's sharded sender path)", FLAG)
     return allocator
 
 

@@ -5,7 +5,7 @@
 
 The plugin is the one source: this script reads its current ``srt/`` modules and tests, puts each
 module where SGLang keeps its kind (``HOMES``), rewrites our imports to those homes, and turns every
-hook the plugin registers (``sglang_wiring.hook_tables()``, ``startup_checks.RESOLUTION_HOOKS``) into a
+hook the plugin registers (``sglang_wiring.hooks.HOOKS`` and ``RESOLUTION_HOOKS``) into a
 direct edit at its place in SGLang's source (``SITES``). A hook added, renamed or moved in the plugin
 without a site here, or a site whose SGLang text no longer matches, stops the script with one line.
 
@@ -42,7 +42,7 @@ DEFAULT_OUT = ROOT / "dist" / "upstream"
 # wins. A package prefix ends with "." and maps every module under it.
 HOMES: list[tuple[str, str]] = [
     ("srt.sglang_wiring.flag", "srt.arg_groups.cp_shared_kv_flag"),
-    ("srt.sglang_wiring.startup_checks", "srt.arg_groups.cp_shared_kv_hook"),
+    ("srt.sglang_wiring.startup_checks", "srt.arg_groups.cp_shared_kv_checks"),
     ("srt.sglang_wiring.sharded_kv_pool", "srt.mem_cache.cp_shared_kv.sharded_kv_pool"),
     ("srt.sglang_wiring.pool_hooks", "srt.mem_cache.cp_shared_kv.pool_selection"),
     ("srt.sglang_wiring.view_arena", "srt.mem_cache.cp_shared_kv.view_arena"),
@@ -65,7 +65,7 @@ PLUGIN_ONLY = {
     "srt",
     "srt.plugin",
     "srt.sglang_wiring",
-    "srt.sglang_wiring.server_args_hook",
+    "srt.sglang_wiring.hooks",
     "srt.sglang_wiring.connector_sockets",  # the series fixes SGLang's _connect itself
     "srt.layers",
     "srt.layers.attention",
@@ -87,34 +87,6 @@ PACKAGE_DOCS = {
     "manifest, and the decode side's check of it.",
 }
 
-# Plugin-only parts of shipped modules: the check that SGLang installed the plugin's hooks (and the
-# SGLang version they wrap), and the command-line excepthook of the flag's argparse action. In SGLang
-# itself the wiring is direct edits: there is nothing to have failed to install.
-DROP: dict[str, list[str]] = {
-    "srt.sglang_wiring.connector_bounds": ["bounds_of", "guard_update_status", "close_room"],
-    "srt.sglang_wiring.startup_checks": [
-        "SGLANG_VERSIONS",
-        "ANY_SGLANG_ENV",
-        "_version_warned",
-        "sglang_version_rejections",
-        "hook_rejections",
-        "install_clean_exit",
-    ],
-}
-# Text edits of shipped modules that go with DROP: (our module, old, new), each old found exactly once.
-SUBST: list[tuple[str, str, str]] = [
-    ("srt.sglang_wiring.startup_checks", "_raise(hook_rejections() + flag_rejections(", "_raise(flag_rejections("),
-    (
-        "srt.sglang_wiring.pool_hooks",
-        "import CPSharedKVStartupError, hook_rejections\n",
-        "import CPSharedKVStartupError\n",
-    ),
-    (
-        "srt.sglang_wiring.pool_hooks",
-        "    lines = hook_rejections()  # as a plugin: a line if SGLang did not install one of its hooks\n",
-        "    lines = []\n",
-    ),
-]
 # Regex edits of shipped modules' prose that describes the plugin's hook machinery: (our module or "*",
 # pattern, replacement, how many matches at least). A module-specific one that stops matching stops the
 # generator, so the prose never silently goes stale.
@@ -122,28 +94,12 @@ PROSE: list[tuple[str, str, str, int]] = [
     # Pointers to the plugin's own documentation, which SGLang does not carry.
     ("*", r" ?\(``docs/sglang_plugin\.md``[^)]*\)", "", 0),
     ("*", r" ?\(the table in\s+``docs/sglang_plugin\.md``\)", "", 0),
-    (
-        "srt.sglang_wiring.startup_checks",
-        r"Before anything else, with the flag on: the installed SGLang.*?since the rest of resolution may\s+download it\.",
-        "Before anything else, with the flag on: the model config must be readable without the network\n"
-        "(a local directory, or a model in the Hugging Face cache), since the rest of resolution may\n"
-        "download it.",
-        1,
-    ),
-    (
-        "srt.sglang_wiring.startup_checks",
-        r"On a command line \(the flag's argparse action installs it\)\s+such an error prints as its lines alone, without a traceback\.\s+",
-        "",
-        1,
-    ),
 ]
 # Words of the plugin's hook machinery that no shipped module may say once the edits above are made
 # (its docstrings say what a function does at its SGLang call site, which holds in both forms).
 PLUGIN_PROSE = re.compile(
     r"\bAROUND\b|\bAFTER hook|HookRegistry|register_resolution_hook|sglang_wiring|hook_rejections|plugin hook"
 )
-# Top-level names of every shipped module that only the plugin's registration reads.
-REGISTRATION_TABLES = ("HOOKS", "RESOLUTION_HOOKS")
 
 
 @dataclass
@@ -229,7 +185,7 @@ resolution steps: flag-only checks with validate_prefill_cp_platform, model and 
 with handle_kv_cache_sharding (twice, idempotent). Every rejection is one line naming the flag and
 the fix; prefill CUDA graphs are declared off (the read plan runs eagerly). With the flag off both
 steps run as before; with it on, until the next commit builds the pools, the checks are all it does.""",
-        ("srt.arg_groups.cp_shared_kv_flag", "srt.arg_groups.cp_shared_kv_hook"),
+        ("srt.arg_groups.cp_shared_kv_flag", "srt.arg_groups.cp_shared_kv_checks"),
         (
             "patched_tree_checks.py::test_sglang_is_the_patched_copy_and_the_plugin_is_not_importable",
             "patched_tree_checks.py::test_the_flag_is_a_server_args_field",
@@ -372,12 +328,12 @@ SITES: list[Site] = [
             token_to_kv_pool = self._build_dsa_kv_pool(
                 max_total_num_tokens""",
         """\
-            {import:build_dsa_kv_pool}
+            {import:builds_cp_shared_pool}
+            {import:cp_shared_pool_class}
 
-            # --enable-cp-shared-kv: the same builder, with the CP-shared pool class.
-            token_to_kv_pool = build_dsa_kv_pool(
-                type(self)._build_dsa_kv_pool,
-                self,
+            if builds_cp_shared_pool(self):
+                dsa_pool_class = cp_shared_pool_class("dsa")
+            token_to_kv_pool = self._build_dsa_kv_pool(
                 max_total_num_tokens""",
         [(f"{_CFG}._build_dsa_kv_pool", "build_dsa_kv_pool")],
     ),
@@ -388,11 +344,12 @@ SITES: list[Site] = [
                 token_to_kv_pool = self._build_mla_kv_pool(
                     max_total_num_tokens""",
         """\
-                {import:build_mla_kv_pool}
+                {import:builds_cp_shared_pool}
+                {import:cp_shared_pool_class}
 
-                token_to_kv_pool = build_mla_kv_pool(
-                    type(self)._build_mla_kv_pool,
-                    self,
+                if builds_cp_shared_pool(self):
+                    mla_pool_class = cp_shared_pool_class("mla")
+                token_to_kv_pool = self._build_mla_kv_pool(
                     max_total_num_tokens""",
         [(f"{_CFG}._build_mla_kv_pool", "build_mla_kv_pool")],
     ),
@@ -401,15 +358,31 @@ SITES: list[Site] = [
         "srt/mem_cache/kv_cache_configurator.py",
         """\
         token_to_kv_pool_allocator = self._build_token_to_kv_pool_allocator(
-            sizes=sizes,""",
+            sizes=sizes,
+            token_to_kv_pool=token_to_kv_pool,
+            is_dsv4_model=is_dsv4_model,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        )
+""",
         """\
+        {import:is_cp_shared_pool}
         {import:build_allocator}
 
-        # Over a CP-shared pool: the owner-rotating allocator, admission held to the view arena.
-        token_to_kv_pool_allocator = build_allocator(
-            type(self)._build_token_to_kv_pool_allocator,
-            self,
-            sizes=sizes,""",
+        if is_cp_shared_pool(token_to_kv_pool) and token_to_kv_pool_allocator is None:
+            # The owner-rotating allocator, its admission held to the view arena.
+            token_to_kv_pool_allocator = build_allocator(
+                self, token_to_kv_pool, sizes.max_total_num_tokens
+            )
+        else:
+            token_to_kv_pool_allocator = self._build_token_to_kv_pool_allocator(
+                sizes=sizes,
+                token_to_kv_pool=token_to_kv_pool,
+                is_dsv4_model=is_dsv4_model,
+                req_to_token_pool=req_to_token_pool,
+                token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            )
+""",
         [(f"{_CFG}._build_token_to_kv_pool_allocator", "build_allocator")],
     ),
     Site(
@@ -422,27 +395,39 @@ SITES: list[Site] = [
         """\
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
         )
+        {import:builds_cp_shared_pool}
         {import:check_built_pools}
         {import:report_pools}
 
-        # --enable-cp-shared-kv: refuse a pool or allocator that is not CP-shared, then the startup line.
-        pools = report_pools(check_built_pools(pools, self), self)
+        if builds_cp_shared_pool(self):
+            # Refuse a pool or allocator that is not CP-shared, then the startup line.
+            check_built_pools(pools.token_to_kv_pool, pools.token_to_kv_pool_allocator)
+            report_pools(pools.token_to_kv_pool, pools.token_to_kv_pool_allocator)
 """,
-        [(f"{_CFG}._init_pools", "check_built_pools"), (f"{_CFG}._init_pools", "report_pools")],
+        [(f"{_CFG}._init_pools", "built_pools")],
     ),
     Site(
         "pools",
         "srt/model_executor/pool_configurator.py",
         """\
         self._fixed_overhead_bytes = compute_page_shard_scratch_bytes(
-            kvc,""",
+            kvc,
+            include_mtp=not kvc.is_draft_worker and kvc.spec_algorithm.is_eagle(),
+        )
+""",
         """\
+        {import:builds_cp_shared_pool}
         {import:charge_arena}
 
-        # --enable-cp-shared-kv charges its view arena instead.
-        self._fixed_overhead_bytes = charge_arena(
-            compute_page_shard_scratch_bytes,
-            kvc,""",
+        if builds_cp_shared_pool(kvc):
+            # --enable-cp-shared-kv charges its view arena instead.
+            self._fixed_overhead_bytes = charge_arena(kvc)
+        else:
+            self._fixed_overhead_bytes = compute_page_shard_scratch_bytes(
+                kvc,
+                include_mtp=not kvc.is_draft_worker and kvc.spec_algorithm.is_eagle(),
+            )
+""",
         [("sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes", "charge_arena")],
     ),
     Site(
@@ -460,12 +445,11 @@ SITES: list[Site] = [
             {import:count_deferral}
 
             # --enable-cp-shared-kv: say why the request waits, and count it.
-            return count_deferral(log_deferred(False, self, prefix_len, extend_len), self, prefix_len, extend_len)
+            log_deferred(self, prefix_len, extend_len)
+            count_deferral(self)
+            return False
 """,
-        [
-            ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", "log_deferred"),
-            ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", "count_deferral"),
-        ],
+        [("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", "deferred")],
     ),
     Site(
         "pools",
@@ -475,10 +459,13 @@ SITES: list[Site] = [
 
     def _maybe_init_non_generation_fields""",
         """\
+        {import:is_cp_shared_pool}
         {import:hint_shared_prefix}
 
-        # The shared-prefix hint of an extend batch, for a CP-shared pool's read plan.
-        return hint_shared_prefix(ret, cls, batch, model_runner)
+        if is_cp_shared_pool(model_runner.token_to_kv_pool):
+            # The shared-prefix hint of an extend batch, for the pool's read plan.
+            hint_shared_prefix(ret, batch, model_runner.token_to_kv_pool)
+        return ret
 
     def _maybe_init_non_generation_fields""",
         [("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", "hint_shared_prefix")],
@@ -487,75 +474,57 @@ SITES: list[Site] = [
         "pools",
         "srt/layers/attention/kv_shard_hooks.py",
         """\
-def prepare_kv_shard_forward(
-    pool: PageInterleaveKVPoolMixin,
-    req_to_token: torch.Tensor,
-    forward_batch: ForwardBatch,
-) -> bool:
     \"\"\"Update the pool's gather plan and report whether this is an extend.\"\"\"
 """,
         """\
-def prepare_kv_shard_forward(
-    pool: PageInterleaveKVPoolMixin,
-    req_to_token: torch.Tensor,
-    forward_batch: ForwardBatch,
-) -> bool:
-    \"\"\"Update the pool's gather plan and report whether this is an extend.
+    \"\"\"Update the pool's gather plan and report whether this is an extend.\"\"\"
+    {import:is_cp_shared_pool}
+    {import:prepare_forward}
 
-    A CP-shared pool first takes the batch's request ids and shared-prefix hint; its metrics see
-    the batch.
-    \"\"\"
-    {import:name_batch_requests}
-    {import:observe_batch}
-
-    name_batch_requests(pool, req_to_token, forward_batch)
-    return observe_batch(_prepare_kv_shard_forward, pool, req_to_token, forward_batch)
-
-
-def _prepare_kv_shard_forward(
-    pool: PageInterleaveKVPoolMixin,
-    req_to_token: torch.Tensor,
-    forward_batch: ForwardBatch,
-) -> bool:
+    if is_cp_shared_pool(pool):
+        return prepare_forward(pool, req_to_token, forward_batch)
 """,
-        [
-            ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", "name_batch_requests"),
-            ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", "observe_batch"),
-        ],
+        [("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", "prepare_forward")],
     ),
-    # -- the flag's checks, at their resolution steps (every invocation of each step)
+    # -- the flag's checks, after their resolution steps (every invocation of each step)
     Site(
         "flag",
         "srt/arg_groups/pipeline.py",
         "    run_hook(validate_prefill_cp_platform, server_args)\n",
         """\
-    {import:early_check}
+    run_hook(validate_prefill_cp_platform, server_args)
+    if server_args.enable_cp_shared_kv:
+        {import:early_check}
 
-    early_check(server_args, lambda args: run_hook(validate_prefill_cp_platform, args))
+        early_check(server_args)
 """,
-        [("resolution:validate_prefill_cp_platform", "early_check")],
+        [("resolution:validate_prefill_cp_platform", "startup_early")],
     ),
     Site(
         "flag",
         "srt/arg_groups/parallel_hook.py",
         "    run_hook(validate_prefill_cp_platform, server_args)\n",
         """\
-    {import:early_check}
+    run_hook(validate_prefill_cp_platform, server_args)
+    if server_args.enable_cp_shared_kv:
+        {import:early_check}
 
-    early_check(server_args, lambda args: run_hook(validate_prefill_cp_platform, args))
+        early_check(server_args)
 """,
-        [("resolution:validate_prefill_cp_platform", "early_check")],
+        [("resolution:validate_prefill_cp_platform", "startup_early")],
     ),
     Site(
         "flag",
         "srt/arg_groups/pipeline.py",
         "    run_hook(handle_kv_cache_sharding, server_args)\n",
         """\
-    {import:resolved_check}
+    run_hook(handle_kv_cache_sharding, server_args)
+    if server_args.enable_cp_shared_kv:
+        {import:resolved_check}
 
-    resolved_check(server_args, lambda args: run_hook(handle_kv_cache_sharding, args))
+        resolved_check(server_args)
 """,
-        [("resolution:handle_kv_cache_sharding", "resolved_check")],
+        [("resolution:handle_kv_cache_sharding", "startup_resolved")],
         count=2,
     ),
     # -- PD: the prefill ranks' manifests, and the decode's check
@@ -568,18 +537,21 @@ def _prepare_kv_shard_forward(
         )
 """,
         """\
-        prepared = self._prepare_send_indices(kv_indices, state_indices)
-        {import:check_send_indices}
-        {import:record_sent_share}
+        pages = kv_indices
+        kv_indices, index_slice, is_last_chunk, should_skip = (
+            self._prepare_send_indices(kv_indices, state_indices)
+        )
+        {import:runtime_enabled}
 
-        check_send_indices(prepared, self, kv_indices, state_indices)
-        record_sent_share(prepared, self, kv_indices, state_indices)
-        kv_indices, index_slice, is_last_chunk, should_skip = prepared
+        if runtime_enabled():
+            {import:check_send_indices}
+            {import:record_sent_share}
+
+            # --enable-cp-shared-kv: the positions this rank sends, for its manifest.
+            check_send_indices(self, pages, kv_indices, index_slice, is_last_chunk)
+            record_sent_share(self, pages, index_slice)
 """,
-        [
-            (f"{_COMMON}.CommonKVSender._prepare_send_indices", "check_send_indices"),
-            (f"{_COMMON}.CommonKVSender._prepare_send_indices", "record_sent_share"),
-        ],
+        [(f"{_COMMON}.CommonKVSender._prepare_send_indices", "sent_share")],
     ),
     Site(
         "pd",
@@ -597,14 +569,12 @@ def _prepare_kv_shard_forward(
             status=status,
             failure_reason=failure_reason,
         )
-        {import:attach_manifest}
+        {import:manifest_frames}
 
         # A CP-shared prefill rank's Success carries its page manifest.
-        with_manifest = attach_manifest(
-            parts, self, bootstrap_room=bootstrap_room, status=status, failure_reason=failure_reason
-        )
-        if with_manifest is not None:
-            parts = with_manifest
+        frames = manifest_frames(self, bootstrap_room, status)
+        if frames:
+            parts = [*parts, *frames]
 """,
         [(f"{_COMMON}.CommonKVManager._encode_kv_status_message", "attach_manifest")],
     ),
@@ -617,7 +587,7 @@ def _prepare_kv_shard_forward(
         {import:drop_unsent_share}
 
         # --enable-cp-shared-kv: a share recorded for a request that never sent is dropped.
-        drop_unsent_share(None, self)
+        drop_unsent_share(self)
 """,
         [(f"{_COMMON}.CommonKVSender.clear", "drop_unsent_share")],
     ),
@@ -625,22 +595,18 @@ def _prepare_kv_shard_forward(
         "pd",
         "srt/disaggregation/common/conn.py",
         """\
-    def send_metadata(
-        self,
-        kv_indices: npt.NDArray[np.int32],
-        aux_index: Optional[int] = None,
+        device_kv_indices: Optional[npt.NDArray[np.int32]] = None,
+    ):
+        if self.bootstrap_infos is None:
 """,
         """\
-    def send_metadata(self, kv_indices: npt.NDArray[np.int32], *args, **kwargs):
-        \"\"\"Arm the CP-shared KV manifest check of this request (decode, flag on), then send its metadata.\"\"\"
+        device_kv_indices: Optional[npt.NDArray[np.int32]] = None,
+    ):
         {import:arm_manifest_check}
 
-        return arm_manifest_check(CommonKVReceiver._send_metadata, self, kv_indices, *args, **kwargs)
-
-    def _send_metadata(
-        self,
-        kv_indices: npt.NDArray[np.int32],
-        aux_index: Optional[int] = None,
+        # --enable-cp-shared-kv (decode): expect each prefill rank's manifest of these pages.
+        arm_manifest_check(self, len(kv_indices))
+        if self.bootstrap_infos is None:
 """,
         [(f"{_COMMON}.CommonKVReceiver.send_metadata", "arm_manifest_check")],
     ),
@@ -658,7 +624,7 @@ def _prepare_kv_shard_forward(
             self._clear()
         {import:forget_room}
 
-        forget_room(None, self)
+        forget_room(self)
 """,
         [(f"{_COMMON}.CommonKVReceiver.clear", "forget_room")],
     ),
@@ -679,10 +645,11 @@ def _prepare_kv_shard_forward(
         "srt/disaggregation/mooncake/conn.py",
         "                parsed = self.parse_kv_status_message(msg)\n",
         """\
+                parsed = self.parse_kv_status_message(msg)
                 {import:check_status_message}
 
                 # With --enable-cp-shared-kv, a Success waits for every prefill rank's manifest.
-                parsed = check_status_message(type(self).parse_kv_status_message, self, msg)
+                parsed = check_status_message(self, msg, parsed)
 """,
         [(f"{_COMMON}.CommonKVManager.parse_kv_status_message", "check_status_message")],
     ),
@@ -808,81 +775,20 @@ def rewrite_imports(text: str, modules: dict[str, Path], where: str) -> str:
     return out
 
 
-def drop_definitions(text: str, names: list[str], where: str) -> str:
-    """Remove top-level definitions/assignments named ``names`` (with the comment lines just above them),
-    then top-level ``import X`` lines nothing else uses."""
-    tree = ast.parse(text)
-    lines = text.splitlines(keepends=True)
-    spans = []
-    found = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-            name = node.name
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            name = node.targets[0].id
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            name = node.target.id
-        else:
-            continue
-        if name not in names:
-            continue
-        found.add(name)
-        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        while start > 0 and lines[start - 1].lstrip().startswith("#"):
-            start -= 1
-        end = node.end_lineno
-        while end < len(lines) and not lines[end].strip():  # the blank lines after it
-            end += 1
-        spans.append((start, end))
-    missing = set(names) - found
-    if missing:
-        raise GenerationError(f"{where}: no top-level {', '.join(sorted(missing))} to drop (update DROP)")
-    for start, end in sorted(spans, reverse=True):
-        del lines[start:end]
-    out = "".join(lines)
-    for node in ast.parse(out).body:  # private constants only the dropped code used
-        if (
-            isinstance(node, ast.Assign)
-            and len(node.targets) == 1
-            and isinstance(node.targets[0], ast.Name)
-            and node.targets[0].id.startswith("_")
-            and isinstance(node.value, ast.Constant)
-        ):
-            name = node.targets[0].id
-            if len(re.findall(rf"\b{re.escape(name)}\b", out)) == 1:
-                seg = ast.get_source_segment(out, node)
-                out = out.replace(seg + "\n", "", 1)
-    for node in ast.parse(out).body:  # imports only the dropped code used
-        if isinstance(node, ast.Import) and len(node.names) == 1 and node.names[0].asname is None:
-            name = node.names[0].name
-            rest = out.replace(f"import {name}\n", "", 1)
-            if not re.search(rf"\b{re.escape(name)}\.", rest):
-                out = rest
-    return out
-
-
 def module_text(mod: str, path: Path, modules: dict[str, Path]) -> str:
     text = path.read_text()
-    for where, old, new in SUBST:
-        if where == mod:
-            if text.count(old) != 1:
-                raise GenerationError(f"{PKG}.{mod}: {old.strip()!r} found {text.count(old)} times (update SUBST)")
-            text = text.replace(old, new)
     for where, pattern, repl, least in PROSE:
         if where in (mod, "*"):
             text, n = re.subn(pattern, repl, text, flags=re.DOTALL)
             if n < least:
                 raise GenerationError(f"{PKG}.{mod}: {pattern[:60]!r} no longer matches (update PROSE)")
-    tables = [t for t in REGISTRATION_TABLES if re.search(rf"^{t}\b", text, re.MULTILINE)]
-    if mod in DROP or tables:
-        text = drop_definitions(text, DROP.get(mod, []) + tables, f"{PKG}.{mod}")
     text = rename_in_prose(text, modules)
     if path.name == "__init__.py" and not text.strip():
         doc = PACKAGE_DOCS.get(home(mod))
         if doc is None:
             raise GenerationError(f"sglang.{home(mod)} is a new package without a docstring in PACKAGE_DOCS")
         text = '"""' + "\n".join(textwrap.wrap(doc, 100)) + '"""\n'
-    text = rewrite_imports(text, modules, f"{PKG}.{mod}").rstrip("\n") + "\n"  # dropped tables leave blanks
+    text = rewrite_imports(text, modules, f"{PKG}.{mod}").rstrip("\n") + "\n"
     said = PLUGIN_PROSE.search(text)
     if said:
         line = text.count("\n", 0, said.start()) + 1
@@ -906,10 +812,9 @@ def rename_in_prose(text: str, modules: dict[str, Path]) -> str:
 def plugin_hooks() -> dict[tuple[str, str], object]:
     """The plugin's current hooks: ``(target, hook name)`` -> hook (resolution checks as ``resolution:<step>``)."""
     sys.path.insert(0, str(ROOT / "python"))
-    wiring = importlib.import_module(f"{PKG}.srt.sglang_wiring")
-    checks = importlib.import_module(f"{PKG}.srt.sglang_wiring.startup_checks")
-    hooks = {(t, h.__name__): h for t, h, _ in wiring.hook_tables()}
-    hooks.update({(f"resolution:{step}", c.__name__): c for step, c in checks.RESOLUTION_HOOKS})
+    wiring = importlib.import_module(f"{PKG}.srt.sglang_wiring.hooks")
+    hooks = {(t, h.__name__): h for t, h, _ in wiring.HOOKS}
+    hooks.update({(f"resolution:{step}", c.__name__): c for step, c in wiring.RESOLUTION_HOOKS})
     return hooks
 
 
@@ -930,15 +835,12 @@ def check_coverage(hooks: dict[tuple[str, str], object]) -> None:
         raise GenerationError(f"SITES for hooks the plugin no longer registers: {stale}")
 
 
-def _module_of_name(name: str, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
-    """Our module that a site's ``{import:name}`` imports from: the hook's, else the one shipped module
-    defining ``name`` at top level."""
-    for (_, hook_name), fn in hooks.items():
-        if hook_name == name:
-            return our_module_of(fn)
+def _module_of_name(name: str, modules: dict[str, Path]) -> str:
+    """Our shipped module that a site's ``{import:name}`` imports from: the one defining ``name`` at top level."""
     found = [
         mod
         for mod, path in modules.items()
+        if mod not in PLUGIN_ONLY
         for node in ast.parse(path.read_text()).body
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name
     ]
@@ -949,7 +851,7 @@ def _module_of_name(name: str, hooks: dict[tuple[str, str], object], modules: di
 
 def site_text(site: Site, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
     def imp(m: re.Match) -> str:
-        mod = _module_of_name(m[1], hooks, modules)
+        mod = _module_of_name(m[1], modules)
         if mod not in modules or mod in PLUGIN_ONLY:
             raise GenerationError(f"{m[1]} lives in {PKG}.{mod}, which the series does not ship")
         return f"from sglang.{home(mod)} import {m[1]}"
@@ -979,7 +881,7 @@ def flag_field(modules: dict[str, Path]) -> str:
     """The flag as a field of SGLang's parallel argument group, its help from the plugin's."""
     sys.path.insert(0, str(ROOT / "python"))
     flag = importlib.import_module(f"{PKG}.srt.sglang_wiring.flag")
-    hook = importlib.import_module(f"{PKG}.srt.sglang_wiring.server_args_hook")
+    hook = importlib.import_module(f"{PKG}.srt.sglang_wiring.hooks")
     # argparse %-formats help strings: the plugin's ``%%`` stays as it is.
     help_text = re.sub(r"\s*\(sglang-cp-shared-kv plugin\)", "", hook._HELP)
     chunks = textwrap.wrap(help_text, 88, drop_whitespace=False, break_on_hyphens=False)
@@ -1064,6 +966,7 @@ def build_series(out: Path) -> list[Path]:
     texts = [site_text(site, hooks, modules) for site in SITES]
     check_bisect(new_files, [(site.commit, text) for site, text in zip(SITES, texts)])
     check_vocabulary(new_files, texts)
+    check_plain_calls(modules, texts, sglang)
 
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_upstream_") as tmp:
         repo = Path(tmp)
@@ -1149,6 +1052,39 @@ def check_vocabulary(new_files: dict[str, str], site_texts: list[str]) -> None:
     ]
     if said:
         raise GenerationError(f"{len(said)} added lines speak as the plugin: " + "; ".join(said[:12]))
+
+
+_WRAPPER_PARAMS = {"original", "previous", "result", "_result"}
+
+
+def check_plain_calls(modules: dict[str, Path], texts: list[str], sglang: Path) -> None:
+    """Every call the sites add is an ordinary call: no argument is one of SGLang's functions or methods (a
+    lambda, ``type(self).m``, ``self.m`` or ``m`` defined in that file, a function it imports), and no
+    shipped function they call takes a wrapped step or its result first (``_WRAPPER_PARAMS``)."""
+    edited: dict[str, str] = {}
+    called: dict[str, set[str]] = {}
+    for site, text in zip(SITES, texts):
+        edited[site.path] = edited.get(site.path, (sglang / site.path).read_text()).replace(site.old, text)
+        called.setdefault(site.path, set()).update(re.findall(r"\{import:(\w+)\}", site.new))
+    for path, source in edited.items():
+        for node in ast.walk(ast.parse(source)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in called[path]):
+                continue
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                name = arg.attr if isinstance(arg, ast.Attribute) else getattr(arg, "id", None)
+                bad = isinstance(arg, ast.Lambda) or (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Call))
+                bad |= name is not None and bool(re.search(rf"^\s*def {name}\(", source, re.MULTILINE))
+                bad |= isinstance(arg, ast.Name) and bool(re.search(rf"\bimport\b[^\n]*\b{name}\b", source))
+                if bad:
+                    raise GenerationError(
+                        f"sglang/{path}: {node.func.id}() is handed {ast.unparse(arg)!r}, one of SGLang's steps"
+                    )
+    for name in set().union(*called.values()):
+        mod = _module_of_name(name, modules)
+        for fn in ast.parse(modules[mod].read_text()).body:
+            if isinstance(fn, ast.FunctionDef) and fn.name == name and fn.args.args:
+                if fn.args.args[0].arg in _WRAPPER_PARAMS:
+                    raise GenerationError(f"{PKG}.{mod}.{name} takes a wrapped step first ({fn.args.args[0].arg})")
 
 
 def _commit_of(repo_path: str) -> str:
@@ -1307,10 +1243,12 @@ series must import at every prefix; CI also applies each prefix and runs its com
 
 ## Where each plugin hook went
 
-The plugin installs its wiring through SGLang's `HookRegistry` and resolution hooks. In the series
-each one is a direct edit at its place in SGLang's source (no monkeypatching, no closure walking, no
-`sys.excepthook` swap); an AROUND hook becomes a call that takes the stock step as its first
-argument, an AFTER hook a call on the result.
+The plugin installs its wiring through SGLang's `HookRegistry` and resolution hooks, all in one
+plugin-only module (`srt/sglang_wiring/hooks.py`) whose adapters call plain functions of the shipped
+modules. In the series each hook is a direct, flag-guarded edit at its place in SGLang's source that
+calls those same functions before, after or instead of SGLang's step, with explicit arguments (no
+monkeypatching, no closure walking, no `sys.excepthook` swap). The generator refuses a call site that
+hands a function one of SGLang's steps (`check_plain_calls`).
 """
 )
 
@@ -1365,7 +1303,7 @@ def _site_rows(hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -
             sites = [s for s in SITES if (target, name) in s.covers]
             paths = ", ".join(f"`{s.path}`" + (f" ({s.count} call sites)" if s.count > 1 else "") for s in sites)
             called = sorted({n for s in sites for n in re.findall(r"\{import:(\w+)\}", s.new)})
-            calls = [f"`sglang.{home(_module_of_name(n, hooks, modules))}.{n}`" for n in called]
+            calls = [f"`sglang.{home(_module_of_name(n, modules))}.{n}`" for n in called]
             where = f"{paths}, calling {', '.join(calls)}" if calls else f"{paths}, an edit of SGLang's own code"
         shown = target.replace("resolution:", "resolution step ").replace("sglang.srt.", "")
         rows.append(f"| `{shown}` | `{name}` (`{mod}`) | {where} |")
@@ -1478,10 +1416,10 @@ def render_docs(stat: str) -> tuple[str, str]:
         "",
         *_home_rows(modules),
         "",
-        "Plugin-only, not in the series: the entry point (`srt/plugin.py`), the hook registration",
-        "(`srt/sglang_wiring/__init__.py`), the argparse hook (`srt/sglang_wiring/server_args_hook.py`), the",
-        "status-socket wrapper (`srt/sglang_wiring/connector_sockets.py`: the series fixes `_connect` itself),",
-        "and in the startup checks the SGLang-version and installed-hook checks and the command-line excepthook.",
+        "Plugin-only, not in the series: the entry point (`srt/plugin.py`), the hooks and their adapters,",
+        "the argparse action, the SGLang-version and installed-hook checks and the command-line excepthook",
+        "(`srt/sglang_wiring/hooks.py`), and the status-socket wrapper",
+        "(`srt/sglang_wiring/connector_sockets.py`: the series fixes `_connect` itself).",
         "",
         _DOC_EXTENSION_POINTS,
     ]

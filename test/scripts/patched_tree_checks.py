@@ -32,7 +32,7 @@ def test_sglang_is_the_patched_copy_and_the_plugin_is_not_importable():
     with pytest.raises(ModuleNotFoundError, match="plugin-only"):
         import sglang_cp_shared_kv.srt.plugin  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="plugin-only"):
-        import sglang_cp_shared_kv.srt.sglang_wiring.server_args_hook  # noqa: F401
+        import sglang_cp_shared_kv.srt.sglang_wiring.hooks  # noqa: F401
     assert not [p for p in sys.path if os.path.isdir(os.path.join(p or ".", "sglang_cp_shared_kv"))]
 
 
@@ -70,4 +70,4 @@ def test_the_sites_call_the_patched_modules():
     from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
     assert sharded_kv_pool.__name__ == "sglang.srt.mem_cache.cp_shared_kv.sharded_kv_pool"
-    assert "name_batch_requests" in kv_shard_hooks.prepare_kv_shard_forward.__code__.co_names
+    assert "prepare_forward" in kv_shard_hooks.prepare_kv_shard_forward.__code__.co_names

@@ -84,6 +84,20 @@ def test_a_hook_without_a_site_stops_the_generator(gen, monkeypatch, tmp_path):
         gen.build_series(tmp_path / "out")
 
 
+def test_a_site_that_hands_over_an_sglang_step_stops_the_generator(gen):
+    """Each call site is an ordinary call: a shipped function handed one of SGLang's steps (the hook shape)
+    stops the generator, and so does one whose first parameter is such a step."""
+    hooks, modules, sglang = gen.plugin_hooks(), gen.shipped_modules(), gen.installed_sglang()
+    texts = [gen.site_text(s, hooks, modules) for s in gen.SITES]
+    gen.check_plain_calls(modules, texts, sglang)
+    i = next(k for k, t in enumerate(texts) if "charge_arena(kvc)" in t)
+    for arg in ("compute_page_shard_scratch_bytes", "lambda kvc: 0", "type(self).__init__", "self.__init__"):
+        bad = [*texts]
+        bad[i] = texts[i].replace("charge_arena(kvc)", f"charge_arena({arg}, kvc)")
+        with pytest.raises(gen.GenerationError, match="one of SGLang's steps"):
+            gen.check_plain_calls(modules, bad, sglang)
+
+
 def test_plugin_prose_in_a_shipped_module_stops_the_generator(gen, tmp_path):
     """A docstring that describes the plugin's hooks would be false in SGLang: the generator names its line."""
     mod = "srt.sglang_wiring.connector_sockets"

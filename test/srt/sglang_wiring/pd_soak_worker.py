@@ -571,6 +571,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     from sglang.srt.server_args import prepare_server_args
 
     from sglang_cp_shared_kv.srt.sglang_wiring import connector_bounds
+    from sglang_cp_shared_kv.srt.sglang_wiring.hooks import bounds_of
     from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
     t_start = time.monotonic()
@@ -1035,7 +1036,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     # The poison of a failed batch's room is held until the room's window ends (connector_bounds):
     # wait for it (``bounds_wait``: "real"), or sweep as the next request's clear would then ("clock").
     poisoned_before_sweep = [len(m._deferred_ack_poisoned_rooms) for m in mgrs]
-    closed_open = [sorted(connector_bounds.bounds_of(m).closed.items(), key=lambda kv: kv[1]) for m in mgrs]
+    closed_open = [sorted(bounds_of(m).closed.items(), key=lambda kv: kv[1]) for m in mgrs]
     poisoned_in_window = [
         set(m._deferred_ack_poisoned_rooms) <= {room for room, _ in closed} for m, closed in zip(mgrs, closed_open)
     ]
@@ -1043,10 +1044,10 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
     if cfg["bounds_wait"] == "real":
         time.sleep(max(0.0, last_window_end - time.monotonic()) + 0.1)
         for m in mgrs:
-            connector_bounds.sweep(connector_bounds.bounds_of(m), m)
+            connector_bounds.sweep(bounds_of(m), m)
     else:
         for m in mgrs:
-            connector_bounds.sweep(connector_bounds.bounds_of(m), m, now=max(time.monotonic(), last_window_end) + 0.1)
+            connector_bounds.sweep(bounds_of(m), m, now=max(time.monotonic(), last_window_end) + 0.1)
     prefill_tables = []
     for m in mgrs:
         prefill_tables.append(
@@ -1065,7 +1066,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
                 "poisoned_ack_rooms": len(m._deferred_ack_poisoned_rooms),
                 "poisoned_before_sweep": poisoned_before_sweep[len(prefill_tables)],
                 "poisoned_all_in_open_windows": poisoned_in_window[len(prefill_tables)],
-                "bounds": connector_bounds.bounds_of(m).counts(),
+                "bounds": bounds_of(m).counts(),
                 **bounds_seen[len(prefill_tables)],
             }
         )
@@ -1110,7 +1111,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
         "stuck": stuck,
         "wall_s": round(wall_s, 2),
         "table_samples": bounds_seen_samples[0],
-        "bounds_window_s": connector_bounds.bounds_of(mgrs[0]).window,
+        "bounds_window_s": bounds_of(mgrs[0]).window,
         "bounds_wait": cfg["bounds_wait"],
         "faults": faults,
         "incarnations": incarnations,

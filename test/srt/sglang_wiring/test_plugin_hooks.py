@@ -98,7 +98,7 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
+    from sglang_cp_shared_kv.srt.sglang_wiring.hooks import missing_hooks
 
     out: dict = {"patched": sorted(set(TARGETS) & HookRegistry._patched), "missing": missing_hooks()}
     server_args = prepare_server_args(prefill_cp_argv(model_dir, PS))
@@ -125,14 +125,14 @@ def _worker(model_dir: str) -> None:
         }
         # The AFTER hook on SGLang's _init_pools (installed: see "missing"), on the pools built here
         # and on a stock pool in their place.
-        from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import check_built_pools
+        from sglang_cp_shared_kv.srt.sglang_wiring.hooks import built_pools
 
         stock_pool = stock_dsa_pools([8 * PS], PS)[0]
         verdicts = {}
         for name, (p_, a_) in {"built": (pool, alloc), "stock_pool": (stock_pool, alloc)}.items():
             returned = types.SimpleNamespace(token_to_kv_pool=p_, token_to_kv_pool_allocator=a_)
             try:
-                kept = check_built_pools(returned, _configurator(dsa_config), sizes=sizes) is returned
+                kept = built_pools(returned, _configurator(dsa_config), sizes=sizes) is returned
                 verdicts[name] = "accepted" if kept else "changed"
             except Exception as e:
                 verdicts[name] = f"{type(e).__name__}: {e}"
@@ -246,9 +246,9 @@ def _worker(model_dir: str) -> None:
     mgr, sender = _sender_side(0, ranks[0], engine)
     sender.num_kv_indices, sender.curr_idx, sender.bootstrap_room = len(pages), 3, 99
     owned0 = [p for p in range(3) if pages[p] % n == 0]
-    forged = (np.array([int(pages[owned0[0]]) // n]), np.array([owned0[0] + 1]), False, False)
+    forged = np.array([int(pages[owned0[0]]) // n]), np.array([owned0[0] + 1])
     try:
-        check_send_indices(forged, sender, pages[:3])
+        check_send_indices(sender, pages[:3], *forged, False)
         out["share_check"] = "missed"
     except SendShareError:
         out["share_check"] = "caught"

@@ -38,9 +38,9 @@ CP = [
 # A launcher whose plugin registers one more hook, on a method SGLang does not have.
 BROKEN = (
     "import runpy, sys\n"
-    "from sglang_cp_shared_kv.srt.sglang_wiring import pool_hooks\n"
-    "pool_hooks.HOOKS.append(('sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._gone_in_this_version',"
-    " pool_hooks.build_allocator, 'around'))\n"
+    "from sglang_cp_shared_kv.srt.sglang_wiring import hooks\n"
+    "hooks.HOOKS.append(('sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._gone_in_this_version',"
+    " hooks.build_allocator, 'around'))\n"
     "sys.argv = ['launch_server', *sys.argv[1:]]\n"
     "runpy.run_module('sglang.launch_server', run_name='__main__')\n"
 )

@@ -3,9 +3,9 @@
 Two gloo CP ranks build SGLang's DSA pool as ``CPSharedDSATokenToKVPool`` with a prefetching view
 arena and SGLang's widened ``PageInterleavePoolAllocator``, pass them through the ``_init_pools``
 hook (the startup line, logged at INFO), and run extend batches through SGLang's
-``prepare_kv_shard_forward`` with the metrics hook around it, every layer reading its keys through
+``prepare_kv_shard_forward`` (``pool_hooks.prepare_forward``, which records the metrics), every layer reading its keys through
 the pool contract: a current-only batch, two prefix batches, then a batch whose pages do not rotate
-owners (its slot overflow fails the batch after next). SGLang's scratch admission, with the metrics hook
+owners (its slot overflow fails the batch after next). SGLang's scratch admission, with ``count_deferral``
 after it, holds back one request the arena cannot take. The test process then reads what
 SGLang's ``/metrics`` would serve (``MultiProcessCollector`` over ``$PROMETHEUS_MULTIPROC_DIR``) and
 checks every series against sizes and byte counts computed here from the batch shapes.
@@ -34,7 +34,6 @@ LABELS = {"model_name": "tiny-dsa", "engine_type": "prefill", "tp_rank": "0"}
 
 
 def _rank(rank: int, world: int, _cfg: dict) -> dict:
-    from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
     from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.mem_cache.kv_cache_configurator import _InitializedPools
@@ -45,6 +44,7 @@ def _rank(rank: int, world: int, _cfg: dict) -> dict:
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
     from sglang_cp_shared_kv.srt.sglang_wiring import metrics
+    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import prepare_forward
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
     kwargs = dict(
@@ -76,7 +76,7 @@ def _rank(rank: int, world: int, _cfg: dict) -> dict:
     logging.getLogger(metrics.__name__).addHandler(handler)
     logging.getLogger(metrics.__name__).setLevel(logging.INFO)
     built = _InitializedPools(req_to_token_pool=None, token_to_kv_pool=pool, token_to_kv_pool_allocator=allocator)
-    metrics.report_pools(built, None)
+    metrics.report_pools(built.token_to_kv_pool, built.token_to_kv_pool_allocator)
     out["logged"] = logged
 
     req_to_token = torch.zeros((4, 8 * PS), dtype=torch.int32)
@@ -98,7 +98,7 @@ def _rank(rank: int, world: int, _cfg: dict) -> dict:
             rids=[f"req-{r}" for r in range(len(pages))],
             extend_prefix_lens_cpu=prefix_lens,
         )
-        assert metrics.observe_batch(prepare_kv_shard_forward, pool, req_to_token, fb)
+        assert prepare_forward(pool, req_to_token, fb)
         for layer in range(LAYERS):
             pool.get_key_buffer(layer)  # the layer's view, gathered from the owners at its first read
 
@@ -122,7 +122,9 @@ def _rank(rank: int, world: int, _cfg: dict) -> dict:
     admitted = []
     for prefix_len in (4 * PS, 6 * PS):
         reserved = PrefillAdder._kv_shard_reserve_scratch(adder, prefix_len, PS)
-        admitted.append(metrics.count_deferral(reserved, adder, prefix_len, PS))
+        if not reserved:
+            metrics.count_deferral(adder)
+        admitted.append(reserved)
     out["admitted"] = admitted
     return out
 

@@ -61,8 +61,7 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
-    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import hint_shared_prefix, name_batch_requests
+    from sglang_cp_shared_kv.srt.sglang_wiring.hooks import hint_shared_prefix, missing_hooks
 
     out: dict = {"patched": INIT_NEW in HookRegistry._patched, "missing": missing_hooks()}
     out["still_classmethod"] = isinstance(ForwardBatch.__dict__["init_new"], classmethod)
@@ -106,8 +105,8 @@ def _worker(model_dir: str) -> None:
     runner = SimpleNamespace(token_to_kv_pool=pool)  # what the hook reads of SGLang's model runner
 
     def handed(fb) -> tuple:
-        """What the prepare_kv_shard_forward hook hands the pool's next begin for ``fb``."""
-        name_batch_requests(pool, req_to_token.req_to_token, fb)
+        """What prepare_kv_shard_forward hands the pool's next begin for ``fb``."""
+        pool.name_next_batch(fb.rids, fb.extend_prefix_lens_cpu)
         rids, pairs = pool.next_batch
         return [list(p) for p in pairs] if pairs is not None else None, list(rids) if rids is not None else None
 
@@ -207,7 +206,6 @@ def _rank(rank: int, world: int) -> dict:
     os.environ.pop("SGLANG_DEBUG_CP_SHARED_KV", None)
     from types import SimpleNamespace
 
-    from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.runtime_context import get_parallel
@@ -215,7 +213,7 @@ def _rank(rank: int, world: int) -> dict:
 
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import SharedPrefixError
-    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import SharedPrefixHint, name_batch_requests
+    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import SharedPrefixHint, prepare_forward
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
     kwargs = _dsa_kwargs(1, fp8=False)
@@ -250,8 +248,7 @@ def _rank(rank: int, world: int) -> dict:
                 seq_lens_cpu=seq_lens,
                 rids=rids,
             )
-            name_batch_requests(pool, req_to_token, fb)  # the hook SGLang runs first
-            assert prepare_kv_shard_forward(pool, req_to_token, fb) is True
+            assert prepare_forward(pool, req_to_token, fb) is True
             write(torch.cat([locs(p, n)[q:] for p, q, n in zip(pages, prefix_lens, seq_lens)]), seed=7)
             every = [locs(p, n).long() for p, n in zip(pages, seq_lens)]
             view = pool.get_key_buffer(0)

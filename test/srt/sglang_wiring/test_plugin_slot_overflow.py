@@ -29,7 +29,6 @@ def _rank(rank: int, world: int, device: str) -> dict:
     os.environ.pop("SGLANG_DEBUG_CP_SHARED_KV", None)
     from types import SimpleNamespace
 
-    from sglang.srt.layers.attention.kv_shard_hooks import prepare_kv_shard_forward
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.runtime_context import get_parallel
@@ -37,7 +36,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
 
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
-    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import name_batch_requests
+    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import prepare_forward
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
     kwargs = {**_dsa_kwargs(1, fp8=False), "device": device}
@@ -67,8 +66,7 @@ def _rank(rank: int, world: int, device: str) -> dict:
                 seq_lens_cpu=seq_lens,
                 rids=rids,
             )
-            name_batch_requests(pool, req_to_token, fb)  # the hook SGLang runs first
-            assert prepare_kv_shard_forward(pool, req_to_token, fb) is True
+            assert prepare_forward(pool, req_to_token, fb) is True
             new = torch.cat([locs(p, n)[q:] for p, q, n in zip(pages, prefix_lens, seq_lens)])
             write(new, seed=7)
             every = [locs(p, n).long() for p, n in zip(pages, seq_lens)]

@@ -114,7 +114,7 @@ def _server_rank(_rank: int, _world: int, model_root: str, context: int, chunk: 
     logging.getLogger(view_arena.__name__).setLevel(logging.INFO)
     with get_parallel().override(attn_cp_rank=3, attn_cp_size=8, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
         mode = view_arena.read_mode_for(kvc)
-        arena = view_arena.charge_arena(None, kvc)
+        arena = view_arena.charge_arena(kvc)
     return {"prefetch": mode.prefetch, "describe": mode.describe(), "logged": logged, "arena": arena}
 
 

@@ -36,7 +36,3 @@ def reconnect_new_sockets(original, mgr, endpoint: str, is_ipv6: bool = False):
             sock.connect(endpoint)
             ready[endpoint] = sock
     return sock
-
-
-_COMMON = "sglang.srt.disaggregation.common.conn"
-HOOKS = [(f"{_COMMON}.CommonKVManager._connect", reconnect_new_sockets, "around")]

@@ -2,20 +2,21 @@
 "Manifest").
 
 A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP; the flag
-means "expect CP shared-KV manifests" (``transfer.attach_manifest``). Three hooks check them:
+means "expect CP shared-KV manifests" (``transfer.manifest_frames``). Three functions check them:
 
-- ``arm_manifest_check`` (wraps ``CommonKVReceiver.send_metadata``): before the destination pages leave,
-  the request gets a ``ManifestCollector`` over ``len(kv_indices)`` pages, expecting as many senders as
-  SGLang's own success count.
-- ``check_status_message`` (wraps ``CommonKVManager.parse_kv_status_message``, on the decode thread,
-  before SGLang counts the status): a Success passes only if the collector accepts its manifest, so
-  SGLang's N successes, its only condition for ``KVPoll.Success``, are reached exactly when the collector
-  is complete. Otherwise the status is held back until every expected sender has reported (no prefill
-  rank still writes into the request's pages), then turned into ``KVPoll.Failed`` with a one-line reason.
+- ``arm_manifest_check`` (as ``CommonKVReceiver.send_metadata`` begins): before the destination pages
+  leave, the request gets a ``ManifestCollector`` over its pages, expecting as many senders as SGLang's
+  own success count.
+- ``check_status_message`` (on what ``CommonKVManager.parse_kv_status_message`` returns, on the decode
+  thread, before SGLang counts the status): a Success passes only if the collector accepts its manifest,
+  so SGLang's N successes, its only condition for ``KVPoll.Success``, are reached exactly when the
+  collector is complete. Otherwise the status is held back until every expected sender has reported (no
+  prefill rank still writes into the request's pages), then turned into ``KVPoll.Failed`` with a
+  one-line reason.
 - ``forget_room`` (after ``CommonKVReceiver.clear``) drops the request's collector.
 
 A rank that never reports is left to SGLang's waiting timeout. Other statuses pass through unchanged;
-with the flag off, or in a prefill process, each hook only calls SGLang's step.
+with the flag off, or in a prefill process, nothing is checked.
 """
 
 from __future__ import annotations
@@ -50,15 +51,16 @@ class RoomCheck:
     logged: bool = False  # the error logged and counted (once per request)
 
 
-def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
-    """Wraps ``CommonKVReceiver.send_metadata``: open the request's collector first."""
+def arm_manifest_check(receiver, n_pages: int) -> None:
+    """Before ``CommonKVReceiver.send_metadata`` sends a request's ``n_pages`` destination pages: open the
+    request's collector."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = receiver.kv_mgr
     info = getattr(receiver, "prefill_info", None)
     if manager_enabled(mgr, "decode") and info is not None and receiver.conclude_state != KVPoll.Failed:
         room = receiver.bootstrap_room
-        collector = ManifestCollector(str(room), len(kv_indices), info.attn_cp_size, latent_page_bytes(mgr.kv_args))
+        collector = ManifestCollector(str(room), n_pages, info.attn_cp_size, latent_page_bytes(mgr.kv_args))
         check = RoomCheck(collector, senders=int(info.required_prefill_response_num))
         if check.senders != info.attn_cp_size:
             check.error = (
@@ -67,7 +69,6 @@ def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
             )
         with _LOCK:
             state_of(mgr).checks[room] = check
-    return original(receiver, kv_indices, *args, **kwargs)
 
 
 def read_manifest(msg: list[bytes], prefill_rank: int) -> tuple[int, cm.Manifest]:
@@ -113,12 +114,12 @@ def _judge(check: RoomCheck, msg: list[bytes], room: int, prefill_rank: int) -> 
         check.error = str(e)
 
 
-def check_status_message(original, mgr, msg):
-    """Wraps ``CommonKVManager.parse_kv_status_message`` (decode thread, flag on): SGLang's parse, but a refused
-    manifest's Success is ``None`` (ignored) until every sender reported, then a Failed with the reason."""
+def check_status_message(mgr, msg: list[bytes], parsed):
+    """What a decode's ``CommonKVManager.parse_kv_status_message`` returns for ``msg`` with the flag on: its
+    ``parsed`` status, but a refused manifest's Success is ``None`` (ignored) until every sender reported,
+    then a Failed with the reason."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    parsed = original(mgr, msg)
     if parsed is None or parsed[1] != KVPoll.Success or not manager_enabled(mgr, "decode"):
         return parsed
     room, _status, prefill_rank, _reason = parsed
@@ -145,18 +146,10 @@ def check_status_message(original, mgr, msg):
         return room, failed, prefill_rank, f"{FLAG}: manifest check failed: {check.error}".replace("\n", " ")
 
 
-def forget_room(_result, receiver) -> None:
-    """Runs after ``CommonKVReceiver.clear``: drop the request's collector."""
+def forget_room(receiver) -> None:
+    """After ``CommonKVReceiver.clear``: drop the request's collector."""
     state = state_if_any(receiver.kv_mgr)
     checks = state.checks if state is not None else None
     if checks:
         with _LOCK:
             checks.pop(receiver.bootstrap_room, None)
-
-
-_COMMON = "sglang.srt.disaggregation.common.conn"
-HOOKS = [
-    (f"{_COMMON}.CommonKVReceiver.send_metadata", arm_manifest_check, "around"),
-    (f"{_COMMON}.CommonKVManager.parse_kv_status_message", check_status_message, "around"),
-    (f"{_COMMON}.CommonKVReceiver.clear", forget_room, "after"),
-]

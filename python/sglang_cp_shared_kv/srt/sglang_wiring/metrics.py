@@ -19,7 +19,7 @@ from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import is_cp_shared_pool, serves_arena
+from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import serves_arena
 
 logger = logging.getLogger(__name__)
 
@@ -180,41 +180,18 @@ def startup_line(pool: Any, allocator: Any) -> str:
 # -- at SGLang's call sites --
 
 
-def report_pools(result, _configurator, **_kwargs):
-    """Runs after ``KVCacheConfigurator._init_pools``: the startup line and the start-up sizes."""
-    pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
-    if not is_cp_shared_pool(pool):
-        return result
+def report_pools(pool, allocator) -> None:
+    """Once a CP-shared pool and its allocator are built: the startup line and the start-up sizes."""
     logger.info(startup_line(pool, allocator))
     metrics = get()
     if metrics is not None:
         metrics.pools_built(pool, allocator)
-    return result
 
 
-def observe_batch(original, pool, req_to_token, forward_batch):
-    """Wraps ``prepare_kv_shard_forward``: the previous batch's bytes, this batch's arena share, overflows."""
-    metrics = get() if is_cp_shared_pool(pool) else None
-    if metrics is None:
-        return original(pool, req_to_token, forward_batch)
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
-
-    metrics.batch_done(pool.read.counters)  # every layer of the previous batch has read its view
-    try:
-        extend = original(pool, req_to_token, forward_batch)
-    except SlotOverflowError:
-        metrics.series(metrics.slot_overflows).inc()
-        raise
-    if extend:
-        metrics.batch_begun(pool)
-    return extend
-
-
-def count_deferral(reserved: bool, adder, *_args, **_kwargs) -> bool:
-    """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: a request held back by the view arena."""
-    if not reserved and serves_arena(adder.token_to_kv_pool_allocator):
+def count_deferral(adder) -> None:
+    """``PrefillAdder._kv_shard_reserve_scratch`` deferred a request: count it if the view arena held it back."""
+    if serves_arena(adder.token_to_kv_pool_allocator):
         _count("arena_deferrals")
-    return reserved
 
 
 def count_manifest_rejection() -> None:
@@ -227,10 +204,3 @@ def _count(counter: str) -> None:
     metrics = get()
     if metrics is not None:
         metrics.series(getattr(metrics, counter)).inc()
-
-
-HOOKS = [
-    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools", report_pools, "after"),
-    ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", observe_batch, "around"),
-    ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", count_deferral, "after"),
-]

@@ -1,17 +1,17 @@
 """Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
 
-With ``--enable-cp-shared-kv`` on and a target (not a draft) pool, ``build_dsa_kv_pool`` /
-``build_mla_kv_pool`` run SGLang's builder with the CP-shared pool class (every size, dtype and layer decision stays
-SGLang's); ``build_allocator`` builds SGLang's owner-rotating ``PageInterleavePoolAllocator`` over it with
-our view arena's ``PageShardSpec`` (its admission keeps every prefill batch inside the arena), then turns
-on sharded transfer (``transfer``); ``check_built_pools`` refuses a pool or allocator that is not the CP-shared one.
+With ``--enable-cp-shared-kv`` on and a target (not a draft) pool, SGLang's DSA / MLA builder builds
+``cp_shared_pool_class`` in place of its own class; ``build_allocator`` builds SGLang's owner-rotating
+``PageInterleavePoolAllocator`` over it with the view arena's ``PageShardSpec`` (its admission keeps every
+prefill batch inside the arena), then turns on sharded transfer (``transfer``); ``check_built_pools``
+refuses a pool or allocator that is not the CP-shared one.
 
 **Shared prefixes**: only the scheduler's radix tree knows which requests of a batch share prefix pages.
 ``hint_shared_prefix`` (after ``ForwardBatch.init_new``) hands the hint to the pool, keyed by the batch's
 rids and prefix lens (SGLang's eager runner rebuilds the ForwardBatch before the backend begins it);
-``name_batch_requests`` (before ``prepare_kv_shard_forward``) names the batch, whose begin takes the hint
-if it is the hint's. Every CP rank holds the same tree and batches, so every rank plans with the same hint,
-and the read state checks it against the page ids on the device."""
+``prepare_forward`` (SGLang's ``prepare_kv_shard_forward`` for this pool) names the batch, whose begin
+takes the hint if it is the hint's. Every CP rank holds the same tree and batches, so every rank plans
+with the same hint, and the read state checks it against the page ids on the device."""
 
 from __future__ import annotations
 
@@ -20,59 +20,40 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, takewhile
 
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG
 from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import (
-    builds_cp_shared_pool,
     is_cp_shared_pool,
     read_mode_for,
     spec_for,
 )
 
-_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-
 logger = logging.getLogger(__name__)
 
 
-def _swap_pool_class(original, configurator, kwargs: dict, class_arg: str, pool_class: str):
-    """Run SGLang's pool builder, with ``sharded_kv_pool.<pool_class>`` as its ``class_arg`` when the flag is on."""
-    if not builds_cp_shared_pool(configurator):
-        return original(configurator, **kwargs)
+def cp_shared_pool_class(kind: str) -> type:
+    """The CP-shared subclass of SGLang's ``"dsa"`` or ``"mla"`` pool, built in its place by SGLang's builder
+    (every size, dtype and layer decision stays SGLang's)."""
     from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
-    pool = original(configurator, **{**kwargs, class_arg: getattr(sharded_kv_pool, pool_class)})
-    if not is_cp_shared_pool(pool):
-        raise RuntimeError(
-            f"{FLAG}: SGLang built a {type(pool).__name__} instead of the CP-shared pool "
-            "(a pool-selecting option the startup checks do not know about is on)"
-        )
-    return pool
+    return {"dsa": sharded_kv_pool.CPSharedDSATokenToKVPool, "mla": sharded_kv_pool.CPSharedMLATokenToKVPool}[kind]
 
 
-def build_dsa_kv_pool(original, configurator, **kwargs):
-    return _swap_pool_class(original, configurator, kwargs, "dsa_pool_class", "CPSharedDSATokenToKVPool")
-
-
-def build_mla_kv_pool(original, configurator, **kwargs):
-    return _swap_pool_class(original, configurator, kwargs, "mla_pool_class", "CPSharedMLATokenToKVPool")
-
-
-def build_allocator(original, configurator, **kwargs):
-    pool = kwargs.get("token_to_kv_pool")
-    if not is_cp_shared_pool(pool) or kwargs.get("token_to_kv_pool_allocator") is not None:
-        return original(configurator, **kwargs)
+def build_allocator(configurator, pool, max_total_num_tokens: int):
+    """SGLang's owner-rotating ``PageInterleavePoolAllocator`` over a CP-shared ``pool``, its admission held to
+    the view arena; the arena attached to the pool; SGLang's Mooncake sender switched to its sharded path."""
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.runtime_context import get_disagg, get_parallel
 
     spec = spec_for(configurator)
     allocator = PageInterleavePoolAllocator(
-        kwargs["sizes"].max_total_num_tokens,
+        max_total_num_tokens,
         physical_page_size=pool.page_size,
         shard_size=pool.shard_size,
         dtype=configurator.kv_cache_dtype,
         device=configurator.device,
         kvcache=pool,
         need_sort=get_disagg().disaggregation_mode in ("decode", "prefill"),
-        shard_spec=spec,  # SGLang's batch admission against our view arena's regions
+        shard_spec=spec,  # SGLang's batch admission against the view arena's regions
     )
     # The read buffers, once: the bytes view_arena charged to the budget.
     pool.attach_view_arena(spec, read_mode_for(configurator).prefetch)
@@ -83,29 +64,22 @@ def build_allocator(original, configurator, **kwargs):
     return allocator
 
 
-def check_built_pools(result, configurator, **_kwargs):
-    """Runs after ``KVCacheConfigurator._init_pools``: with the flag on, refuse a pool or allocator not CP-shared."""
-    if not builds_cp_shared_pool(configurator):
-        return result
+def check_built_pools(pool, allocator) -> None:
+    """Refuse a pool or allocator that is not the CP-shared one (``CPSharedKVStartupError``)."""
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
-    from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, hook_rejections
+    from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError
 
-    lines = hook_rejections()  # as a plugin: a line if SGLang did not install one of its hooks
-    pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
     if not is_cp_shared_pool(pool):
-        lines.append(
+        raise CPSharedKVStartupError(
             f"{FLAG}: SGLang built a {type(pool).__name__}, not the CP-shared pool (a pool-selecting option "
             "the startup checks do not know about is on); drop that option or the flag."
         )
-    elif not isinstance(allocator, PageInterleavePoolAllocator) or allocator.get_kvcache() is not pool:
-        lines.append(
+    if not isinstance(allocator, PageInterleavePoolAllocator) or allocator.get_kvcache() is not pool:
+        raise CPSharedKVStartupError(
             f"{FLAG}: SGLang built a {type(allocator).__name__} over the CP-shared pool, not the owner-rotating "
             "PageInterleavePoolAllocator; drop the option that selects it or the flag."
         )
-    if lines:
-        raise CPSharedKVStartupError("\n".join(lines))
-    return result
 
 
 @dataclass(frozen=True)
@@ -213,32 +187,37 @@ def batch_shared_prefix(
     return SharedPrefixHint(tuple(rids), tuple(int(p) for p in prefix_lens), tuple(pairs))
 
 
-def hint_shared_prefix(result, cls, batch, model_runner, *_args, **_kwargs):
-    """Runs after ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint (``None``: no sharing)
-    to a CP-shared pool. Every extend batch replaces it, so a hint never outlives the next batch."""
-    pool = getattr(model_runner, "token_to_kv_pool", None)
-    if not is_cp_shared_pool(pool) or not runtime_enabled():
-        return result
-    if result.forward_mode.is_extend_or_draft_extend_or_mixed():
-        pool.expect_shared_prefix(
-            batch_shared_prefix(batch, result.rids, result.extend_prefix_lens_cpu, pool.page_size)
-        )
-    return result
+def hint_shared_prefix(forward_batch, batch, pool) -> None:
+    """After ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint (``None``: no sharing) to a
+    CP-shared ``pool``. Every extend batch replaces it, so a hint never outlives the next batch."""
+    if forward_batch.forward_mode.is_extend_or_draft_extend_or_mixed():
+        hint = batch_shared_prefix(batch, forward_batch.rids, forward_batch.extend_prefix_lens_cpu, pool.page_size)
+        pool.expect_shared_prefix(hint)
 
 
-def name_batch_requests(pool, req_to_token, forward_batch) -> None:
-    """Give a CP-shared pool the batch's request ids (for errors) and its shared-prefix hint before SGLang's
-    backend begins the batch (a hook that runs first: ``metrics`` holds the one around the call)."""
-    if is_cp_shared_pool(pool):
-        rids = getattr(forward_batch, "rids", None)
-        pool.name_next_batch(rids, getattr(forward_batch, "extend_prefix_lens_cpu", None))
+def prepare_forward(pool, req_to_token, forward_batch) -> bool:
+    """``prepare_kv_shard_forward`` for a CP-shared ``pool``: name the batch (request ids for errors, the
+    shared-prefix hint if it is the hint's batch), begin or end its read state, and record its metrics.
+    Returns whether the batch is an extend."""
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
+    from sglang_cp_shared_kv.srt.sglang_wiring import metrics
 
-
-HOOKS = [
-    (f"{_CONFIGURATOR}._build_dsa_kv_pool", build_dsa_kv_pool, "around"),
-    (f"{_CONFIGURATOR}._build_mla_kv_pool", build_mla_kv_pool, "around"),
-    (f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, "around"),
-    (f"{_CONFIGURATOR}._init_pools", check_built_pools, "after"),
-    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", hint_shared_prefix, "after"),
-    ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", name_batch_requests, "before"),
-]
+    prefix_lens, seq_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.seq_lens_cpu
+    pool.name_next_batch(getattr(forward_batch, "rids", None), prefix_lens)
+    observed = metrics.get()
+    if observed is not None:
+        observed.batch_done(pool.read.counters)  # every layer of the previous batch has read its view
+    if not forward_batch.forward_mode.is_extend_or_draft_extend_or_mixed():
+        pool.end_shard_extend()
+        return False
+    if forward_batch.req_pool_indices is None or prefix_lens is None or seq_lens is None:
+        raise RuntimeError("KV-sharded attention requires request indices and CPU length metadata")
+    try:
+        pool.begin_shard_extend(req_to_token, forward_batch.req_pool_indices, prefix_lens, seq_lens)
+    except SlotOverflowError:
+        if observed is not None:
+            observed.series(observed.slot_overflows).inc()
+        raise
+    if observed is not None:
+        observed.batch_begun(pool)
+    return True

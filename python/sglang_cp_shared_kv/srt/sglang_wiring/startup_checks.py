@@ -1,21 +1,14 @@
 """Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
 
-Two checks wrap existing resolution steps, each taking SGLang's step as an argument: flag-only checks
-(:func:`flag_rejections`) with ``validate_prefill_cp_platform``, before model resolution and the dummy-model
-early return; model and resolved-value checks (:func:`resolved_rejections`) with ``handle_kv_cache_sharding``,
-after page size, attention backends and CP topology are resolved, and again (idempotent) over the final view.
+Two checks run after existing resolution steps, with the flag on: flag-only checks
+(:func:`early_check`) after ``validate_prefill_cp_platform``, before model resolution and the dummy-model
+early return; model and resolved-value checks (:func:`resolved_check`) after ``handle_kv_cache_sharding``,
+once page size, attention backends and CP topology are resolved, and again (idempotent) over the final view.
 
 Every rejection is one line naming the offending flag and the fix; all of a configuration's rejections are
-raised together in one ``CPSharedKVStartupError`` (a ``ValueError``).
-On a command line (the flag's argparse action installs it) such an error prints as its lines alone, without a traceback.
-With the flag off both only call SGLang's step.
-
-Before anything else, with the flag on: the installed SGLang must be a version the hooks were checked
-against (``SGLANG_VERSIONS``; ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` overrides, with a WARNING), every hook
-the plugin registered must be installed in this process (SGLang's ``HookRegistry`` logs a target it
-cannot install and goes on: the server would start with replicated KV), and the model config must be
-readable without the network (a local directory, or a model in the Hugging Face cache),
-since the rest of resolution may download it.
+raised together in one ``CPSharedKVStartupError`` (a ``ValueError``). The first check also requires the
+model config to be readable without the network (a local directory, or a model in the Hugging Face
+cache), since the rest of resolution may download it.
 
 What is accepted is exactly what the pools, their read path and the PD manifest honour (the table in
 ``docs/sglang_plugin.md``): a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA
@@ -27,11 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from typing import Any
 
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM as _INDEX_HEAD_DIM
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +33,6 @@ DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
 # Plain-MLA prefill backends that consume the same contract in 0.5.23.
 MLA_PREFILL_BACKENDS = ("fa3",)
 _DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages on CUDA
-# The SGLang releases whose private functions the hooks were written and tested against.
-SGLANG_VERSIONS = ("0.5.23",)
-ANY_SGLANG_ENV = "SGLANG_CP_SHARED_KV_ANY_SGLANG"
-_version_warned = False
 
 
 class CPSharedKVStartupError(ValueError):
@@ -69,54 +57,6 @@ _KV_CACHE_SHARDING = (
 
 def _not_wired(flag: str, value: Any) -> str:
     return f"{flag} is not set" if value in (None, "null", "") else f"{flag} {value} is not wired"
-
-
-def sglang_version_rejections() -> list[str]:
-    """One line unless SGLang is a version the hooks (on private functions) were checked against; another may
-    shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
-    global _version_warned
-    from sglang.version import __version__ as version
-
-    if version in SGLANG_VERSIONS:
-        return []
-    checked = " or ".join(SGLANG_VERSIONS)
-    if os.environ.get(ANY_SGLANG_ENV) == "1":
-        if not _version_warned:
-            logger.warning(
-                "%s: SGLang %s is installed, the plugin's hooks were checked against SGLang %s only; starting anyway "
-                "because %s=1",
-                FLAG,
-                version,
-                checked,
-                ANY_SGLANG_ENV,
-            )
-            _version_warned = True
-        return []
-    return [
-        _line(
-            f"SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang {checked} only",
-            f"install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk",
-        )
-    ]
-
-
-def hook_rejections() -> list[str]:
-    """The SGLang version line, else one line naming the plugin hooks SGLang did not install here (or none)."""
-    from sglang_cp_shared_kv.srt.sglang_wiring import missing_hooks
-
-    version = sglang_version_rejections()
-    if version:
-        return version  # another version's missing hooks follow from it
-    missing = missing_hooks()
-    if not missing:
-        return []
-    return [
-        _line(
-            f"SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs such a "
-            "failure and goes on, which would leave the KV replicated)",
-            f"run sglang=={SGLANG_VERSIONS[-1]}, whose functions these hooks wrap, or drop the flag",
-        )
-    ]
 
 
 def model_config_rejections(model_path: Any, revision: str | None = None) -> list[str]:
@@ -145,22 +85,6 @@ def model_config_rejections(model_path: Any, revision: str | None = None) -> lis
             f"download it first (huggingface-cli download {path}) or pass its local directory",
         )
     ]
-
-
-def install_clean_exit() -> None:
-    """Print an uncaught ``CPSharedKVStartupError`` as its lines alone (no traceback); others as before."""
-    previous = sys.excepthook
-    if getattr(previous, "_cp_shared_kv", False):
-        return
-
-    def excepthook(exc_type, exc, tb):
-        if issubclass(exc_type, CPSharedKVStartupError):
-            print(str(exc), file=sys.stderr)
-            return
-        previous(exc_type, exc, tb)
-
-    excepthook._cp_shared_kv = True
-    sys.excepthook = excepthook
 
 
 def _is_pow2(n: Any) -> bool:
@@ -460,20 +384,16 @@ def _tree_core_rejections(cfg: Any) -> list[str]:
     return [_line(f"{core.name}={core.get()!r} does not track page-owner rotation", "unset it or set it to python")]
 
 
-def early_check(server_args: Any, previous) -> None:
-    """Wraps ``validate_prefill_cp_platform``."""
-    previous(server_args)
-    if enabled(server_args):
-        from sglang.srt.arg_groups.overrides import resolving_view
+def early_check(server_args: Any) -> None:
+    """After ``validate_prefill_cp_platform``, flag on: the flag-only rules."""
+    from sglang.srt.arg_groups.overrides import resolving_view
 
-        _raise(hook_rejections() + flag_rejections(resolving_view(server_args)))
+    _raise(flag_rejections(resolving_view(server_args)))
 
 
-def resolved_check(server_args: Any, previous) -> None:
-    """Wraps ``handle_kv_cache_sharding`` (which runs twice; this is idempotent)."""
-    previous(server_args)
-    if not enabled(server_args):
-        return
+def resolved_check(server_args: Any) -> None:
+    """After ``handle_kv_cache_sharding`` (which runs twice; this is idempotent), flag on: the model and
+    resolved-value rules."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     cfg = resolving_view(server_args)
@@ -482,9 +402,3 @@ def resolved_check(server_args: Any, previous) -> None:
         return
     _raise(resolved_rejections(server_args) + _tree_core_rejections(cfg))
     _disable_prefill_cuda_graph(server_args)
-
-
-RESOLUTION_HOOKS = [
-    ("validate_prefill_cp_platform", early_check),
-    ("handle_kv_cache_sharding", resolved_check),
-]

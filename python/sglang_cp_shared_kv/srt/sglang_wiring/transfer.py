@@ -10,7 +10,7 @@ created later, takes them; the only later reader, the FlashInfer autotune, then 
 
 The manifest: SGLang's sender never sends positions, so each CP rank records per request the
 logical page at every position (the same on every rank) and the positions it selected
-(``record_sent_share``), and appends them to its Success status message (``attach_manifest``), after the
+(``record_sent_share``), and appends them to its Success status message (``manifest_frames``), after the
 frames SGLang parses: a decode without the flag reads the message as before; a decode running the flag checks them
 before the request is ready (``decode_manifest``).
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
 from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled, local_page, page_owner
-from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled
 from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
 
 logger = logging.getLogger(__name__)
@@ -42,16 +42,16 @@ class SendShareError(AssertionError):
     """A prefill rank's sender selected pages it does not own, or missed some it does."""
 
 
-def check_send_indices(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (debug mode, flag on): each chunk's selection is
-    this rank's owned pages and positions, and the last chunk's tally all the positions it owns."""
-    if not (debug_enabled() and runtime_enabled()):
-        return None
+def check_send_indices(sender, kv_indices, local, positions, is_last: bool) -> None:
+    """After ``CommonKVSender._prepare_send_indices`` selected ``local`` pages at ``positions`` of the chunk's
+    logical pages ``kv_indices`` (debug mode): they are this rank's owned pages and positions, and the last
+    chunk's tally all the positions it owns."""
+    if not debug_enabled():
+        return
     mgr = sender.kv_mgr
     rank, cp_size = mgr.kv_shard_rank, mgr.kv_shard_size
     if cp_size <= 1:
         raise SendShareError(f"{FLAG}: the KV manager is not in sharded mode (kv_shard_size={cp_size})")
-    local, positions, is_last, skip = result
     pages = np.asarray(kv_indices, dtype=np.int64)
     start = sender.curr_idx - len(pages)
     owned = page_owner(pages, cp_size) == rank
@@ -71,7 +71,6 @@ def check_send_indices(result, sender, kv_indices, state_indices=None):
         if sent != expected:
             raise SendShareError(f"{FLAG}: rank {rank} sent positions {sent}, owns {expected}")
         logger.info("%s: room %s rank %d sent %d of %d pages", FLAG, sender.bootstrap_room, rank, len(sent), len(seen))
-    return None
 
 
 @dataclass
@@ -92,46 +91,45 @@ def _sharded_prefill(mgr: Any) -> bool:
     return manager_enabled(mgr, "prefill") and mgr.kv_shard_size > 1
 
 
-def record_sent_share(result, sender, kv_indices, state_indices=None):
-    """Runs after ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill): record the chunk's logical
-    pages (``kv_indices``) and the positions SGLang's filter selected for this rank (what its worker sends)."""
+def record_sent_share(sender, kv_indices, positions) -> None:
+    """After ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill): record the chunk's logical
+    pages (``kv_indices``) and the ``positions`` SGLang's filter selected for this rank (what its worker sends)."""
     mgr = sender.kv_mgr
     if not _sharded_prefill(mgr):
-        return None
+        return
     infos = getattr(mgr, "transfer_infos", {}).get(sender.bootstrap_room)
     if infos and all(getattr(info, "is_dummy", False) for info in infos.values()):
         # Every destination is a dummy (a decode rank that takes nothing from this one): SGLang's transfer
         # worker marks the request Success and sends no status message, so there is no manifest to record.
-        return None
+        return
     pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-    positions = result[1]
     positions = range(positions.start, positions.stop) if isinstance(positions, slice) else positions
     shares = state_of(mgr).shares
     if sender.curr_idx == len(pages):  # the request's first chunk opens its share (a reused room starts over)
         shares[sender.bootstrap_room] = SentShare()
     share = shares.get(sender.bootstrap_room)
     if share is None:  # never opened: the request goes without a manifest and the decode fails it
-        return None
+        return
     share.page_table.extend(pages.tolist())
     share.positions.extend(int(p) for p in positions)
-    return None
 
 
-def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
-    """Runs after ``CommonKVManager._encode_kv_status_message`` (flag on, sharded prefill): a Success carries
-    this rank's manifest, after SGLang's frames (and an empty reason frame where the backend sends none), so
-    the decode's parser reads the status unchanged; a Failed drops the record; WaitingForInput leaves it."""
+def manifest_frames(mgr, bootstrap_room: int, status) -> list[bytes]:
+    """The frames a status message of ``CommonKVManager._encode_kv_status_message`` gets after SGLang's own
+    (flag on, sharded prefill): a Success carries this rank's manifest (after an empty reason frame where the
+    backend sends none), so the decode's parser reads the status unchanged; a Failed drops the record;
+    WaitingForInput leaves it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if not _sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
-        return None
+        return []
     state = state_if_any(mgr)
     share = state.shares.pop(bootstrap_room, None) if state is not None else None
     if status != KVPoll.Success:
-        return None
+        return []
     if share is None:
         logger.warning("%s: room %s concluded with no recorded share; its manifest is missing", FLAG, bootstrap_room)
-        return None
+        return []
     manifest = cm.Manifest(
         request_id=str(bootstrap_room),
         rank=mgr.kv_shard_rank,
@@ -140,11 +138,11 @@ def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
         nbytes=len(share.positions) * latent_page_bytes(mgr.kv_args),
     )
     reason = [] if mgr.kv_status_msg_carries_reason else [b""]
-    return [*parts, *reason, MANIFEST_FRAME, str(mgr.kv_shard_size).encode("ascii"), cm.encode(manifest)]
+    return [*reason, MANIFEST_FRAME, str(mgr.kv_shard_size).encode("ascii"), cm.encode(manifest)]
 
 
-def drop_unsent_share(_result, sender) -> None:
-    """Runs after ``CommonKVSender.clear``: forget a request that will send no Success (a concluded Success keeps
+def drop_unsent_share(sender) -> None:
+    """After ``CommonKVSender.clear``: forget a request that will send no Success (a concluded Success keeps
     its record: the sender may be cleared before the status is encoded) and the debug check's record."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -154,12 +152,3 @@ def drop_unsent_share(_result, sender) -> None:
     state.sent.pop(sender.bootstrap_room, None)
     if sender.conclude_state != KVPoll.Success:
         state.shares.pop(sender.bootstrap_room, None)
-
-
-_COMMON = "sglang.srt.disaggregation.common.conn"
-HOOKS = [
-    (f"{_COMMON}.CommonKVSender._prepare_send_indices", check_send_indices, "after"),
-    (f"{_COMMON}.CommonKVSender._prepare_send_indices", record_sent_share, "after"),
-    (f"{_COMMON}.CommonKVManager._encode_kv_status_message", attach_manifest, "after"),
-    (f"{_COMMON}.CommonKVSender.clear", drop_unsent_share, "after"),
-]

@@ -96,10 +96,9 @@ def spec_for(configurator: Any) -> Any:
     )
 
 
-def charge_arena(original, kvc, **kwargs):
-    """Wraps ``pool_configurator.compute_page_shard_scratch_bytes``: our arena's bytes when the flag is on."""
-    if not builds_cp_shared_pool(kvc):
-        return original(kvc, **kwargs)
+def charge_arena(kvc) -> int:
+    """The view arena's bytes, charged to the KV budget of a configurator that builds a CP-shared pool (in
+    place of SGLang's ``compute_page_shard_scratch_bytes``)."""
     from sglang.srt.mem_cache import page_interleave
 
     spec = spec_for(kvc)
@@ -137,10 +136,10 @@ def serves_arena(allocator) -> bool:
     return get_kvcache is not None and is_cp_shared_pool(get_kvcache())
 
 
-def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
-    """Runs after ``PrefillAdder._kv_shard_reserve_scratch``: say why a request waits for a later batch."""
+def log_deferred(adder, prefix_len: int, extend_len: int) -> None:
+    """``PrefillAdder._kv_shard_reserve_scratch`` deferred a request: say why it waits for a later batch."""
     spec = getattr(adder, "kv_shard_scratch_spec", None)
-    if not reserved and spec is not None and serves_arena(adder.token_to_kv_pool_allocator):
+    if spec is not None and serves_arena(adder.token_to_kv_pool_allocator):
         logger.info(
             "%s: a request (prefix %d, new %d tokens) waits for a later batch: this batch's views would exceed "
             "the view arena (%d prefix + %d chunk tokens; %s raises the prefix part)",
@@ -151,10 +150,3 @@ def log_deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> boo
             spec.chunk_tokens,
             ARENA_CONTEXTS_ENV,
         )
-    return reserved
-
-
-HOOKS = [
-    ("sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes", charge_arena, "around"),
-    ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", log_deferred, "after"),
-]

@@ -1,0 +1,364 @@
+"""How the plugin installs itself in SGLang 0.5.23: every hook, and the checks that they are installed.
+
+The other wiring modules hold plain functions, each called where SGLang would call it had it the flag
+(before, after or instead of one of SGLang's steps, with explicit arguments). This module alone knows about
+wrapping: each hook below adapts one SGLang target to those functions through SGLang's ``HookRegistry``
+(``"before"``, ``"after"``, ``"around"``) or a resolution hook, and passes through unless
+``--enable-cp-shared-kv`` is on.
+
+SGLang 0.5.23 has no API that adds a ``ServerArgs`` field, so the flag rides on two AFTER hooks:
+``ServerArgs.add_cli_args`` adds the argparse option (the launcher loads plugins before it builds its
+parser, so the option shows in ``--help`` and is accepted in a ``--config`` YAML file) and
+``ServerArgs.from_cli_args`` copies the parsed value onto the record's ``__dict__``, which
+``ServerArgs.__reduce__`` carries to spawned scheduler processes. Not covered (documented): ``sglang serve
+--help`` (it prints help before it loads plugins; the flag itself works there) and ``Engine(...)`` keyword
+construction (``ServerArgs(**kwargs)`` rejects unknown fields).
+
+With the flag on, the SGLang version and the installed hooks are checked first (SGLang's registry logs a
+target it cannot wrap and goes on: the server would start with replicated KV).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pkgutil
+import sys
+from typing import Any
+
+from sglang_cp_shared_kv.srt.sglang_wiring import (
+    connector_bounds,
+    connector_sockets,
+    decode_manifest,
+    metrics,
+    pool_hooks,
+    startup_checks,
+    transfer,
+    view_arena,
+)
+from sglang_cp_shared_kv.srt.sglang_wiring.flag import ATTR, FLAG, enabled, manager_enabled, runtime_enabled
+from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError
+
+logger = logging.getLogger(__name__)
+
+# The SGLang releases whose private functions the hooks were written and tested against.
+SGLANG_VERSIONS = ("0.5.23",)
+ANY_SGLANG_ENV = "SGLANG_CP_SHARED_KV_ANY_SGLANG"
+_version_warned = False
+
+_CFG = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_COMMON = "sglang.srt.disaggregation.common.conn"
+
+
+# -- the flag on SGLang's server args --
+
+_HELP = (
+    "Shard the MLA latent + DSA indexer KV cache across the prefill context-parallel ranks: "
+    "each logical page is stored once, on rank (page %% attn-cp-size), instead of on every CP rank. "
+    "On a prefill server: needs --enable-prefill-cp --cp-strategy interleave over N > 1 attention CP ranks and "
+    "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake. On a (non-CP) decode server "
+    "with --disaggregation-mode decode: expect and check the prefill ranks' page manifests (sglang-cp-shared-kv plugin)."
+)
+
+
+class _FlagAction(argparse._StoreTrueAction):
+    """``store_true`` that, when the flag is given, checks that every hook is installed (parsing comes first
+    after SGLang applied them); the rejection prints as its line alone (``install_clean_exit``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        install_clean_exit()
+        lines = hook_rejections()
+        if lines:
+            raise CPSharedKVStartupError("\n".join(lines))
+
+
+def add_flag(_result: None, parser: argparse.ArgumentParser) -> None:
+    """After ``ServerArgs.add_cli_args(parser)``."""
+    if FLAG in parser._option_string_actions:  # the same parser passed twice
+        return
+    parser.add_argument(FLAG, dest=ATTR, action=_FlagAction, default=False, help=_HELP)
+
+
+def copy_flag(server_args: Any, _cls: type, args: argparse.Namespace) -> None:
+    """After ``ServerArgs.from_cli_args(cls, args)``: put the parsed value on the record."""
+    setattr(server_args, ATTR, bool(getattr(args, ATTR, False)))
+
+
+def install_clean_exit() -> None:
+    """Print an uncaught ``CPSharedKVStartupError`` as its lines alone (no traceback); others as before."""
+    previous = sys.excepthook
+    if getattr(previous, "_cp_shared_kv", False):
+        return
+
+    def excepthook(exc_type, exc, tb):
+        if issubclass(exc_type, CPSharedKVStartupError):
+            print(str(exc), file=sys.stderr)
+            return
+        previous(exc_type, exc, tb)
+
+    excepthook._cp_shared_kv = True
+    sys.excepthook = excepthook
+
+
+# -- adapters: SGLang's targets to the plain functions --
+
+
+def startup_early(server_args: Any, previous) -> None:
+    """Wraps the ``validate_prefill_cp_platform`` resolution step."""
+    previous(server_args)
+    if enabled(server_args):
+        startup_checks._raise(hook_rejections())
+        startup_checks.early_check(server_args)
+
+
+def startup_resolved(server_args: Any, previous) -> None:
+    """Wraps the ``handle_kv_cache_sharding`` resolution step."""
+    previous(server_args)
+    if enabled(server_args):
+        startup_checks.resolved_check(server_args)
+
+
+def _pool_builder(kind: str):
+    def build(original, configurator, **kwargs):
+        if view_arena.builds_cp_shared_pool(configurator):
+            kwargs[f"{kind}_pool_class"] = pool_hooks.cp_shared_pool_class(kind)
+        return original(configurator, **kwargs)
+
+    build.__name__ = build.__qualname__ = f"build_{kind}_kv_pool"
+    return build
+
+
+build_dsa_kv_pool = _pool_builder("dsa")
+build_mla_kv_pool = _pool_builder("mla")
+
+
+def build_allocator(original, configurator, **kwargs):
+    pool = kwargs.get("token_to_kv_pool")
+    if not view_arena.is_cp_shared_pool(pool) or kwargs.get("token_to_kv_pool_allocator") is not None:
+        return original(configurator, **kwargs)
+    return pool_hooks.build_allocator(configurator, pool, kwargs["sizes"].max_total_num_tokens)
+
+
+def built_pools(result, configurator, **_kwargs):
+    """After ``KVCacheConfigurator._init_pools``."""
+    if view_arena.builds_cp_shared_pool(configurator):
+        startup_checks._raise(hook_rejections())
+        pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
+        pool_hooks.check_built_pools(pool, allocator)
+        metrics.report_pools(pool, allocator)
+    return result
+
+
+def charge_arena(original, kvc, **kwargs):
+    return view_arena.charge_arena(kvc) if view_arena.builds_cp_shared_pool(kvc) else original(kvc, **kwargs)
+
+
+def deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
+    """After ``PrefillAdder._kv_shard_reserve_scratch``."""
+    if not reserved:
+        view_arena.log_deferred(adder, prefix_len, extend_len)
+        metrics.count_deferral(adder)
+    return reserved
+
+
+def hint_shared_prefix(result, _cls, batch, model_runner, *_args, **_kwargs):
+    """After ``ForwardBatch.init_new``."""
+    pool = getattr(model_runner, "token_to_kv_pool", None)
+    if view_arena.is_cp_shared_pool(pool) and runtime_enabled():
+        pool_hooks.hint_shared_prefix(result, batch, pool)
+    return result
+
+
+def prepare_forward(original, pool, req_to_token, forward_batch):
+    """Wraps ``prepare_kv_shard_forward``."""
+    if view_arena.is_cp_shared_pool(pool):
+        return pool_hooks.prepare_forward(pool, req_to_token, forward_batch)
+    return original(pool, req_to_token, forward_batch)
+
+
+def sent_share(result, sender, kv_indices, state_indices=None):
+    """After ``CommonKVSender._prepare_send_indices``."""
+    if runtime_enabled():
+        local, positions, is_last, _skip = result
+        transfer.check_send_indices(sender, kv_indices, local, positions, is_last)
+        transfer.record_sent_share(sender, kv_indices, positions)
+    return result
+
+
+def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
+    """After ``CommonKVManager._encode_kv_status_message``."""
+    frames = transfer.manifest_frames(mgr, bootstrap_room, status)
+    return [*parts, *frames] if frames else parts
+
+
+def drop_unsent_share(_result, sender) -> None:
+    """After ``CommonKVSender.clear``."""
+    transfer.drop_unsent_share(sender)
+
+
+def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
+    """Wraps ``CommonKVReceiver.send_metadata``."""
+    decode_manifest.arm_manifest_check(receiver, len(kv_indices))
+    return original(receiver, kv_indices, *args, **kwargs)
+
+
+def check_status_message(original, mgr, msg):
+    """Wraps ``CommonKVManager.parse_kv_status_message``."""
+    parsed = original(mgr, msg)
+    return decode_manifest.check_status_message(mgr, msg, parsed)
+
+
+def forget_room(_result, receiver) -> None:
+    """After ``CommonKVReceiver.clear``."""
+    decode_manifest.forget_room(receiver)
+
+
+def bounds_of(mgr: Any) -> connector_bounds.RoomBounds:
+    """The manager's ``RoomBounds`` (made on first use)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
+
+    state = state_of(mgr)
+    if state.bounds is None:
+        state.bounds = connector_bounds.RoomBounds(connector_bounds.window_s())
+    return state.bounds
+
+
+def guard_update_status(original, mgr, bootstrap_room, status):
+    """Wraps ``CommonKVManager.update_status`` (prefill managers)."""
+    if manager_enabled(mgr, "prefill") and not connector_bounds.admit_status(
+        bounds_of(mgr), mgr, bootstrap_room, status
+    ):
+        return None
+    return original(mgr, bootstrap_room, status)
+
+
+def close_room(original, sender):
+    """Wraps ``CommonKVSender.clear``: only the room's owner closes it (a duplicate sender under a deferred
+    bootstrap clears nothing)."""
+    mgr = sender.kv_mgr
+    if not manager_enabled(mgr, "prefill"):
+        return original(sender)
+    owner = mgr.deferred_bootstrap is None or sender._owns_bootstrap_room
+    result = original(sender)
+    if owner:
+        connector_bounds.room_cleared(bounds_of(mgr), mgr, sender.bootstrap_room)
+    return result
+
+
+HOOKS = [
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", add_flag, "after"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", copy_flag, "after"),
+    (f"{_CFG}._build_dsa_kv_pool", build_dsa_kv_pool, "around"),
+    (f"{_CFG}._build_mla_kv_pool", build_mla_kv_pool, "around"),
+    (f"{_CFG}._build_token_to_kv_pool_allocator", build_allocator, "around"),
+    (f"{_CFG}._init_pools", built_pools, "after"),
+    ("sglang.srt.model_executor.pool_configurator.compute_page_shard_scratch_bytes", charge_arena, "around"),
+    ("sglang.srt.managers.schedule_policy.PrefillAdder._kv_shard_reserve_scratch", deferred, "after"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", hint_shared_prefix, "after"),
+    ("sglang.srt.layers.attention.kv_shard_hooks.prepare_kv_shard_forward", prepare_forward, "around"),
+    (f"{_COMMON}.CommonKVSender._prepare_send_indices", sent_share, "after"),
+    (f"{_COMMON}.CommonKVManager._encode_kv_status_message", attach_manifest, "after"),
+    (f"{_COMMON}.CommonKVSender.clear", drop_unsent_share, "after"),
+    (f"{_COMMON}.CommonKVReceiver.send_metadata", arm_manifest_check, "around"),
+    (f"{_COMMON}.CommonKVManager.parse_kv_status_message", check_status_message, "around"),
+    (f"{_COMMON}.CommonKVReceiver.clear", forget_room, "after"),
+    (f"{_COMMON}.CommonKVManager.update_status", guard_update_status, "around"),
+    (f"{_COMMON}.CommonKVSender.clear", close_room, "around"),
+    (f"{_COMMON}.CommonKVManager._connect", connector_sockets.reconnect_new_sockets, "around"),
+]
+RESOLUTION_HOOKS = [
+    ("validate_prefill_cp_platform", startup_early),
+    ("handle_kv_cache_sharding", startup_resolved),
+]
+
+
+# -- installed here? --
+
+
+def sglang_version_rejections() -> list[str]:
+    """One line unless SGLang is a version the hooks (on private functions) were checked against; another may
+    shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
+    global _version_warned
+    from sglang.version import __version__ as version
+
+    if version in SGLANG_VERSIONS:
+        return []
+    checked = " or ".join(SGLANG_VERSIONS)
+    if os.environ.get(ANY_SGLANG_ENV) == "1":
+        if not _version_warned:
+            logger.warning(
+                "%s: SGLang %s is installed, the plugin's hooks were checked against SGLang %s only; starting anyway "
+                "because %s=1",
+                FLAG,
+                version,
+                checked,
+                ANY_SGLANG_ENV,
+            )
+            _version_warned = True
+        return []
+    return [
+        f"{FLAG}: SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang "
+        f"{checked} only; install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk."
+    ]
+
+
+def _wraps(target: str, hook: object) -> bool:
+    """Whether the callable now at ``target`` is a HookRegistry wrapper chain that calls ``hook``."""
+    obj_path, attr = target.rsplit(".", 1)
+    try:
+        obj = pkgutil.resolve_name(obj_path)
+    except Exception:  # the module or class is gone: nothing was installed
+        return False
+    fn = obj.__dict__.get(attr) if isinstance(obj, type) else getattr(obj, attr, None)
+    fn = getattr(fn, "__func__", fn)  # a classmethod / staticmethod wrapper
+    for _ in range(64):  # the chain of wrappers, innermost last
+        if fn is None:
+            return False
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # an empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def missing_hooks() -> list[str]:
+    """The targets (and resolution steps) of ``register`` not installed here: installed means marked patched,
+    and the callable there wraps this plugin's hook."""
+    from sglang.srt.arg_groups.resolution_hooks import _HOOKS
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    missing = [t for t, hook, _ in HOOKS if t not in HookRegistry._patched or not _wraps(t, hook)]
+    missing += [f"resolution step {step}" for step, check in RESOLUTION_HOOKS if check not in _HOOKS.get(step, [])]
+    return list(dict.fromkeys(missing))
+
+
+def hook_rejections() -> list[str]:
+    """The SGLang version line, else one line naming the hooks SGLang did not install here (or none)."""
+    version = sglang_version_rejections()
+    if version:
+        return version  # another version's missing hooks follow from it
+    missing = missing_hooks()
+    if not missing:
+        return []
+    return [
+        f"{FLAG}: SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs "
+        f"such a failure and goes on, which would leave the KV replicated); run sglang=={SGLANG_VERSIONS[-1]}, "
+        "whose functions these hooks wrap, or drop the flag."
+    ]
+
+
+def register() -> None:
+    """Install every hook: the flag, the startup checks, the pools and allocator, the transfer and decode checks."""
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND}
+    for target, hook, kind in HOOKS:
+        HookRegistry.register(target, hook, kinds[kind])
+    for step, check in RESOLUTION_HOOKS:
+        register_resolution_hook(step)(check)

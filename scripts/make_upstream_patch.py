@@ -41,6 +41,7 @@ DEFAULT_OUT = ROOT / "dist" / "upstream"
 # Where each of our modules lives in SGLang: (our module or package prefix, SGLang's), first match
 # wins. A package prefix ends with "." and maps every module under it.
 HOMES: list[tuple[str, str]] = [
+    ("srt.environ", "srt.environ"),  # its fields join SGLang's Envs (ENV_FIELDS_AFTER), not a file of its own
     ("srt.sglang_wiring.flag", "srt.arg_groups.cp_shared_kv_flag"),
     ("srt.sglang_wiring.startup_checks", "srt.arg_groups.cp_shared_kv_checks"),
     ("srt.sglang_wiring.sharded_kv_pool", "srt.mem_cache.cp_shared_kv.sharded_kv_pool"),
@@ -657,6 +658,23 @@ SITES: list[Site] = [
 
 # The flag itself, in SGLang's parallel argument group (replaces the plugin's add_cli_args /
 # from_cli_args hooks: a field of ServerArgs is parsed, copied and pickled like any other).
+# Our environment variables, declared in SGLang's ``Envs`` beside ``--enable-kv-cache-sharding``'s own
+# (the ``Envs`` body of our ``srt/environ.py``, which reads them the same way without SGLang).
+ENV_MODULE = "srt.environ"
+ENV_FIELDS_AFTER = "    SGLANG_ENABLE_KV_SHARD_ZERO_SM_GATHER = EnvBool(True)\n"
+
+
+def env_fields() -> str:
+    """The body of our ``Envs`` class, as lines of SGLang's."""
+    text = (SRC / "srt" / "environ.py").read_text()
+    body = re.search(r"^class Envs:\n(.*?)\n\n", text, re.MULTILINE | re.DOTALL)
+    if body is None:
+        raise GenerationError(f"{PKG}.{ENV_MODULE}: no class Envs")
+    return body[1] + "\n"
+
+
+SITES.append(Site("ownership", "srt/environ.py", ENV_FIELDS_AFTER, ENV_FIELDS_AFTER + env_fields()))
+
 FLAG_SITES_COVER = [
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "add_flag"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "copy_flag"),
@@ -721,7 +739,7 @@ def prefix_modules(count: int) -> list[str]:
     keys = {c.key for c in COMMITS[:count]}
     mods = []
     for mod, path in shipped_modules().items():
-        if _commit_of(home_file(home(mod), path.name == "__init__.py")) in keys:
+        if mod != ENV_MODULE and _commit_of(home_file(home(mod), path.name == "__init__.py")) in keys:
             mods.append("sglang." + home(mod))
     edited = {s.path for s in SITES if s.commit in keys} | (set(FLAG_FILES) if "flag" in keys else set())
     mods += ["sglang." + p.removesuffix(".py").replace("/", ".") for p in edited]
@@ -958,7 +976,8 @@ def build_series(out: Path) -> list[Path]:
     check_coverage(hooks)
     new_files: dict[str, str] = {}  # repo path -> text
     for mod, path in modules.items():
-        new_files[home_file(home(mod), path.name == "__init__.py")] = module_text(mod, path, modules)
+        if mod != ENV_MODULE:
+            new_files[home_file(home(mod), path.name == "__init__.py")] = module_text(mod, path, modules)
     for ours, theirs in TESTS:
         src = find_test(ours)
         new_files[f"test/srt/cp_shared_kv/{theirs}"] = rewrite_imports(src.read_text(), our_modules(), ours)
@@ -1072,7 +1091,9 @@ def check_plain_calls(modules: dict[str, Path], texts: list[str], sglang: Path) 
                 continue
             for arg in [*node.args, *(k.value for k in node.keywords)]:
                 name = arg.attr if isinstance(arg, ast.Attribute) else getattr(arg, "id", None)
-                bad = isinstance(arg, ast.Lambda) or (isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Call))
+                bad = isinstance(arg, ast.Lambda) or (
+                    isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Call)
+                )
                 bad |= name is not None and bool(re.search(rf"^\s*def {name}\(", source, re.MULTILINE))
                 bad |= isinstance(arg, ast.Name) and bool(re.search(rf"\bimport\b[^\n]*\b{name}\b", source))
                 if bad:

@@ -99,7 +99,7 @@ BAD_INPUTS = [
     (["--cp-size", "two"], {}, "argument --cp-size: invalid int value: 'two'"),
     (["--requests", "0"], {}, "--requests 0: use 1 or more"),
     ([], {"SGLANG_CP_SHARED_KV_ARENA_CONTEXTS": "0"}, "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS must be an int >= 1"),
-    ([], {"SGLANG_CP_SHARED_KV_PREFETCH": "yes"}, "SGLANG_CP_SHARED_KV_PREFETCH must be an int >= 0"),
+    ([], {"SGLANG_CP_SHARED_KV_PREFETCH": "2"}, 'SGLANG_CP_SHARED_KV_PREFETCH: "2" is not a valid boolean value'),
     ([], {"SGLANG_CP_SHARED_KV_TRANSPORT": "rdma"}, "SGLANG_CP_SHARED_KV_TRANSPORT must be one of"),
 ]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 
@@ -16,14 +15,3 @@ def check_page_size(page_size: Any) -> None:
     """Raise ``ValueError`` unless ``page_size`` is a power of two (page ownership is shift/mask arithmetic)."""
     if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
         raise ValueError(f"page_size must be a power of two, got {page_size!r}")
-
-
-def env_int(name: str, default: int, lo: int) -> int:
-    """The int in ``$name`` (``default`` when unset or blank); a value that is not an int >= ``lo`` raises
-    ``ValueError("<name> must be an int >= <lo>, got '<raw>'")``."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {raw!r}")
-    return int(raw)

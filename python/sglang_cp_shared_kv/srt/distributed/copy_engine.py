@@ -26,13 +26,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import socket
 from collections.abc import Sequence
 
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective, check_pairs
+from sglang_cp_shared_kv.srt.environ import envs
 
 logger = logging.getLogger(__name__)
 
@@ -481,7 +481,7 @@ class CopyEngineGroup:
 
 
 PULL_CACHE_SIZE = 16  # sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets)
-TRANSPORT_ENV = "SGLANG_CP_SHARED_KV_TRANSPORT"
+TRANSPORT_ENV = envs.SGLANG_CP_SHARED_KV_TRANSPORT.name
 TRANSPORTS = ("auto", "copy_engine", "nccl")
 
 
@@ -489,7 +489,7 @@ def transport_setting(setting: str | None = None) -> str:
     """``setting``, else ``$SGLANG_CP_SHARED_KV_TRANSPORT``: ``auto`` (default: copy engines when every CP rank
     is on this node, else the CP group's collectives), ``copy_engine`` (required: an error where it cannot
     run) or ``nccl`` (the CP group's collectives, never copy engines)."""
-    raw = setting or os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+    raw = setting or envs.SGLANG_CP_SHARED_KV_TRANSPORT.get().strip() or "auto"
     if raw not in TRANSPORTS:
         raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
     return raw

@@ -14,19 +14,17 @@ Physical page 0 of every rank is the trash page: the allocators never hand out l
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from sglang_cp_shared_kv.srt.environ import envs
 from sglang_cp_shared_kv.srt.utils import check_int, check_page_size
-
-_DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 
 
 def debug_enabled() -> bool:
     """Syncing diagnostics are opt-in; they are off for every measurement."""
-    return os.environ.get(_DEBUG_ENV, "0") not in ("", "0", "false", "False")
+    return envs.SGLANG_DEBUG_CP_SHARED_KV.get()
 
 
 TRASH_PAGE = 0  # physical page of every rank that foreign rows of a masked store land in

@@ -8,15 +8,18 @@ all-gathers ``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefi
 
 from __future__ import annotations
 
-from sglang_cp_shared_kv.srt.utils import check_int, env_int
+from sglang_cp_shared_kv.srt.environ import envs
+from sglang_cp_shared_kv.srt.utils import check_int
 
-ARENA_CONTEXTS = 2
-ARENA_CONTEXTS_ENV = "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS"
+ARENA_CONTEXTS = envs.SGLANG_CP_SHARED_KV_ARENA_CONTEXTS.default
+ARENA_CONTEXTS_ENV = envs.SGLANG_CP_SHARED_KV_ARENA_CONTEXTS.name
 
 
 def arena_contexts() -> int:
     """``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS`` (an int >= 1), else ``ARENA_CONTEXTS``."""
-    return env_int(ARENA_CONTEXTS_ENV, ARENA_CONTEXTS, 1)
+    contexts = envs.SGLANG_CP_SHARED_KV_ARENA_CONTEXTS.get()
+    check_int(ARENA_CONTEXTS_ENV, contexts, 1)
+    return contexts
 
 
 def ceil_align(x: int, granule: int) -> int:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang_cp_shared_kv.srt.utils import env_int
+from sglang_cp_shared_kv.srt.environ import envs
 
-PREFETCH_ENV = "SGLANG_CP_SHARED_KV_PREFETCH"
+PREFETCH_ENV = envs.SGLANG_CP_SHARED_KV_PREFETCH.name
 LINK_BYTES_PER_US = 370e3  # NVLink 4, one way per GPU (370 GB/s)
 LAYER_FLOOR_US = 6000.0  # the layer's launch-bound floor at few tokens per rank
 US_PER_TOKEN = 3.4
@@ -64,10 +64,8 @@ def modeled_layer_us(tokens_per_rank: int, context_len: int) -> float:
 
 def prefetch_setting() -> bool | None:
     """``$SGLANG_CP_SHARED_KV_PREFETCH``: 1 or 0 sets the mode; unset (None) leaves it to the model."""
-    value = env_int(PREFETCH_ENV, -1, 0)
-    if value > 1:
-        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got '{value}'")
-    return None if value < 0 else bool(value)
+    setting = envs.SGLANG_CP_SHARED_KV_PREFETCH
+    return setting.get() if setting.is_set() else None
 
 
 def choose_read_mode(cp_size: int, context_len: int, chunk_tokens: int, token_bytes: int) -> ReadMode:

@@ -193,11 +193,22 @@ def _setting_rejections() -> list[str]:
     """The feature's environment settings, read here as the pools and their read path read them later, so a bad
     value stops the server at startup instead of in each scheduler once its pool is sized."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
+    from sglang_cp_shared_kv.srt.environ import envs
     from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
-    from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
 
     out = []
-    for read in (arena_contexts, prefetch_setting, transport_setting):
+    settings = (
+        envs.SGLANG_CP_SHARED_KV_TRANSPORT,
+        envs.SGLANG_CP_SHARED_KV_ARENA_CONTEXTS,
+        envs.SGLANG_CP_SHARED_KV_PREFETCH,
+        envs.SGLANG_DEBUG_CP_SHARED_KV,
+    )
+    for setting in settings:  # a value that does not parse would read as the default, with a warning
+        try:
+            setting.parse(os.environ[setting.name]) if setting.is_set() else None
+        except ValueError as e:
+            out.append(_line(f"{setting.name}: {e}", "set a valid value or unset it"))
+    for read in (arena_contexts, transport_setting):
         try:
             read()
         except ValueError as e:

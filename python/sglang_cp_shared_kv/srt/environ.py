@@ -1,0 +1,76 @@
+"""The CP-shared KV cache's environment variables, read as SGLang reads its own: ``envs.NAME.get()``.
+
+In SGLang they are fields of ``sglang.srt.environ.Envs``. Here they are the same fields on a class of the
+same shape (this module imports without SGLang or torch), so each reader is written once for both: a
+variable that is unset reads as its default, and a value that does not parse warns once per read and
+reads as the default, as SGLang's fields do.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+
+class _EnvField:
+    def __init__(self, default: Any):
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def parse(self, value: str) -> Any:
+        raise NotImplementedError
+
+    def is_set(self) -> bool:
+        return self.name in os.environ
+
+    def get(self) -> Any:
+        value = os.environ.get(self.name)
+        if value is None:
+            return self.default
+        try:
+            return self.parse(value)
+        except ValueError as e:
+            warnings.warn(f'Invalid value for {self.name}: {e}, using default "{self.default}"', stacklevel=2)
+            return self.default
+
+
+class EnvStr(_EnvField):
+    def parse(self, value: str) -> str:
+        return value
+
+
+class EnvBool(_EnvField):
+    def parse(self, value: str) -> bool:
+        if value.lower() in ("true", "1", "yes", "y"):
+            return True
+        if value.lower() in ("false", "0", "no", "n"):
+            return False
+        raise ValueError(f'"{value}" is not a valid boolean value')
+
+
+class EnvInt(_EnvField):
+    def parse(self, value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f'"{value}" is not a valid integer value') from None
+
+
+class Envs:
+    # --enable-cp-shared-kv: how each prefill CP rank reads its peers' pages
+    # (auto: copy engines when every CP rank is on this node, else the CP group's
+    # collectives; copy_engine: required; nccl: never copy engines).
+    SGLANG_CP_SHARED_KV_TRANSPORT = EnvStr("auto")
+    # --enable-cp-shared-kv: full contexts of prefix the view arena holds per rank.
+    SGLANG_CP_SHARED_KV_ARENA_CONTEXTS = EnvInt(2)
+    # --enable-cp-shared-kv: build each layer's view one layer ahead (1) or in line
+    # (0); unset, the server's limits decide.
+    SGLANG_CP_SHARED_KV_PREFETCH = EnvBool(False)
+    # --enable-cp-shared-kv: check stored rows, read plans and manifests (syncing).
+    SGLANG_DEBUG_CP_SHARED_KV = EnvBool(False)
+
+
+envs = Envs()

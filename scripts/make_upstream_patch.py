@@ -159,10 +159,12 @@ and the indexer's page layout, the view arena's sizes, and the gloo/NCCL collect
 a batch's views across the CP group. Nothing calls them yet.""",
         ("srt.mem_cache.cp_shared_kv.", "srt.distributed.cp_shared_kv."),
         (
+            "test_cp_shared_kv_ownership.py",
             "test_placement.py",
             "test_kv_formats.py::test_mla_fp8_row_hand_computed",
             "test_kv_formats.py::test_index_k_hand_computed",
         ),
+        (("test_cp_shared_kv_ownership.py", "test/registered/unit/mem_cache/test_cp_shared_kv_ownership.py"),),
     ),
     Commit(
         "views",
@@ -175,7 +177,13 @@ blocks, so the kernels run unchanged on the view. A batch that reads only its cu
 gathered current tensors and moves nothing. Every kernel has a plain-torch reference beside it. A
 small model of the layer and the pull decides whether the views are gathered one layer ahead.""",
         ("srt.layers.attention.dsa.cp_shared_kv.", "srt.mem_cache.cp_shared_kv.read_mode"),
-        ("test_slot_plan.py",),
+        ("test_cp_shared_kv_slot_plan.py", "test_slot_plan.py"),
+        (
+            (
+                "test_cp_shared_kv_slot_plan.py",
+                "test/registered/unit/layers/attention/test_cp_shared_kv_slot_plan.py",
+            ),
+        ),
     ),
     Commit(
         "flag",
@@ -188,9 +196,11 @@ the fix; prefill CUDA graphs are declared off (the read plan runs eagerly). With
 steps run as before; with it on, until the next commit builds the pools, the checks are all it does.""",
         ("srt.arg_groups.cp_shared_kv_flag", "srt.arg_groups.cp_shared_kv_checks"),
         (
+            "test_cp_shared_kv_flag.py",
             "patched_tree_checks.py::test_sglang_is_the_patched_copy_and_the_plugin_is_not_importable",
             "patched_tree_checks.py::test_the_flag_is_a_server_args_field",
         ),
+        (("test_cp_shared_kv_flag.py", "test/registered/unit/arg_groups/test_cp_shared_kv_flag.py"),),
     ),
     Commit(
         "pools",
@@ -212,12 +222,14 @@ from the radix tree through ForwardBatch.init_new.""",
             "srt.mem_cache.cp_shared_kv.view_arena",
         ),
         (
+            "test_cp_shared_kv_read_state.py",
             "patched_tree_checks.py::test_the_sites_call_the_patched_modules",
             "test_plugin_sharded_pool.py::test_sglang_pools_store_exactly_the_owned_rows",
             "test_read_state.py",
             "test_view_arena.py",
             "test_view_arena_size.py",
         ),
+        (("test_cp_shared_kv_read_state.py", "test/registered/unit/mem_cache/test_cp_shared_kv_read_state.py"),),
     ),
     Commit(
         "pd",
@@ -228,15 +240,13 @@ position, and its Success status carries a manifest of those positions. The non-
 collects every rank's manifest before a request is ready and fails it with the reason if they do not
 cover its pages exactly once.""",
         ("srt.disaggregation.mooncake.cp_shared_kv.",),
-        ("test_mooncake_manifest.py",),
-    ),
-    Commit(
-        "tests",
-        "[CP shared KV] tests",
-        """\
-CPU tests of the wiring against SGLang's real classes: the sharded pools store exactly the owned rows
-and serve the same reads as the replicated pool, the read state's memo, the view arena's sizes and
-its charge to the KV budget, the flag on the parser and the startup checks' rejections.""",
+        ("test_cp_shared_kv_manifest.py", "test_mooncake_manifest.py"),
+        (
+            (
+                "test_cp_shared_kv_manifest.py",
+                "test/registered/unit/disaggregation/test_cp_shared_kv_manifest.py",
+            ),
+        ),
     ),
 ]
 
@@ -680,15 +690,6 @@ FLAG_SITES_COVER = [
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "copy_flag"),
 ]
 
-# Our tests that need nothing but SGLang, carried by the series' last commit: (our test file's name,
-# found anywhere under test/, the name it gets in SGLang's test/srt/cp_shared_kv/).
-TESTS: list[tuple[str, str]] = [
-    ("test_read_state.py", "test_read_state.py"),
-    ("test_view_arena.py", "test_view_arena.py"),
-    ("test_placement.py", "test_placement.py"),
-    ("test_view_arena_size.py", "test_view_arena_size.py"),
-]
-
 
 class GenerationError(RuntimeError):
     """The plugin and this script's tables disagree, or SGLang's source is not the one the sites expect."""
@@ -959,7 +960,7 @@ def find_test(name: str) -> Path:
     found = sorted((ROOT / "test").rglob(name))
     if len(found) != 1:
         raise GenerationError(
-            f"{len(found)} test files named {name} under test/: update TESTS in {Path(__file__).name}"
+            f"{len(found)} test files named {name} under test/: update COMMITS in {Path(__file__).name}"
         )
     return found[0]
 
@@ -978,9 +979,6 @@ def build_series(out: Path) -> list[Path]:
     for mod, path in modules.items():
         if mod != ENV_MODULE:
             new_files[home_file(home(mod), path.name == "__init__.py")] = module_text(mod, path, modules)
-    for ours, theirs in TESTS:
-        src = find_test(ours)
-        new_files[f"test/srt/cp_shared_kv/{theirs}"] = rewrite_imports(src.read_text(), our_modules(), ours)
 
     texts = [site_text(site, hooks, modules) for site in SITES]
     check_bisect(new_files, [(site.commit, text) for site, text in zip(SITES, texts)])
@@ -998,10 +996,7 @@ def build_series(out: Path) -> list[Path]:
         _git(repo, "commit", "-q", "-m", f"SGLang {SGLANG_VERSION} (the wheel's Python sources)")
         placed: set[str] = set()
         for commit in COMMITS:
-            if commit.key == "tests":
-                mine = [p for p in new_files if p.startswith("test/")]
-            else:
-                mine = [p for p in new_files if p.startswith("python/") and _commit_of(p) == commit.key]
+            mine = [p for p in new_files if _commit_of(p) == commit.key]
             for rel in mine:
                 dst = repo / rel
                 dst.parent.mkdir(parents=True, exist_ok=True)

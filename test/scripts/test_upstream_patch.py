@@ -155,4 +155,5 @@ def test_every_prefix_of_the_series_imports_and_passes_its_tests(gen, series, tm
     _run_in_tree(gen, tree, tests, CP_SHARED_KV_PREFIX_MODULES=",".join(gen.prefix_modules(count)))
     if count == len(series) and os.environ.get("CP_SHARED_KV_UPSTREAM_FULL") == "1":
         _run_in_tree(gen, tree, [_node(gen, t) for t in FULL])
-        _run_in_tree(gen, tree, [str(tree / "test/srt/cp_shared_kv")])  # the copies, as SGLang would run them
+        carried = [str(tree / theirs) for c in gen.COMMITS for _, theirs in c.carries]
+        _run_in_tree(gen, tree, carried)  # the carried tests, in SGLang's layout

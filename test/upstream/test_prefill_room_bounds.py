@@ -64,11 +64,16 @@ def _destinations_arrive(mgr, room: int) -> None:
 class TestPrefillRoomBounds(CustomTestCase):
     def test_late_destinations_of_a_cleared_room_are_dropped(self):
         mgr = _prefill_manager()
-        CommonKVManager.update_status(mgr, 7, KVPoll.Bootstrapping)  # the sender opens the room
+        CommonKVManager.update_status(
+            mgr, 7, KVPoll.Bootstrapping
+        )  # the sender opens the room
         _destinations_arrive(mgr, 7)
         CommonKVSender.clear(_sender(mgr, 7))
         _destinations_arrive(mgr, 7)  # a late decode
-        self.assertEqual((mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len), ({}, {}, {}))
+        self.assertEqual(
+            (mgr.request_status, mgr.transfer_infos, mgr.req_to_decode_prefix_len),
+            ({}, {}, {}),
+        )
         self.assertEqual(mgr._room_bounds.counts()["late_dropped"], 1)
 
     def test_a_room_no_sender_claims_is_dropped_after_the_window(self):

@@ -32,6 +32,9 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_layout import WIDTH, LayoutError, layout, long_lines  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = "sglang_cp_shared_kv"
 SRC = ROOT / "python" / PKG
@@ -283,7 +286,8 @@ SITES: list[Site] = [
         {import:RoomBounds}
         {import:window_s}
 
-        # A prefill's rooms outlive their request only for a window (late destinations, poison).
+        # A prefill's rooms outlive their request only for a window (late
+        # destinations, poison).
         self._room_bounds = (
             RoomBounds(window_s())
             if disaggregation_mode == DisaggregationMode.PREFILL
@@ -303,7 +307,9 @@ SITES: list[Site] = [
         {import:admit_status}
 
         bounds = self._room_bounds
-        if bounds is not None and not admit_status(bounds, self, bootstrap_room, status):
+        if bounds is not None and not admit_status(
+            bounds, self, bootstrap_room, status
+        ):
             return  # destinations of a cleared room: nobody will send
         current = self.request_status.get(bootstrap_room)
 """,
@@ -318,7 +324,8 @@ SITES: list[Site] = [
 """,
         """\
     def clear(self) -> None:
-        # Only the room's owner closes it (a duplicate sender under a deferred bootstrap clears nothing).
+        # Only the room's owner closes it (a duplicate sender under a deferred
+        # bootstrap clears nothing).
         owner = self.kv_mgr.deferred_bootstrap is None or self._owns_bootstrap_room
         self._clear_room()
         if owner and self.kv_mgr._room_bounds is not None:
@@ -597,7 +604,7 @@ SITES: list[Site] = [
             room_cleared(self.kv_mgr._room_bounds, self.kv_mgr, self.bootstrap_room)
         {import:drop_unsent_share}
 
-        # --enable-cp-shared-kv: a share recorded for a request that never sent is dropped.
+        # --enable-cp-shared-kv: drop a share recorded for a request that never sent.
         drop_unsent_share(self)
 """,
         [(f"{_COMMON}.CommonKVSender.clear", "drop_unsent_share")],
@@ -615,7 +622,7 @@ SITES: list[Site] = [
     ):
         {import:arm_manifest_check}
 
-        # --enable-cp-shared-kv (decode): expect each prefill rank's manifest of these pages.
+        # --enable-cp-shared-kv (decode): expect each prefill rank's manifest.
         arm_manifest_check(self, len(kv_indices))
         if self.bootstrap_infos is None:
 """,
@@ -644,9 +651,10 @@ SITES: list[Site] = [
         "srt/disaggregation/common/conn.py",
         "            sock.setsockopt(zmq.RECONNECT_IVL, -1)\n",
         """\
-            # Retry a connect that fails (the peer not listening yet, or unreachable): with -1 ZMQ never
-            # retries it, reports no disconnect, and this cached socket drops every message sent on it.
-            # A disconnect after a connection still replaces the socket (the monitor below).
+            # Retry a connect that fails (the peer not listening yet, or unreachable):
+            # with -1 ZMQ never retries it, reports no disconnect, and this cached
+            # socket drops every message sent on it. A disconnect after a connection
+            # still replaces the socket (the monitor below).
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
 """,
         [(f"{_COMMON}.CommonKVManager._connect", "reconnect_new_sockets")],
@@ -654,12 +662,22 @@ SITES: list[Site] = [
     Site(
         "pd",
         "srt/disaggregation/mooncake/conn.py",
+        """\
+    def start_decode_thread(self):
+""",
+        """\
+    def start_decode_thread(self):
+        {import:check_status_message}
+
+""",
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/mooncake/conn.py",
         "                parsed = self.parse_kv_status_message(msg)\n",
         """\
                 parsed = self.parse_kv_status_message(msg)
-                {import:check_status_message}
-
-                # With --enable-cp-shared-kv, a Success waits for every prefill rank's manifest.
+                # --enable-cp-shared-kv: a Success waits for every prefill manifest.
                 parsed = check_status_message(self, msg, parsed)
 """,
         [(f"{_COMMON}.CommonKVManager.parse_kv_status_message", "check_status_message")],
@@ -870,12 +888,15 @@ def _module_of_name(name: str, modules: dict[str, Path]) -> str:
 
 def site_text(site: Site, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
     def imp(m: re.Match) -> str:
-        mod = _module_of_name(m[1], modules)
+        mod = _module_of_name(m[2], modules)
         if mod not in modules or mod in PLUGIN_ONLY:
-            raise GenerationError(f"{m[1]} lives in {PKG}.{mod}, which the series does not ship")
-        return f"from sglang.{home(mod)} import {m[1]}"
+            raise GenerationError(f"{m[2]} lives in {PKG}.{mod}, which the series does not ship")
+        line = f"{m[1]}from sglang.{home(mod)} import {m[2]}"
+        if len(line) <= WIDTH:
+            return line
+        return f"{m[1]}from sglang.{home(mod)} import (\n{m[1]}    {m[2]},\n{m[1]})"
 
-    return re.sub(r"\{import:(\w+)\}", imp, site.new)
+    return re.sub(r"^([ \t]*)\{import:(\w+)\}", imp, site.new, flags=re.MULTILINE)
 
 
 def apply_sites(tree: Path, commit: str, texts: list[str]) -> list[str]:
@@ -903,7 +924,7 @@ def flag_field(modules: dict[str, Path]) -> str:
     hook = importlib.import_module(f"{PKG}.srt.sglang_wiring.hooks")
     # argparse %-formats help strings: the plugin's ``%%`` stays as it is.
     help_text = re.sub(r"\s*\(sglang-cp-shared-kv plugin\)", "", hook._HELP)
-    chunks = textwrap.wrap(help_text, 88, drop_whitespace=False, break_on_hyphens=False)
+    chunks = textwrap.wrap(help_text, WIDTH - 10, drop_whitespace=False, break_on_hyphens=False)
     lines = "".join(f"        {c!r}\n" for c in chunks)
     return f"    {flag.ATTR}: A[\n        bool,\n{lines}    ] = False\n"
 
@@ -978,12 +999,17 @@ def build_series(out: Path) -> list[Path]:
     new_files: dict[str, str] = {}  # repo path -> text
     for mod, path in modules.items():
         if mod != ENV_MODULE:
-            new_files[home_file(home(mod), path.name == "__init__.py")] = module_text(mod, path, modules)
+            try:
+                text = layout(module_text(mod, path, modules), f"{PKG}.{mod}")
+            except LayoutError as e:
+                raise GenerationError(str(e)) from None
+            new_files[home_file(home(mod), path.name == "__init__.py")] = text
 
     texts = [site_text(site, hooks, modules) for site in SITES]
     check_bisect(new_files, [(site.commit, text) for site, text in zip(SITES, texts)])
     check_vocabulary(new_files, texts)
     check_plain_calls(modules, texts, sglang)
+    check_line_length(new_files, texts, COMMITS)
 
     with tempfile.TemporaryDirectory(prefix="cp_shared_kv_upstream_") as tmp:
         repo = Path(tmp)
@@ -1066,6 +1092,18 @@ def check_vocabulary(new_files: dict[str, str], site_texts: list[str]) -> None:
     ]
     if said:
         raise GenerationError(f"{len(said)} added lines speak as the plugin: " + "; ".join(said[:12]))
+
+
+def check_line_length(new_files: dict[str, str], site_texts: list[str], commits: list) -> None:
+    """No line the series adds is longer than SGLang's formatter allows (``WIDTH`` columns): the new
+    modules (laid out by ``sglang_layout``), the call sites, the flag's field and the carried tests."""
+    texts = [(path, text) for path, text in new_files.items()]
+    texts += [(f"a call site of {site.path}", text) for site, text in zip(SITES, site_texts)]
+    texts += [(theirs, find_test(ours).read_text()) for c in commits for ours, theirs in c.carries]
+    for where, text in texts:
+        lines = long_lines(text)
+        if lines:
+            raise GenerationError(f"{where}:{lines[0]}: longer than {WIDTH} columns (SGLang's formatter)")
 
 
 _WRAPPER_PARAMS = {"original", "previous", "result", "_result"}
@@ -1253,7 +1291,12 @@ hook without a site or a site for a hook that is gone each stop it with one line
 `test/scripts/test_upstream_patch.py`. So does a shipped module whose prose speaks of the plugin's
 hook machinery (`PLUGIN_PROSE`): its docstrings say what each function does at its SGLang call
 site, which holds in both forms. So does a commit that imports a module a later commit adds (the
-series must import at every prefix; CI also applies each prefix and runs its commits' tests).
+series must import at every prefix; CI also applies each prefix and runs its commits' tests),
+and so does an added line longer than SGLang's 88 columns: each module is laid out by
+`scripts/sglang_layout.py` (`ruff format` at 88, prose and long literals refilled, the syntax tree
+checked unchanged), while the call sites and the carried tests (`test/upstream/`, formatted at 88 by
+their own `ruff.toml`) are written to fit. Our environment variables (`srt/environ.py`) become
+fields of SGLang's `Envs`.
 `python scripts/make_upstream_patch.py --docs` regenerates this page and the generated parts of
 `upstream.md` (its measurement table, the commit list and the diff stat).
 

@@ -1,6 +1,8 @@
-"""``--enable-cp-shared-kv``: a field of the parallel argument group, checked at resolution.
+"""``--enable-cp-shared-kv``: a field of the parallel argument group, checked at
+resolution.
 
-Every rejection is one line naming the flag and the fix, all of a configuration's together.
+Every rejection is one line naming the flag and the fix, all of a configuration's
+together.
 """
 
 import argparse

@@ -1,7 +1,9 @@
-"""CP-shared KV over Mooncake PD: each prefill rank's page manifest, collected on the decode.
+"""CP-shared KV over Mooncake PD: each prefill rank's page manifest, collected on the
+decode.
 
-A request is ready only when the manifests of all ``N`` prefill CP ranks cover its page
-positions exactly once, each rank claiming only pages it owns; the codec refuses anything else.
+A request is ready only when the manifests of all ``N`` prefill CP ranks cover its
+page positions exactly once, each rank claiming only pages it owns; the codec refuses
+anything else.
 """
 
 import unittest

@@ -1,8 +1,8 @@
 """CP-shared KV cache: page ownership and the view arena's sizes.
 
-Logical page ``lp`` lives on CP rank ``lp % N`` as physical page ``lp // N``: the placement of
-SGLang's page-interleave allocator, so its allocator, sender and decode find each page where the
-CP-shared pool stores it.
+Logical page ``lp`` lives on CP rank ``lp % N`` as physical page ``lp // N``: the
+placement of SGLang's page-interleave allocator, so its allocator, sender and decode
+find each page where the CP-shared pool stores it.
 """
 
 import unittest

@@ -1,8 +1,10 @@
-"""CP-shared KV cache: the batch read state and the view arena charged to the KV budget.
+"""CP-shared KV cache: the batch read state and the view arena charged to the KV
+budget.
 
-A translation runs once per input tensor (again after an in-place change); a batch whose lengths
-cannot describe it is refused before anything changes. The view arena is SGLang's
-``PageShardSpec`` with the CP-shared regions, a fraction of the page-interleave scratch.
+A translation runs once per input tensor (again after an in-place change); a batch
+whose lengths cannot describe it is refused before anything changes. The view arena
+is SGLang's ``PageShardSpec`` with the CP-shared regions, a fraction of the
+page-interleave scratch.
 """
 
 import unittest

@@ -1,9 +1,10 @@
-"""CP-shared KV cache: the per-batch slot plan, its Triton kernel against its plain-torch reference.
+"""CP-shared KV cache: the per-batch slot plan, its Triton kernel against its
+plain-torch reference.
 
-Each page position of a batch gets a slot in an owner-major view of ``N`` blocks of ``S`` slots,
-``S = sum_b ceil(pages_b / N)``. Pages that rotate owners fit their owner's block; an owner with
-more pages than its block sends the trash page for the excess (every slot stays inside the view)
-and the status word says so.
+Each page position of a batch gets a slot in an owner-major view of ``N`` blocks of
+``S`` slots, ``S = sum_b ceil(pages_b / N)``. Pages that rotate owners fit their
+owner's block; an owner with more pages than its block sends the trash page for the
+excess (every slot stays inside the view) and the status word says so.
 """
 
 import os

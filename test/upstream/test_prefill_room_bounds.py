@@ -1,10 +1,11 @@
 """A prefill KV manager's rooms do not outlive their request beyond a window.
 
-Destinations that reach a prefill rank after the request's sender was cleared (a retried or slow
-decode) used to open the room again in ``transfer_infos``, ``req_to_decode_prefix_len`` and
-``request_status``, with no sender left to clear it; a poisoned room stayed poisoned for ever. Here
-``CommonKVManager.update_status`` and ``CommonKVSender.clear`` run on the state they use (no transfer
-engine), with a short window.
+Destinations that reach a prefill rank after the request's sender was cleared (a
+retried or slow decode) used to open the room again in ``transfer_infos``,
+``req_to_decode_prefix_len`` and ``request_status``, with no sender left to clear it;
+a poisoned room stayed poisoned for ever. Here ``CommonKVManager.update_status`` and
+``CommonKVSender.clear`` run on the state they use (no transfer engine), with a short
+window.
 """
 
 import threading
@@ -25,7 +26,8 @@ WINDOW_S = 0.3
 
 
 class _State:
-    """A manager's or sender's state without its engine (hashable and weak-referenceable, as they are)."""
+    """A manager's or sender's state without its engine (hashable and
+    weak-referenceable, as they are)."""
 
     def __init__(self, **attrs):
         self.__dict__.update(attrs)

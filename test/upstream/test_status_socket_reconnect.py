@@ -1,10 +1,11 @@
 """A status socket whose first connect fails delivers once its peer listens.
 
-``CommonKVManager._connect`` makes one PUSH socket per peer endpoint and caches it. Made while the
-peer cannot be reached (not listening yet, or a network partition), its connect fails; with
-``RECONNECT_IVL = -1`` ZMQ never retries it, no disconnect is ever reported, and the cached socket
-drops every status message sent on it for good. With a reconnect interval it connects once the peer
-is there and delivers what was queued.
+``CommonKVManager._connect`` makes one PUSH socket per peer endpoint and caches it.
+Made while the peer cannot be reached (not listening yet, or a network partition),
+its connect fails; with ``RECONNECT_IVL = -1`` ZMQ never retries it, no disconnect is
+ever reported, and the cached socket drops every status message sent on it for good.
+With a reconnect interval it connects once the peer is there and delivers what was
+queued.
 """
 
 import socket
@@ -29,7 +30,8 @@ def _free_endpoint() -> str:
 
 
 def _manager(ctx: zmq.Context) -> types.SimpleNamespace:
-    """The state ``_connect`` and ``_send_multipart_locked`` use, without a transfer engine."""
+    """The state ``_connect`` and ``_send_multipart_locked`` use, without a transfer
+    engine."""
     mgr = types.SimpleNamespace(
         _socket_lock=threading.Lock(),
         _socket_cache={},

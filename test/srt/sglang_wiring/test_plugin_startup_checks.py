@@ -261,15 +261,8 @@ def results(tmp_path_factory) -> dict:
     return run_worker([__file__, str(root)], {**os.environ, "SGLANG_PLUGINS": "cp_shared_kv"}, 240)
 
 
-# The SGLang-version check belongs to the plugin (its hooks wrap private functions); the upstream
-# series has no hooks and no such check.
-PLUGIN_ONLY_MODES = ("other_version",) if "CP_SHARED_KV_PATCHED_TREE" in os.environ else ()
-
-
 @pytest.mark.parametrize("case_id,model,mode,argv,expected", CASES, ids=[c[0] for c in CASES])
 def test_startup_check(results, case_id, model, mode, argv, expected):
-    if mode in PLUGIN_ONLY_MODES:
-        pytest.skip("a check of the plugin's hooks: the patched SGLang has none")
     got = results[case_id]
     if expected is None:
         assert got["accepted"], got.get("error")
@@ -306,7 +299,6 @@ def test_each_bad_setting_is_a_line_of_its_own(results):
     assert len(lines) == 3 and all(any(name in x for x in lines) for name in CASE_ENV["bad_settings"]), lines
 
 
-@pytest.mark.skipif(bool(PLUGIN_ONLY_MODES), reason="a check of the plugin's hooks: the patched SGLang has none")
 def test_another_sglang_version_names_both_versions_and_the_override(results):
     error = results["other_sglang_version"]["error"]
     assert "SGLang 0.5.24 is installed" in error and "private functions of SGLang 0.5.23 only" in error, error

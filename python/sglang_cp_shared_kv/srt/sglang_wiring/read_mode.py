@@ -7,13 +7,15 @@ gather on the compute stream); building it in line costs the pull itself. The ra
 SGLang's kernels on one H200, the pull paced to the link) measured both over CP 2-8, 32K-512K prefixes
 and 512-4K new tokens per rank; the cheaper one follows the pull's share of the layer::
 
-    pull_us  = (cp_size - 1) / cp_size * context_len * token_bytes / LINK_BYTES_PER_US
-    layer_us = max(LAYER_FLOOR_US, tokens_per_rank * (US_PER_TOKEN + US_PER_TOKEN_CONTEXT * context_len))
+    pull_us  = (cp_size - 1) / cp_size * ctx * token_bytes / LINK_BYTES_PER_US
+    layer_us = max(LAYER_FLOOR_US,
+                   tokens_per_rank * (US_PER_TOKEN + US_PER_TOKEN_CONTEXT * ctx))
     prefetch  iff  pull_us >= PULL_SHARE * layer_us
 
-``layer_us`` is a fit of the model's layer on the replicated pool (its test checks the fit against the JSON); the pull is
-one layer's view of a full context over NVLink inside a node. Across nodes the views go through NCCL,
-where the prefetch does not run whatever is chosen (``copy_engine.prefetch_on``).
+for a context of ``ctx`` tokens. ``layer_us`` is a fit of the model's layer on the replicated pool (its test
+checks the fit against the JSON); the pull is one layer's view of a full context over NVLink inside a node.
+Across nodes the views go through NCCL, where the prefetch does not run whatever is chosen
+(``copy_engine.prefetch_on``).
 ``$SGLANG_CP_SHARED_KV_PREFETCH`` (1 or 0) overrides the choice.
 """
 

@@ -155,8 +155,8 @@ def flag_rejections(cfg: Any) -> list[str]:
         ),
         (
             cfg.disaggregation_transfer_backend != "mooncake",
-            f"{_not_wired('--disaggregation-transfer-backend', cfg.disaggregation_transfer_backend)}: it has no "
-            "owned-page sender",
+            _not_wired("--disaggregation-transfer-backend", cfg.disaggregation_transfer_backend)
+            + ": it has no owned-page sender",
             "use --disaggregation-transfer-backend mooncake",
         ),
         (cfg.enable_kv_cache_sharding, *_KV_CACHE_SHARDING),

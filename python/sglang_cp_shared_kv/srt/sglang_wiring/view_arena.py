@@ -8,7 +8,8 @@ sizes as its ``PageShardSpec``, so SGLang's own admission (``PrefillAdder._kv_sh
 every batch inside the arena, and its bytes are charged to the KV budget in place of SGLang's
 page-interleave scratch (``pool_configurator.compute_page_shard_scratch_bytes``; eight contexts, twice)::
 
-    arena / page-interleave scratch = contexts / 16   (prefix dominated; 1/8 with the default 2, prefetch or not)
+    arena / page-interleave scratch = contexts / 16
+    (prefix dominated; 1/8 with the default 2, prefetch or not)
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def nothing() -> None:
 
 
 if triton is not None:
-
+    # A kernel of this module's: whether ``triton.jit`` interprets (``interpreting``).
     @triton.jit
-    def _probe(x):  # a kernel of this module's: whether ``triton.jit`` interprets (``interpreting``)
+    def _probe(x):
         tl.store(x, 0)

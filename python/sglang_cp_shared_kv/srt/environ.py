@@ -1,9 +1,8 @@
 """The CP-shared KV cache's environment variables, read as SGLang reads its own: ``envs.NAME.get()``.
 
-In SGLang they are fields of ``sglang.srt.environ.Envs``. Here they are the same fields on a class of the
-same shape (this module imports without SGLang or torch), so each reader is written once for both: a
-variable that is unset reads as its default, and a value that does not parse warns once per read and
-reads as the default, as SGLang's fields do.
+In SGLang they are fields of ``sglang.srt.environ.Envs``. Here they are fields of the same kinds on a class
+of the same shape (this module imports neither SGLang nor torch), so each reader is written once for both:
+unset reads as the default; a value that does not parse warns and reads as the default, as in SGLang.
 """
 
 from __future__ import annotations
@@ -20,39 +19,33 @@ class _EnvField:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def parse(self, value: str) -> Any:
-        raise NotImplementedError
-
     def is_set(self) -> bool:
         return self.name in os.environ
 
     def get(self) -> Any:
         value = os.environ.get(self.name)
-        if value is None:
-            return self.default
         try:
-            return self.parse(value)
+            return self.default if value is None else self.parse(value)
         except ValueError as e:
             warnings.warn(f'Invalid value for {self.name}: {e}, using default "{self.default}"', stacklevel=2)
             return self.default
 
 
 class EnvStr(_EnvField):
-    def parse(self, value: str) -> str:
-        return value
+    parse = staticmethod(str)
 
 
 class EnvBool(_EnvField):
-    def parse(self, value: str) -> bool:
-        if value.lower() in ("true", "1", "yes", "y"):
-            return True
-        if value.lower() in ("false", "0", "no", "n"):
-            return False
+    @staticmethod
+    def parse(value: str) -> bool:
+        if value.lower() in ("true", "1", "yes", "y", "false", "0", "no", "n"):
+            return value.lower() in ("true", "1", "yes", "y")
         raise ValueError(f'"{value}" is not a valid boolean value')
 
 
 class EnvInt(_EnvField):
-    def parse(self, value: str) -> int:
+    @staticmethod
+    def parse(value: str) -> int:
         try:
             return int(value)
         except ValueError:

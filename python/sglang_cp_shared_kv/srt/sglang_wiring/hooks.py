@@ -1,21 +1,12 @@
 """How the plugin installs itself in SGLang 0.5.23: every hook, and the checks that they are installed.
 
-The other wiring modules hold plain functions, each called where SGLang would call it had it the flag
-(before, after or instead of one of SGLang's steps, with explicit arguments). This module alone knows about
-wrapping: each hook below adapts one SGLang target to those functions through SGLang's ``HookRegistry``
-(``"before"``, ``"after"``, ``"around"``) or a resolution hook, and passes through unless
-``--enable-cp-shared-kv`` is on.
-
-SGLang 0.5.23 has no API that adds a ``ServerArgs`` field, so the flag rides on two AFTER hooks:
-``ServerArgs.add_cli_args`` adds the argparse option (the launcher loads plugins before it builds its
-parser, so the option shows in ``--help`` and is accepted in a ``--config`` YAML file) and
-``ServerArgs.from_cli_args`` copies the parsed value onto the record's ``__dict__``, which
-``ServerArgs.__reduce__`` carries to spawned scheduler processes. Not covered (documented): ``sglang serve
---help`` (it prints help before it loads plugins; the flag itself works there) and ``Engine(...)`` keyword
-construction (``ServerArgs(**kwargs)`` rejects unknown fields).
-
-With the flag on, the SGLang version and the installed hooks are checked first (SGLang's registry logs a
-target it cannot wrap and goes on: the server would start with replicated KV).
+The other wiring modules hold plain functions, each called before, after or instead of one of SGLang's
+steps with explicit arguments. This module alone knows about wrapping: each hook adapts one SGLang target
+to them through SGLang's ``HookRegistry`` or a resolution hook, and passes through unless
+``--enable-cp-shared-kv`` is on. The flag itself rides on ``ServerArgs.add_cli_args`` (the option) and
+``ServerArgs.from_cli_args`` (the record's attribute, which ``ServerArgs.__reduce__`` carries to the
+schedulers). With the flag on, the SGLang version and the installed hooks are checked first: SGLang's
+registry logs a target it cannot wrap and goes on, which would leave the KV replicated.
 """
 
 from __future__ import annotations
@@ -75,7 +66,6 @@ class _FlagAction(argparse._StoreTrueAction):
 
 
 def add_flag(_result: None, parser: argparse.ArgumentParser) -> None:
-    """After ``ServerArgs.add_cli_args(parser)``."""
     if FLAG in parser._option_string_actions:  # the same parser passed twice
         return
     parser.add_argument(FLAG, dest=ATTR, action=_FlagAction, default=False, help=_HELP)
@@ -106,7 +96,6 @@ def install_clean_exit() -> None:
 
 
 def startup_early(server_args: Any, previous) -> None:
-    """Wraps the ``validate_prefill_cp_platform`` resolution step."""
     previous(server_args)
     if enabled(server_args):
         startup_checks._raise(hook_rejections())
@@ -114,7 +103,6 @@ def startup_early(server_args: Any, previous) -> None:
 
 
 def startup_resolved(server_args: Any, previous) -> None:
-    """Wraps the ``handle_kv_cache_sharding`` resolution step."""
     previous(server_args)
     if enabled(server_args):
         startup_checks.resolved_check(server_args)
@@ -142,7 +130,6 @@ def build_allocator(original, configurator, **kwargs):
 
 
 def built_pools(result, configurator, **_kwargs):
-    """After ``KVCacheConfigurator._init_pools``."""
     if view_arena.builds_cp_shared_pool(configurator):
         startup_checks._raise(hook_rejections())
         pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
@@ -156,7 +143,6 @@ def charge_arena(original, kvc, **kwargs):
 
 
 def deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
-    """After ``PrefillAdder._kv_shard_reserve_scratch``."""
     if not reserved:
         view_arena.log_deferred(adder, prefix_len, extend_len)
         metrics.count_deferral(adder)
@@ -164,7 +150,6 @@ def deferred(reserved: bool, adder, prefix_len: int, extend_len: int) -> bool:
 
 
 def hint_shared_prefix(result, _cls, batch, model_runner, *_args, **_kwargs):
-    """After ``ForwardBatch.init_new``."""
     pool = getattr(model_runner, "token_to_kv_pool", None)
     if view_arena.is_cp_shared_pool(pool) and runtime_enabled():
         pool_hooks.hint_shared_prefix(result, batch, pool)
@@ -172,14 +157,12 @@ def hint_shared_prefix(result, _cls, batch, model_runner, *_args, **_kwargs):
 
 
 def prepare_forward(original, pool, req_to_token, forward_batch):
-    """Wraps ``prepare_kv_shard_forward``."""
     if view_arena.is_cp_shared_pool(pool):
         return pool_hooks.prepare_forward(pool, req_to_token, forward_batch)
     return original(pool, req_to_token, forward_batch)
 
 
 def sent_share(result, sender, kv_indices, state_indices=None):
-    """After ``CommonKVSender._prepare_send_indices``."""
     if runtime_enabled():
         local, positions, is_last, _skip = result
         transfer.check_send_indices(sender, kv_indices, local, positions, is_last)
@@ -188,30 +171,25 @@ def sent_share(result, sender, kv_indices, state_indices=None):
 
 
 def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
-    """After ``CommonKVManager._encode_kv_status_message``."""
     frames = transfer.manifest_frames(mgr, bootstrap_room, status)
     return [*parts, *frames] if frames else parts
 
 
 def drop_unsent_share(_result, sender) -> None:
-    """After ``CommonKVSender.clear``."""
     transfer.drop_unsent_share(sender)
 
 
 def arm_manifest_check(original, receiver, kv_indices, *args, **kwargs):
-    """Wraps ``CommonKVReceiver.send_metadata``."""
     decode_manifest.arm_manifest_check(receiver, len(kv_indices))
     return original(receiver, kv_indices, *args, **kwargs)
 
 
 def check_status_message(original, mgr, msg):
-    """Wraps ``CommonKVManager.parse_kv_status_message``."""
     parsed = original(mgr, msg)
     return decode_manifest.check_status_message(mgr, msg, parsed)
 
 
 def forget_room(_result, receiver) -> None:
-    """After ``CommonKVReceiver.clear``."""
     decode_manifest.forget_room(receiver)
 
 
@@ -226,7 +204,6 @@ def bounds_of(mgr: Any) -> connector_bounds.RoomBounds:
 
 
 def guard_update_status(original, mgr, bootstrap_room, status):
-    """Wraps ``CommonKVManager.update_status`` (prefill managers)."""
     if manager_enabled(mgr, "prefill") and not connector_bounds.admit_status(
         bounds_of(mgr), mgr, bootstrap_room, status
     ):

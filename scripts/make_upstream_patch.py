@@ -887,16 +887,27 @@ def _module_of_name(name: str, modules: dict[str, Path]) -> str:
 
 
 def site_text(site: Site, hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -> str:
-    def imp(m: re.Match) -> str:
-        mod = _module_of_name(m[2], modules)
-        if mod not in modules or mod in PLUGIN_ONLY:
-            raise GenerationError(f"{m[2]} lives in {PKG}.{mod}, which the series does not ship")
-        line = f"{m[1]}from sglang.{home(mod)} import {m[2]}"
-        if len(line) <= WIDTH:
-            return line
-        return f"{m[1]}from sglang.{home(mod)} import (\n{m[1]}    {m[2]},\n{m[1]})"
+    """The site's new text, each run of ``{import:name}`` lines as isort would write its imports: one
+    ``from`` line per module, sorted, parenthesized where a line would pass ``WIDTH`` columns."""
 
-    return re.sub(r"^([ \t]*)\{import:(\w+)\}", imp, site.new, flags=re.MULTILINE)
+    def imports(m: re.Match) -> str:
+        indent = m[1]
+        names: dict[str, list[str]] = {}
+        for name in re.findall(r"\{import:(\w+)\}", m[0]):
+            mod = _module_of_name(name, modules)
+            if mod not in modules or mod in PLUGIN_ONLY:
+                raise GenerationError(f"{name} lives in {PKG}.{mod}, which the series does not ship")
+            names.setdefault(f"sglang.{home(mod)}", []).append(name)
+        lines = []
+        for mod, found in sorted(names.items()):
+            line = f"{indent}from {mod} import {', '.join(sorted(found))}"
+            if len(line) > WIDTH:
+                inner = "".join(f"{indent}    {n},\n" for n in sorted(found))
+                line = f"{indent}from {mod} import (\n{inner}{indent})"
+            lines.append(line)
+        return "\n".join(lines) + "\n"
+
+    return re.sub(r"^([ \t]*)\{import:\w+\}\n(?:\1\{import:\w+\}\n)*", imports, site.new, flags=re.MULTILINE)
 
 
 def apply_sites(tree: Path, commit: str, texts: list[str]) -> list[str]:

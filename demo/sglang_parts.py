@@ -167,6 +167,7 @@ def configurator(model_config, page_size: int):
     c.kv_shard_rank, c.kv_shard_size, c.kv_shard_spec = None, 1, None
     c.layer_info = types.SimpleNamespace(num_effective_layers=2, start_layer=0, end_layer=2)
     c.page_size, c.use_mla_backend = page_size, True
+    c.kv_cache_dtype_str, c.mambaish_config = "bfloat16", None
     return c
 
 
@@ -178,7 +179,7 @@ def build_pool_and_allocator(
     import contextlib
     import types
 
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    import torch
     from sglang.srt.runtime_context import get_parallel
 
     ctx = contextlib.nullcontext()
@@ -188,11 +189,13 @@ def build_pool_and_allocator(
         )
     with ctx:
         conf = configurator(model_config, page_size)
-        pool = conf._build_dsa_kv_pool(
-            max_total_num_tokens=tokens, max_running_requests=max_running, dsa_pool_class=DSATokenToKVPool
+        req_pool = types.SimpleNamespace(req_to_token=torch.zeros((max_running, 1), dtype=torch.int32))
+        sizes = types.SimpleNamespace(max_total_num_tokens=tokens)
+        pool = conf._build_token_to_kv_pool(  # SGLang's pool dispatch, where it picks the DSA pool's class
+            sizes=sizes, is_dsa_model=True, is_dsv4_model=False, req_to_token_pool=req_pool
         )
         alloc = conf._build_token_to_kv_pool_allocator(
-            sizes=types.SimpleNamespace(max_total_num_tokens=tokens),
+            sizes=sizes,
             token_to_kv_pool=pool,
             is_dsv4_model=False,
             req_to_token_pool=None,

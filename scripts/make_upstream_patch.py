@@ -243,7 +243,10 @@ position, and its Success status carries a manifest of those positions. The non-
 collects every rank's manifest before a request is ready and fails it with the reason if they do not
 cover its pages exactly once.""",
         ("srt.disaggregation.mooncake.cp_shared_kv.",),
-        ("test_cp_shared_kv_manifest.py", "test_mooncake_manifest.py"),
+        (
+            "test_cp_shared_kv_manifest.py",
+            "test_mooncake_manifest.py",
+        ),
         (
             (
                 "test_cp_shared_kv_manifest.py",
@@ -343,63 +346,58 @@ SITES: list[Site] = [
         "pools",
         "srt/mem_cache/kv_cache_configurator.py",
         """\
-            token_to_kv_pool = self._build_dsa_kv_pool(
-                max_total_num_tokens""",
+        dsa_pool_class: type,
+    ) -> KVCache:
+        from sglang.srt.layers.cp.utils import get_glm_dsa_cp_layer_shard_info
+""",
         """\
-            {import:builds_cp_shared_pool}
-            {import:cp_shared_pool_class}
+        dsa_pool_class: type,
+    ) -> KVCache:
+        {import:builds_cp_shared_pool}
+        {import:cp_shared_pool_class}
 
-            if builds_cp_shared_pool(self):
-                dsa_pool_class = cp_shared_pool_class("dsa")
-            token_to_kv_pool = self._build_dsa_kv_pool(
-                max_total_num_tokens""",
+        if builds_cp_shared_pool(self):
+            dsa_pool_class = cp_shared_pool_class("dsa")
+        from sglang.srt.layers.cp.utils import get_glm_dsa_cp_layer_shard_info
+""",
         [(f"{_CFG}._build_dsa_kv_pool", "build_dsa_kv_pool")],
     ),
     Site(
         "pools",
         "srt/mem_cache/kv_cache_configurator.py",
         """\
-                token_to_kv_pool = self._build_mla_kv_pool(
-                    max_total_num_tokens""",
+    def _build_mla_kv_pool(
+        self, *, max_total_num_tokens: int, mla_pool_class: type
+    ) -> KVCache:
+""",
         """\
-                {import:builds_cp_shared_pool}
-                {import:cp_shared_pool_class}
+    def _build_mla_kv_pool(
+        self, *, max_total_num_tokens: int, mla_pool_class: type
+    ) -> KVCache:
+        {import:builds_cp_shared_pool}
+        {import:cp_shared_pool_class}
 
-                if builds_cp_shared_pool(self):
-                    mla_pool_class = cp_shared_pool_class("mla")
-                token_to_kv_pool = self._build_mla_kv_pool(
-                    max_total_num_tokens""",
+        if builds_cp_shared_pool(self):
+            mla_pool_class = cp_shared_pool_class("mla")
+""",
         [(f"{_CFG}._build_mla_kv_pool", "build_mla_kv_pool")],
     ),
     Site(
         "pools",
         "srt/mem_cache/kv_cache_configurator.py",
         """\
-        token_to_kv_pool_allocator = self._build_token_to_kv_pool_allocator(
-            sizes=sizes,
-            token_to_kv_pool=token_to_kv_pool,
-            is_dsv4_model=is_dsv4_model,
-            req_to_token_pool=req_to_token_pool,
-            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-        )
+    ) -> BaseTokenToKVPoolAllocator:
+        # Initialize token_to_kv_pool_allocator
 """,
         """\
-        {import:is_cp_shared_pool}
+    ) -> BaseTokenToKVPoolAllocator:
         {import:build_allocator}
+        {import:is_cp_shared_pool}
 
         if is_cp_shared_pool(token_to_kv_pool) and token_to_kv_pool_allocator is None:
             # The owner-rotating allocator, its admission held to the view arena.
-            token_to_kv_pool_allocator = build_allocator(
-                self, token_to_kv_pool, sizes.max_total_num_tokens
-            )
-        else:
-            token_to_kv_pool_allocator = self._build_token_to_kv_pool_allocator(
-                sizes=sizes,
-                token_to_kv_pool=token_to_kv_pool,
-                is_dsv4_model=is_dsv4_model,
-                req_to_token_pool=req_to_token_pool,
-                token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-            )
+            return build_allocator(self, token_to_kv_pool, sizes.max_total_num_tokens)
+        # Initialize token_to_kv_pool_allocator
 """,
         [(f"{_CFG}._build_token_to_kv_pool_allocator", "build_allocator")],
     ),

@@ -12,6 +12,7 @@ registry logs a target it cannot wrap and goes on, which would leave the KV repl
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import pkgutil
@@ -36,7 +37,6 @@ logger = logging.getLogger(__name__)
 # The SGLang releases whose private functions the hooks were written and tested against.
 SGLANG_VERSIONS = ("0.5.23",)
 ANY_SGLANG_ENV = "SGLANG_CP_SHARED_KV_ANY_SGLANG"
-_version_warned = False
 
 _CFG = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _COMMON = "sglang.srt.disaggregation.common.conn"
@@ -257,28 +257,24 @@ RESOLUTION_HOOKS = [
 def sglang_version_rejections() -> list[str]:
     """One line unless SGLang is a version the hooks (on private functions) were checked against; another may
     shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
-    global _version_warned
     from sglang.version import __version__ as version
 
+    checked = " or ".join(SGLANG_VERSIONS)
     if version in SGLANG_VERSIONS:
         return []
-    checked = " or ".join(SGLANG_VERSIONS)
     if os.environ.get(ANY_SGLANG_ENV) == "1":
-        if not _version_warned:
-            logger.warning(
-                "%s: SGLang %s is installed, the plugin's hooks were checked against SGLang %s only; starting anyway "
-                "because %s=1",
-                FLAG,
-                version,
-                checked,
-                ANY_SGLANG_ENV,
-            )
-            _version_warned = True
+        _warn_once(f"{FLAG}: SGLang {version} is installed, the plugin's hooks were checked against SGLang {checked} "
+                   f"only; starting anyway because {ANY_SGLANG_ENV}=1")  # fmt: skip
         return []
     return [
         f"{FLAG}: SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang "
         f"{checked} only; install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk."
     ]
+
+
+@functools.cache
+def _warn_once(line: str) -> None:
+    logger.warning(line)
 
 
 def _wraps(target: str, hook: object) -> bool:

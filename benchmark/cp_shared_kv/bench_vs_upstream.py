@@ -143,8 +143,7 @@ def schedule(scale: Scale, ps: int, cp_size: int = 2) -> list[list[tuple[int, in
                 cur, budget = [], scale.chunk
     if cur:
         batches.append(cur)
-    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_regions
-    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
+    from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts, arena_regions
 
     max_prefix_pages = arena_regions(cp_size, ps, scale.context_len, scale.chunk, arena_contexts())[0] // ps
     cur, block, budget = [], 0, scale.chunk
@@ -501,9 +500,9 @@ def _digest(t: torch.Tensor) -> tuple[int, int]:
 def _path_pool(name, rank, world, size, kwargs, group, scale, ps, device, cpu_group):
     """One path's pool (inside ``_no_dcp``); ours with its view arena attached. -> (pool, arena bytes)."""
     if name == "ours":
+        from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
         from sglang_cp_shared_kv.srt.sglang_wiring.read_mode import prefetch_setting
         from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
-        from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
         from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import make_arena_spec
 
         pool = CPSharedDSATokenToKVPool(size, cp_rank=rank, cp_size=world, cp_group=group, **kwargs)

@@ -114,12 +114,40 @@ def pd_transfer() -> str:
     return table(head, rows)
 
 
+def pd_faults() -> str:
+    d = load("pd_faults.json")
+    s, soak, part = d["summary"], d["soak_summary"], d["partition"]
+    killed = soak["faults"]["killed"]
+    causes = ", ".join(f"{k.removeprefix('failed_').replace('_', ' ')} {v}" for k, v in s["failed_by_cause"].items())
+    exposed = ", ".join(f"{k} {v}" for k, v in s["not_aborted_exposed_by_fault"].items())
+    detected = s["partition_detected_after_s"]
+    rows = [
+        ["requests (tokens min ... max)", f"{s['requests_total']} ({soak['tokens']['min']} ... {soak['tokens']['max']})"],
+        ["served, byte-exact vs the replicated pool (corrupt)", f"{s['served_exact']} ({s['served_corrupt']})"],
+        ["served floor: requests neither aborted nor exposed to a fault", s["served_floor"]],
+        ["failed, by cause", causes],
+        ["failed, unexplained", s["failed_unexplained"]],
+        ["not aborted, exposed to a fault", exposed],
+        ["hung (not concluded by the run's deadline) / leaked", f"{s['hung']} / {s['leaked']}"],
+        ["link cap each way", f"{d['link']['rate_each_way']} (delay and loss skipped: no `sch_netem`)"],
+        ["partition: seconds, requests in flight when cut, spanning it",
+         f"{s['partition_s']}, {part['in_flight']}, {part['requests_spanning_it']}"],
+        ["partition detected (a transfer failed by it)", "no transfer failed" if detected is None else f"{detected} s"],
+        ["prefill transfer time p50 / p99", f"{s['transfer_s_p50']} s / {s['transfer_s_p99']} s"],
+        ["longest transfer spanning the partition", f"{s['transfer_s_max_spanning_partition']} s"],
+        ["decode killed: requests in flight, restarted after", f"{killed['in_flight']}, {killed['restart_s']} s"],
+        ["run wall time; commit", f"{s['wall_s']} s; `{d['commit'][:7]}`"],
+    ]  # fmt: skip
+    return table(["", ""], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "side-by-side": side_by_side,
     "host-cost": host_cost,
     "overlap": overlap,
     "two-gpus": two_gpus,
     "pd-transfer": pd_transfer,
+    "pd-faults": pd_faults,
 }
 
 

@@ -8,7 +8,8 @@ indexer's, ``reference.dsa_reference.indexer_topk``):
 2. the ``N * k`` candidates are all-gathered and ranked again (``global_topk``). Exact: every position
    ranked before a global top-``k`` position on its owner is ranked before it globally too, so it
    already is among its owner's ``k`` first;
-3. each rank attends over the selected positions it owns (``owned_rows``), giving ``(out_r, lse_r)``,
+3. each rank attends over the selected positions it owns (``owned_rows``; in a CP-shared pool a
+   position's row is ``position_rows``'s, by the pool's page ownership), giving ``(out_r, lse_r)``,
    ``lse_r = -inf`` where it owns none;
 4. ``merge_by_lse``: ``lse = logsumexp_r lse_r``, ``out = sum_r exp(lse_r - lse) * out_r``.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
 _LAST = torch.iinfo(torch.int64).max  # the sort key of an empty candidate: after every position
 
@@ -53,6 +55,16 @@ def global_topk(scores: torch.Tensor, positions: torch.Tensor, k: int, group: CP
         return t.view(n, rows, k).transpose(0, 1).reshape(rows, n * k)
 
     return ranked_topk(per_row(all_values), per_row(all_chosen), k)[1]
+
+
+def position_rows(pages: torch.Tensor, page_size: int, cp_size: int, rank: int, width: int) -> torch.Tensor:
+    """int64 ``[B, width]``: the row in ``rank``'s CP-shared pool of each of the first ``width`` token positions
+    of each request (its logical ``pages [B, W]``; page ``lp`` lives on rank ``lp % N`` as physical page
+    ``lp // N``), -1 where another rank owns it."""
+    pos = torch.arange(width, device=pages.device)
+    logical = pages.long()[:, pos // page_size]
+    rows = local_page(logical, cp_size) * page_size + pos % page_size
+    return torch.where(page_owner(logical, cp_size) == rank, rows, -1)
 
 
 def owned_rows(selected: torch.Tensor, row_of_position: torch.Tensor) -> torch.Tensor:

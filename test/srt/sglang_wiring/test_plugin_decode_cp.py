@@ -1,0 +1,117 @@
+"""Decode CP over SGLang's DSA pool sharded by page ownership (``CPSharedDSATokenToKVPool``), on gloo ranks.
+
+Each rank's pool stores only the latent rows and indexer pages of the pages it owns (SGLang's writers,
+the masked store); a replicated ``DSATokenToKVPool`` gets the same writes. Per layer, each rank scores
+the indexer keys it holds (``decode_cp.position_rows`` finds them by the pool's ownership), the ranks
+merge their candidates into the global top-k, attend over their own selected rows and merge by LSE:
+the top-k equals the replicated pool's (same positions, same order) and the output equals sparse MLA
+over the replicated rows within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.sglang, pytest.mark.multirank]
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="SGLang's pool writers are Triton kernels: CPU needs TRITON_INTERPRET=1",
+)
+
+PS, TOPK, HEADS, INDEX_HEADS, LAYERS = 64, 96, 4, 2, 2
+LENS = [300, 130, 40]  # tokens per request (the last shorter than TOPK)
+SM_SCALE = 576**-0.5
+
+
+def _rank(rank: int, world: int, seed: int) -> dict:
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+    from test_plugin_sharded_pool import _chunk, _dsa_kwargs, _Layer
+
+    from reference.dsa_reference import _top_positions, indexer_scores, read_index_k, sparse_mla
+    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import (
+        global_topk,
+        merge_by_lse,
+        owned_rows,
+        position_rows,
+    )
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+
+    g = torch.Generator().manual_seed(seed)
+    group = CPGroup()
+    # Each request's pages rotate owners from a base of its own, as the allocator draws them.
+    n_pages = [-(-n // PS) for n in LENS]
+    first = world  # logical pages [0, N) are the trash pages
+    pages = []
+    for n in n_pages:
+        pages.append(list(range(first, first + n)))
+        first += n + int(torch.randint(0, world, (1,), generator=g))
+    width = max(n_pages)
+    table = torch.tensor([p + [0] * (width - len(p)) for p in pages])
+    longest = width * PS
+    q_req = torch.arange(len(LENS))
+    q_pos = torch.tensor(LENS) - 1
+    kwargs = _dsa_kwargs(LAYERS, fp8=False)
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
+        pool = CPSharedDSATokenToKVPool(
+            (first // world + 1) * PS, cp_rank=rank, cp_size=world, cp_group=group, **kwargs
+        )
+        replicated = DSATokenToKVPool(world * pool.phys_pages * PS - PS, **kwargs)
+        replicated.dcp_replicated = True
+    locs = torch.cat([(torch.tensor(p).repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(p)))[:n]
+                      for p, n in zip(pages, LENS)])  # fmt: skip
+    out: dict = {"top_equal": [], "out_err": []}
+    for layer in range(LAYERS):
+        nope, rope, k, scale = _chunk(len(locs), seed + layer)
+        for p in (pool, replicated):  # every rank receives the whole chunk; the pool keeps its own rows
+            p.set_index_k_scale_buffer(layer, locs, k, scale)
+            p.set_mla_kv_buffer(_Layer(layer), locs, nope, rope)
+        q_index = torch.randn(len(q_req), INDEX_HEADS, 128, generator=g).to(torch.float8_e4m3fn).view(torch.uint8)
+        q_scale = torch.rand(len(q_req), INDEX_HEADS, generator=g) + 0.5
+        weights = torch.randn(len(q_req), INDEX_HEADS, generator=g)
+        q = torch.randn(len(q_req), HEADS, 576, generator=g)
+        visible = torch.arange(longest) <= q_pos.unsqueeze(1)
+
+        # The replicated pool: every position's key, the indexer's top-k, sparse MLA over its rows.
+        logical = table[q_req][:, torch.arange(longest) // PS] * PS + torch.arange(longest) % PS
+        k_all, s_all = read_index_k(replicated.index_k_with_scale_buffer[layer], PS, logical)
+        scores = torch.where(visible, indexer_scores(q_index, q_scale, weights, k_all, s_all), -torch.inf)
+        want = torch.full((len(q_req), TOPK), -1, dtype=torch.int64)
+        want[:, :] = _top_positions(scores, TOPK).long()
+        want = torch.where(torch.arange(TOPK) < (q_pos + 1).clamp(max=TOPK).unsqueeze(1), want, -1)
+        kv = replicated.get_key_buffer(layer)
+        rows = torch.where(want < 0, -1, logical.gather(1, want.clamp(min=0)))
+        want_out, _ = sparse_mla(q, kv.view(torch.uint8).reshape(kv.shape[0], -1), "bf16", rows, SM_SCALE)
+
+        # This rank: the keys and rows it holds, the global top-k, its attention, the LSE merge.
+        row_of = position_rows(table[q_req], PS, world, rank, longest)
+        k_own, s_own = read_index_k(pool.index_k_with_scale_buffer[layer], PS, row_of.clamp(min=0))
+        mine = (row_of >= 0) & visible
+        local = torch.where(mine, indexer_scores(q_index, q_scale, weights, k_own, s_own), -torch.inf)
+        positions = torch.where(mine, torch.arange(longest), -1)
+        top = global_topk(local, positions, TOPK, group)
+        kv_own = pool.kv_buffer[layer]
+        o, lse = sparse_mla(q, kv_own.view(torch.uint8).reshape(kv_own.shape[0], -1), "bf16",
+                            owned_rows(top, row_of), SM_SCALE)  # fmt: skip
+        outs = torch.empty((world * o.shape[0], *o.shape[1:]))
+        lses = torch.empty((world * lse.shape[0], *lse.shape[1:]))
+        group.all_gather_into_many([outs, lses], [o, lse])
+        merged, _ = merge_by_lse(outs.view(world, *o.shape), lses.view(world, *lse.shape))
+        out["top_equal"].append(bool(torch.equal(top, want)))
+        out["out_err"].append(float((merged - want_out).abs().max()))
+    return out
+
+
+@needs_interpreter
+@pytest.mark.parametrize("world", [2, 3])
+def test_decode_over_sharded_pools_equals_the_replicated_pool(world):
+    from reference.spawn import spawn_ranks
+
+    results = spawn_ranks(_rank, world, 7, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert all(res["top_equal"]), (rank, res)
+        assert max(res["out_err"]) < 1e-5, (rank, res)

@@ -1498,7 +1498,52 @@ def _pr_driver() -> list[str]:
     ]
 
 
-def render_docs(stat: str) -> tuple[str, str]:
+def series_size(patches: list[Path]) -> dict[str, int]:
+    """Lines the series adds: under ``python/`` and ``test/``, and for its new modules how many are code,
+    docstrings, comments and blank."""
+    added: dict[str, list[str]] = {}
+    for patch in patches:
+        path = None
+        for line in patch.read_text().splitlines():
+            if line.startswith("+++ b/"):
+                path = line[6:]
+            elif line.startswith("+") and not line.startswith("+++") and path:
+                added.setdefault(path, []).append(line[1:])
+    size = dict.fromkeys(("python", "test", "new", "docstrings", "comments", "blank"), 0)
+    for path, lines in added.items():
+        size["test" if path.startswith("test/") else "python"] += len(lines)
+        if path.startswith("test/") or not path.endswith(".py"):
+            continue
+        try:
+            tree = ast.parse("\n".join(lines))
+        except SyntaxError:  # lines added inside one of SGLang's files
+            continue
+        docs: set[int] = set()
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+                first = body[0]
+                if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                    if isinstance(first.value.value, str):
+                        docs.update(range(first.lineno, first.end_lineno + 1))
+        size["new"] += len(lines)
+        size["docstrings"] += len(docs)
+        size["comments"] += sum(1 for i, x in enumerate(lines, 1) if x.strip().startswith("#") and i not in docs)
+        size["blank"] += sum(1 for x in lines if not x.strip())
+    size["code"] = size["new"] - size["docstrings"] - size["comments"] - size["blank"]
+    return size
+
+
+def _pr_size(size: dict[str, int]) -> list[str]:
+    return [
+        f"The series adds {size['python'] + size['test']:,} lines at 88 columns: {size['python']:,} under `python/`",
+        f"and {size['test']:,} of tests. Of the {size['new']:,} lines of its new modules, {size['code']:,} are code,",
+        f"{size['docstrings']:,} docstrings, {size['comments']:,} comments and {size['blank']:,} blank; the rest of",
+        "`python/` is the call sites in SGLang's files, the flag's field and the environment variables.",
+    ]
+
+
+def render_docs(stat: str, size: dict[str, int]) -> tuple[str, str]:
     """``(docs/upstream.md, docs/upstream_generator.md)``: the PR text with its generated parts filled, and
     the generator's page."""
     modules = shipped_modules()
@@ -1508,6 +1553,7 @@ def render_docs(stat: str) -> tuple[str, str]:
     pr = _replace_generated(DOC.read_text(), "measurements", _pr_measurements())
     pr = _replace_generated(pr, "series", series + ["", "```", stat.rstrip(), "```"])
     pr = _replace_generated(pr, "driver", _pr_driver())
+    pr = _replace_generated(pr, "size", _pr_size(size))
     generator = [
         _GENERATOR_HEAD,
         *_site_rows(hooks, modules),
@@ -1546,7 +1592,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         patches = build_series(args.out)
         if args.docs:
-            pr, generator = render_docs((args.out / "stat.txt").read_text())
+            pr, generator = render_docs((args.out / "stat.txt").read_text(), series_size(patches))
             DOC.write_text(pr)
             GENERATOR_DOC.write_text(generator)
         if args.apply_to:

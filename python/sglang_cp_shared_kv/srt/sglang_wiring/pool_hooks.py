@@ -202,7 +202,8 @@ def prepare_forward(pool, req_to_token, forward_batch) -> bool:
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
     from sglang_cp_shared_kv.srt.sglang_wiring import metrics
 
-    prefix_lens, seq_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.seq_lens_cpu
+    prefix_lens = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+    seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
     pool.name_next_batch(getattr(forward_batch, "rids", None), prefix_lens)
     observed = metrics.get()
     if observed is not None:

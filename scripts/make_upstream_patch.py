@@ -227,6 +227,7 @@ from the radix tree through ForwardBatch.init_new.""",
         (
             "test_cp_shared_kv_read_state.py",
             "patched_tree_checks.py::test_the_sites_call_the_patched_modules",
+            "patched_tree_checks.py::test_with_the_flag_off_sglang_builds_its_own_pool_and_allocator",
             "test_plugin_sharded_pool.py::test_sglang_pools_store_exactly_the_owned_rows",
             "test_read_state.py",
             "test_view_arena.py",

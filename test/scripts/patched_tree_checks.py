@@ -71,3 +71,26 @@ def test_the_sites_call_the_patched_modules():
 
     assert sharded_kv_pool.__name__ == "sglang.srt.mem_cache.cp_shared_kv.sharded_kv_pool"
     assert "prepare_forward" in kv_shard_hooks.prepare_kv_shard_forward.__code__.co_names
+
+
+def test_with_the_flag_off_sglang_builds_its_own_pool_and_allocator(tmp_path):
+    """SGLang's pool dispatch and allocator builder, the series' edits in them, build SGLang's own DSA pool
+    and paged allocator for a prefill CP server without the flag, and leave the sharded sender off."""
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel, publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from demo.sglang_parts import build_pool_and_allocator, prefill_cp_argv, write_model_dirs
+
+    dirs = write_model_dirs(tmp_path, ["mla", "dsa"])
+    server_args = prepare_server_args(prefill_cp_argv(str(tmp_path), 64))
+    server_args.resolve_once()
+    assert server_args.enable_cp_shared_kv is False
+    publish(server_args, role="scheduler")
+    config = model_config_of(prepare_server_args(["--model-path", str(dirs["dsa"])]))
+    pool, allocator = build_pool_and_allocator(config, 8 * 64, 4, 64, cp=(1, 2))
+    assert type(pool) is DSATokenToKVPool
+    assert type(allocator) is PagedTokenToKVPoolAllocator
+    assert not get_parallel().enable_kv_cache_sharding

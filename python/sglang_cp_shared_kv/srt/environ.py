@@ -38,8 +38,10 @@ class EnvStr(_EnvField):
 class EnvBool(_EnvField):
     @staticmethod
     def parse(value: str) -> bool:
-        if value.lower() in ("true", "1", "yes", "y", "false", "0", "no", "n"):
-            return value.lower() in ("true", "1", "yes", "y")
+        if value.lower() in ("true", "1", "yes", "y"):
+            return True
+        if value.lower() in ("false", "0", "no", "n"):
+            return False
         raise ValueError(f'"{value}" is not a valid boolean value')
 
 

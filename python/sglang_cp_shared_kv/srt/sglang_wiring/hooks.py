@@ -267,8 +267,10 @@ def sglang_version_rejections() -> list[str]:
                    f"only; starting anyway because {ANY_SGLANG_ENV}=1")  # fmt: skip
         return []
     return [
-        f"{FLAG}: SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang "
-        f"{checked} only; install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk."
+        startup_checks._line(
+            f"SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang {checked} only",
+            f"install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk",
+        )
     ]
 
 
@@ -319,9 +321,11 @@ def hook_rejections() -> list[str]:
     if not missing:
         return []
     return [
-        f"{FLAG}: SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs "
-        f"such a failure and goes on, which would leave the KV replicated); run sglang=={SGLANG_VERSIONS[-1]}, "
-        "whose functions these hooks wrap, or drop the flag."
+        startup_checks._line(
+            f"SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs such a "
+            "failure and goes on, which would leave the KV replicated)",
+            f"run sglang=={SGLANG_VERSIONS[-1]}, whose functions these hooks wrap, or drop the flag",
+        )
     ]
 
 

@@ -204,8 +204,10 @@ def _setting_rejections() -> list[str]:
         envs.SGLANG_DEBUG_CP_SHARED_KV,
     )
     for setting in settings:  # a value that does not parse would read as the default, with a warning
+        if not setting.is_set():
+            continue
         try:
-            setting.parse(os.environ[setting.name]) if setting.is_set() else None
+            setting.parse(os.environ[setting.name])
         except ValueError as e:
             out.append(_line(f"{setting.name}: {e}", "set a valid value or unset it"))
     for read in (arena_contexts, transport_setting):

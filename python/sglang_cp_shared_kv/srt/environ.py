@@ -54,6 +54,15 @@ class EnvInt(_EnvField):
             raise ValueError(f'"{value}" is not a valid integer value') from None
 
 
+class EnvFloat(_EnvField):
+    @staticmethod
+    def parse(value: str) -> float:
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f'"{value}" is not a valid float value') from None
+
+
 class Envs:
     # --enable-cp-shared-kv: how each prefill CP rank reads its peers' pages
     # (auto: copy engines when every CP rank is on this node, else the CP group's
@@ -64,6 +73,9 @@ class Envs:
     # --enable-cp-shared-kv: build each layer's view one layer ahead (1) or in line
     # (0); unset, the server's limits decide.
     SGLANG_CP_SHARED_KV_PREFETCH = EnvBool(False)
+    # --enable-cp-shared-kv: seconds a rank's device waits for a CP peer before the
+    # peer counts as lost and the server stops (well under SGLang's watchdog).
+    SGLANG_CP_SHARED_KV_PEER_TIMEOUT = EnvFloat(60.0)
     # --enable-cp-shared-kv: check stored rows, read plans and manifests (syncing).
     SGLANG_DEBUG_CP_SHARED_KV = EnvBool(False)
 

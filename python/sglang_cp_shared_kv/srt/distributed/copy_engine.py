@@ -27,11 +27,12 @@ import ctypes
 import functools
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup, PendingCollective, check_pairs
+from sglang_cp_shared_kv.srt.distributed.peer_watchdog import PeerWatchdog
 from sglang_cp_shared_kv.srt.environ import envs
 
 logger = logging.getLogger(__name__)
@@ -160,12 +161,17 @@ def driver() -> _Driver:
 
 class CopyEngineGroup:
     """In-place all-gathers inside registered ``buffers`` (this rank's CUDA tensors), pulled by copy engines;
-    ``group`` exchanges the IPC handles once. Collective: every rank constructs it with the same shapes."""
+    ``group`` exchanges the IPC handles once. Collective: every rank constructs it with the same shapes. Its
+    waits for the peers have a deadline (``peer_watchdog``; ``on_peer_lost``: the server's fail-stop)."""
 
     backend = "copy_engine"
 
     def __init__(
-        self, group: CPGroup, buffers: Sequence[torch.Tensor], sources: Sequence[Sequence[torch.Tensor]] | None = None
+        self,
+        group: CPGroup,
+        buffers: Sequence[torch.Tensor],
+        sources: Sequence[Sequence[torch.Tensor]] | None = None,
+        on_peer_lost: Callable[[str], None] | None = None,
     ):
         if not buffers or any(not b.is_cuda or not b.is_contiguous() for b in buffers):
             raise ValueError("copy-engine buffers must be a non-empty list of contiguous CUDA tensors")
@@ -227,6 +233,9 @@ class CopyEngineGroup:
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
         self.source_table: torch.Tensor | None = None
         self.source_strides: list[int] = []
+        self._side: torch.cuda.Stream | None = None  # the watchdog's reads and writes of the signals
+        deadline = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get()
+        self.watchdog = PeerWatchdog(deadline, self._laggards, self._release, on_peer_lost)
         if sources:
             self._map_sources(sources)
 
@@ -294,7 +303,9 @@ class CopyEngineGroup:
         parity. ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None)
         is queued right after: once compiled, inside the fence's graph (one per parity and ``then.graph_key()``),
         else called after the fence."""
-        handle, q = self._handle(stream), self.fences % 2
+        self.watchdog.check()
+        stream = self._stream(stream)
+        handle, q = stream.cuda_stream, self.fences % 2
         self.fences += 1
         key = then.graph_key() if then is not None and then.ran else None
         if key is None:
@@ -312,6 +323,7 @@ class CopyEngineGroup:
             self._driver.check(self._driver.graph_launch(exe, handle), "cuGraphLaunch")
         else:
             self._fence_calls(handle, q)
+        self._watch(stream, ("fence", self.fences))
         if then is None:
             return
         if key is None or not exe:
@@ -348,9 +360,40 @@ class CopyEngineGroup:
             exe = None
         return exe or 0
 
-    def _handle(self, stream: torch.cuda.Stream | None) -> int:
-        """The raw handle of ``stream``, or of this device's current stream."""
-        return (torch.cuda.current_stream(self.device) if stream is None else stream).cuda_stream
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+        """``stream``, or this device's current stream."""
+        return torch.cuda.current_stream(self.device) if stream is None else stream
+
+    def _watch(self, stream: torch.cuda.Stream, what: tuple[str, int]) -> None:
+        """Put the wait just queued on ``stream`` under the watchdog's deadline."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self.watchdog.watch(event.query, what)
+
+    def _laggards(self, what: tuple[str, int]) -> list[int]:
+        """The peers whose signal for ``what`` has not reached this rank (read on a side stream: the
+        waiting stream is blocked)."""
+        with torch.cuda.device(self.device):
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._side):
+                signals = self.signals.cpu().tolist()  # sync-ok: the watchdog's thread, on a failure
+        kind, n = what
+        if kind == "fence":
+            return [p for p in self._peer_signals if signals[2 + (n - 1) % 2][p] != 1]
+        return [p for p in self._peer_signals if min(signals[0][p], signals[1][p]) < n]
+
+    def _release(self) -> None:
+        """Satisfy every wait of this rank's streams for its peers (the group is failed): the counters past
+        any call, the fence words set; queued on a side stream, which nothing blocks."""
+        d = self._driver
+        with torch.cuda.device(self.device):
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            for p in self._peer_signals:
+                for row, value in ((0, 1 << 62), (1, 1 << 62), (2, 1), (3, 1)):
+                    slot = self._signals_at + (row * self.size + p) * 8
+                    d.check(d.write64(self._side.cuda_stream, slot, value, 0), "cuStreamWriteValue64")
 
     def _wait_peers(self, stream: int, which: int, k: int) -> None:
         """Queue on ``stream`` a wait for ``signals[which][p] >= k`` from every peer ``p`` (0 ready, 1 ack)."""
@@ -376,6 +419,8 @@ class CopyEngineGroup:
 
     def close(self) -> None:
         """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
+        if hasattr(self, "watchdog"):
+            self.watchdog.close()
         graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
         self._destroy([*graphs, *getattr(self, "_fused_graphs", {}).values()])
         self._fused_graphs = {}
@@ -456,9 +501,11 @@ class CopyEngineGroup:
         """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place, queued on
         ``stream`` (default: the current one) after the caller's writes there: the result needs no wait.
         ``ack=False`` leaves out the wait for the peers' reads of this rank's part (module docstring)."""
+        self.watchdog.check()
         pulls = self._pulls(outs, locals_)
         d = self._driver
-        stream = self._handle(stream)
+        torch_stream = self._stream(stream)
+        stream = torch_stream.cuda_stream
         # Ready once my part is written; the same word goes out again as ack once the pulls have run.
         k = self._announce(stream)
         for ready, copies in pulls:
@@ -467,17 +514,19 @@ class CopyEngineGroup:
                 d.check(d.copy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
                 self.bytes_received += nbytes
         if ack:
-            self._finish_reads(stream, k)
+            self._finish_reads(torch_stream, k)
         return PendingCollective()
 
     def finish_reads(self, stream: torch.cuda.Stream | None = None) -> None:
         """The ack of the last call, on ``stream`` (default: the current one): what the stream runs next
         may write this rank's buffers (every peer has finished reading them). After calls with ``ack=False``."""
-        self._finish_reads(self._handle(stream), self.calls)
+        self.watchdog.check()
+        self._finish_reads(self._stream(stream), self.calls)
 
-    def _finish_reads(self, stream: int, k: int) -> None:
-        self._signal(stream, 1)  # done reading the peers' parts: ack := k (the outbox) on every peer
-        self._wait_peers(stream, 1, k)
+    def _finish_reads(self, stream: torch.cuda.Stream, k: int) -> None:
+        self._signal(stream.cuda_stream, 1)  # done reading the peers' parts: ack := k (the outbox) on every peer
+        self._wait_peers(stream.cuda_stream, 1, k)
+        self._watch(stream, ("all-gather", k))
 
 
 PULL_CACHE_SIZE = 16  # sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets)
@@ -500,10 +549,12 @@ def view_group(
     buffers: Sequence[torch.Tensor],
     setting: str | None = None,
     sources: Sequence[Sequence[torch.Tensor]] | None = None,
+    on_peer_lost: Callable[[str], None] | None = None,
 ) -> CPGroup | CopyEngineGroup:
     """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself,
     decided alike on every rank (copy engines only if every rank loads the driver, on one host; never for CPU
-    buffers; a fallback under ``auto`` is a WARNING). ``sources``: the pools' page buffers, mapped too."""
+    buffers; a fallback under ``auto`` is a WARNING). ``sources``: the pools' page buffers, mapped too;
+    ``on_peer_lost``: the copy engines' fail-stop (``CopyEngineGroup``)."""
     setting = transport_setting(setting)
     if setting == "nccl" or not buffers or not buffers[0].is_cuda:
         if setting == "copy_engine":
@@ -521,7 +572,7 @@ def view_group(
     if reasons:
         return fall_back(group, setting, "; ".join(reasons))
     try:
-        ce = CopyEngineGroup(group, buffers, sources)
+        ce = CopyEngineGroup(group, buffers, sources, on_peer_lost)
     except CopyEngineUnavailable as e:  # raised on every rank alike
         return fall_back(group, setting, str(e))
     logger.info("CP-shared KV: views all-gathered by the copy engines (%d ranks on one node)", group.size)

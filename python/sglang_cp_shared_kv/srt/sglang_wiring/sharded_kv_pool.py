@@ -18,6 +18,9 @@ Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): the stored rows, the read plan and the 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import time
 from collections.abc import Callable
 
 import torch
@@ -39,6 +42,13 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import CPSharedSpec
 logger = logging.getLogger(__name__)
 
 
+def stop_server(line: str) -> None:
+    """A lost CP peer stops the server as a scheduler's crash does: SIGQUIT to the parent, which kills the
+    process tree. The grace keeps this rank's stream waiting until then, so the failed batch yields nothing."""
+    os.kill(os.getppid(), signal.SIGQUIT)
+    time.sleep(5)
+
+
 def _host_ints(values) -> tuple[int, ...]:
     """SGLang's host lengths (a list or a CPU tensor) as Python ints, a tensor through one ``tolist``."""
     if isinstance(values, torch.Tensor):
@@ -57,12 +67,14 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     ) -> None:
         """Build the pool's ``CPSharedSpec`` once (everything below reads it): ranks from the arguments, else
         from SGLang's parallel context, whose CP device group (NCCL on GPUs) is then looked up at first use."""
+        on_peer_lost = None  # ranks handed in (tests, benchmarks): a lost peer raises at the next call
         if cp_rank is None or cp_size is None:
             from sglang.srt.runtime_context import get_parallel
 
             parallel = get_parallel()
             cp_rank, cp_size = parallel.attn_cp_rank, parallel.attn_cp_size
             cp_group = cp_group or (lambda: CPGroup(get_parallel().attn_cp_group.device_group))
+            on_peer_lost = stop_server
         if not isinstance(cp_size, int) or cp_size < 2:
             raise ValueError(f"cp_size must be an int > 1 for a sharded pool, got {cp_size!r}")
         ps = self.page_size
@@ -96,7 +108,9 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         if spec.with_indexer:
             index = PageBuffers(self.ownership, spec.cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
         # One plan and one collective per layer serve both (read_state.BatchReadState.source).
-        self.read = BatchReadState(self.ownership, spec.cp_rank, spec.logical_pages, latent, index, cp_group)
+        self.read = BatchReadState(
+            self.ownership, spec.cp_rank, spec.logical_pages, latent, index, cp_group, on_peer_lost
+        )
         # The same out_cache_loc reaches every layer's latent and indexer writes: its rows once.
         self._store_rows = TensorMemo(
             lambda locs: self.ownership.store_rows(locs.long(), spec.cp_rank, spec.trash_page, spec.phys_pages)[0]

@@ -163,6 +163,7 @@ class BatchReadState:
         latent: PageBuffers,
         index: PageBuffers | None,
         group: CPGroup | Callable[[], CPGroup] | None,
+        on_peer_lost: Callable[[str], None] | None = None,
     ):
         self.ownership = ownership
         self.page_size = ownership.page_size
@@ -175,6 +176,7 @@ class BatchReadState:
             ownership, rank, latent.row_bytes, latent.buffers, index.buffers if index is not None else None
         )
         self.group = group
+        self.on_peer_lost = on_peer_lost  # the server's fail-stop when a peer stops (``peer_watchdog``)
         # Built at the first materialized batch: a pool with no group still serves current-reuse batches.
         self.views: ViewMaterializer | None = None
         self.device = latent.device
@@ -341,7 +343,8 @@ class BatchReadState:
             group, src = self.group, self.source
             if self.arena is not None and group is not None:  # copy engines: the peers' arenas and pools mapped
                 pools = [[src.buffers[i]] + ([src.index[i]] if src.with_indexer else []) for i in range(src.num_layers)]
-                group = view_group(group, list(self.arena.values()), sources=None if self.prefetch else pools)
+                pools = None if self.prefetch else pools
+                group = view_group(group, list(self.arena.values()), sources=pools, on_peer_lost=self.on_peer_lost)
             prefetch = prefetch_on(group, self.prefetch)  # follows the transport chosen
             self.views = ViewMaterializer(src, group, arena=self.arena, prefetch=prefetch)
         n = self.ownership.cp_size

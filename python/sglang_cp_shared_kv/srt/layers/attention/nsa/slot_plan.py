@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from sglang_cp_shared_kv.srt.environ import envs
+
 
 def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
     """Pages each request reads: ``ceil(seq_len / page_size)`` (host ints)."""
@@ -79,7 +81,6 @@ def request_names(requests: Sequence[object] | None, count: int) -> list[str]:
 
 
 VERDICT_LAG = 2  # batches: batch k's flags are acted on when batch k + VERDICT_LAG begins
-WAIT_DEADLINE_S = 60.0  # the longest a due record is waited for (well under SGLang's watchdog)
 
 
 class FlagWaitTimeout(RuntimeError):
@@ -97,12 +98,13 @@ class DeviceFlagCheck:
     group run the same batches, so they raise at the same batch whatever their timing, before its collectives:
     none is left waiting for another. Under SGLang's overlap scheduler a batch's outputs reach the host before
     the batch after next is scheduled, so with ``lag = 2`` due records have landed; one still pending is waited
-    for, up to ``deadline_s`` (then ``FlagWaitTimeout``). ``poll(wait=True)`` reads every record. A read
+    for, up to ``deadline_s`` (default ``$SGLANG_CP_SHARED_KV_PEER_TIMEOUT``, then ``FlagWaitTimeout``). ``poll(wait=True)`` reads every record. A read
     record's event and buffer serve later records (no allocation per batch).
     """
 
-    def __init__(self, lag: int = VERDICT_LAG, deadline_s: float = WAIT_DEADLINE_S) -> None:
-        self.lag, self.deadline_s = lag, deadline_s
+    def __init__(self, lag: int = VERDICT_LAG, deadline_s: float | None = None) -> None:
+        self.lag = lag
+        self.deadline_s = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get() if deadline_s is None else deadline_s
         self.batch = 0  # the batch in progress (``next_batch`` calls so far)
         # Per record: its batch, its host values (a tensor, and as numpy), its event (None: on CPU, or watched by
         # a landed word), that word's index, whether the values are pinned (kept for later records), ``fail``.

@@ -1,0 +1,237 @@
+"""Fail-stop of the copy engines' cross-rank waits, on one GPU (ranks as processes sharing it).
+
+Ranks run extend batches through ``BatchReadState`` with a view arena and no prefetch: each layer's view
+is read straight from the owners' pools, one fence per batch orders the pools (``docs/design.md``,
+"Transports"). Batch ``r`` reads as prefix the pages its owners wrote in batch ``r - 1`` and writes the
+pages batch ``r - 2`` read (requests ended, their pages reused); each batch ends in a host sync, as
+SGLang's output processing does.
+
+- ``fence_rank``: rounds where one rank runs 20 ms late in turn; every prefix read is compared with the
+  bytes its owner wrote. With the fence, every read is exact; without it (the test switches it off), a
+  late rank reads pages its peer already rewrote.
+- ``trial``: once every rank has run its warm-up batches, one rank is SIGKILLed mid-batch; every other
+  rank must fail with the peer-lost line (``peer_watchdog``) within ``$SGLANG_CP_SHARED_KV_PEER_TIMEOUT``,
+  and its GPU must still run work.
+
+``python -m benchmark.cp_shared_kv.fail_stop --trials 20`` writes ``fail_stop.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import random
+import signal
+import time
+from datetime import timedelta
+
+import torch
+
+PS, ROW, LAYERS = 64, 656, 4
+K = 8  # pages per rank in each half of the pool the batches use
+PHYS = 2 * K + 2  # physical pages per rank (page 0 the trash page)
+LATE_CYCLES = 40_000_000  # about 20 ms of GPU sleep: the late rank of a round
+
+
+def _content(round_: int, locs: torch.Tensor) -> torch.Tensor:
+    """What a loc's owner writes in round ``round_`` (every rank can recompute it)."""
+    base = (round_ * 7 + locs.long() * 13) % 251
+    return ((base.unsqueeze(1) + torch.arange(ROW, device=locs.device)) % 256).to(torch.uint8)
+
+
+class _Ranks:
+    """One rank's pool, read state and batch loop."""
+
+    def __init__(self, rank: int, size: int, device: str = "cuda"):
+        from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+        from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers
+        from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
+
+        self.rank, self.size = rank, size
+        self.device = torch.device("cpu")
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.ownership = PageOwnership(size, PS, logical_pages=size * PHYS)
+        self.pools = [torch.zeros((PHYS, PS * ROW), dtype=torch.uint8, device=self.device) for _ in range(LAYERS)]
+        self.state = BatchReadState(
+            self.ownership, rank, size * PHYS, PageBuffers(self.ownership, rank, ROW, self.pools), None, CPGroup()
+        )
+        self.state.attach_arena(size * K * PS, size * K * PS, prefetch=False)
+        # Logical pages [N, N + NK) and [N + NK, N + 2NK): the two halves batches alternate between.
+        self.halves = [torch.arange(size + h * size * K, size + (h + 1) * size * K) for h in range(2)]
+
+    def batch(self, r: int, late: bool = False) -> list[torch.Tensor]:
+        """Round ``r``: read half ``(r - 1) % 2`` as prefix, write half ``r % 2``; returns the prefix reads."""
+        from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchInputs
+
+        prefix, chunk = (self.halves[(r - 1) % 2], self.halves[r % 2]) if r else (self.halves[1][:0], self.halves[0])
+        locs = pages_to_locs(torch.cat([prefix, chunk]))
+        table = locs.int().view(1, -1).to(self.device, non_blocking=True)
+        rows = torch.zeros(1, dtype=torch.int64, device=self.device)
+        n_prefix = len(prefix) * PS
+        self.state.begin(BatchInputs(table, rows, (n_prefix,), (len(locs),)))
+        prefix_locs = locs[:n_prefix].int().to(self.device, non_blocking=True)
+        store, mine = self.ownership.store_rows(locs[n_prefix:], self.rank, 0)  # host tensors: no sync
+        store, owned = store[mine].to(self.device, non_blocking=True), _content(r, locs[n_prefix:][mine])
+        owned = owned.to(self.device, non_blocking=True)
+        reads = []
+        for layer in range(LAYERS):
+            self.state.stage(layer)  # the write path's first call: the batch's fence and plan go first
+            if late and layer == 0 and self.device.type == "cuda":
+                torch.cuda._sleep(LATE_CYCLES)
+            if n_prefix:
+                reads.append(self.state.latent_rows(layer)[self.state.translate(prefix_locs)].clone())
+            self.pools[layer].view(-1, ROW)[store] = owned
+        self.state.end()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # sync-ok: the batch's outputs, as SGLang reads them
+        return reads
+
+
+def fence_rank(rank: int, size: int, fence_on: bool, rounds: int = 40, device: str = "cuda") -> dict:
+    """``rounds`` batches, rank ``r % size`` late in round ``r``; the rounds whose prefix reads were wrong.
+    ``mapped``: whether the views were read from the peers' pools (else all-gathered by the CP group)."""
+    ranks = _Ranks(rank, size, device)
+    ranks.batch(0)
+    ranks.batch(1)  # the copy engines' group and the pools' mapping are made here
+    group = ranks.state.views.group
+    if not fence_on:  # the test's switch: the fence's companion launch alone
+        group.fence = lambda stream=None, then=None: then() if then is not None else None
+    reads = [(r, ranks.batch(r, late=r % size == rank)) for r in range(2, rounds)]
+    wrong = []
+    for r, layers in reads:
+        prefix = ranks.halves[(r - 1) % 2]
+        locs = pages_to_locs(prefix).to(ranks.device)
+        if not all(torch.equal(got, _content(r - 1, locs)) for got in layers):
+            wrong.append(r)
+    mapped = getattr(group, "source_table", None) is not None
+    return {"mapped": mapped, "wrong_rounds": wrong, "fences": getattr(group, "fences", 0)}
+
+
+def pages_to_locs(pages: torch.Tensor) -> torch.Tensor:
+    """Every token loc of ``pages`` (int64, on the host)."""
+    return pages.repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(pages))
+
+
+def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float) -> None:
+    """A rank of a kill trial: warm up, say so, then run batches until a peer is lost (reported)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+
+    from sglang_cp_shared_kv.srt.distributed.peer_watchdog import PeerLost
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    ranks = _Ranks(rank, size)
+    r = 0
+    for r in range(4):
+        ranks.batch(r)
+    reports.put(("ready", rank, time.time(), None))
+    end = time.monotonic() + max_s
+    report = ("no failure", rank, time.time(), None)
+    try:
+        while time.monotonic() < end:
+            r += 1
+            ranks.batch(r)
+    except PeerLost as e:
+        report = ("lost", rank, time.time(), str(e))
+    except Exception as e:  # any other way out is reported as it is
+        report = (f"{type(e).__name__}", rank, time.time(), str(e))
+    try:  # the GPU still runs work once the waits are released
+        usable = torch.ones(4, device=ranks.device).sum().item() == 4
+    except Exception:
+        usable = False
+    reports.put((report[0], rank, report[2], (report[3], usable, r)))
+    reports.close()
+    reports.join_thread()
+    os._exit(0)  # the gloo group's teardown would wait for the dead peer
+
+
+def trial(size: int, victim: int, seed: int, deadline_s: float) -> dict:
+    """Spawn ``size`` ranks, SIGKILL ``victim`` mid-batch, and collect the survivors' reports."""
+    from reference.spawn import free_port
+
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    port = free_port()
+    max_s = deadline_s + 60
+    procs = [ctx.Process(target=_trial_rank, args=(r, size, port, reports, max_s), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    ready, got = set(), {}
+    limit = time.monotonic() + 180
+    try:
+        while len(ready) < size and time.monotonic() < limit:
+            try:
+                kind, rank, _, detail = reports.get(timeout=1)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                continue
+            if kind == "ready":
+                ready.add(rank)
+            else:
+                got[rank] = (kind, detail)
+        if len(ready) < size:
+            return {"seed": seed, "error": f"ranks ready: {sorted(ready)}, reports: {got}"}
+        time.sleep(random.Random(seed).uniform(0.0, 0.2))  # somewhere inside a batch
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        killed_at = time.time()
+        survivors = [r for r in range(size) if r != victim]
+        wait_until = time.monotonic() + deadline_s + 30
+        seen = {}
+        while len(seen) < len(survivors) and time.monotonic() < wait_until:
+            try:
+                kind, rank, at, detail = reports.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind != "ready":
+                seen[rank] = {"kind": kind, "seconds": round(at - killed_at, 3), "line": detail[0],
+                              "gpu_usable": detail[1], "batches": detail[2]}  # fmt: skip
+        return {
+            "seed": seed,
+            "victim": victim,
+            "survivors": {str(r): seen.get(r, {"kind": "hang"}) for r in survivors},
+        }
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmark.cp_shared_kv.bench_common import write_result
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--cp-size", type=int, default=2)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("SGLANG_CP_SHARED_KV_PEER_TIMEOUT", "5")
+    deadline = float(os.environ["SGLANG_CP_SHARED_KV_PEER_TIMEOUT"])
+    rows = []
+    for t in range(args.trials):
+        row = trial(args.cp_size, victim=t % args.cp_size, seed=t, deadline_s=deadline)
+        print(row, flush=True)
+        rows.append(row)
+    outcomes = [s for row in rows for s in row.get("survivors", {}).values()]
+    lost = [s for s in outcomes if s["kind"] == "lost"]
+    summary = {
+        "kill_trials": len(rows),
+        "kill_hangs": sum(s["kind"] == "hang" for s in outcomes) + sum("error" in row for row in rows),
+        "kill_other_errors": sum(s["kind"] not in ("lost", "hang") for s in outcomes),
+        "kill_max_seconds": max((s["seconds"] for s in lost), default=None),
+        "deadline_s": deadline,
+        "gpu_usable_after": all(s.get("gpu_usable") for s in lost) and bool(lost),
+        "cp_size": args.cp_size,
+    }
+    write_result("fail_stop", rows, summary)
+    print(summary)
+    return 0 if summary["kill_hangs"] == 0 and summary["kill_other_errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""A deadline on the device waits a CP rank queues for its peers (``docs/design.md``, "Fail-stop").
+
+A stream waiting for a peer's signal (``cuStreamWaitValue64``) has no timeout: a peer that died leaves it
+blocked for ever, and the host with it at its next sync. ``PeerWatchdog`` is a host thread that sees each
+queued wait through a ``done`` check (an event recorded after it). A wait still pending ``deadline_s`` after
+it was queued means a peer stopped: one ERROR line names the peers behind (``laggards``) and the wait;
+``on_failure`` (the server's fail-stop) is called; ``release`` then satisfies this rank's waits so that no
+stream stays blocked; and every later ``check`` raises ``PeerLost`` with that line. Every live rank waits
+for the dead one, so every live rank fails with it, at its own next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class PeerLost(RuntimeError):
+    """A CP peer stopped answering: this rank's group is failed (the message names the peer and the wait)."""
+
+
+class PeerWatchdog:
+    """Fails a CP group whose device wait outlived ``deadline_s``: ``laggards(what)`` names the peers behind
+    a wait, ``release()`` satisfies this rank's waits, ``on_failure(line)`` stops the server (None: the
+    rank's next ``check`` raises). Polls every ``poll_s``; the thread starts at the first ``watch``."""
+
+    def __init__(
+        self,
+        deadline_s: float,
+        laggards: Callable[[tuple[str, int]], list[int]],
+        release: Callable[[], None],
+        on_failure: Callable[[str], None] | None = None,
+        poll_s: float = 0.05,
+    ):
+        self.deadline_s, self.poll_s = deadline_s, poll_s
+        self._laggards, self._release, self._on_failure = laggards, release, on_failure
+        self._waits: deque[tuple[float, Callable[[], bool], tuple[str, int]]] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failed: str | None = None
+
+    def watch(self, done: Callable[[], bool], what: tuple[str, int]) -> None:
+        """A wait just queued: ``done()`` turns True once the stream has passed it; ``what`` names it
+        (``("fence", f)``: the rank's fence ``f``; ``("all-gather", k)``: its call ``k``)."""
+        with self._lock:
+            self._waits.append((time.monotonic(), done, what))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cp-shared-kv-peer-watchdog", daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        """Raise ``PeerLost`` once a peer has been found dead (before anything more is queued)."""
+        if self.failed is not None:
+            raise PeerLost(self.failed)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * self.poll_s + 1)
+
+    def _oldest_pending(self) -> tuple[float, tuple[str, int]] | None:
+        with self._lock:
+            while self._waits and self._waits[0][1]():
+                self._waits.popleft()
+            return (self._waits[0][0], self._waits[0][2]) if self._waits else None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            pending = self._oldest_pending()
+            if pending is not None and time.monotonic() - pending[0] > self.deadline_s:
+                self._fail(*pending)
+                return
+
+    def _fail(self, since: float, what: tuple[str, int]) -> None:
+        try:
+            behind = self._laggards(what)
+            who = f"rank {behind[0]}" if len(behind) == 1 else f"ranks {behind}" if behind else "no peer known"
+        except Exception as e:  # the line goes out whatever the device says
+            who = f"unknown peers ({e})"
+        self.failed = (
+            f"--enable-cp-shared-kv: CP peer lost: {who} did not reach this rank's {what[0]} {what[1]} within {self.deadline_s:g} s "
+            f"(waited {time.monotonic() - since:.1f} s); this rank fails its batch"
+        )
+        logger.error("%s", self.failed)
+        if self._on_failure is not None:
+            self._on_failure(self.failed)
+        # Satisfy every wait queued so far and any queued until the rank stops (bounded: no stream stays blocked).
+        end = time.monotonic() + max(self.deadline_s, 1.0)
+        while time.monotonic() < end:
+            self._release()
+            if self._oldest_pending() is None:
+                return
+            time.sleep(self.poll_s)

@@ -141,6 +141,19 @@ def pd_faults() -> str:
     return table(["", ""], rows)
 
 
+def fail_stop() -> str:
+    d = load("fail_stop.json")
+    s = d["summary"]
+    rows = [
+        ["trials (a rank SIGKILLed mid-batch), CP size", f"{s['kill_trials']}, {s['cp_size']}"],
+        ["survivors hung / failed another way", f"{s['kill_hangs']} / {s['kill_other_errors']}"],
+        ["longest kill-to-line time (deadline)", f"{s['kill_max_seconds']} s ({s['deadline_s']:g} s)"],
+        ["every survivor's GPU ran work after", "yes" if s["gpu_usable_after"] else "no"],
+        ["device; commit", f"{d['environment'].get('gpu', 'CPU')}; `{(d['environment']['commit'] or '?')[:7]}`"],
+    ]
+    return table(["", ""], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "side-by-side": side_by_side,
     "host-cost": host_cost,
@@ -148,6 +161,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "two-gpus": two_gpus,
     "pd-transfer": pd_transfer,
     "pd-faults": pd_faults,
+    "fail-stop": fail_stop,
 }
 
 

@@ -141,6 +141,13 @@ CASES = [
         "SGLANG_CP_SHARED_KV_TRANSPORT must be one of auto, copy_engine, nccl, got 'bogus'",
     ),
     (
+        "bad_peer_timeout",
+        "dsa",
+        "resolved",
+        GOOD + DSA_RESOLVED + ["--dsa-prefill-backend", "flashmla_sparse"],
+        "SGLANG_CP_SHARED_KV_PEER_TIMEOUT must be a positive number of seconds",
+    ),
+    (
         "mla_triton",
         "mla",
         "resolved",
@@ -211,7 +218,8 @@ CASE_ENV = {
         "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS": "0",
         "SGLANG_CP_SHARED_KV_PREFETCH": "2",
         "SGLANG_CP_SHARED_KV_TRANSPORT": "bogus",
-    }
+    },
+    "bad_peer_timeout": {"SGLANG_CP_SHARED_KV_PEER_TIMEOUT": "-1"},
 }
 
 

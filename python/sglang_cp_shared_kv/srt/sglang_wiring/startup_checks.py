@@ -201,6 +201,7 @@ def _setting_rejections() -> list[str]:
         envs.SGLANG_CP_SHARED_KV_TRANSPORT,
         envs.SGLANG_CP_SHARED_KV_ARENA_CONTEXTS,
         envs.SGLANG_CP_SHARED_KV_PREFETCH,
+        envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT,
         envs.SGLANG_DEBUG_CP_SHARED_KV,
     )
     for setting in settings:  # a value that does not parse would read as the default, with a warning
@@ -215,6 +216,9 @@ def _setting_rejections() -> list[str]:
             read()
         except ValueError as e:
             out.append(_line(str(e), "set a valid value or unset it"))
+    if not envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get() > 0:
+        name = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.name
+        out.append(_line(f"{name} must be a positive number of seconds", "set a valid value or unset it"))
     return out
 
 

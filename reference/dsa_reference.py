@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import decode_mla_rows, index_page_views
+from reference.kv_formats import decode_mla_rows, index_page_views
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM, LATENT_DIM
 
 

@@ -153,19 +153,17 @@ ends. Independent of the rest of the series.""",
     ),
     Commit(
         "ownership",
-        "[CP shared KV] page ownership, KV row formats and the CP group's collectives",
+        "[CP shared KV] page ownership, KV row sizes and the CP group's collectives",
         """\
 Prefill context parallelism over N ranks stores every page of the persistent MLA latent and DSA
 indexer KV on all N ranks. These modules hold what sharding it needs below the pools: page lp is
-owned by rank lp % N (the arithmetic of the page-interleave allocator), the fp8 and bf16 row formats
-and the indexer's page layout, the view arena's sizes, and the gloo/NCCL collectives that all-gather
+owned by rank lp % N (the arithmetic of the page-interleave allocator), the byte sizes of the fp8
+and bf16 rows and the indexer's pages, the view arena's sizes, and the gloo/NCCL collectives that all-gather
 a batch's views across the CP group. Nothing calls them yet.""",
         ("srt.mem_cache.cp_shared_kv.", "srt.distributed.cp_shared_kv."),
         (
             "test_cp_shared_kv_ownership.py",
             "test_placement.py",
-            "test_kv_formats.py::test_mla_fp8_row_hand_computed",
-            "test_kv_formats.py::test_index_k_hand_computed",
         ),
         (("test_cp_shared_kv_ownership.py", "test/registered/unit/mem_cache/test_cp_shared_kv_ownership.py"),),
     ),

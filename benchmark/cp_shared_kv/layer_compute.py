@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import dequantize_mla_fp8
+from reference.kv_formats import dequantize_mla_fp8
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import FP8_MAX, KV_LORA_RANK, MLA_FP8_ROW_BYTES, ROPE_DIM
 
 PAGE_SIZE = 64

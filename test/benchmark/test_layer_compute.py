@@ -15,7 +15,7 @@ from benchmark.cp_shared_kv.layer_compute import (
     sparse_attention_reference,
 )
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import quantize_mla_fp8
+from reference.kv_formats import quantize_mla_fp8
 
 
 def _e4m3_table() -> np.ndarray:

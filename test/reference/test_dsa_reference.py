@@ -11,7 +11,7 @@ from reference.dsa_reference import (
     read_index_k,
     sparse_mla,
 )
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import decode_mla_rows, encode_mla_rows, quantize_index_k
+from reference.kv_formats import decode_mla_rows, encode_mla_rows, quantize_index_k
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 
 

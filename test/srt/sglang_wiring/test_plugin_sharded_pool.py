@@ -92,7 +92,7 @@ def _index_bytes(pool, layer: int, locs: torch.Tensor):
 def test_sglang_pools_store_exactly_the_owned_rows(kind):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
 
-    from sglang_cp_shared_kv.srt.mem_cache.kv_formats import index_page_views
+    from reference.kv_formats import index_page_views
     from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import (
         CPSharedDSATokenToKVPool,

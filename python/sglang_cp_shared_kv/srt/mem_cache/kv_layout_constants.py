@@ -1,5 +1,6 @@
-"""Byte sizes of the KV row and indexer page formats (``kv_formats``), importable without torch: the
-quantizers, the startup checks and the transfer protocol's layout checks all read these.
+"""Byte sizes of SGLang's KV row and indexer page formats, importable without torch: the startup checks,
+the read path and the transfer protocol's layout checks read these (the formats themselves, in plain
+torch for the tests, are ``reference/kv_formats.py``).
 """
 
 from __future__ import annotations

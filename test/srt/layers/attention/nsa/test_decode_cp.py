@@ -20,7 +20,7 @@ SM_SCALE = 576**-0.5
 
 def _batch(seed: int, cp_size: int) -> dict:
     """The same batch on every rank: per request its tokens' index keys and latent rows, its owners."""
-    from sglang_cp_shared_kv.srt.mem_cache.kv_formats import encode_mla_rows, quantize_index_k
+    from reference.kv_formats import encode_mla_rows, quantize_index_k
 
     g = torch.Generator().manual_seed(seed)
     longest = max(LENS)

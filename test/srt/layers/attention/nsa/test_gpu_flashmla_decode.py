@@ -12,7 +12,7 @@ import torch
 from page_fixtures import PagePool, RotatingPages
 
 from reference.dsa_reference import sparse_mla
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import quantize_mla_fp8
+from reference.kv_formats import quantize_mla_fp8
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 pytestmark = [

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_formats import (
+from reference.kv_formats import (
     decode_mla_rows,
     dequantize_index_k,
     encode_mla_rows,
@@ -71,7 +71,7 @@ def test_bad_format_names_the_argument():
 
 
 def test_index_page_views_are_views_of_the_page_layout():
-    from sglang_cp_shared_kv.srt.mem_cache.kv_formats import index_page_views
+    from reference.kv_formats import index_page_views
 
     ps = 4
     pages = torch.zeros(3, ps * 132, dtype=torch.uint8)

@@ -53,6 +53,7 @@ import torch
 
 from benchmark.cp_shared_kv.bench_common import command_line, environment
 from benchmark.cp_shared_kv.layer_compute import AttentionStep, MoEStandIn, attention_inputs, moe_shape
+from reference.kv_formats import quantize_mla_fp8
 from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup, driver
 from sglang_cp_shared_kv.srt.layers.attention.nsa import materialize
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
@@ -60,7 +61,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gat
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import plan_batch
 from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, plan_meta_rows, slots_per_rank
-from reference.kv_formats import quantize_mla_fp8
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES, MLA_FP8_ROW_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 

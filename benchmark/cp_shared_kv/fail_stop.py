@@ -33,6 +33,7 @@ PS, ROW, LAYERS = 64, 656, 4
 K = 8  # pages per rank in each half of the pool the batches use
 PHYS = 2 * K + 2  # physical pages per rank (page 0 the trash page)
 LATE_CYCLES = 40_000_000  # about 20 ms of GPU sleep: the late rank of a round
+ROUNDS = 40  # batches of a fence run (the first two warm up, the others are compared)
 
 
 def _content(round_: int, locs: torch.Tensor) -> torch.Tensor:
@@ -91,7 +92,7 @@ class _Ranks:
         return reads
 
 
-def fence_rank(rank: int, size: int, fence_on: bool, rounds: int = 40, device: str = "cuda") -> dict:
+def fence_rank(rank: int, size: int, fence_on: bool, rounds: int = ROUNDS, device: str = "cuda") -> dict:
     """``rounds`` batches, rank ``r % size`` late in round ``r``; the rounds whose prefix reads were wrong.
     ``mapped``: whether the views were read from the peers' pools (else all-gathered by the CP group)."""
     ranks = _Ranks(rank, size, device)
@@ -212,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("SGLANG_CP_SHARED_KV_PEER_TIMEOUT", "5")
     deadline = float(os.environ["SGLANG_CP_SHARED_KV_PEER_TIMEOUT"])
+    from reference.spawn import spawn_ranks
+
+    # The fence on and switched off, the same batches: the rounds whose prefix reads were wrong, per rank.
+    fence = {"on" if on else "off": spawn_ranks(fence_rank, args.cp_size, on, timeout_s=300) for on in (True, False)}
+    print(fence, flush=True)
     rows = []
     for t in range(args.trials):
         row = trial(args.cp_size, victim=t % args.cp_size, seed=t, deadline_s=deadline)
@@ -227,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         "deadline_s": deadline,
         "gpu_usable_after": all(s.get("gpu_usable") for s in lost) and bool(lost),
         "cp_size": args.cp_size,
+        "fence_on_wrong_rounds": sum(len(r["wrong_rounds"]) for r in fence["on"]),
+        "fence_off_wrong_rounds": sum(len(r["wrong_rounds"]) for r in fence["off"]),
+        "fence_rounds_per_rank": ROUNDS - 2,
     }
-    write_result("fail_stop", rows, summary)
+    write_result("fail_stop", rows, summary, {"fence": fence})
     print(summary)
-    return 0 if summary["kill_hangs"] == 0 and summary["kill_other_errors"] == 0 else 1
+    ok = summary["kill_hangs"] == 0 and summary["kill_other_errors"] == 0 and summary["fence_on_wrong_rounds"] == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

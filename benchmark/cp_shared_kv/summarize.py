@@ -149,6 +149,10 @@ def fail_stop() -> str:
         ["survivors hung / failed another way", f"{s['kill_hangs']} / {s['kill_other_errors']}"],
         ["longest kill-to-line time (deadline)", f"{s['kill_max_seconds']} s ({s['deadline_s']:g} s)"],
         ["every survivor's GPU ran work after", "yes" if s["gpu_usable_after"] else "no"],
+        [
+            "rounds read wrong, fence on / off (of rounds x ranks)",
+            f"{s['fence_on_wrong_rounds']} / {s['fence_off_wrong_rounds']} (of {s['fence_rounds_per_rank']} x {s['cp_size']})",
+        ],
         ["device; commit", f"{d['environment'].get('gpu', 'CPU')}; `{(d['environment']['commit'] or '?')[:7]}`"],
     ]
     return table(["", ""], rows)

@@ -11,10 +11,10 @@ import torch
 from page_fixtures import PagePool, RotatingPages, begin_batch
 
 from reference.dsa_reference import sparse_mla
+from reference.kv_formats import pack_mla_bf16
 from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import LayerView, ViewMaterializer
-from reference.kv_formats import pack_mla_bf16
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 PS, HEADS, TOPK = 64, 64, 128

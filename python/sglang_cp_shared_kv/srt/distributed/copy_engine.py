@@ -390,6 +390,10 @@ class CopyEngineGroup:
         with torch.cuda.device(self.device):
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device)
+            if self.source_table is not None:  # the failed batch's pulls read this rank's pool, not a dead peer's
+                with torch.cuda.stream(self._side):
+                    own = self.source_table[..., self.rank : self.rank + 1].clone()
+                    self.source_table.copy_(own.expand_as(self.source_table))
             for p in self._peer_signals:
                 for row, value in ((0, 1 << 62), (1, 1 << 62), (2, 1), (3, 1)):
                     slot = self._signals_at + (row * self.size + p) * 8

@@ -73,3 +73,17 @@ def test_a_failure_reading_the_peers_still_gives_the_line():
         "--enable-cp-shared-kv: CP peer lost: unknown peers (the device is gone) did not reach this rank's fence 1"
     )
     dog.close()
+
+
+def test_a_device_error_while_waiting_fails_the_group_with_that_error():
+    def done():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    dog = PeerWatchdog(10.0, lambda what: [], lambda: None, poll_s=0.01)
+    dog.watch(done, ("fence", 2))
+    deadline = time.monotonic() + 5
+    while dog.failed is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(PeerLost, match="the device failed while this rank waited for its CP peers: CUDA error"):
+        dog.check()
+    dog.close()

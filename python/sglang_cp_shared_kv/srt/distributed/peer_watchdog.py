@@ -72,7 +72,12 @@ class PeerWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            pending = self._oldest_pending()
+            try:
+                pending = self._oldest_pending()
+            except Exception as e:  # the device failed (a sticky CUDA error): the rank's next sync raises it too
+                self.failed = f"--enable-cp-shared-kv: the device failed while this rank waited for its CP peers: {e}"
+                logger.error("%s", self.failed)
+                return
             if pending is not None and time.monotonic() - pending[0] > self.deadline_s:
                 self._fail(*pending)
                 return

@@ -1,15 +1,17 @@
-"""CP-shared KV cache: page ownership and the view arena's sizes.
+"""CP-shared KV cache: page ownership, the view arena's sizes, the peer watchdog.
 
 Logical page ``lp`` lives on CP rank ``lp % N`` as physical page ``lp // N``: the
 placement of SGLang's page-interleave allocator, so its allocator, sender and decode
 find each page where the CP-shared pool stores it.
 """
 
+import threading
 import unittest
 from dataclasses import FrozenInstanceError
 
 import torch
 
+from sglang.srt.distributed.cp_shared_kv.peer_watchdog import PeerLost, PeerWatchdog
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.cp_shared_kv.placement import (
     CPSharedSpec,
@@ -98,6 +100,33 @@ class TestViewArenaSize(CustomTestCase):
         with envs.SGLANG_CP_SHARED_KV_ARENA_CONTEXTS.override(0):
             with self.assertRaisesRegex(ValueError, "must be an int >= 1, got 0"):
                 arena_contexts()
+
+
+class TestPeerWatchdog(CustomTestCase):
+    def test_a_wait_past_its_deadline_stops_then_releases_and_raises(self):
+        order = []
+        released = threading.Event()
+
+        def release():
+            order.append("release")
+            released.set()
+
+        dog = PeerWatchdog(
+            0.2,
+            lambda what: [1],
+            release,
+            on_failure=lambda line: order.append("stop"),
+            poll_s=0.01,
+        )
+        dog.watch(lambda: True, ("fence", 1))
+        dog.watch(released.is_set, ("fence", 2))
+        self.assertTrue(released.wait(timeout=5))
+        self.assertEqual(order, ["stop", "release"])
+        with self.assertRaisesRegex(
+            PeerLost, "rank 1 did not reach this rank's fence 2 within 0.2 s"
+        ):
+            dog.check()
+        dog.close()
 
 
 if __name__ == "__main__":

@@ -91,3 +91,62 @@ def test_fp8_sparse_decode_over_rebuilt_pool_equals_replicated(cp_size):
         ref_out, ref_lse = sparse_mla(q[i, :, :, :], replicated.latent[0], "fp8", rows_repl[i, :, :].long(), sm_scale)
         assert torch.allclose(out_r[i, 0].float(), ref_out[0], atol=2e-2, rtol=2e-2)
         assert torch.allclose(lse_r[i, :, 0].float(), ref_lse[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_decode_cp_each_rank_attends_over_its_own_rows_and_the_lse_merge_equals_replicated(cp_size):
+    """Decode CP's attention (``decode_cp``): each rank runs FlashMLA's fp8 sparse decode over the selected
+    positions it owns, in its own sharded pool; merged by LSE, the outputs equal the same kernel over the
+    replicated pool within its bf16 output's rounding. Request 0 selects positions of its first page only,
+    so every other rank attends to nothing for it (its LSE must drop out of the merge)."""
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import merge_by_lse, owned_rows, position_rows
+
+    flash_mla = _flash_mla()
+    torch.manual_seed(1)
+    dev = "cuda"
+    lens = [3 * PS + 5, 9 * PS + 17, 13 * PS]
+    own = PageOwnership(cp_size, PS)
+    alloc = RotatingPages(own.cp_size, 16)
+    replicated = PagePool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device=dev)
+    ranks = [PagePool(own, r, 16, 1, "fp8", with_indexer=False, device=dev) for r in range(cp_size)]
+    req_pages = []
+    for n in lens:
+        pages = alloc.alloc(-(-n // PS), 0).to(dev)
+        req_pages.append(pages)
+        pos = torch.arange(n, device=dev)
+        locs = pages[pos // PS] * PS + pos % PS
+        rows = quantize_mla_fp8(torch.randn(n, 512, device=dev) * 3, torch.randn(n, 64, device=dev))
+        replicated.set_latent(0, locs, rows)
+        for pool in ranks:
+            pool.set_latent(0, locs, rows)
+    topk, h_q, b = 128, 64, len(lens)
+    q = (torch.randn(b, 1, h_q, 576, device=dev) / 4).to(torch.bfloat16)
+    sm_scale = 576**-0.5
+    selected = torch.stack([torch.randperm(n, device=dev)[:topk] for n in lens])
+    selected[0] = torch.cat([torch.randperm(PS, device=dev)[:40], torch.full((topk - 40,), -1, device=dev)])
+    selected[1:, -5:] = -1
+    rows_repl = torch.stack(
+        [
+            torch.where(p >= 0, t[p.clamp(min=0) // PS] * PS + p.clamp(min=0) % PS, -1)
+            for p, t in zip(selected, req_pages)
+        ]
+    ).to(torch.int32)
+    out_repl, lse_repl = _decode(flash_mla, q, replicated.latent[0], rows_repl.unsqueeze(1), sm_scale)
+    width = max(lens)
+    outs, lses, attended = [], [], []
+    for r, pool in enumerate(ranks):
+        row_of_position = torch.stack(
+            [
+                torch.nn.functional.pad(position_rows(p.view(1, -1), PS, cp_size, r, n)[0], (0, width - n), value=-1)
+                for p, n in zip(req_pages, lens)
+            ]
+        )
+        mine = owned_rows(selected, row_of_position).to(torch.int32)
+        attended.append((mine >= 0).any(dim=1).tolist())
+        out, lse = _decode(flash_mla, q, pool.latent[0], mine.unsqueeze(1), sm_scale)
+        outs.append(out[:, 0])
+        lses.append(lse[:, :, 0])
+    out, lse = merge_by_lse(torch.stack(outs), torch.stack(lses))
+    assert sum(a[0] for a in attended) == 1, attended  # request 0: one rank attends, the others to nothing
+    assert torch.allclose(lse, lse_repl[:, :, 0].float(), atol=1e-4), (lse - lse_repl[:, :, 0]).abs().max()
+    assert torch.allclose(out, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (out - out_repl[:, 0]).abs().max()

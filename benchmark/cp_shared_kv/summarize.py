@@ -141,23 +141,6 @@ def pd_faults() -> str:
     return table(["", ""], rows)
 
 
-def fail_stop() -> str:
-    d = load("fail_stop.json")
-    s = d["summary"]
-    rows = [
-        ["trials (a rank SIGKILLed mid-batch), CP size", f"{s['kill_trials']}, {s['cp_size']}"],
-        ["survivors hung / failed another way", f"{s['kill_hangs']} / {s['kill_other_errors']}"],
-        ["longest kill-to-line time (deadline)", f"{s['kill_max_seconds']} s ({s['deadline_s']:g} s)"],
-        ["every survivor's GPU ran work after", "yes" if s["gpu_usable_after"] else "no"],
-        [
-            "rounds read wrong, fence on / off (of rounds x ranks)",
-            f"{s['fence_on_wrong_rounds']} / {s['fence_off_wrong_rounds']} (of {s['fence_rounds_per_rank']} x {s['cp_size']})",
-        ],
-        ["device; commit", f"{d['environment'].get('gpu', 'CPU')}; `{(d['environment']['commit'] or '?')[:7]}`"],
-    ]
-    return table(["", ""], rows)
-
-
 TABLES: dict[str, Callable[[], str]] = {
     "side-by-side": side_by_side,
     "host-cost": host_cost,
@@ -165,7 +148,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "two-gpus": two_gpus,
     "pd-transfer": pd_transfer,
     "pd-faults": pd_faults,
-    "fail-stop": fail_stop,
 }
 
 

@@ -117,7 +117,7 @@ def pages_to_locs(pages: torch.Tensor) -> torch.Tensor:
     return pages.repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(pages))
 
 
-def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float) -> None:
+def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float, device: str) -> None:
     """A rank of a kill trial: warm up, say so, then run batches until a peer is lost (reported)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
@@ -126,7 +126,7 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=60))  # fmt: skip
-    ranks = _Ranks(rank, size)
+    ranks = _Ranks(rank, size, device)
     r = 0
     for r in range(4):
         ranks.batch(r)
@@ -151,15 +151,18 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float
     os._exit(0)  # the gloo group's teardown would wait for the dead peer
 
 
-def trial(size: int, victim: int, seed: int, deadline_s: float) -> dict:
-    """Spawn ``size`` ranks, SIGKILL ``victim`` mid-batch, and collect the survivors' reports."""
+def trial(size: int, victim: int, seed: int, deadline_s: float, device: str = "cuda") -> dict:
+    """Spawn ``size`` ranks, SIGKILL ``victim`` mid-batch, and collect the survivors' reports (on CPU the
+    views go over gloo, whose collectives fail at once when a peer's connection drops)."""
     from reference.spawn import free_port
 
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     port = free_port()
     max_s = deadline_s + 60
-    procs = [ctx.Process(target=_trial_rank, args=(r, size, port, reports, max_s), daemon=True) for r in range(size)]
+    procs = [
+        ctx.Process(target=_trial_rank, args=(r, size, port, reports, max_s, device), daemon=True) for r in range(size)
+    ]
     for p in procs:
         p.start()
     ready, got = set(), {}

@@ -5,7 +5,8 @@ reused batch after batch, one rank 20 ms late in turn (``benchmark/cp_shared_kv/
 - With the fence every prefix read is exact; with it switched off the same run reads rewritten pages.
 - A rank SIGKILLed mid-batch: every other rank fails with the peer-lost line within the deadline and
   its GPU still runs work.
-On CPU the same batches over gloo read exact bytes (the harness itself)."""
+On CPU the same batches over gloo read exact bytes (the harness itself), and a killed rank's peer fails
+at its next collective."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_batches_that_reuse_pages_read_exact_bytes_on_gloo_ranks():
     for res in spawn_ranks(fence_rank, 2, True, 8, "cpu", timeout_s=200):
         assert res == {"mapped": False, "wrong_rounds": [], "fences": 0}, res
+
+
+@pytest.mark.multirank
+def test_a_rank_killed_mid_batch_on_gloo_fails_the_other_at_once():
+    res = trial(2, 1, seed=3, deadline_s=3.0, device="cpu")
+    survivor = res["survivors"]["0"]
+    assert survivor["kind"] == "RuntimeError" and survivor["seconds"] < 3.0, res
+    assert survivor["gpu_usable"] and survivor["batches"] >= 4, res
 
 
 @pytest.mark.gpu

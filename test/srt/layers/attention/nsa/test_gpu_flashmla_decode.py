@@ -35,26 +35,33 @@ def _decode(flash_mla, q, cache_u8, rows, sm_scale):
     return out, lse
 
 
-@pytest.mark.parametrize("cp_size", [2, 4])
-def test_fp8_sparse_decode_over_rebuilt_pool_equals_replicated(cp_size):
-    flash_mla = _flash_mla()
-    torch.manual_seed(0)
-    dev = "cuda"
-    lens = [9 * PS + 17, 4 * PS + 1, 13 * PS]
+def _pools(cp_size: int, lens: list[int], seed: int):
+    """Random fp8 rows for requests of ``lens`` tokens on rotating pages, stored in a replicated pool and
+    in every rank's sharded pool: ``(ownership, pages per request, replicated pool, rank pools)``."""
+    torch.manual_seed(seed)
     own = PageOwnership(cp_size, PS)
     alloc = RotatingPages(own.cp_size, 16)
-    replicated = PagePool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device=dev)
-    ranks = [PagePool(own, r, 16, 1, "fp8", with_indexer=False, device=dev) for r in range(cp_size)]
+    replicated = PagePool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device="cuda")
+    ranks = [PagePool(own, r, 16, 1, "fp8", with_indexer=False, device="cuda") for r in range(cp_size)]
     req_pages = []
     for n in lens:
-        pages = alloc.alloc(-(-n // PS), 0).to(dev)
+        pages = alloc.alloc(-(-n // PS), 0).to("cuda")
         req_pages.append(pages)
-        pos = torch.arange(n, device=dev)
+        pos = torch.arange(n, device="cuda")
         locs = pages[pos // PS] * PS + pos % PS
-        rows = quantize_mla_fp8(torch.randn(n, 512, device=dev) * 3, torch.randn(n, 64, device=dev))
+        rows = quantize_mla_fp8(torch.randn(n, 512, device="cuda") * 3, torch.randn(n, 64, device="cuda"))
         replicated.set_latent(0, locs, rows)
         for pool in ranks:
             pool.set_latent(0, locs, rows)
+    return own, req_pages, replicated, ranks
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_fp8_sparse_decode_over_rebuilt_pool_equals_replicated(cp_size):
+    flash_mla = _flash_mla()
+    dev = "cuda"
+    lens = [9 * PS + 17, 4 * PS + 1, 13 * PS]
+    own, req_pages, replicated, ranks = _pools(cp_size, lens, seed=0)
 
     # Decode-side rebuild: page position p of a request lands in destination page dst[p].
     total_pages = sum(len(p) for p in req_pages)
@@ -102,23 +109,9 @@ def test_decode_cp_each_rank_attends_over_its_own_rows_and_the_lse_merge_equals_
     from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import merge_by_lse, owned_rows, position_rows
 
     flash_mla = _flash_mla()
-    torch.manual_seed(1)
     dev = "cuda"
     lens = [3 * PS + 5, 9 * PS + 17, 13 * PS]
-    own = PageOwnership(cp_size, PS)
-    alloc = RotatingPages(own.cp_size, 16)
-    replicated = PagePool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device=dev)
-    ranks = [PagePool(own, r, 16, 1, "fp8", with_indexer=False, device=dev) for r in range(cp_size)]
-    req_pages = []
-    for n in lens:
-        pages = alloc.alloc(-(-n // PS), 0).to(dev)
-        req_pages.append(pages)
-        pos = torch.arange(n, device=dev)
-        locs = pages[pos // PS] * PS + pos % PS
-        rows = quantize_mla_fp8(torch.randn(n, 512, device=dev) * 3, torch.randn(n, 64, device=dev))
-        replicated.set_latent(0, locs, rows)
-        for pool in ranks:
-            pool.set_latent(0, locs, rows)
+    _, req_pages, replicated, ranks = _pools(cp_size, lens, seed=1)
     topk, h_q, b = 128, 64, len(lens)
     q = (torch.randn(b, 1, h_q, 576, device=dev) / 4).to(torch.bfloat16)
     sm_scale = 576**-0.5

@@ -35,16 +35,27 @@ def test_a_lost_peer_sends_sigquit_to_the_parent_and_holds_the_waits_for_a_grace
     assert seconds >= 5.0, out.stdout
 
 
-def test_pools_given_their_ranks_by_sglang_stop_the_server_and_pools_given_ranks_raise():
+def test_pools_given_their_ranks_by_sglang_stop_the_server_and_pools_given_ranks_raise(monkeypatch):
     import torch
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt import runtime_context
 
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedMLATokenToKVPool, stop_server
 
+    real = runtime_context.get_parallel()
+
+    class Parallel:
+        """SGLang's parallel context as a rank of a CP 2 group sees it (no DCP); the rest as it is."""
+
+        attn_cp_rank, attn_cp_size, attn_dcp_rank, attn_dcp_size, dcp_enabled = 1, 2, 0, 1, False
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(runtime_context, "get_parallel", Parallel)
     kwargs = dict(page_size=64, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64, layer_num=1,
                   device="cpu", enable_memory_saver=False)  # fmt: skip
-    with get_parallel().override(attn_cp_size=2, attn_cp_rank=1, attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
+    with real.override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):  # SGLang's pool reads these
         served = CPSharedMLATokenToKVPool(4 * 64, **kwargs)
         handed = CPSharedMLATokenToKVPool(4 * 64, cp_rank=1, cp_size=2, **kwargs)
-    assert served.read.on_peer_lost is stop_server and served.spec.cp_size == 2
+    assert served.read.on_peer_lost is stop_server and (served.spec.cp_rank, served.spec.cp_size) == (1, 2)
     assert handed.read.on_peer_lost is None

@@ -373,11 +373,8 @@ class CopyEngineGroup:
     def _laggards(self, what: tuple[str, int]) -> list[int]:
         """The peers whose signal for ``what`` has not reached this rank (read on a side stream: the
         waiting stream is blocked)."""
-        with torch.cuda.device(self.device):
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(self._side):
-                signals = self.signals.cpu().tolist()  # sync-ok: the watchdog's thread, on a failure
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream()):
+            signals = self.signals.cpu().tolist()  # sync-ok: the watchdog's thread, on a failure
         kind, n = what
         if kind == "fence":
             return [p for p in self._peer_signals if signals[2 + (n - 1) % 2][p] != 1]
@@ -386,18 +383,21 @@ class CopyEngineGroup:
     def _release(self) -> None:
         """Satisfy every wait of this rank's streams for its peers (the group is failed): the counters past
         any call, the fence words set; queued on a side stream, which nothing blocks."""
-        d = self._driver
-        with torch.cuda.device(self.device):
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
+        d, side = self._driver, self._side_stream()
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
             if self.source_table is not None:  # the failed batch's pulls read this rank's pool, not a dead peer's
-                with torch.cuda.stream(self._side):
-                    own = self.source_table[..., self.rank : self.rank + 1].clone()
-                    self.source_table.copy_(own.expand_as(self.source_table))
+                own = self.source_table[..., self.rank : self.rank + 1].clone()
+                self.source_table.copy_(own.expand_as(self.source_table))
             for p in self._peer_signals:
                 for row, value in ((0, 1 << 62), (1, 1 << 62), (2, 1), (3, 1)):
                     slot = self._signals_at + (row * self.size + p) * 8
-                    d.check(d.write64(self._side.cuda_stream, slot, value, 0), "cuStreamWriteValue64")
+                    d.check(d.write64(side.cuda_stream, slot, value, 0), "cuStreamWriteValue64")
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The watchdog's stream for reading and writing the signals (made at its first use, on this device)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     def _wait_peers(self, stream: int, which: int, k: int) -> None:
         """Queue on ``stream`` a wait for ``signals[which][p] >= k`` from every peer ``p`` (0 ready, 1 ack)."""

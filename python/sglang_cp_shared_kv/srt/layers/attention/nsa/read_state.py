@@ -342,8 +342,11 @@ class BatchReadState:
                 self.group = self.group()
             group, src = self.group, self.source
             if self.arena is not None and group is not None:  # copy engines: the peers' arenas and pools mapped
-                pools = [[src.buffers[i]] + ([src.index[i]] if src.with_indexer else []) for i in range(src.num_layers)]
-                pools = None if self.prefetch else pools
+                pools = None
+                if not self.prefetch:  # views read in line: from the peers' pools, mapped too
+                    pools = [
+                        [src.buffers[i]] + ([src.index[i]] if src.with_indexer else []) for i in range(src.num_layers)
+                    ]
                 group = view_group(group, list(self.arena.values()), sources=pools, on_peer_lost=self.on_peer_lost)
             prefetch = prefetch_on(group, self.prefetch)  # follows the transport chosen
             self.views = ViewMaterializer(src, group, arena=self.arena, prefetch=prefetch)

@@ -98,8 +98,9 @@ class DeviceFlagCheck:
     group run the same batches, so they raise at the same batch whatever their timing, before its collectives:
     none is left waiting for another. Under SGLang's overlap scheduler a batch's outputs reach the host before
     the batch after next is scheduled, so with ``lag = 2`` due records have landed; one still pending is waited
-    for, up to ``deadline_s`` (default ``$SGLANG_CP_SHARED_KV_PEER_TIMEOUT``, then ``FlagWaitTimeout``). ``poll(wait=True)`` reads every record. A read
-    record's event and buffer serve later records (no allocation per batch).
+    for, up to ``deadline_s`` (default ``$SGLANG_CP_SHARED_KV_PEER_TIMEOUT``; then ``FlagWaitTimeout``).
+    ``poll(wait=True)`` reads every record. A read record's event and buffer serve later records (no
+    allocation per batch).
     """
 
     def __init__(self, lag: int = VERDICT_LAG, deadline_s: float | None = None) -> None:

@@ -76,8 +76,8 @@ class _Ranks:
         self.state.begin(BatchInputs(table, rows, (n_prefix,), (len(locs),)))
         prefix_locs = locs[:n_prefix].int().to(self.device, non_blocking=True)
         store, mine = self.ownership.store_rows(locs[n_prefix:], self.rank, 0)  # host tensors: no sync
-        store, owned = store[mine].to(self.device, non_blocking=True), _content(r, locs[n_prefix:][mine])
-        owned = owned.to(self.device, non_blocking=True)
+        owned = _content(r, locs[n_prefix:][mine]).to(self.device, non_blocking=True)
+        store = store[mine].to(self.device, non_blocking=True)
         reads = []
         for layer in range(LAYERS):
             self.state.stage(layer)  # the write path's first call: the batch's fence and plan go first
@@ -132,20 +132,21 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float
         ranks.batch(r)
     reports.put(("ready", rank, time.time(), None))
     end = time.monotonic() + max_s
-    report = ("no failure", rank, time.time(), None)
+    kind, line = "no failure", None
     try:
         while time.monotonic() < end:
             r += 1
             ranks.batch(r)
     except PeerLost as e:
-        report = ("lost", rank, time.time(), str(e))
+        kind, line = "lost", str(e)
     except Exception as e:  # any other way out is reported as it is
-        report = (f"{type(e).__name__}", rank, time.time(), str(e))
+        kind, line = type(e).__name__, str(e)
+    at = time.time()
     try:  # the GPU still runs work once the waits are released
         usable = torch.ones(4, device=ranks.device).sum().item() == 4
     except Exception:
         usable = False
-    reports.put((report[0], rank, report[2], (report[3], usable, r)))
+    reports.put((kind, rank, at, (line, usable, r)))
     reports.close()
     reports.join_thread()
     os._exit(0)  # the gloo group's teardown would wait for the dead peer

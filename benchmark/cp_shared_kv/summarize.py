@@ -141,6 +141,34 @@ def pd_faults() -> str:
     return table(["", ""], rows)
 
 
+def decode_dcp() -> str:
+    d = load("decode_dcp.json")
+    s, rows = d["summary"], d["rows"]
+    by = {(r["layout"], r["cp_size"]): r for r in rows}
+    sizes = sorted({r["cp_size"] for r in rows})
+    out = []
+    for n in sizes:
+        repl, dcp, ours = by["replicated", n], by["sglang_dcp", n], by["sharded", n]
+        out.append([n, repl["tokens_per_gpu"], dcp["tokens_per_gpu"], dcp["capacity_ratio"],
+                    ours["tokens_per_gpu"], ours["capacity_ratio"]])  # fmt: skip
+    head = [
+        "DCP ranks",
+        f"tokens per GPU, replicated ({s['budget_gib']} GiB, 61 layers)",
+        "SGLang's DCP (index replicated)",
+        "ratio",
+        "sharded (latent + index)",
+        "ratio",
+    ]
+    ties = f"{s['topk_edge_ties']} of {len(s['topk_lengths'])} rows tied at the edge"
+    topk = (
+        f"\nGlobal top-{s['topk_k']} equal to the replicated indexer's at {s['topk_cp_sizes']} ranks, contexts "
+        f"{s['topk_lengths']} ({ties}): **{s['topk_exact']}**. Step overhead: "
+        f"{s['step_overhead_b32_128k'] or 'not measured (' + s['step_overhead_why_none'] + ')'}. "
+        f"{link('decode_dcp.json')}, commit `{(d['environment']['commit'] or '?')[:7]}`.\n"
+    )
+    return table(head, out) + topk
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "side-by-side": side_by_side,
     "host-cost": host_cost,
@@ -148,6 +176,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "two-gpus": two_gpus,
     "pd-transfer": pd_transfer,
     "pd-faults": pd_faults,
+    "decode-dcp": decode_dcp,
 }
 
 

@@ -276,6 +276,7 @@ class Site:
 
 _CFG = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _COMMON = "sglang.srt.disaggregation.common.conn"
+_MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 
 SITES: list[Site] = [
     # -- bounded prefill rooms (a fix for every prefill manager, before the feature)
@@ -642,6 +643,71 @@ SITES: list[Site] = [
         forget_room(self)
 """,
         [(f"{_COMMON}.CommonKVReceiver.clear", "forget_room")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/common/conn.py",
+        """\
+    def requires_dcp_relayout(self, dst_dcp_size: int, dst_dcp_rank: int) -> bool:
+""",
+        """\
+    def requires_dcp_relayout(self, dst_dcp_size: int, dst_dcp_rank: int) -> bool:
+        {import:sharded_prefill}
+
+        if dst_dcp_size > 1 and sharded_prefill(self):
+            return False  # a page-sharded decode takes whole pages from their owners
+""",
+        [(f"{_COMMON}.CommonKVManager.requires_dcp_relayout", "keep_pages_whole")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/mooncake/conn.py",
+        """\
+        dst_attn_tp_size: Optional[int] = None,
+    ):
+        self._validate_envelope_kv_layout(
+""",
+        """\
+        dst_attn_tp_size: Optional[int] = None,
+    ):
+        {import:decode_owner}
+
+        owner = decode_owner(self, mooncake_session_id)
+        if owner is not None:  # a page-sharded decode rank: its pages, made physical
+            {import:route_to_owner}
+
+            prefill_kv_indices, dst_kv_indices = route_to_owner(
+                prefill_kv_indices, dst_kv_indices, owner
+            )
+            if len(prefill_kv_indices) == 0:
+                return 0
+        self._validate_envelope_kv_layout(
+""",
+        [(f"{_MOONCAKE}.MooncakeKVManager.send_kvcache", "send_to_owner")],
+    ),
+    Site(
+        "pd",
+        "srt/disaggregation/mooncake/conn.py",
+        """\
+        target_rank_registration_info: Optional[KVArgsRegisterInfo] = None,
+    ):
+        rc = 0
+""",
+        """\
+        target_rank_registration_info: Optional[KVArgsRegisterInfo] = None,
+    ):
+        {import:decode_owner}
+
+        owner = decode_owner(self, req.mooncake_session_id)
+        if owner is not None:  # a page-sharded decode rank: its indexer pages
+            {import:route_state_to_owner}
+
+            req, prefill_state_indices = route_state_to_owner(
+                self, req, prefill_state_indices, owner
+            )
+        rc = 0
+""",
+        [(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", "send_state_to_owner")],
     ),
     Site(
         "sockets",

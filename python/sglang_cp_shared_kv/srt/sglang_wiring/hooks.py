@@ -40,6 +40,7 @@ ANY_SGLANG_ENV = "SGLANG_CP_SHARED_KV_ANY_SGLANG"
 
 _CFG = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _COMMON = "sglang.srt.disaggregation.common.conn"
+_MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 
 
 # -- the flag on SGLang's server args --
@@ -170,6 +171,28 @@ def sent_share(result, sender, kv_indices, state_indices=None):
     return result
 
 
+def keep_pages_whole(original, mgr, dst_dcp_size: int, dst_dcp_rank: int) -> bool:
+    if dst_dcp_size > 1 and transfer.sharded_prefill(mgr):
+        return False  # a page-sharded decode takes whole pages (send_to_owner), not SGLang's token relayout
+    return original(mgr, dst_dcp_size, dst_dcp_rank)
+
+
+def send_to_owner(original, mgr, session_id, src, dst_ptrs, dst, *args, **kwargs):
+    owner = transfer.decode_owner(mgr, session_id)
+    if owner is not None:
+        src, dst = transfer.route_to_owner(src, dst, owner)
+        if len(src) == 0:
+            return 0
+    return original(mgr, session_id, src, dst_ptrs, dst, *args, **kwargs)
+
+
+def send_state_to_owner(original, mgr, req, state_indices, *args, **kwargs):
+    owner = transfer.decode_owner(mgr, req.mooncake_session_id)
+    if owner is not None:
+        req, state_indices = transfer.route_state_to_owner(mgr, req, state_indices, owner)
+    return original(mgr, req, state_indices, *args, **kwargs)
+
+
 def attach_manifest(parts, mgr, *, bootstrap_room, status, failure_reason=None):
     frames = transfer.manifest_frames(mgr, bootstrap_room, status)
     return [*parts, *frames] if frames else parts
@@ -244,6 +267,9 @@ HOOKS = [
     (f"{_COMMON}.CommonKVManager.update_status", guard_update_status, "around"),
     (f"{_COMMON}.CommonKVSender.clear", close_room, "around"),
     (f"{_COMMON}.CommonKVManager._connect", connector_sockets.reconnect_new_sockets, "around"),
+    (f"{_COMMON}.CommonKVManager.requires_dcp_relayout", keep_pages_whole, "around"),
+    (f"{_MOONCAKE}.MooncakeKVManager.send_kvcache", send_to_owner, "around"),
+    (f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", send_state_to_owner, "around"),
 ]
 RESOLUTION_HOOKS = [
     ("validate_prefill_cp_platform", startup_early),

@@ -139,6 +139,16 @@ def available_memory() -> int | None:
     return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
+# Decode CP ranks the demo runs (spawned after the prefill ranks exit, torch only).
+MAX_DECODE_CP = 8
+
+
+def check_decode(decode_cp_size: int) -> None:
+    """A decode of 1 (every page on it) to ``MAX_DECODE_CP`` ranks (pages sharded by ownership)."""
+    if not 1 <= decode_cp_size <= MAX_DECODE_CP:
+        raise Refusal(f"--decode-cp-size {decode_cp_size}: use 1 (one decode) to {MAX_DECODE_CP} (decode CP ranks)")
+
+
 def check_host(cp_size: int, files: int, memory: int | None) -> None:
     """``cp_size`` ranks and the decode fit this host: its open-file limit (``files``) and available ``memory``."""
     need = FILES_BASE + FILES_PER_RANK * cp_size

@@ -42,6 +42,8 @@ ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (n
 AUX_SLOTS = 16
 LAYERS = 2  # the tiny model's layers (its config)
 WAIT_S = 300.0
+# The LSE merge of the decode CP ranks' partial outputs against one softmax over every row: fp32 rounding.
+STEP_TOLERANCE = 1e-4
 
 
 class DemoError(RuntimeError):
@@ -260,9 +262,11 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
             ]
             for lp in (torch.from_numpy(p).long() for p in pages)
         ]
-        reply["decode"] = [
-            model.decode_step(stock, torch.from_numpy(p).long(), lengths[r], 1 + r) for r, p in enumerate(pages)
-        ]
+        reply["decode"], reply["trace"] = [], []
+        for r, p in enumerate(pages):  # per layer: its input, top-k and output (what each decode CP layer gets)
+            trace: list = []
+            reply["decode"].append(model.decode_step(stock, torch.from_numpy(p).long(), lengths[r], 1 + r, trace))
+            reply["trace"].append(trace)
     to_driver.put(("prefilled", rank, reply))
     op = inbox.get(timeout=WAIT_S)  # the decode registered and sent every request's destination pages
     assert op == "send", op
@@ -385,9 +389,48 @@ class _Ranks:
             p.join(timeout=5)
 
 
-def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
-    """The decode server: SGLang's stock pool and Mooncake receivers with the plugin's manifest check."""
+def _decode_pools(args, model_config, lengths: list[int]) -> tuple[list, list]:
+    """The decode's pools and each request's destination pages (logical, the same on every decode rank).
+
+    ``--decode-cp-size 1``: a non-CP decode, SGLang's stock pool and allocator from its configurator (the flag
+    on a decode server only checks the manifests). ``D > 1``: D pools sharded by page ownership
+    (``CPSharedDSATokenToKVPool``, rank ``d`` of ``D``) and SGLang's owner-rotating allocator drawing the pages,
+    built directly: a decode server does not build them under ``--dcp-size`` yet.
+    """
     import numpy as np
+    import torch
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    from demo import sglang_parts as sp
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+
+    ps, size = args.page_size, args.decode_cp_size
+    pages = [-(-n // ps) for n in lengths]
+    if size == 1:
+        with sp.no_dcp():
+            pool, allocator = sp.build_pool_and_allocator(model_config, (sum(pages) + 2) * ps, args.requests, ps)
+        dst = [(allocator.alloc(n * ps)[::ps] // ps).numpy().astype(np.int32) for n in pages]
+        return [pool], dst
+    tokens = (sum(pages) // size + len(pages) + 1) * ps
+    (stock,) = sp.stock_dsa_pools([ps], ps)  # the tiny model's DSA pool arguments, read back
+    kw = {k: getattr(stock, k) for k in ("page_size", "kv_lora_rank", "dtype", "qk_rope_head_dim", "layer_num")}
+    kw.update(device="cpu", index_head_dim=stock.index_head_dim, enable_memory_saver=False)
+    kw.update(kv_cache_dim=stock.kv_cache_dim)
+    with sp.no_dcp():
+        pools = [CPSharedDSATokenToKVPool(tokens, cp_rank=d, cp_size=size, cp_group=lambda: None, **kw)
+                 for d in range(size)]  # fmt: skip
+    allocator = PageInterleavePoolAllocator(tokens, ps, size, torch.int64, "cpu", pools[0], False)
+    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    dst = []
+    for n in lengths:
+        locs = allocator.alloc_extend(t(0), t(0), t(n), t(n), t(0), n, rotation_bases=[None])
+        dst.append((locs[::ps] // ps).numpy().astype(np.int32))
+    return pools, dst
+
+
+def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
+    """The decode server: SGLang's Mooncake receivers with the plugin's manifest check, into one stock pool or
+    into ``--decode-cp-size`` pools sharded by page ownership (one manager per decode rank)."""
     import torch
 
     # One thread, as every prefill rank: CPU matmuls split their reductions by thread count, and the decode
@@ -403,47 +446,50 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
     from sglang.srt.server_args import prepare_server_args
 
     from demo import sglang_parts as sp
-    from demo.tiny_model import TinyDSA
 
     _quiet()
     load_plugins()
     imported = _rss_now()
-    ps, cp_size = args.page_size, args.cp_size
+    ps, cp_size, size = args.page_size, args.cp_size, args.decode_cp_size
     decode_args = prepare_server_args(sp.decode_argv(model_dir, ps) + ["--enable-cp-shared-kv"])
     decode_args.resolve_once()
     publish(decode_args, role="scheduler")
     model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
     lengths = limits.request_lengths(args.request_len, args.requests)
-    decode_pages = sum(-(-n // ps) for n in lengths) + 2
-    with sp.no_dcp():
-        pool, allocator = sp.build_pool_and_allocator(model_config, decode_pages * ps, args.requests, ps)
-    aux = torch.zeros(AUX_SLOTS, 64, dtype=torch.uint8)
-    engine = _engine()
-    for buf in [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]:
-        engine.register(buf.data_ptr(), buf.nbytes)
-    mgr = sp.mooncake_manager(DisaggregationMode.DECODE, engine, sp.kv_args(pool, aux, 0, ps), 0, 1)
-    mgr.start_decode_thread()
+    pools, dst = _decode_pools(args, model_config, lengths)
+    before = [[b.clone() for b in [*p.kv_buffer, *p.index_k_with_scale_buffer]] for p in pools]
+    mgrs = []
+    for d, pool in enumerate(pools):
+        aux = torch.zeros(AUX_SLOTS, 64, dtype=torch.uint8)
+        engine = _engine()
+        for buf in [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]:
+            engine.register(buf.data_ptr(), buf.nbytes)
+        mgr = sp.mooncake_manager(DisaggregationMode.DECODE, engine, sp.kv_args(pool, aux, d, ps), 0, 1)
+        # A decode rank of a group of ``size`` registers SGLang's DCP fields; its attention TP spans the group.
+        mgr.dcp_size, mgr.dcp_rank, mgr.attn_tp_size, mgr.attn_tp_rank = size, d, size, d
+        mgr.start_decode_thread()
+        mgrs.append(mgr)
 
     prefilled = ranks.collect("prefilled")
-    info = sp.prefill_info(cp_size, ps)
-    mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every prefill CP rank
-    mgr.prefill_info_table[ADDR] = info
-    for cp in info.target_cp_ranks:
-        mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
-            {"rank_ip": "127.0.0.1", "rank_port": prefilled[cp]["port"], "is_dummy": False}
-        ]
-    page_tables = prefilled[0]["pages"]
-    receivers, dst = [], []
-    for r, lp in enumerate(page_tables):
-        locs = allocator.alloc(len(lp) * ps)
-        d = (locs[::ps] // ps).numpy().astype(np.int32)
-        rcv = MooncakeKVReceiver(mgr, ADDR, 1000 + r)
-        rcv.init(0)
-        if r == 0:
-            assert rcv._register_kv_args()  # the decode's KV registration, once, as SGLang sends it
-        rcv.send_metadata(d, r % AUX_SLOTS, [d.copy()], 0)
-        receivers.append(rcv)
-        dst.append(d)
+    for mgr in mgrs:
+        info = sp.prefill_info(cp_size, ps)
+        mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every prefill CP rank
+        mgr.prefill_info_table[ADDR] = info
+        for cp in info.target_cp_ranks:
+            mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
+                {"rank_ip": "127.0.0.1", "rank_port": prefilled[cp]["port"], "is_dummy": False}
+            ]
+    receivers = []  # request-major, one per decode rank
+    for r in range(len(dst)):
+        for mgr in mgrs:
+            rcv = MooncakeKVReceiver(mgr, ADDR, 1000 + r)
+            rcv.init(0)
+            if r == 0:
+                assert rcv._register_kv_args()  # each decode rank's KV registration, once, as SGLang sends it
+            receivers.append(rcv)
+    for i, rcv in enumerate(receivers):
+        d_pages = dst[i // size]
+        rcv.send_metadata(d_pages, (i // size) % AUX_SLOTS, [d_pages.copy()], 0)
     ranks.tell("send")
     sent = ranks.collect("sent")
     open_files = _open_files()  # every rank's connections up
@@ -456,40 +502,124 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
                 rcv.failure_exception()
             except KVTransferError as e:
                 reasons.append(e.failure_reason)
-    expected, dec_ref = prefilled[0]["expected"], prefilled[0]["decode"]
-    kv_equal, step_equal = [], []
-    model = TinyDSA(LAYERS, topk=args.topk)
-    for r, d in enumerate(dst):
-        d_t = torch.from_numpy(d).long()
-        same = True
-        for layer in range(LAYERS):
-            latent = pool.kv_buffer[layer].view(-1, ps, pool.kv_buffer[layer].shape[-1])[d_t]
-            same &= torch.equal(latent, expected[r][layer][0])
-            same &= torch.equal(pool.index_k_with_scale_buffer[layer][d_t], expected[r][layer][1])
-        kv_equal.append(bool(same))
-        step_equal.append(torch.equal(model.decode_step(pool, d_t, lengths[r], 1 + r), dec_ref[r]))
+    expected = prefilled[0]["expected"]
+    kv_equal = [_rebuilt(pool, before[d], d, size, dst, expected, ps) for d, pool in enumerate(pools)]
     ranks.tell("exit")
     rss = ranks.collect("rss")
+    if size == 1:
+        step = _decode_step_stock(args, pools[0], dst, lengths, prefilled[0]["decode"])
+    else:  # the decode CP ranks start once the prefill ranks are gone: the host holds as many processes as before
+        step = _decode_step_cp(args, pools, dst, lengths, prefilled[0]["trace"])
     return {
         "prefilled": prefilled,
         "sent": sent,
         "transfer_ok": all(polls) and all(s["ok"] for s in sent.values()),
         "reasons": reasons,
         "kv_equal": kv_equal,
-        "decode_equal": step_equal,
+        "step": step,
         "rss": rss,
         "decode_rss_after_imports": imported,
         "decode_open_files": open_files,
-        "decode_pool": type(pool).__name__,
-        "decode_allocator": type(allocator).__name__,
+        "decode_pool": type(pools[0]).__name__,
+        "decode_held": [sum(b.nbytes for b in [*p.kv_buffer, *p.index_k_with_scale_buffer]) for p in pools],
     }
+
+
+def _rebuilt(pool, before: list, rank: int, size: int, dst: list, expected: list, ps: int) -> bool:
+    """Whether decode rank ``rank``'s buffers hold, at each page it owns, the replicated pool's page of that
+    position (``expected``), and elsewhere what they held before the transfers."""
+    import torch
+
+    want = [b.clone() for b in before]
+    layers = len(pool.kv_buffer)
+    for r, d_pages in enumerate(dst):
+        for j, page in enumerate(d_pages.tolist()):
+            if page % size != rank:
+                continue
+            phys = page // size
+            for layer in range(layers):
+                latent, index = expected[r][layer]
+                want[layer].view(-1, ps, want[layer].shape[-1])[phys] = latent[j]
+                want[layers + layer][phys] = index[j]
+    return all(torch.equal(a, b) for a, b in zip([*pool.kv_buffer, *pool.index_k_with_scale_buffer], want))
+
+
+def _decode_step_stock(args, pool, dst: list, lengths: list[int], reference: list) -> dict:
+    """A decode step over the stock decode pool, equal to the replicated pool's bit for bit."""
+    import torch
+
+    from demo.tiny_model import TinyDSA
+
+    model = TinyDSA(LAYERS, topk=args.topk)
+    equal = [
+        torch.equal(model.decode_step(pool, torch.from_numpy(d).long(), lengths[r], 1 + r), reference[r])
+        for r, d in enumerate(dst)
+    ]
+    return {"ok": all(equal), "equal": equal}
+
+
+def _decode_step_cp(args, pools: list, dst: list, lengths: list[int], trace: list) -> dict:
+    """A decode step on ``len(pools)`` decode CP ranks (spawned processes, gloo), each over its own pool's
+    rows, against the replicated step layer by layer (``trace``: each layer's input, top-k and output)."""
+    from reference.spawn import spawn_ranks
+
+    buffers = [([b.clone() for b in p.index_k_with_scale_buffer], [b.clone() for b in p.kv_buffer]) for p in pools]
+    per_rank = spawn_ranks(_decode_cp_rank, len(pools), args.topk, args.page_size, buffers, dst, lengths, trace,
+                           timeout_s=WAIT_S)  # fmt: skip
+    top_equal = all(all(r["top_equal"]) for r in per_rank)
+    err = max(e for r in per_rank for e in r["out_err"])
+    same = all(r["outs"] == per_rank[0]["outs"] for r in per_rank)
+    return {"ok": top_equal and same and err <= STEP_TOLERANCE, "top_equal": top_equal, "max_err": err,
+            "ranks_agree": same}  # fmt: skip
+
+
+def _decode_cp_rank(rank: int, size: int, topk: int, ps: int, buffers, dst, lengths, trace) -> dict:
+    """One decode CP rank's step (``TinyDSA.decode_layer_cp``) for every request, each layer from the
+    replicated step's input to that layer."""
+    import torch
+
+    from demo.tiny_model import TinyDSA
+    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import position_rows
+
+    torch.set_num_threads(1)
+    model, group = TinyDSA(LAYERS, topk=topk), CPGroup()
+    index, latent = buffers[rank]
+    out: dict = {"top_equal": [], "out_err": [], "outs": []}
+    for r, d_pages in enumerate(dst):
+        row_of = position_rows(torch.from_numpy(d_pages).long().view(1, -1), ps, size, rank, lengths[r])
+        for layer, (h_in, top_ref, h_ref) in enumerate(trace[r]):
+            kv = latent[layer]
+            h, top = model.decode_layer_cp(
+                layer, h_in, index[layer], ps, kv.view(torch.uint8).reshape(kv.shape[0], -1), row_of, group
+            )
+            out["top_equal"].append(bool(torch.equal(top, top_ref)))
+            out["out_err"].append(float((h - h_ref).abs().max()))
+            out["outs"].append(h.flatten().tolist())
+    return out
 
 
 # ------------------------------------------------------------------------------------------ report
 def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
     pre = res["prefilled"]
-    n = args.cp_size
+    n, size = args.cp_size, args.decode_cp_size
     r0 = pre[0]
+    if size == 1:
+        decode = "one decode (Mooncake on 127.0.0.1)"
+        rebuilt = "the decode pool's pages equal the replicated pool's, byte for byte, nothing else written"
+        step = "a decode step over them equals one over the replicated pool, bit for bit"
+    else:
+        decode = f"a decode of {size} CP ranks, pages sharded by ownership (Mooncake on 127.0.0.1)"
+        rebuilt = (
+            f"each of the {size} decode ranks holds, at its physical page, every page it owns equal to the "
+            "replicated pool's, byte for byte, nothing else written"
+        )
+        st = res["step"]
+        step = (
+            f"each layer on {size} gloo ranks (global top-k, attention over each rank's rows, LSE merge): top-k "
+            f"{'equal to' if st['top_equal'] else 'DIFFERENT from'} the replicated step's, output within "
+            f"{st['max_err']:.1e} of it (at most {STEP_TOLERANCE:g}), every rank the same"
+        )
     checks = [
         (
             "prefill",
@@ -503,18 +633,19 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
             "SGLang's Mooncake senders and receivers report Success; the plugin's manifest check passed"
             + (f" ({res['reasons'][0]})" if res["reasons"] else ""),
         ),
-        ("rebuilt KV", all(res["kv_equal"]), "the decode pool's pages equal the replicated pool's, byte for byte"),
-        ("decode step", all(res["decode_equal"]), "a decode step over them equals one over the replicated pool"),
+        ("rebuilt KV", all(res["kv_equal"]), rebuilt),
+        ("decode step", res["step"]["ok"], step),
     ]
     ok = all(c[1] for c in checks)
     lines = [
         f"{args.requests} requests of {args.request_len}+ tokens, chunked prefill of {args.chunk} tokens per batch, "
-        f"page size {args.page_size}, {n} prefill CP ranks (gloo) and one decode (Mooncake on 127.0.0.1)",
+        f"page size {args.page_size}, {n} prefill CP ranks (gloo) and {decode}",
         "SGLang classes run: KVCacheConfigurator (pool and allocator builders, with the plugin's hooks), "
         f"{r0['classes']['pool']} (the plugin's, over SGLang's {' + '.join(r0['classes']['pool_sglang_bases'])}), "
         f"{r0['classes']['allocator']}, prepare_kv_shard_forward; "
         f"stock {r0['classes']['stock']}; MooncakeKVManager, MooncakeKVSender, MooncakeKVReceiver, "
-        f"MooncakeTransferEngine; decode {res['decode_pool']} + {res['decode_allocator']}",
+        f"MooncakeTransferEngine; decode {res['decode_pool']}"
+        + (" (built directly: a decode server does not build it under --dcp-size yet)" if size > 1 else ""),
         "",
         f"{'per prefill rank':<34}{'stock (replicated)':>20}{'kv-cache-sharding':>20}{'cp-shared-kv (ours)':>22}",
         f"{'  KV held':<34}{_fmt_bytes(r0['stock_held']):>20}{_fmt_bytes(r0['kv_held']):>20}"
@@ -537,6 +668,9 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
     lines.append("")
     sent = "  ".join(f"rank {r}: {_fmt_bytes(res['sent'][r]['bytes_sent'])}" for r in sorted(res["sent"]))
     lines.append(f"written to the decode by each prefill rank (its owned pages and each request's aux slot): {sent}")
+    if size > 1:
+        held = "  ".join(f"rank {d}: {_fmt_bytes(b)}" for d, b in enumerate(res["decode_held"]))
+        lines.append(f"KV held per decode rank: {held}")
     peak = "  ".join(f"rank {r}: {_fmt_bytes(res['rss'][r])}" for r in sorted(res["rss"]))
     lines.append(f"peak memory per process: {peak}  decode: {_fmt_bytes(_peak_rss())}")
     floor = "  ".join(f"rank {r}: {_fmt_bytes(pre[r]['rss_after_imports'])}" for r in sorted(pre))
@@ -567,6 +701,9 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
             for r in sorted(pre)
         },
         "decode": {
+            "cp_size": size,
+            "kv_held_bytes": res["decode_held"],
+            "step": res["step"],
             "peak_rss_bytes": _peak_rss(),
             "rss_after_imports_bytes": res["decode_rss_after_imports"],
             "open_files": res["decode_open_files"],
@@ -664,6 +801,12 @@ def _parser() -> argparse.ArgumentParser:
         default=64,
         help="keys each query attends to (the DSA indexer's top-k), at most the longest prompt",
     )
+    ap.add_argument(
+        "--decode-cp-size",
+        type=int,
+        default=1,
+        help="decode ranks sharing the decode's KV by page ownership (1: one decode holding every page)",
+    )
     ap.add_argument("--out", default="demo_out", help="directory for cp_shared_kv_demo.json and .png")
     return ap
 
@@ -676,6 +819,7 @@ def _check(args) -> None:
     limits.check_pages(args.page_size, args.chunk)
     limits.check_context(args.request_len, args.requests, args.chunk, limits.model_context(MODELS["dsa"]))
     limits.check_topk(args.topk, args.request_len, args.requests)
+    limits.check_decode(args.decode_cp_size)
     limits.check_host(args.cp_size, limits.open_files_limit(), limits.available_memory())
     out = Path(args.out)
     if out.exists() and not out.is_dir():

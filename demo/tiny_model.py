@@ -17,6 +17,7 @@ import torch
 from reference.dsa_reference import sparse_mla
 
 LATENT, ROPE, INDEX_DIM = 512, 64, 128  # DeepSeek's fixed row formats (bf16 latent rows: 1152 B)
+SM_SCALE = (LATENT + ROPE) ** -0.5
 
 
 class _Layer:
@@ -75,10 +76,9 @@ class TinyDSA:
         """
         x = self._norm(h)
         t = h.shape[0]
-        q_idx = (x @ self.w_qi[layer]).reshape(t, self.heads, INDEX_DIM).to(torch.float8_e4m3fn).float()
-        weights = (x @ self.w_wi[layer]) * INDEX_DIM**-0.5
+        q_idx, weights = self._index_query(layer, x)
         k_all = keys[0].view(torch.float8_e4m3fn).reshape(-1, INDEX_DIM).float()
-        k_scale = keys[1].reshape(-1).float()
+        k_scale = keys[1].contiguous().view(torch.float32).reshape(-1)  # 4 bytes a token: its fp32 scale
         top = torch.full((t, self.topk), -1, dtype=torch.int64)
         starts = [sum(seq_lens[:b]) for b in range(len(seq_lens))]
         req_t, pos_t = torch.tensor(q_req), torch.tensor(q_pos)
@@ -86,10 +86,8 @@ class TinyDSA:
             mine = (req_t == b).nonzero().flatten()
             if not len(mine):
                 continue
-            # The indexer's score (``reference.dsa_reference``) with the request's keys shared by its queries, not
-            # copied per query: sum_h relu(q . k) * w, times the key's scale.
-            logits = torch.einsum("thd,ld->thl", q_idx[mine], k_all[starts[b] : starts[b] + n]).relu()
-            scores = torch.einsum("thl,th->tl", logits, weights[mine]) * k_scale[starts[b] : starts[b] + n]
+            keys_b = k_all[starts[b] : starts[b] + n]
+            scores = _index_scores(q_idx[mine], weights[mine], keys_b, k_scale[starts[b] : starts[b] + n])
             visible = torch.arange(n).unsqueeze(0) <= pos_t[mine].unsqueeze(1)
             scores = torch.where(visible, scores, torch.full_like(scores, -torch.inf))
             order = torch.sort(-scores, dim=-1, stable=True).indices[:, : self.topk]  # score desc, position asc
@@ -98,9 +96,39 @@ class TinyDSA:
             top[mine, :width] = torch.where(keep, order, torch.full_like(order, -1))
         tok_rows = rows[req_t.unsqueeze(1), top.clamp(min=0)].long()
         tok_rows = torch.where(top >= 0, tok_rows, torch.full_like(tok_rows, -1))
-        q = (x @ self.w_q[layer]).reshape(t, self.heads, LATENT + ROPE).to(torch.bfloat16)
-        out, _ = sparse_mla(q, kv_rows, "bf16", tok_rows, (LATENT + ROPE) ** -0.5)
+        out, _ = sparse_mla(self._query(layer, x), kv_rows, "bf16", tok_rows, SM_SCALE)
         return h + out.reshape(t, -1) @ self.w_o[layer], top
+
+    def _index_query(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's fp8 queries ``[T, heads, 128]`` (as fp32) and head weights ``[T, heads]``."""
+        q_idx = (x @ self.w_qi[layer]).reshape(x.shape[0], self.heads, INDEX_DIM).to(torch.float8_e4m3fn).float()
+        return q_idx, (x @ self.w_wi[layer]) * INDEX_DIM**-0.5
+
+    def _query(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w_q[layer]).reshape(x.shape[0], self.heads, LATENT + ROPE).to(torch.bfloat16)
+
+    def decode_layer_cp(self, layer, h, index_pages, page_size, kv_rows, row_of, group):
+        """The decode token's ``layer`` on one rank of a decode CP group whose pools hold each page on its
+        owner: this rank scores the keys it holds, the group merges the global top-k
+        (``decode_cp.global_topk``), each rank attends over the selected rows it holds and the outputs merge
+        by their LSE. ``row_of [1, seq_len]``: this rank's row of each position, -1 where another rank holds
+        it. Returns (next hidden, top-k positions), as ``attend`` does over a whole pool."""
+        from reference.dsa_reference import read_index_k
+        from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import global_topk, merge_by_lse, owned_rows
+
+        x = self._norm(h)
+        q_idx, weights = self._index_query(layer, x)
+        k_own, s_own = read_index_k(index_pages, page_size, row_of[0].clamp(min=0))
+        scores = _index_scores(q_idx, weights, k_own.view(torch.float8_e4m3fn).float(), s_own.reshape(-1).float())
+        mine = row_of >= 0  # every position is visible to the decode token
+        positions = torch.where(mine, torch.arange(row_of.shape[1]), -1)
+        top = global_topk(torch.where(mine, scores, -torch.inf), positions, self.topk, group)
+        out, lse = sparse_mla(self._query(layer, x), kv_rows, "bf16", owned_rows(top, row_of), SM_SCALE)
+        outs = torch.empty((group.size, *out.shape))
+        lses = torch.empty((group.size, *lse.shape))
+        group.all_gather_into_many([outs.view(-1, *out.shape[1:]), lses.view(-1, *lse.shape[1:])], [out, lse])
+        merged, _ = merge_by_lse(outs, lses)
+        return h + merged.reshape(1, -1) @ self.w_o[layer], top
 
     def forward(self, pool, tokens: torch.Tensor, batch: list[tuple[int, int]], req_to_token, sharded: bool):
         """One extend batch's layers over ``pool``: ``batch`` is ``(req_to_token row, prefix_len, seq_len)``
@@ -129,9 +157,10 @@ class TinyDSA:
             out.append((keys[0].clone(), keys[1].clone(), top, h.clone()))
         return out
 
-    def decode_step(self, pool, pages: torch.Tensor, seq_len: int, token: int) -> torch.Tensor:
+    def decode_step(self, pool, pages: torch.Tensor, seq_len: int, token: int, trace: list | None = None):
         """One decode token after a prompt of ``seq_len`` tokens on ``pages`` of a stock pool: its hidden state
-        after every layer reads the prompt's KV (the new token's own KV is not written: it reads, nothing else)."""
+        after every layer reads the prompt's KV (the new token's own KV is not written: it reads, nothing else).
+        ``trace`` receives per layer (hidden in, top-k positions, hidden out)."""
         ps = pool.page_size
         locs = (pages.repeat_interleave(ps) * ps + torch.arange(ps).repeat(len(pages)))[:seq_len]
         h = self.embed[torch.tensor([token])]
@@ -139,7 +168,17 @@ class TinyDSA:
             keys = pool.get_index_k_scale_buffer(layer, torch.tensor([seq_len]), pages.view(1, -1), seq_len, seq_len)
             kv = pool.get_key_buffer(layer)
             rows = locs.view(1, -1)
-            h, _ = self.attend(
+            h_in = h
+            h, top = self.attend(
                 layer, h, [0], [seq_len - 1], keys, [seq_len], rows, kv.view(torch.uint8).reshape(kv.shape[0], -1)
             )
+            if trace is not None:
+                trace.append((h_in, top, h))
         return h
+
+
+def _index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """The indexer's score (``reference.dsa_reference``) of ``q [T, H, 128]`` against keys ``k [L, 128]`` shared by
+    the queries, not copied per query: sum_h relu(q . k) * w, times the key's scale. ``[T, L]``."""
+    logits = torch.einsum("thd,ld->thl", q, k).relu()
+    return torch.einsum("thl,th->tl", logits, w) * k_scale

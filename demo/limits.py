@@ -149,13 +149,15 @@ def check_decode(decode_cp_size: int) -> None:
         raise Refusal(f"--decode-cp-size {decode_cp_size}: use 1 (one decode) to {MAX_DECODE_CP} (decode CP ranks)")
 
 
-def check_host(cp_size: int, files: int, memory: int | None) -> None:
-    """``cp_size`` ranks and the decode fit this host: its open-file limit (``files``) and available ``memory``."""
-    need = FILES_BASE + FILES_PER_RANK * cp_size
+def check_host(cp_size: int, files: int, memory: int | None, decode_cp_size: int = 1) -> None:
+    """``cp_size`` ranks and the decode fit this host: its open-file limit (``files``) and available ``memory``.
+    Each decode rank past the first holds a prefill rank's worth of files (its engine, its sockets)."""
+    need = FILES_BASE + FILES_PER_RANK * (cp_size + decode_cp_size - 1)
     if need > files:
-        most = (files - FILES_BASE) // FILES_PER_RANK
+        most = (files - FILES_BASE) // FILES_PER_RANK - (decode_cp_size - 1)
+        both = f" with --decode-cp-size {decode_cp_size}" if decode_cp_size > 1 else ""
         raise Refusal(
-            f"--cp-size {cp_size} needs about {need} open files and this process may open {files} (ulimit -n): "
+            f"--cp-size {cp_size}{both} needs about {need} open files and this process may open {files} (ulimit -n): "
             + (f"use --cp-size {most} or less" if most >= 2 else "raise the open-file limit")
         )
     if memory is not None and (cp_size + 1) * RANK_BYTES > memory:

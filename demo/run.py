@@ -820,7 +820,7 @@ def _check(args) -> None:
     limits.check_context(args.request_len, args.requests, args.chunk, limits.model_context(MODELS["dsa"]))
     limits.check_topk(args.topk, args.request_len, args.requests)
     limits.check_decode(args.decode_cp_size)
-    limits.check_host(args.cp_size, limits.open_files_limit(), limits.available_memory())
+    limits.check_host(args.cp_size, limits.open_files_limit(), limits.available_memory(), args.decode_cp_size)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise limits.Refusal(f"--out {out} is not writable: it is a file, not a directory")

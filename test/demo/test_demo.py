@@ -1,5 +1,5 @@
-"""The README's demo command, small: SGLang's pools with the plugin on CP 2 and 4 gloo ranks, Mooncake to a
-decode on 127.0.0.1, every check PASS; ``--help``, one-line errors, and a clean Ctrl-C."""
+"""The README's demo command, small: SGLang's pools with the plugin on CP 2 to 8 gloo ranks, Mooncake to a
+decode on 127.0.0.1 (one, or 2 and 3 ranks sharing its KV), every check PASS; ``--help``, one-line errors, and a clean Ctrl-C."""
 
 import json
 import os
@@ -34,17 +34,20 @@ def _demo_sh(args, cwd, timeout=400):
 @pytest.mark.mooncake
 @pytest.mark.sglang
 @pytest.mark.parametrize(
-    "cp, shape",
+    "cp, dcp, shape",
     [
-        (2, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
-        (3, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
-        (4, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
+        (2, 1, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
+        (3, 1, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
+        (4, 1, ["--requests", "2", "--request-len", "130", "--chunk", "128"]),
         # One request of 9 pages: every rank of 8 owns one or two, and 2 of its 3 batches read a prefix view.
-        (8, ["--requests", "1", "--request-len", "520", "--chunk", "256"]),
+        (8, 1, ["--requests", "1", "--request-len", "520", "--chunk", "256"]),
+        # A decode sharded 2 and 3 ways: each page from its prefill owner to its decode owner.
+        (2, 2, ["--requests", "2", "--request-len", "330", "--chunk", "128"]),
+        (2, 3, ["--requests", "2", "--request-len", "330", "--chunk", "128"]),
     ],
 )
-def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp, shape):
-    args = ["--cp-size", str(cp), *shape, "--out", "plots"]
+def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp, dcp, shape):
+    args = ["--cp-size", str(cp), "--decode-cp-size", str(dcp), *shape, "--out", "plots"]
     proc = _demo_sh(args, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
@@ -69,16 +72,21 @@ def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp, shape):
         assert rank["bytes_sent_to_decode"] > 0
         # Memory: the imports' share measured apart from the peak it is part of.
         assert 0 < rank["rss_after_imports_bytes"] <= rank["peak_rss_bytes"], (r, rank)
-    assert 0 < numbers["decode"]["rss_after_imports_bytes"] <= numbers["decode"]["peak_rss_bytes"], numbers["decode"]
+    decode = numbers["decode"]
+    assert 0 < decode["rss_after_imports_bytes"] <= decode["peak_rss_bytes"], decode
+    assert decode["cp_size"] == dcp and decode["step"]["ok"] and len(decode["kv_held_bytes"]) == dcp, decode
+    if dcp > 1:  # every decode rank's step saw the replicated top-k and merged within the tolerance
+        assert decode["step"]["top_equal"] and decode["step"]["ranks_agree"], decode
+        assert f"each of the {dcp} decode ranks holds" in out
     # The driver's refusal of a --cp-size past the open-file limit estimates at least what every process held.
     files = [rank["open_files"] for rank in numbers["per_rank"].values()] + [numbers["decode"]["open_files"]]
-    assert 0 < max(files) <= limits.FILES_BASE + limits.FILES_PER_RANK * cp, files
+    assert 0 < max(files) <= limits.FILES_BASE + limits.FILES_PER_RANK * (cp + dcp - 1), files
 
 
 def test_demo_help(tmp_path):
     proc = _demo_sh(["--help"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: scripts/demo.sh"), proc.stdout + proc.stderr
-    for option in ("--cp-size", "--requests", "--request-len", "--chunk", "--page-size", "--topk", "--out"):
+    for option in ("--cp-size", "--decode-cp-size", "--requests", "--request-len", "--chunk", "--page-size", "--topk", "--out"):
         assert option in proc.stdout
     assert "power of two" not in proc.stdout  # 64 is the only page size SGLang's DSA pool stores
 
@@ -97,6 +105,7 @@ BAD_INPUTS = [
     (["--cp-size", "1"], {}, "--cp-size 1: a CP-shared pool spans two ranks or more"),
     (["--cp-size", "100000"], {}, "--cp-size 100000 needs about"),
     (["--cp-size", "two"], {}, "argument --cp-size: invalid int value: 'two'"),
+    (["--decode-cp-size", "0"], {}, "--decode-cp-size 0: use 1 (one decode) to 8 (decode CP ranks)"),
     (["--requests", "0"], {}, "--requests 0: use 1 or more"),
     ([], {"SGLANG_CP_SHARED_KV_ARENA_CONTEXTS": "0"}, "SGLANG_CP_SHARED_KV_ARENA_CONTEXTS must be an int >= 1"),
     ([], {"SGLANG_CP_SHARED_KV_PREFETCH": "2"}, 'SGLANG_CP_SHARED_KV_PREFETCH: "2" is not a valid boolean value'),

@@ -402,7 +402,6 @@ def _decode_pools(args, model_config, lengths: list[int]) -> tuple[list, list]:
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
     from demo import sglang_parts as sp
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
     ps, size = args.page_size, args.decode_cp_size
     pages = [-(-n // ps) for n in lengths]
@@ -412,13 +411,7 @@ def _decode_pools(args, model_config, lengths: list[int]) -> tuple[list, list]:
         dst = [(allocator.alloc(n * ps)[::ps] // ps).numpy().astype(np.int32) for n in pages]
         return [pool], dst
     tokens = (sum(pages) // size + len(pages) + 1) * ps
-    (stock,) = sp.stock_dsa_pools([ps], ps)  # the tiny model's DSA pool arguments, read back
-    kw = {k: getattr(stock, k) for k in ("page_size", "kv_lora_rank", "dtype", "qk_rope_head_dim", "layer_num")}
-    kw.update(device="cpu", index_head_dim=stock.index_head_dim, enable_memory_saver=False)
-    kw.update(kv_cache_dim=stock.kv_cache_dim)
-    with sp.no_dcp():
-        pools = [CPSharedDSATokenToKVPool(tokens, cp_rank=d, cp_size=size, cp_group=lambda: None, **kw)
-                 for d in range(size)]  # fmt: skip
+    pools = sp.sharded_dsa_pools(tokens, ps, size)
     allocator = PageInterleavePoolAllocator(tokens, ps, size, torch.int64, "cpu", pools[0], False)
     t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
     dst = []

@@ -130,11 +130,36 @@ def stock_dsa_pools(token_counts: list[int], page_size: int) -> list:
     Built outside decode context parallelism (``dcp_replicated``): the unsharded layout the CP-shared
     pools are compared with, and the pool a non-CP decode server holds.
     """
-    import torch
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
+    pools = []
+    with no_dcp():
+        for tokens in token_counts:
+            pool = DSATokenToKVPool(tokens, **_dsa_pool_kwargs(page_size))
+            pool.dcp_replicated = True
+            pools.append(pool)
+    return pools
+
+
+def sharded_dsa_pools(tokens: int, page_size: int, cp_size: int) -> list:
+    """The tiny ``dsa`` model's ``CPSharedDSATokenToKVPool`` of each of ``cp_size`` ranks (``tokens`` rows each),
+    built directly, with no CP group: what a decode sharded by page ownership holds (Mooncake writes it)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
+
+    kw = _dsa_pool_kwargs(page_size)
+    with no_dcp():
+        return [
+            CPSharedDSATokenToKVPool(tokens, cp_rank=r, cp_size=cp_size, cp_group=lambda: None, **kw)
+            for r in range(cp_size)
+        ]
+
+
+def _dsa_pool_kwargs(page_size: int) -> dict:
+    """SGLang's DSA pool arguments of the tiny ``dsa`` model on CPU (bf16 latent rows)."""
+    import torch
+
     dsa = MODELS["dsa"]
-    kw = dict(
+    return dict(
         page_size=page_size,
         kv_lora_rank=dsa["kv_lora_rank"],
         dtype=torch.bfloat16,
@@ -145,13 +170,6 @@ def stock_dsa_pools(token_counts: list[int], page_size: int) -> list:
         enable_memory_saver=False,
         kv_cache_dim=dsa["kv_lora_rank"] + dsa["qk_rope_head_dim"],
     )
-    pools = []
-    with no_dcp():
-        for tokens in token_counts:
-            pool = DSATokenToKVPool(tokens, **kw)
-            pool.dcp_replicated = True
-            pools.append(pool)
-    return pools
 
 
 def configurator(model_config, page_size: int):

@@ -86,7 +86,16 @@ def test_demo_passes_every_check_through_sglangs_classes(tmp_path, cp, dcp, shap
 def test_demo_help(tmp_path):
     proc = _demo_sh(["--help"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: scripts/demo.sh"), proc.stdout + proc.stderr
-    for option in ("--cp-size", "--decode-cp-size", "--requests", "--request-len", "--chunk", "--page-size", "--topk", "--out"):
+    for option in (
+        "--cp-size",
+        "--decode-cp-size",
+        "--requests",
+        "--request-len",
+        "--chunk",
+        "--page-size",
+        "--topk",
+        "--out",
+    ):
         assert option in proc.stdout
     assert "power of two" not in proc.stdout  # 64 is the only page size SGLang's DSA pool stores
 

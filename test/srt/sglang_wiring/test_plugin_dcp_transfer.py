@@ -29,29 +29,6 @@ DECODE_SIZES = (2, 3)
 LENGTHS = [9 * PS - 5, 5 * PS, 3 * PS - 20, PS - 3]  # tokens per request
 
 
-def _decode_pool(rank: int, size: int, tokens: int):
-    """Decode rank ``rank`` of ``size``: the tiny DSA model's pool sharded by page ownership."""
-    import torch
-
-    from demo.sglang_parts import MODELS, no_dcp
-    from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
-
-    dsa = MODELS["dsa"]
-    kw = dict(
-        page_size=PS,
-        kv_lora_rank=dsa["kv_lora_rank"],
-        dtype=torch.bfloat16,
-        qk_rope_head_dim=dsa["qk_rope_head_dim"],
-        layer_num=dsa["num_hidden_layers"],
-        device="cpu",
-        index_head_dim=dsa["index_head_dim"],
-        enable_memory_saver=False,
-        kv_cache_dim=dsa["kv_lora_rank"] + dsa["qk_rope_head_dim"],
-    )
-    with no_dcp():
-        return CPSharedDSATokenToKVPool(tokens, cp_rank=rank, cp_size=size, cp_group=lambda: None, **kw)
-
-
 def _group(prefill_mgr, size: int) -> list:
     """The registrations a prefill manager holds from the decode ranks of a group of ``size``."""
     return [i for i in prefill_mgr.decode_kv_args_table.values() if i.dst_dcp_size == size]
@@ -77,7 +54,7 @@ def _worker(model_dir: str) -> None:
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from test_plugin_decode_manifest import _build_pools, _deadline_wait, _fill
 
-    from demo.sglang_parts import kv_args, mooncake_manager, prefill_info
+    from demo.sglang_parts import kv_args, mooncake_manager, prefill_info, sharded_dsa_pools
 
     _server_args, ranks, allocator, replicated, _ = _build_pools(model_dir)  # publishes a flagged prefill
     pages = _fill(ranks, replicated, allocator, LENGTHS)
@@ -94,12 +71,11 @@ def _worker(model_dir: str) -> None:
         threading.Thread(target=m.transfer_worker, args=(m.transfer_queues[0], executor), daemon=True).start()
         p_mgrs.append(m)
     addr = "127.0.0.1:1"
-    info = prefill_info(N, PS)
     out: dict = {}
     room = 1000
     for size in DECODE_SIZES:
         tokens = (sum(-(-n // PS) for n in LENGTHS) // size + 3) * PS
-        pools = [_decode_pool(d, size, tokens) for d in range(size)]
+        pools = sharded_dsa_pools(tokens, PS, size)
         before = [[buf.clone() for buf in [*p.kv_buffer, *p.index_k_with_scale_buffer]] for p in pools]
         d_alloc = PageInterleavePoolAllocator(tokens, PS, size, torch.int64, "cpu", pools[0], False)
         d_mgrs = []
@@ -138,7 +114,7 @@ def _worker(model_dir: str) -> None:
                     assert rcv._register_kv_args()  # each decode rank registers once, as SGLang's does
                 receivers.append(rcv)
             if idx == 0:
-                _deadline_wait(lambda: all(len(_group(p, size)) == size for p in p_mgrs), "registration")
+                _deadline_wait(lambda n=size: all(len(_group(p, n)) == n for p in p_mgrs), "registration")
             for rcv in receivers:
                 rcv.send_metadata(dst, idx % 8, [dst.copy()], 0)
             _deadline_wait(lambda s=senders: all(x.poll() == KVPoll.WaitingForInput for x in s), "destinations")

@@ -23,6 +23,7 @@ from sglang_cp_shared_kv.srt.sglang_wiring import (
     connector_bounds,
     connector_sockets,
     decode_manifest,
+    decode_routes,
     metrics,
     pool_hooks,
     startup_checks,
@@ -178,18 +179,18 @@ def keep_pages_whole(original, mgr, dst_dcp_size: int, dst_dcp_rank: int) -> boo
 
 
 def send_to_owner(original, mgr, session_id, src, dst_ptrs, dst, *args, **kwargs):
-    owner = transfer.decode_owner(mgr, session_id)
+    owner = decode_routes.decode_owner(mgr, session_id)
     if owner is not None:
-        src, dst = transfer.route_to_owner(src, dst, owner)
+        src, dst = decode_routes.route_to_owner(src, dst, owner)
         if len(src) == 0:
             return 0
     return original(mgr, session_id, src, dst_ptrs, dst, *args, **kwargs)
 
 
 def send_state_to_owner(original, mgr, req, state_indices, *args, **kwargs):
-    owner = transfer.decode_owner(mgr, req.mooncake_session_id)
+    owner = decode_routes.decode_owner(mgr, req.mooncake_session_id)
     if owner is not None:
-        req, state_indices = transfer.route_state_to_owner(mgr, req, state_indices, owner)
+        req, state_indices = decode_routes.route_state_to_owner(mgr, req, state_indices, owner)
     return original(mgr, req, state_indices, *args, **kwargs)
 
 

@@ -14,19 +14,12 @@ logical page at every position (the same on every rank) and the positions it sel
 frames SGLang parses: a decode without the flag reads the message as before; a decode running the flag checks them
 before the request is ready (``decode_manifest``).
 
-To a decode whose pool is sharded by the same page ownership over its own ``D`` ranks (it registers
-SGLang's ``dst_dcp_size`` / ``dst_dcp_rank``), each prefill rank sends decode rank ``d`` only the pages
-it owns whose destination logical page ``l`` has ``l % D == d``, to physical page ``l // D``
-(``route_to_owner``): every page once, from its prefill owner to its decode owner, whole; ``D`` need not
-equal ``N``. SGLang's token relayout for a DCP decode (``send_kvcache_dcp``) is not taken.
-
 With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects it
 (``check_send_indices``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,39 +90,6 @@ def latent_page_bytes(kv_args: Any) -> int:
 def sharded_prefill(mgr: Any) -> bool:
     """Whether ``mgr`` is a prefill KV manager of a CP-shared pool (flag on, pages sharded over its CP)."""
     return manager_enabled(mgr, "prefill") and mgr.kv_shard_size > 1
-
-
-def decode_owner(mgr: Any, session_id: str) -> tuple[int, int] | None:
-    """``(D, d)`` of a destination decode rank ``d`` of ``D`` (``D > 1``: its pool sharded by page ownership)
-    a sharded prefill writes to over ``session_id``; None for any other destination or manager."""
-    if not sharded_prefill(mgr):
-        return None
-    info = mgr.decode_kv_args_table.get(session_id)
-    size = getattr(info, "dst_dcp_size", 1)
-    return (size, info.dst_dcp_rank) if size > 1 else None
-
-
-def route_to_owner(src, dst, owner: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs ``(src[i], dst[i])`` whose destination logical page lives on decode rank ``d`` of ``D``
-    (``owner``), each destination made that rank's physical page ``dst[i] // D``."""
-    size, rank = owner
-    dst = np.asarray(dst, dtype=np.int64)
-    keep = page_owner(dst, size) == rank
-    return np.asarray(src)[keep], local_page(dst[keep], size).astype(np.int32)
-
-
-def route_state_to_owner(mgr: Any, req: Any, state_indices: list, owner: tuple[int, int]) -> tuple[Any, list]:
-    """``(req, state_indices)`` for ``MooncakeKVManager.maybe_send_extra`` with the DSA indexer pages routed
-    as ``route_to_owner`` routes latent pages (SGLang's own filter then keeps this rank's); a page count
-    that differs from the destination's is left for SGLang's check to refuse."""
-    from sglang.srt.disaggregation.base.conn import StateType
-
-    src, dst = list(state_indices), list(req.dst_state_indices)
-    for i, kind in enumerate(getattr(mgr.kv_args, "state_types", [])):
-        if kind == StateType.DSA and i < min(len(src), len(dst)) and src[i] is not None:
-            if len(src[i]) == len(dst[i]):
-                src[i], dst[i] = route_to_owner(src[i], dst[i], owner)
-    return dataclasses.replace(req, dst_state_indices=dst), src
 
 
 def record_sent_share(sender, kv_indices, positions) -> None:

@@ -160,10 +160,16 @@ def decode_dcp() -> str:
         "ratio",
     ]
     ties = f"{s['topk_edge_ties']} of {len(s['topk_lengths'])} rows tied at the edge"
+    step = "not measured (the step model, `decode_dcp_step`, needs a GPU)"
+    if (RESULTS / "decode_dcp_step.json").exists():
+        st = load("decode_dcp_step.json")
+        step = (
+            f"{st['summary']['step_overhead_b32_128k']}% at batch 32, 128K ({st['summary']['what']}; "
+            f"{link('decode_dcp_step.json')}, {st['environment'].get('gpu', '?')})"
+        )
     topk = (
         f"\nGlobal top-{s['topk_k']} equal to the replicated indexer's at {s['topk_cp_sizes']} ranks, contexts "
-        f"{s['topk_lengths']} ({ties}): **{s['topk_exact']}**. Step overhead: "
-        f"{s['step_overhead_b32_128k'] or 'not measured (' + s['step_overhead_why_none'] + ')'}. "
+        f"{s['topk_lengths']} ({ties}): **{s['topk_exact']}**. Step overhead: {step}. "
         f"{link('decode_dcp.json')}, commit `{(d['environment']['commit'] or '?')[:7]}`.\n"
     )
     return table(head, out) + topk

@@ -151,19 +151,20 @@ def check_decode(decode_cp_size: int) -> None:
 
 def check_host(cp_size: int, files: int, memory: int | None, decode_cp_size: int = 1) -> None:
     """``cp_size`` ranks and the decode fit this host: its open-file limit (``files``) and available ``memory``.
-    Each decode rank past the first holds a prefill rank's worth of files (its engine, its sockets)."""
+    Each decode rank past the first counts as a prefill rank (a process with its engine and sockets)."""
     need = FILES_BASE + FILES_PER_RANK * (cp_size + decode_cp_size - 1)
+    both = f" with --decode-cp-size {decode_cp_size}" if decode_cp_size > 1 else ""
     if need > files:
         most = (files - FILES_BASE) // FILES_PER_RANK - (decode_cp_size - 1)
-        both = f" with --decode-cp-size {decode_cp_size}" if decode_cp_size > 1 else ""
         raise Refusal(
             f"--cp-size {cp_size}{both} needs about {need} open files and this process may open {files} (ulimit -n): "
             + (f"use --cp-size {most} or less" if most >= 2 else "raise the open-file limit")
         )
-    if memory is not None and (cp_size + 1) * RANK_BYTES > memory:
-        most = memory // RANK_BYTES - 1
+    processes = cp_size + 1 + (decode_cp_size if decode_cp_size > 1 else 0)  # a sharded decode's ranks run apart
+    if memory is not None and processes * RANK_BYTES > memory:
+        most = memory // RANK_BYTES - 1 - (decode_cp_size if decode_cp_size > 1 else 0)
         raise Refusal(
-            f"--cp-size {cp_size} needs about {(cp_size + 1) * RANK_BYTES / 2**30:.1f} GiB for its ranks and the decode "
+            f"--cp-size {cp_size}{both} needs about {processes * RANK_BYTES / 2**30:.1f} GiB for its ranks and the decode "
             f"({RANK_BYTES >> 20} MiB each) and {memory / 2**30:.1f} GiB is available: "
             + (f"use --cp-size {most} or less" if most >= 2 else "free some memory")
         )

@@ -12,6 +12,10 @@
    Mooncake connector (``MooncakeKVSender`` / ``MooncakeKVReceiver``, the real transfer engine on
    127.0.0.1) with the plugin's manifest; the decode checks the manifests, then its rebuilt KV and
    one decode step against the replicated pool, byte for byte.
+4. With ``--decode-cp-size D`` (D > 1) the decode is D spawned ranks, each over a pool sharded by the
+   same page ownership: each prefill rank writes each page it owns to its decode owner, every decode
+   rank checks that it holds exactly its pages, and a decode step runs on the D ranks (gloo: global
+   top-k, attention over each rank's rows, LSE merge) against the replicated step, layer by layer.
 
 SGLang's own ``--enable-kv-cache-sharding`` pool gathers through a CUDA communicator, so on CPU its
 column shows what SGLang sizes for it (its scratch by its own constants), not a run.
@@ -313,8 +317,9 @@ def _wait(cond, what: str, timeout_s: float = 60.0) -> None:
     wait_until(cond, what, timeout_s)
 
 
-def _rank_main(rank: int, cp_size: int, port: int, cfg: dict, to_driver, inbox) -> None:
-    """A spawned rank: gloo on 127.0.0.1, then ``_prefill_rank``. Ctrl-C ends it quietly (the driver reports)."""
+def _rank_main(rank: int, cp_size: int, port: int, cfg: dict, to_driver, inbox, role: str) -> None:
+    """A spawned rank: gloo on 127.0.0.1 with the others of its ``role``, then ``_prefill_rank`` or
+    ``_decode_rank``. Ctrl-C ends it quietly (the driver reports)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     _quiet()
     try:
@@ -323,7 +328,7 @@ def _rank_main(rank: int, cp_size: int, port: int, cfg: dict, to_driver, inbox) 
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp_size)
-        _prefill_rank(rank, cp_size, cfg, to_driver, inbox)
+        (_prefill_rank if role == "prefill" else _decode_rank)(rank, cp_size, cfg, to_driver, inbox)
         to_driver.put(("done", rank, None))
     except KeyboardInterrupt:
         os._exit(130)
@@ -337,17 +342,20 @@ def _rank_main(rank: int, cp_size: int, port: int, cfg: dict, to_driver, inbox) 
 
 # ------------------------------------------------------------------------------------------ decode (driver)
 class _Ranks:
-    """The spawned prefill ranks and their queues."""
+    """The spawned ranks of one ``role`` (prefill, or the decode's when it is sharded) and their queues."""
 
-    def __init__(self, cp_size: int, cfg: dict):
+    def __init__(self, cp_size: int, cfg: dict, role: str = "prefill"):
         from reference.spawn import free_port
 
         ctx = mp.get_context("spawn")
+        self.role = role
         self.to_driver = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(cp_size)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_rank_main, args=(r, cp_size, port, cfg, self.to_driver, self.inboxes[r]), daemon=True)
+            ctx.Process(
+                target=_rank_main, args=(r, cp_size, port, cfg, self.to_driver, self.inboxes[r], role), daemon=True
+            )
             for r in range(cp_size)
         ]
         for p in self.procs:
@@ -356,28 +364,29 @@ class _Ranks:
     def collect(self, kind: str) -> dict[int, object]:
         """One ``kind`` message from every rank; a rank's error or death, or ``WAIT_S`` without any message
         (a rank reports each prefill batch), raises ``DemoError``."""
+        want = set(range(len(self.procs)))
         got: dict[int, object] = {}
         end = time.monotonic() + WAIT_S
-        while len(got) < len(self.procs):
+        while set(got) != want:
             try:
                 k, rank, body = self.to_driver.get(timeout=0.5)
                 end = time.monotonic() + WAIT_S
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in got]
                 if dead:
-                    raise DemoError(f"prefill rank {dead[0]} exited (code {self.procs[dead[0]].exitcode})") from None
-                if time.monotonic() > end:
                     raise DemoError(
-                        f"prefill ranks {sorted(set(range(len(self.procs))) - set(got))} went quiet"
+                        f"{self.role} rank {dead[0]} exited (code {self.procs[dead[0]].exitcode})"
                     ) from None
+                if time.monotonic() > end:
+                    raise DemoError(f"{self.role} ranks {sorted(want - set(got))} went quiet") from None
                 continue
             if k == "error":
-                raise DemoError(f"prefill rank {rank} failed:\n{body}")
+                raise DemoError(f"{self.role} rank {rank} failed:\n{body}")
             if k == kind:
                 got[rank] = body
         return got
 
-    def tell(self, op: str) -> None:
+    def tell(self, op) -> None:
         for q in self.inboxes:
             q.put(op)
 
@@ -389,103 +398,213 @@ class _Ranks:
             p.join(timeout=5)
 
 
-def _decode_pools(args, model_config, lengths: list[int]) -> tuple[list, list]:
-    """The decode's pools and each request's destination pages (logical, the same on every decode rank).
-
-    ``--decode-cp-size 1``: a non-CP decode, SGLang's stock pool and allocator from its configurator (the flag
-    on a decode server only checks the manifests). ``D > 1``: D pools sharded by page ownership
-    (``CPSharedDSATokenToKVPool``, rank ``d`` of ``D``) and SGLang's owner-rotating allocator drawing the pages,
-    built directly: a decode server does not build them under ``--dcp-size`` yet.
-    """
-    import numpy as np
-    import torch
-    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-
-    from demo import sglang_parts as sp
-
-    ps, size = args.page_size, args.decode_cp_size
-    pages = [-(-n // ps) for n in lengths]
-    if size == 1:
-        with sp.no_dcp():
-            pool, allocator = sp.build_pool_and_allocator(model_config, (sum(pages) + 2) * ps, args.requests, ps)
-        dst = [(allocator.alloc(n * ps)[::ps] // ps).numpy().astype(np.int32) for n in pages]
-        return [pool], dst
-    tokens = (sum(pages) // size + len(pages) + 1) * ps
-    pools = sp.sharded_dsa_pools(tokens, ps, size)
-    allocator = PageInterleavePoolAllocator(tokens, ps, size, torch.int64, "cpu", pools[0], False)
-    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-    dst = []
-    for n in lengths:
-        locs = allocator.alloc_extend(t(0), t(0), t(n), t(n), t(0), n, rotation_bases=[None])
-        dst.append((locs[::ps] // ps).numpy().astype(np.int32))
-    return pools, dst
-
-
 def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
-    """The decode server: SGLang's Mooncake receivers with the plugin's manifest check, into one stock pool or
-    into ``--decode-cp-size`` pools sharded by page ownership (one manager per decode rank)."""
+    """The decode: with ``--decode-cp-size 1`` this process, SGLang's stock pool and Mooncake receivers with the
+    plugin's manifest check; with D > 1, D spawned decode ranks (``_decode_rank``), each over its own pool
+    sharded by page ownership."""
+    if args.decode_cp_size > 1:
+        return _decode_sharded(args, ranks, model_dir)
+    import numpy as np
     import torch
 
     # One thread, as every prefill rank: CPU matmuls split their reductions by thread count, and the decode
     # step is compared with rank 0's byte for byte.
     torch.set_num_threads(1)
     from sglang.srt.arg_groups.overrides import model_config_of
-    from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.common.conn import KVTransferError
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import publish
-    from sglang.srt.server_args import prepare_server_args
 
     from demo import sglang_parts as sp
 
     _quiet()
     load_plugins()
     imported = _rss_now()
-    ps, cp_size, size = args.page_size, args.cp_size, args.decode_cp_size
-    decode_args = prepare_server_args(sp.decode_argv(model_dir, ps) + ["--enable-cp-shared-kv"])
-    decode_args.resolve_once()
-    publish(decode_args, role="scheduler")
-    model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
-    lengths = limits.request_lengths(args.request_len, args.requests)
-    pools, dst = _decode_pools(args, model_config, lengths)
-    before = [[b.clone() for b in [*p.kv_buffer, *p.index_k_with_scale_buffer]] for p in pools]
-    mgrs = []
-    for d, pool in enumerate(pools):
-        aux = torch.zeros(AUX_SLOTS, 64, dtype=torch.uint8)
-        engine = _engine()
-        for buf in [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]:
-            engine.register(buf.data_ptr(), buf.nbytes)
-        mgr = sp.mooncake_manager(DisaggregationMode.DECODE, engine, sp.kv_args(pool, aux, d, ps), 0, 1)
-        # A decode rank of a group of ``size`` registers SGLang's DCP fields; its attention TP spans the group.
-        mgr.dcp_size, mgr.dcp_rank, mgr.attn_tp_size, mgr.attn_tp_rank = size, d, size, d
-        mgr.start_decode_thread()
-        mgrs.append(mgr)
+    ps, lengths = args.page_size, limits.request_lengths(args.request_len, args.requests)
+    _publish_decode_args(model_dir, ps)
+    from sglang.srt.server_args import prepare_server_args
 
+    model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
+    pages = [-(-n // ps) for n in lengths]
+    with sp.no_dcp():
+        pool, allocator = sp.build_pool_and_allocator(model_config, (sum(pages) + 2) * ps, args.requests, ps)
+    dst = [(allocator.alloc(n * ps)[::ps] // ps).numpy().astype(np.int32) for n in pages]
+    before = [b.clone() for b in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]]
+    aux = torch.zeros(AUX_SLOTS, 64, dtype=torch.uint8)
+    mgr = _decode_manager(pool, aux, 0, 1, ps, DisaggregationMode)
     prefilled = ranks.collect("prefilled")
-    for mgr in mgrs:
-        info = sp.prefill_info(cp_size, ps)
-        mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every prefill CP rank
-        mgr.prefill_info_table[ADDR] = info
-        for cp in info.target_cp_ranks:
-            mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
-                {"rank_ip": "127.0.0.1", "rank_port": prefilled[cp]["port"], "is_dummy": False}
-            ]
-    receivers = []  # request-major, one per decode rank
-    for r in range(len(dst)):
-        for mgr in mgrs:
-            rcv = MooncakeKVReceiver(mgr, ADDR, 1000 + r)
-            rcv.init(0)
-            if r == 0:
-                assert rcv._register_kv_args()  # each decode rank's KV registration, once, as SGLang sends it
-            receivers.append(rcv)
-    for i, rcv in enumerate(receivers):
-        d_pages = dst[i // size]
-        rcv.send_metadata(d_pages, (i // size) % AUX_SLOTS, [d_pages.copy()], 0)
+    receivers = _receive(mgr, [prefilled[r]["port"] for r in sorted(prefilled)], dst, ps)
     ranks.tell("send")
     sent = ranks.collect("sent")
     open_files = _open_files()  # every rank's connections up
+    polls, reasons = _verdicts(receivers)
+    kv_equal = _rebuilt(pool, before, 0, 1, dst, prefilled[0]["expected"], ps)
+    ranks.tell("exit")
+    rss = ranks.collect("rss")
+    model_steps = []
+    from demo.tiny_model import TinyDSA
+
+    model = TinyDSA(LAYERS, topk=args.topk)
+    for r, d in enumerate(dst):
+        step = model.decode_step(pool, torch.from_numpy(d).long(), lengths[r], 1 + r)
+        model_steps.append(torch.equal(step, prefilled[0]["decode"][r]))
+    return {
+        "prefilled": prefilled,
+        "sent": sent,
+        "transfer_ok": all(polls) and all(s["ok"] for s in sent.values()),
+        "reasons": reasons,
+        "kv_equal": [kv_equal],
+        "step": {"ok": all(model_steps), "equal": model_steps},
+        "rss": rss,
+        "decode_rss_after_imports": imported,
+        "decode_open_files": open_files,
+        "decode_pool": type(pool).__name__,
+        "decode_held": [sum(b.nbytes for b in [*pool.kv_buffer, *pool.index_k_with_scale_buffer])],
+    }
+
+
+def _decode_sharded(args, ranks: _Ranks, model_dir: str) -> dict:
+    """``--decode-cp-size`` D > 1: D decode ranks, processes of their own as a server's are, each registering
+    with every prefill rank and receiving the pages it owns; then a decode step on them (gloo)."""
+    imported = _rss_now()  # this process only orchestrates: no SGLang import
+    lengths = limits.request_lengths(args.request_len, args.requests)
+    cfg = {"model_dir": model_dir, "page_size": args.page_size, "lengths": lengths, "topk": args.topk}
+    decoders = _Ranks(args.decode_cp_size, cfg, role="decode")
+    try:
+        prefilled = ranks.collect("prefilled")
+        ports = [prefilled[r]["port"] for r in sorted(prefilled)]
+        decoders.tell(("connect", ports, prefilled[0]["expected"], prefilled[0]["trace"]))
+        decoders.collect("registered")
+        ranks.tell("send")
+        sent = ranks.collect("sent")
+        decoded = decoders.collect("decoded")
+        ranks.tell("exit")
+        rss = ranks.collect("rss")
+        decoders.tell("exit")
+    finally:
+        decoders.stop()
+    per = [decoded[d] for d in sorted(decoded)]
+    steps = [d["step"] for d in per]
+    top_equal = all(all(s["top_equal"]) for s in steps)
+    err = max(e for s in steps for e in s["out_err"])
+    agree = all(s["outs"] == steps[0]["outs"] for s in steps)
+    return {
+        "prefilled": prefilled,
+        "sent": sent,
+        "transfer_ok": all(all(d["polls"]) for d in per) and all(s["ok"] for s in sent.values()),
+        "reasons": [r for d in per for r in d["reasons"]],
+        "kv_equal": [d["kv_equal"] for d in per],
+        "step": {
+            "ok": top_equal and agree and err <= STEP_TOLERANCE,
+            "top_equal": top_equal,
+            "max_err": err,
+            "ranks_agree": agree,
+        },  # fmt: skip
+        "rss": rss,
+        "decode_rss_after_imports": imported,
+        "decode_open_files": max([_open_files()] + [d["open_files"] for d in per]),
+        "decode_pool": per[0]["pool"],
+        "decode_held": [d["held"] for d in per],
+        "decode_rank_peak_rss": [d["peak_rss"] for d in per],
+    }
+
+
+def _decode_rank(rank: int, size: int, cfg: dict, to_driver, inbox) -> None:
+    """One rank of a decode sharded by page ownership: its pool (``CPSharedDSATokenToKVPool``, rank ``rank`` of
+    ``size``, built directly: a decode server does not build it under ``--dcp-size`` yet), SGLang's Mooncake
+    manager and receivers with the manifest check, the pages it owns checked, then its part of a decode step."""
+    import numpy as np
+    import torch
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.plugins import load_plugins
+
+    from demo import sglang_parts as sp
+
+    load_plugins()
+    ps, lengths = cfg["page_size"], cfg["lengths"]
+    _publish_decode_args(cfg["model_dir"], ps)
+    tokens = (sum(-(-n // ps) for n in lengths) // size + len(lengths) + 1) * ps
+    pools = sp.sharded_dsa_pools(tokens, ps, size)
+    pool = pools[rank]
+    # SGLang's owner-rotating allocator draws each request's pages: the same on every decode rank.
+    allocator = PageInterleavePoolAllocator(tokens, ps, size, torch.int64, "cpu", pools[0], False)
+    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    dst = []
+    for n in lengths:
+        locs = allocator.alloc_extend(t(0), t(0), t(n), t(n), t(0), n, rotation_bases=[None])
+        dst.append((locs[::ps] // ps).numpy().astype(np.int32))
+    before = [b.clone() for b in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]]
+    aux = torch.zeros(AUX_SLOTS, 64, dtype=torch.uint8)
+    mgr = _decode_manager(pool, aux, rank, size, ps, DisaggregationMode)
+    op, ports, expected, trace = inbox.get(timeout=WAIT_S)  # the prefill ranks' sockets, the replicated pages
+    assert op == "connect", op
+    receivers = _receive(mgr, ports, dst, ps)
+    to_driver.put(("registered", rank, None))
+    polls, reasons = _verdicts(receivers)
+    kv_equal = _rebuilt(pool, before, rank, size, dst, expected, ps)
+    step = _decode_cp_step(rank, size, cfg["topk"], ps, pool, dst, lengths, trace)
+    result = {"polls": polls, "reasons": reasons, "kv_equal": kv_equal, "step": step, "pool": type(pool).__name__}
+    result.update(held=sum(b.nbytes for b in before), peak_rss=_peak_rss(), open_files=_open_files())
+    to_driver.put(("decoded", rank, result))
+    inbox.get(timeout=WAIT_S)  # stay up until every rank has decoded
+
+
+def _publish_decode_args(model_dir: str, ps: int) -> None:
+    """A decode server's arguments with the flag, as the scheduler's (the manifest check reads them)."""
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import prepare_server_args
+
+    from demo import sglang_parts as sp
+
+    decode_args = prepare_server_args(sp.decode_argv(model_dir, ps) + ["--enable-cp-shared-kv"])
+    decode_args.resolve_once()
+    publish(decode_args, role="scheduler")
+
+
+def _decode_manager(pool, aux, rank: int, size: int, ps: int, mode):
+    """SGLang's Mooncake decode manager over ``pool`` (rank ``rank`` of a decode group of ``size``: SGLang's
+    DCP fields, its attention TP spanning the group), its engine registered, its decode thread running."""
+    from demo import sglang_parts as sp
+
+    engine = _engine()
+    for buf in [*pool.kv_buffer, *pool.index_k_with_scale_buffer, aux]:
+        engine.register(buf.data_ptr(), buf.nbytes)
+    mgr = sp.mooncake_manager(mode.DECODE, engine, sp.kv_args(pool, aux, rank, ps), 0, 1)
+    mgr.dcp_size, mgr.dcp_rank, mgr.attn_tp_size, mgr.attn_tp_rank = size, rank, size, rank
+    mgr.start_decode_thread()
+    return mgr
+
+
+def _receive(mgr, ports: list[int], dst: list, ps: int) -> list:
+    """SGLang's receivers of every request on ``mgr``: the prefill ranks on ``ports`` found as SGLang's rank
+    mapping says (every CP rank), the decode's KV registered once, each request's destination pages sent."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+
+    from demo import sglang_parts as sp
+
+    info = sp.prefill_info(len(ports), ps)
+    mgr._resolve_rank_mapping(info)  # SGLang's rank mapping: pull from every prefill CP rank
+    mgr.prefill_info_table[ADDR] = info
+    for cp in info.target_cp_ranks:
+        mgr.connection_pool[f"{ADDR}_0_{cp}_{info.target_tp_rank}"] = [
+            {"rank_ip": "127.0.0.1", "rank_port": ports[cp], "is_dummy": False}
+        ]
+    receivers = []
+    for r, d_pages in enumerate(dst):
+        rcv = MooncakeKVReceiver(mgr, ADDR, 1000 + r)
+        rcv.init(0)
+        if r == 0:
+            assert rcv._register_kv_args()  # the decode's KV registration, once, as SGLang sends it
+        rcv.send_metadata(d_pages, r % AUX_SLOTS, [d_pages.copy()], 0)
+        receivers.append(rcv)
+    return receivers
+
+
+def _verdicts(receivers: list) -> tuple[list[bool], list[str]]:
+    """Each receiver's Success, once every prefill rank's transfer concluded, and the failures' reasons."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import KVTransferError
+
     polls, reasons = [], []
     for rcv in receivers:
         _wait(lambda rcv=rcv: rcv.poll() in (KVPoll.Success, KVPoll.Failed), "the prefill ranks' transfers", WAIT_S)
@@ -495,27 +614,7 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
                 rcv.failure_exception()
             except KVTransferError as e:
                 reasons.append(e.failure_reason)
-    expected = prefilled[0]["expected"]
-    kv_equal = [_rebuilt(pool, before[d], d, size, dst, expected, ps) for d, pool in enumerate(pools)]
-    ranks.tell("exit")
-    rss = ranks.collect("rss")
-    if size == 1:
-        step = _decode_step_stock(args, pools[0], dst, lengths, prefilled[0]["decode"])
-    else:  # the decode CP ranks start once the prefill ranks are gone: the host holds as many processes as before
-        step = _decode_step_cp(args, pools, dst, lengths, prefilled[0]["trace"])
-    return {
-        "prefilled": prefilled,
-        "sent": sent,
-        "transfer_ok": all(polls) and all(s["ok"] for s in sent.values()),
-        "reasons": reasons,
-        "kv_equal": kv_equal,
-        "step": step,
-        "rss": rss,
-        "decode_rss_after_imports": imported,
-        "decode_open_files": open_files,
-        "decode_pool": type(pools[0]).__name__,
-        "decode_held": [sum(b.nbytes for b in [*p.kv_buffer, *p.index_k_with_scale_buffer]) for p in pools],
-    }
+    return polls, reasons
 
 
 def _rebuilt(pool, before: list, rank: int, size: int, dst: list, expected: list, ps: int) -> bool:
@@ -537,55 +636,25 @@ def _rebuilt(pool, before: list, rank: int, size: int, dst: list, expected: list
     return all(torch.equal(a, b) for a, b in zip([*pool.kv_buffer, *pool.index_k_with_scale_buffer], want))
 
 
-def _decode_step_stock(args, pool, dst: list, lengths: list[int], reference: list) -> dict:
-    """A decode step over the stock decode pool, equal to the replicated pool's bit for bit."""
-    import torch
-
-    from demo.tiny_model import TinyDSA
-
-    model = TinyDSA(LAYERS, topk=args.topk)
-    equal = [
-        torch.equal(model.decode_step(pool, torch.from_numpy(d).long(), lengths[r], 1 + r), reference[r])
-        for r, d in enumerate(dst)
-    ]
-    return {"ok": all(equal), "equal": equal}
-
-
-def _decode_step_cp(args, pools: list, dst: list, lengths: list[int], trace: list) -> dict:
-    """A decode step on ``len(pools)`` decode CP ranks (spawned processes, gloo), each over its own pool's
-    rows, against the replicated step layer by layer (``trace``: each layer's input, top-k and output)."""
-    from reference.spawn import spawn_ranks
-
-    buffers = [([b.clone() for b in p.index_k_with_scale_buffer], [b.clone() for b in p.kv_buffer]) for p in pools]
-    per_rank = spawn_ranks(_decode_cp_rank, len(pools), args.topk, args.page_size, buffers, dst, lengths, trace,
-                           timeout_s=WAIT_S)  # fmt: skip
-    top_equal = all(all(r["top_equal"]) for r in per_rank)
-    err = max(e for r in per_rank for e in r["out_err"])
-    same = all(r["outs"] == per_rank[0]["outs"] for r in per_rank)
-    return {"ok": top_equal and same and err <= STEP_TOLERANCE, "top_equal": top_equal, "max_err": err,
-            "ranks_agree": same}  # fmt: skip
-
-
-def _decode_cp_rank(rank: int, size: int, topk: int, ps: int, buffers, dst, lengths, trace) -> dict:
-    """One decode CP rank's step (``TinyDSA.decode_layer_cp``) for every request, each layer from the
-    replicated step's input to that layer."""
+def _decode_cp_step(rank: int, size: int, topk: int, ps: int, pool, dst: list, lengths: list, trace: list) -> dict:
+    """This decode rank's part of a decode step (``TinyDSA.decode_layer_cp``, gloo with the other decode ranks)
+    for every request, each layer from the replicated step's input to that layer, against its top-k and output."""
     import torch
 
     from demo.tiny_model import TinyDSA
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import position_rows
 
-    torch.set_num_threads(1)
     model, group = TinyDSA(LAYERS, topk=topk), CPGroup()
-    index, latent = buffers[rank]
     out: dict = {"top_equal": [], "out_err": [], "outs": []}
     for r, d_pages in enumerate(dst):
         row_of = position_rows(torch.from_numpy(d_pages).long().view(1, -1), ps, size, rank, lengths[r])
         for layer, (h_in, top_ref, h_ref) in enumerate(trace[r]):
-            kv = latent[layer]
+            kv = pool.kv_buffer[layer]
             h, top = model.decode_layer_cp(
-                layer, h_in, index[layer], ps, kv.view(torch.uint8).reshape(kv.shape[0], -1), row_of, group
-            )
+                layer, h_in, pool.index_k_with_scale_buffer[layer], ps,
+                kv.view(torch.uint8).reshape(kv.shape[0], -1), row_of, group,
+            )  # fmt: skip
             out["top_equal"].append(bool(torch.equal(top, top_ref)))
             out["out_err"].append(float((h - h_ref).abs().max()))
             out["outs"].append(h.flatten().tolist())
@@ -666,6 +735,9 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
         lines.append(f"KV held per decode rank: {held}")
     peak = "  ".join(f"rank {r}: {_fmt_bytes(res['rss'][r])}" for r in sorted(res["rss"]))
     lines.append(f"peak memory per process: {peak}  decode: {_fmt_bytes(_peak_rss())}")
+    if size > 1:
+        ranks_rss = "  ".join(f"rank {d}: {_fmt_bytes(b)}" for d, b in enumerate(res["decode_rank_peak_rss"]))
+        lines.append(f"  the decode's ranks (this process only drives them): {ranks_rss}")
     floor = "  ".join(f"rank {r}: {_fmt_bytes(pre[r]['rss_after_imports'])}" for r in sorted(pre))
     lines.append(
         f"  of which torch's, SGLang's and the hooks' imports, before any KV: {floor}  "
@@ -696,6 +768,7 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
         "decode": {
             "cp_size": size,
             "kv_held_bytes": res["decode_held"],
+            "rank_peak_rss_bytes": res.get("decode_rank_peak_rss"),
             "step": res["step"],
             "peak_rss_bytes": _peak_rss(),
             "rss_after_imports_bytes": res["decode_rss_after_imports"],

@@ -6,8 +6,8 @@ the pages it owns whose destination logical page ``l`` has ``l % D == d``, to th
 ``l // D`` (``route_to_owner``), latent and indexer pages alike: every page once, from its prefill
 owner to its decode owner, whole, for any ``D``. SGLang's token relayout for a DCP decode
 (``send_kvcache_dcp``) is not taken. No decode server builds such a pool yet (the startup checks refuse
-``--dcp-size`` on a decode with the flag): this side is ready for it and tested through SGLang's
-connector with decode managers over sharded pools.
+``--dcp-size`` on a decode with the flag): this side is ready for it, and the demo's
+``--decode-cp-size`` runs it through SGLang's connector into decode ranks over sharded pools.
 """
 
 from __future__ import annotations

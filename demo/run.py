@@ -413,6 +413,7 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
 
     from demo import sglang_parts as sp
 
@@ -421,8 +422,6 @@ def _decode(args, ranks: _Ranks, model_dir: str) -> dict:
     imported = _rss_now()
     ps, lengths = args.page_size, limits.request_lengths(args.request_len, args.requests)
     _publish_decode_args(model_dir, ps)
-    from sglang.srt.server_args import prepare_server_args
-
     model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")]))
     pages = [-(-n // ps) for n in lengths]
     with sp.no_dcp():
@@ -528,11 +527,7 @@ def _decode_rank(rank: int, size: int, cfg: dict, to_driver, inbox) -> None:
     pool = pools[rank]
     # SGLang's owner-rotating allocator draws each request's pages: the same on every decode rank.
     allocator = PageInterleavePoolAllocator(tokens, ps, size, torch.int64, "cpu", pools[0], False)
-    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-    dst = []
-    for n in lengths:
-        locs = allocator.alloc_extend(t(0), t(0), t(n), t(n), t(0), n, rotation_bases=[None])
-        dst.append((locs[::ps] // ps).numpy().astype(np.int32))
+    dst = [(sp.new_request_locs(allocator, n)[::ps] // ps).numpy().astype(np.int32) for n in lengths]
     before = [b.clone() for b in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]]
     aux = torch.zeros(AUX_SLOTS, 64, dtype=torch.uint8)
     mgr = _decode_manager(pool, aux, rank, size, ps, DisaggregationMode)

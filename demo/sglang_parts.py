@@ -335,6 +335,15 @@ def radix_cache(allocator, max_requests: int, max_context: int, disable: bool = 
     return req_to_token, tree
 
 
+def new_request_locs(allocator, tokens: int):
+    """int64 ``[tokens]``: the locs SGLang's allocator gives a new request of ``tokens`` tokens in one extend
+    (no prefix; under the owner-rotating allocator a new chain, its rotation base drawn)."""
+    import torch
+
+    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    return allocator.alloc_extend(t(0), t(0), t(tokens), t(tokens), t(0), tokens, rotation_bases=[None]).long()
+
+
 def extend_allocation(allocator, max_requests: int, max_context: int):
     """SGLang's extend-batch allocation (``alloc_paged_token_slots_extend``) as its scheduler runs it with
     ``--disable-radix-cache``: a disabled ``UnifiedRadixCache`` over ``allocator``, so a request's first

@@ -112,7 +112,8 @@ class TinyDSA:
         owner: this rank scores the keys it holds, the group merges the global top-k
         (``decode_cp.global_topk``), each rank attends over the selected rows it holds and the outputs merge
         by their LSE. ``row_of [1, seq_len]``: this rank's row of each position, -1 where another rank holds
-        it. Returns (next hidden, top-k positions), as ``attend`` does over a whole pool."""
+        it; ``index_pages`` and ``kv_rows``: this rank's indexer pages and latent rows (raw bytes). Returns
+        (next hidden, top-k positions), as ``attend`` does over a whole pool."""
         from reference.dsa_reference import read_index_k
         from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import global_topk, merge_by_lse, owned_rows
 

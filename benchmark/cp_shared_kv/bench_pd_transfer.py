@@ -85,13 +85,12 @@ def run(cp_size: int, pages: int, requests: int, repeats: int, model_dir: str) -
         ranks.append(pool)
         allocator = allocator or alloc  # every rank's allocator draws the same pages
     stock, decode = sp.stock_dsa_pools([cp_size * ranks[0].phys_pages * PS - PS, (pages * requests + 1) * PS], PS)
-    t = torch.tensor
     logical = []
     g = torch.Generator().manual_seed(0)
     with sp.no_dcp():
         for _ in range(requests):
             n = pages * PS
-            locs = allocator.alloc_extend(t([0]), t([0]), t([n]), t([n]), t([0]), n, rotation_bases=[None]).long()
+            locs = sp.new_request_locs(allocator, n)
             logical.append((locs[::PS] // PS).numpy().astype(np.int32))
             for layer in range(len(stock.kv_buffer)):
                 nope = torch.randn(n, 1, 512, generator=g).to(torch.bfloat16)

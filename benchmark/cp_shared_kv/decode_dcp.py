@@ -34,23 +34,10 @@ import math
 
 import torch
 
-PS = 64
-LATENT_ROW_BYTES, INDEX_HEAD_DIM, INDEX_HEADS = 656, 128, 64
+from benchmark.cp_shared_kv.rank_model import PS, pool_kwargs
+
+INDEX_HEAD_DIM, INDEX_HEADS = 128, 64
 DSV32_LAYERS = 61
-
-
-def _pool_kwargs(layers: int = 1) -> dict:
-    return dict(
-        page_size=PS,
-        kv_lora_rank=512,
-        dtype=torch.float8_e4m3fn,
-        qk_rope_head_dim=64,
-        layer_num=layers,
-        device="cpu",
-        index_head_dim=INDEX_HEAD_DIM,
-        enable_memory_saver=False,
-        kv_cache_dim=LATENT_ROW_BYTES,
-    )
 
 
 def _buffer_bytes(pool) -> int:
@@ -66,7 +53,7 @@ def capacity(cp_size: int, rows: int) -> list[dict]:
 
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
 
-    kw, out = _pool_kwargs(), []
+    kw, out = pool_kwargs(1, torch.device("cpu")), []
 
     def row(layout: str, pool, allocator) -> None:
         out.append(
@@ -106,18 +93,13 @@ def _keys(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return k.to(torch.float8_e4m3fn), scale
 
 
-def _extend(allocator, tokens: int) -> torch.Tensor:
-    """The locs SGLang's allocator gives a new request of ``tokens`` tokens (a new chain: its own base)."""
-    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
-    return allocator.alloc_extend(t(0), t(0), t(tokens), t(tokens), t(0), tokens, rotation_bases=[None]).long()
-
-
 def topk_rank(rank: int, world: int, lengths: list[int], topk: int, seed: int) -> dict:
     """One decode DCP rank: its global top-k of each request's last position against the replicated one."""
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
 
+    from demo.sglang_parts import new_request_locs
     from reference.dsa_reference import _top_positions, indexer_scores, read_index_k
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import global_topk, position_rows
@@ -127,13 +109,13 @@ def topk_rank(rank: int, world: int, lengths: list[int], topk: int, seed: int) -
     group = CPGroup()
     pages = [-(-n // PS) for n in lengths]
     rows = (sum(pages) // world + len(lengths) + 1) * PS
-    kw = _pool_kwargs()
+    kw = pool_kwargs(1, torch.device("cpu"))
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
         pool = CPSharedDSATokenToKVPool(rows, cp_rank=rank, cp_size=world, cp_group=group, **kw)
         replicated = DSATokenToKVPool(world * pool.phys_pages * PS - PS, **kw)
         allocator = PageInterleavePoolAllocator(rows, PS, world, torch.int64, "cpu", pool, False)
         # SGLang's allocator draws every request's pages: the same on every rank (SPMD).
-        locs = [_extend(allocator, n) for n in lengths]
+        locs = [new_request_locs(allocator, n) for n in lengths]
         table = torch.zeros((len(lengths), max(pages)), dtype=torch.int64)
         for b, loc in enumerate(locs):
             table[b, : pages[b]] = loc[::PS] // PS

@@ -156,7 +156,8 @@ def _publish(device: torch.device, shapes: Shapes, context_len: int) -> None:
     sgl.publish_dsa("fp8", shapes.heads, shapes.topk, context_len, PS, device)
 
 
-def _pool_kwargs(layers: int, device: torch.device) -> dict:
+def pool_kwargs(layers: int, device: torch.device) -> dict:
+    """SGLang's DSA pool arguments for DeepSeek-V3.2's fp8 rows (656-byte latent rows, 128-dim indexer keys)."""
     return dict(
         page_size=PS,
         kv_lora_rank=512,
@@ -193,7 +194,7 @@ class RankPools:
         self.lp = torch.arange(first, first + prefix_pages, dtype=torch.int64, device=device)  # prefix pages
         self.chunk_lp = torch.arange(first + prefix_pages, first + prefix_pages + chunk_pages, device=device)
         top = first + prefix_pages + chunk_pages  # logical pages used
-        kwargs = _pool_kwargs(layers, device)
+        kwargs = pool_kwargs(layers, device)
         g = torch.Generator(device=device).manual_seed(seed)
         with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
             self.stock = DSATokenToKVPool((top + 1) * PS, **kwargs)

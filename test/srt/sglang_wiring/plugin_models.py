@@ -12,6 +12,7 @@ from demo.sglang_parts import (  # noqa: F401 - re-exported to the tests
     MODELS,
     build_pool_and_allocator,
     configurator,
+    new_request_locs,
     prefill_cp_argv,
     radix_cache,
     stock_dsa_pools,

@@ -30,7 +30,7 @@ import sys
 import pytest
 from plugin_models import build_pool_and_allocator, prefill_cp_argv, run_worker, stock_dsa_pools, write_model_dirs
 
-from demo.sglang_parts import kv_args, mooncake_manager, prefill_info
+from demo.sglang_parts import kv_args, mooncake_manager, new_request_locs, prefill_info
 
 pytestmark = [pytest.mark.sglang, pytest.mark.mooncake]
 
@@ -126,10 +126,9 @@ def _fill(ranks, replicated, allocator, lengths):
         def __init__(self, i):
             self.layer_id = i
 
-    t = torch.tensor
     all_locs, pages = [], []
     for seq in lengths:
-        locs = allocator.alloc_extend(t([0]), t([0]), t([seq]), t([seq]), t([0]), seq, rotation_bases=[None]).long()
+        locs = new_request_locs(allocator, seq)
         all_locs.append(locs)
         pages.append((locs[::PS] // PS).numpy().astype("int32"))
     locs = torch.cat(all_locs)

@@ -27,6 +27,7 @@ import pytest
 from plugin_models import (
     build_pool_and_allocator,
     configurator,
+    new_request_locs,
     prefill_cp_argv,
     run_worker,
     stock_dsa_pools,
@@ -178,9 +179,8 @@ def _worker(model_dir: str) -> None:
     allocator = built[True][0][1]
     replicated, decode = stock_dsa_pools([n * ranks[0].phys_pages * PS - PS, 12 * PS], PS)
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False):
-        t = torch.tensor
         seq = 5 * PS + 9
-        locs = allocator.alloc_extend(t([0]), t([0]), t([seq]), t([seq]), t([0]), seq, rotation_bases=[None]).long()
+        locs = new_request_locs(allocator, seq)
         g = torch.Generator().manual_seed(3)
         for layer in range(2):
             nope = torch.randn(seq, 1, 512, generator=g).to(torch.bfloat16)

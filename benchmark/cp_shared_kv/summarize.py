@@ -175,6 +175,23 @@ def decode_dcp() -> str:
     return table(head, out) + topk
 
 
+def fail_stop() -> str:
+    if not (RESULTS / "fail_stop.json").exists():
+        return "Not run yet: `fail_stop` needs a GPU.\n"
+    d = load("fail_stop.json")
+    s, env = d["summary"], d["environment"]
+    rows = [
+        ["kill trials (a rank SIGKILLed mid-batch), CP size", f"{s['kill_trials']}, {s['cp_size']}"],
+        ["survivors hung / failed otherwise than the peer-lost line", f"{s['kill_hangs']} / {s['kill_other_errors']}"],
+        ["slowest peer-lost line after the kill (deadline)", f"{s['kill_max_seconds']} s ({s['deadline_s']} s)"],
+        ["GPU still runs work after the line", s["gpu_usable_after"]],
+        ["rounds read wrong, fence on / off (of per rank)",
+         f"{s['fence_on_wrong_rounds']} / {s['fence_off_wrong_rounds']} ({s['fence_rounds_per_rank']})"],
+        ["device; commit", f"{env.get('gpu', '?')}; `{(env.get('commit') or '?')[:7]}`"],
+    ]  # fmt: skip
+    return table(["", ""], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "side-by-side": side_by_side,
     "host-cost": host_cost,
@@ -183,6 +200,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "pd-transfer": pd_transfer,
     "pd-faults": pd_faults,
     "decode-dcp": decode_dcp,
+    "fail-stop": fail_stop,
 }
 
 

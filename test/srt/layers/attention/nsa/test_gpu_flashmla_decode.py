@@ -143,3 +143,88 @@ def test_decode_cp_each_rank_attends_over_its_own_rows_and_the_lse_merge_equals_
     assert sum(a[0] for a in attended) == 1, attended  # request 0: one rank attends, the others to nothing
     assert torch.allclose(lse, lse_repl[:, :, 0].float(), atol=1e-4), (lse - lse_repl[:, :, 0]).abs().max()
     assert torch.allclose(out, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (out - out_repl[:, 0]).abs().max()
+
+
+def test_decode_cp_step_makes_no_host_sync_and_replays_in_a_cuda_graph():
+    """A whole decode CP step for every rank of a group of 4 (``decode_cp``), on one GPU: each rank's
+    own top-k over the index scores of the positions it owns, the global top-k over every rank's
+    candidates, FlashMLA over the selected rows each rank owns, the LSE merge. The candidates' and
+    outputs' all-gathers are stood in for by stacking the ranks' tensors (the CP group's collectives
+    have their own tests). The step runs with torch's sync check set to raise, then is captured in a CUDA
+    graph whose replay must equal the eager step bit for bit; the selection equals the top-k over all
+    positions (scores drawn from 40 values, so ties decide the edge) and the merged output FlashMLA over
+    the replicated pool."""
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import (
+        merge_by_lse,
+        owned_rows,
+        position_rows,
+        ranked_topk,
+    )
+
+    flash_mla = _flash_mla()
+    dev, cp_size, topk, h_q = "cuda", 4, 128, 64
+    lens = [PS + 5, 9 * PS + 17, 13 * PS]
+    _, req_pages, replicated, ranks = _pools(cp_size, lens, seed=2)
+    b, width = len(lens), max(lens)
+    g = torch.Generator(device=dev).manual_seed(3)
+    scores = torch.randint(0, 40, (b, width), device=dev, generator=g).float()
+    positions = torch.arange(width, device=dev).expand(b, width)
+    visible = positions < torch.tensor(lens, device=dev).view(b, 1)
+    scores, positions = torch.where(visible, scores, -torch.inf), torch.where(visible, positions, -1)
+    row_of_position = []
+    for r in range(cp_size):
+        rows = [position_rows(p.view(1, -1), PS, cp_size, r, n)[0] for p, n in zip(req_pages, lens)]
+        row_of_position.append(torch.stack([torch.nn.functional.pad(x, (0, width - len(x)), value=-1) for x in rows]))
+    q = (torch.randn(b, 1, h_q, 576, device=dev) / 4).to(torch.bfloat16)
+    sm_scale = 576**-0.5
+    metas = [flash_mla.get_mla_metadata()[0] for _ in range(cp_size)]  # once per batch, as the backend does
+
+    def step():
+        local = []
+        for r in range(cp_size):  # each rank: its own positions' scores only
+            mine = row_of_position[r] >= 0
+            local.append(ranked_topk(torch.where(mine, scores, -torch.inf), torch.where(mine, positions, -1), topk))
+        per_row = lambda ts: torch.stack(ts, dim=1).reshape(b, cp_size * topk)  # noqa: E731 - the all-gather
+        selected = ranked_topk(per_row([v for v, _ in local]), per_row([p for _, p in local]), topk)[1]
+        outs, lses = [], []
+        for r, pool in enumerate(ranks):
+            rows = owned_rows(selected, row_of_position[r]).to(torch.int32).unsqueeze(1)
+            cache = pool.latent[0].view(-1, PS, 1, pool.latent[0].shape[-1]).view(torch.float8_e4m3fn)
+            out, lse = flash_mla.flash_mla_with_kvcache(
+                q, cache, None, None, 512, metas[r], None, sm_scale, False, True, rows, use_legacy=True
+            )
+            outs.append(out[:, 0])
+            lses.append(lse[:, :, 0])
+        out, lse = merge_by_lse(torch.stack(outs), torch.stack(lses))
+        return selected, out, lse
+
+    step()  # FlashMLA fills each rank's schedule on its first call
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        selected, out, lse = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        step()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(x, y) for x, y in zip(captured, (selected, out, lse)))
+
+    assert torch.equal(selected, ranked_topk(scores, positions, topk)[1])
+    assert (selected[0] >= 0).sum() == lens[0] and (selected[1:] >= 0).all()
+    rows_repl = torch.stack(
+        [
+            torch.where(p >= 0, t[p.clamp(min=0) // PS] * PS + p.clamp(min=0) % PS, -1)
+            for p, t in zip(selected, req_pages)
+        ]
+    ).to(torch.int32)
+    out_repl, lse_repl = _decode(flash_mla, q, replicated.latent[0], rows_repl.unsqueeze(1), sm_scale)
+    assert torch.allclose(lse, lse_repl[:, :, 0].float(), atol=1e-4), (lse - lse_repl[:, :, 0]).abs().max()
+    assert torch.allclose(out, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (out - out_repl[:, 0]).abs().max()

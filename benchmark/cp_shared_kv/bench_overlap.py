@@ -55,6 +55,7 @@ from benchmark.cp_shared_kv.bench_common import command_line, environment
 from benchmark.cp_shared_kv.layer_compute import AttentionStep, MoEStandIn, attention_inputs, moe_shape
 from reference.kv_formats import quantize_mla_fp8
 from sglang_cp_shared_kv.srt.distributed.copy_engine import CopyEngineGroup, driver
+from sglang_cp_shared_kv.srt.distributed.peer_watchdog import PeerWatchdog
 from sglang_cp_shared_kv.srt.layers.attention.nsa import materialize
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer, allocate_arena
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_launch, word_pair
@@ -128,15 +129,16 @@ def local_copy_engine_group(arena: list[torch.Tensor], peer: list[torch.Tensor],
     g = CopyEngineGroup.__new__(CopyEngineGroup)
     g.cpu_group, g.rank, g.size, g.device = None, 0, CP, arena[0].device
     g._driver = driver()
-    g.signals = torch.zeros(2, CP, dtype=torch.int64, device=g.device)
-    g.signals[:, 1] = 0 if late else 1 << 62
+    g.signals = torch.zeros(4, CP, dtype=torch.int64, device=g.device)  # ready, ack, fence words
+    g.signals[:2, 1] = 0 if late else 1 << 62
     g.outbox = torch.zeros(1, dtype=torch.int64, device=g.device)
     g._signals_at, g._outbox_at = g.signals.data_ptr(), g.outbox.data_ptr()
     g.buffers = [b.view(torch.uint8).view(-1) for b in arena]
-    g._sink = torch.zeros(2, CP, dtype=torch.int64, device=g.device)  # the peer's signal slots
+    g._sink = torch.zeros(4, CP, dtype=torch.int64, device=g.device)  # the peer's signal slots
     g._peer_signals = {1: g._sink.data_ptr()}
     g._peer_buffers = {1: [b.data_ptr() for b in peer]}
     g._opened, g.calls, g._pull_cache, g.bytes_received = [], 0, {}, 0
+    g.watchdog = PeerWatchdog(60.0, lambda what: [1], lambda: None)  # the emulated peer never stops
     return g
 
 

@@ -139,3 +139,6 @@ def test_ranked_topk_orders_by_score_then_position_and_pads():
     # No rank attended to the row: out 0, lse -inf (not NaN), whatever the outputs held.
     out, lse = merge_by_lse(torch.full((2, 1, 1, 3), torch.nan), torch.full((2, 1, 1), -torch.inf))
     assert out.tolist() == [[[0.0, 0.0, 0.0]]] and lse.tolist() == [[-torch.inf]]
+    # FlashMLA's mark of a rank that attended to nothing (lse +inf) drops out of the merge as -inf does.
+    out, lse = merge_by_lse(torch.tensor([[[[1.0, 2.0]]], [[[0.0, 0.0]]]]), torch.tensor([[[0.5]], [[torch.inf]]]))
+    assert out.tolist() == [[[1.0, 2.0]]] and lse.tolist() == [[0.5]]

@@ -80,8 +80,10 @@ def owned_rows(selected: torch.Tensor, row_of_position: torch.Tensor) -> torch.T
 def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``outs [N, R, H, D]``, natural-log ``lses [N, R, H]`` -> ``out [R, H, D]``, ``lse [R, H]`` (fp32).
 
-    A row no rank attends to keeps ``out = 0``, ``lse = -inf``."""
+    A row no rank attends to keeps ``out = 0``, ``lse = -inf``. FlashMLA reports a row with no valid index as
+    ``lse = +inf``; no attended row can have it, so it is read as -inf."""
     lses = lses.float()
+    lses = torch.where(lses == torch.inf, -torch.inf, lses)
     lse = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - torch.where(lse == -torch.inf, 0.0, lse)).unsqueeze(-1)  # exp(-inf) = 0
     # A rank that attended to nothing contributes nothing, whatever its output holds.

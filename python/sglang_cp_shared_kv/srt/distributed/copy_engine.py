@@ -263,7 +263,7 @@ class CopyEngineGroup:
                 except RuntimeError as e:
                     why = f"exporting this rank's pool by CUDA IPC failed: {e}"
         everyone = self.cpu_group.all_gather_object((shapes, mine, why))
-        table = [[[0] * self.size for _ in range(kinds)] for _ in sources]
+        table = [[[0] * self.size for _ in range(2)] for _ in sources]  # [layers, 2, N], as the pull reads it
         for layer, bufs in enumerate(sources):
             for k, t in enumerate(bufs):
                 table[layer][k][self.rank] = t.data_ptr() if t.numel() else 0

@@ -219,6 +219,9 @@ def test_pull_pages_reads_each_block_from_its_owners_pool(cp_size):
     pull_launch(table, slot_phys, s, words[:1], strides[:1], layer=0)()
     assert torch.equal(outs[0], pull_pages_ref([latent[o][0] for o in range(cp_size)], slot_phys, s))
     assert not bool(outs[1].any())
+    # A table of latent addresses alone would be read at the wrong layer's entries: refused.
+    with pytest.raises(ValueError, match=r"\[layers, 2, cp_size\]"):
+        pull_launch(table[:, :1].contiguous(), slot_phys, s, words[:1], strides[:1], layer=1)
 
 
 def test_gather_page_buffers_rejects_bad_buffer_lists():

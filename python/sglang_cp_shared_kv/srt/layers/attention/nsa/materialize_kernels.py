@@ -220,6 +220,8 @@ def pull_launch(
     from every owner's pool pages through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer addresses),
     ``source_strides[k]`` words apart per page of buffer ``k``. The send entries are ``slots`` (default: all
     past ``start``) words of ``slot_phys`` from ``start`` (a plan's ``send_start``)."""
+    if table.dim() != 3 or table.shape[1] != 2:
+        raise ValueError(f"table must be int64 [layers, 2, cp_size] (latent, indexer), got {tuple(table.shape)}")
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
     slots = slot_phys.shape[0] - start if slots is None else slots
     if start < 0 or slots < 0 or start + slots > slot_phys.shape[0]:

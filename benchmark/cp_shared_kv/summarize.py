@@ -160,19 +160,31 @@ def decode_dcp() -> str:
         "ratio",
     ]
     ties = f"{s['topk_edge_ties']} of {len(s['topk_lengths'])} rows tied at the edge"
-    step = "not measured (the step model, `decode_dcp_step`, needs a GPU)"
-    if (RESULTS / "decode_dcp_step.json").exists():
-        st = load("decode_dcp_step.json")
-        step = (
-            f"{st['summary']['step_overhead_b32_128k']}% at batch 32, 128K ({st['summary']['what']}; "
-            f"{link('decode_dcp_step.json')}, {st['environment'].get('gpu', '?')})"
-        )
     topk = (
         f"\nGlobal top-{s['topk_k']} equal to the replicated indexer's at {s['topk_cp_sizes']} ranks, contexts "
-        f"{s['topk_lengths']} ({ties}): **{s['topk_exact']}**. Step overhead: {step}. "
+        f"{s['topk_lengths']} ({ties}): **{s['topk_exact']}**. "
         f"{link('decode_dcp.json')}, commit `{(d['environment']['commit'] or '?')[:7]}`.\n"
     )
-    return table(head, out) + topk
+    return table(head, out) + topk + "\n" + decode_dcp_step()
+
+
+def decode_dcp_step() -> str:
+    if not (RESULTS / "decode_dcp_step.json").exists():
+        return "Step time: not measured (the step model, `decode_dcp_step`, needs a GPU).\n"
+    d = load("decode_dcp_step.json")
+    s, env = d["summary"], d["environment"]
+    rows = [[r["batch"], f"{r['context'] // 1024}K", r["replicated_us"], r["sharded_us"], r["overhead_pct"],
+             r["topk_equal"]] for r in d["rows"]]  # fmt: skip
+    head = ["batch", "context", "replicated (us)", f"sharded, rank 0 of {s['cp_size']} (us)", "overhead %",
+            "merged top-k = replicated"]  # fmt: skip
+    link_s = s["link"]
+    note = (
+        f"\nOverhead: {s['what']}; CUDA-graph replays; all-gathers paced to "
+        f"{link_s['link_gbps']} GB/s with {link_s['copy_engine_latency_us']} us per collective (an assumption). "
+        f"Stand-ins, the same on both sides: {'; '.join(s['stand_ins'])}. {env.get('gpu', '?')}, "
+        f"{link('decode_dcp_step.json')}, commit `{(env.get('commit') or '?')[:7]}`.\n"
+    )
+    return table(head, rows) + note
 
 
 def fail_stop() -> str:

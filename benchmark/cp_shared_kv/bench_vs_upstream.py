@@ -705,7 +705,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         hinted = SharedPrefixHint(rids, tuple(int(p) for p in prefix_lens), tuple(hint))
 
         def name_batch(pool) -> None:  # what the plugin's hooks hand the pool before the batch begins
-            pool.expect_shared_prefix(hinted)
+            pool.shared_prefix_hint = hinted
             pool.name_next_batch(rids, prefix_lens)
 
         if bi + 1 < first:  # before the measured range: its KV in every pool, as the scheduler leaves it

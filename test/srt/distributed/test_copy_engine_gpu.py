@@ -144,7 +144,7 @@ def _misuse(rank: int, size: int) -> list[str]:
             ce.all_gather_into_many([out], [local])
         except ValueError as e:
             errors.append(str(e))
-    ce.barrier()
+    ce.cpu_group.barrier()
     return errors
 
 

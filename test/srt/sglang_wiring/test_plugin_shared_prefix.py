@@ -132,7 +132,7 @@ def _worker(model_dir: str) -> None:
 
     fb = forward_batch(batch)
     assert hint_shared_prefix(fb, ForwardBatch, batch, runner) is fb
-    hint = pool.expected_shared_prefix
+    hint = pool.shared_prefix_hint
     out["hint"] = [list(p) for p in hint.pairs] if hint is not None else None
     out["handed"] = handed(fb)
     # SGLang's eager runner rebuilds the ForwardBatch from its dataclass fields before the backend begins it.
@@ -145,18 +145,18 @@ def _worker(model_dir: str) -> None:
     out["handed_other_lens"] = handed(dataclasses.replace(fb, extend_prefix_lens_cpu=other_lens))[0]
     decode = dataclasses.replace(fb, forward_mode=ForwardMode.DECODE, extend_prefix_lens_cpu=None)
     hint_shared_prefix(decode, ForwardBatch, batch, runner)
-    out["kept_after_decode"] = pool.expected_shared_prefix is hint
+    out["kept_after_decode"] = pool.shared_prefix_hint is hint
     out["handed_decode"] = handed(decode)[0]
     # The next extend batch replaces the hint: no two of its requests share a page.
     lone = prepared([request("lone", system + [400] * 10)])
     hint_shared_prefix(forward_batch(lone), ForwardBatch, lone, runner)
-    out["after_lone"] = pool.expected_shared_prefix
+    out["after_lone"] = pool.shared_prefix_hint
     # Flag off: the hook passes through (the lone batch would have replaced the hint).
-    pool.expect_shared_prefix(hint)
+    pool.shared_prefix_hint = hint
     server_args.__dict__["enable_cp_shared_kv"] = False
     publish(server_args, role="scheduler")
     hint_shared_prefix(forward_batch(lone), ForwardBatch, lone, runner)
-    out["flag_off_kept"] = pool.expected_shared_prefix is hint
+    out["flag_off_kept"] = pool.shared_prefix_hint is hint
     print("RESULT:" + json.dumps(out))
 
 
@@ -238,9 +238,7 @@ def _rank(rank: int, world: int) -> dict:
             req_to_token = torch.zeros((len(pages), 8 * PS), dtype=torch.int32)
             for r, (p, n) in enumerate(zip(pages, seq_lens)):
                 req_to_token[r, :n] = locs(p, n).int()
-            pool.expect_shared_prefix(
-                SharedPrefixHint(tuple(rids), tuple(prefix_lens), tuple(pairs)) if pairs else None
-            )
+            pool.shared_prefix_hint = SharedPrefixHint(tuple(rids), tuple(prefix_lens), tuple(pairs)) if pairs else None
             fb = SimpleNamespace(
                 forward_mode=ForwardMode.EXTEND,
                 req_pool_indices=torch.arange(len(pages)),

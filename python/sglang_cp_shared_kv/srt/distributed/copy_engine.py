@@ -1,25 +1,19 @@
 """A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync (``docs/design.md``, "Transports").
 
-A view is all-gathered in place, owner-major: rank ``r`` writes its part ``out[r * n : (r + 1) * n]`` and
-every rank pulls its peers' parts from their buffers with ``cuMemcpyDtoDAsync`` (copy engines, where NCCL's
-kernels would wait for the SMs the attention holds). The ranks order themselves with 64-bit counters, each
-waiting only on its own memory. Buffers are registered once, collectively, exported by CUDA IPC and opened
-in this rank's own context with lazy peer access. Per call ``k`` (the same count on every rank), on the
-caller's stream::
+A view is all-gathered in place, owner-major: every rank pulls its peers' parts from their CUDA-IPC-mapped
+buffers with ``cuMemcpyDtoDAsync``, ordered by 64-bit counters each rank waits on only in its own memory.
+Per call ``k`` (the same count on every rank), on the caller's stream::
 
     ready[me] := k on every peer          (after this rank's part is written)
     wait ready[p] >= k; pull p's part      (every peer p)
     ack[me]   := k on every peer           (done reading the peers' parts)
     wait ack[p] >= k                       (no peer reads this rank's part any more)
 
-A caller that alternates two sets of buffers, its calls ordered on the device, may leave the ack out
-(``ack=False``): the next write into a set follows its next call's wait for ``ready[p] >= k + 1``, which
-a peer signals only after its pulls of call ``k``; it ends with an acked call or ``finish_reads``.
-Counters only grow, so a wait is never satisfied by an older call.
-
-The group can also map the peers' pools (``sources``): a view built in line is then one kernel reading
-every owner's pages where they lie (``source_table``), and one ``fence`` per batch orders the pools across
-ranks: a batch reads only pages written before it began."""
+A caller that alternates two sets of buffers may leave the ack out (``ack=False``): the next write into a
+set follows its next call's wait for ``ready[p] >= k + 1``, which a peer signals only after its pulls of call
+``k``; it ends with an acked call or ``finish_reads``. Counters only grow, so no older call satisfies a wait.
+With the peers' pools mapped too (``sources``), a view built in line is one kernel reading every owner's
+pages where they lie, and one ``fence`` per batch orders the pools across ranks."""
 
 from __future__ import annotations
 
@@ -50,7 +44,7 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
 
 class _Driver:
-    """The few CUDA driver calls we need, through ctypes (the driver ships with every CUDA install)."""
+    """The few CUDA driver calls we need, through ctypes."""
 
     def __init__(self) -> None:
         try:
@@ -107,8 +101,7 @@ class _Driver:
         return bytes(handle.reserved), t.data_ptr() - base.value
 
     def open(self, handle: bytes) -> int:
-        """Map a peer's allocation into the current context (this rank's device), peer access enabled. A handle
-        maps once per context: registrations over the same allocation share it; the last ``release`` unmaps."""
+        """Map a peer's allocation into the current context, once per handle (the last ``release`` unmaps)."""
         entry = self._mapped.get(handle)
         if entry is None:
             ptr = ctypes.c_uint64()
@@ -119,8 +112,8 @@ class _Driver:
         return entry[0]
 
     def capture(self, stream: int, body) -> int | None:
-        """The calls ``body(stream)`` queues, captured on ``stream`` (idle, not the legacy default stream) as an
-        instantiated graph for ``graph_launch``; None where this driver cannot (make the calls one by one)."""
+        """The calls ``body(stream)`` queues on ``stream`` (idle, not the legacy default stream) as an
+        instantiated graph for ``graph_launch``; None where this driver cannot."""
         if self.begin_capture is None:
             return None
         graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
@@ -128,8 +121,7 @@ class _Driver:
         try:
             body(stream)
         except BaseException:
-            # The stream leaves capture mode and what was captured is dropped; the caller sees the body's
-            # error, not the end call's (a failed call may have invalidated the capture).
+            # Leave capture mode; the caller sees the body's error, not the end call's.
             if self.end_capture(stream, ctypes.byref(graph)) == 0 and graph.value:
                 self.graph_destroy(graph)
             raise
@@ -160,9 +152,9 @@ def driver() -> _Driver:
 
 
 class CopyEngineGroup:
-    """In-place all-gathers inside registered ``buffers`` (this rank's CUDA tensors), pulled by copy engines;
-    ``group`` exchanges the IPC handles once. Collective: every rank constructs it with the same shapes. Its
-    waits for the peers have a deadline (``peer_watchdog``; ``on_peer_lost``: the server's fail-stop)."""
+    """In-place all-gathers inside registered ``buffers`` (this rank's CUDA tensors), pulled by copy engines.
+    Collective: every rank constructs it with the same shapes. Its waits for the peers have a deadline
+    (``peer_watchdog``; ``on_peer_lost``: the server's fail-stop)."""
 
     backend = "copy_engine"
 
@@ -241,7 +233,7 @@ class CopyEngineGroup:
 
     def _map_sources(self, sources: Sequence[Sequence[torch.Tensor]]) -> None:
         """Map every peer's page buffers (``sources[layer][k]``: uint8 ``[P, W]`` pages, or empty) for
-        ``source_table``. Collective: where any rank cannot, no rank maps them (one INFO line says why)."""
+        ``source_table``. Collective: where any rank cannot, no rank maps them."""
         d = self._driver
         shapes = [[(tuple(t.shape), t.stride(0) if t.numel() else 0) for t in layer] for layer in sources]
         kinds = len(sources[0])
@@ -297,12 +289,10 @@ class CopyEngineGroup:
 
     def fence(self, stream: torch.cuda.Stream | None = None, then=None) -> None:
         """Queue on ``stream`` (default: the current one) a point every rank's stream passes only once every
-        rank's has reached it: what any rank queued before is done everywhere before what any queues after.
-        Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and resets it (a peer sets it
-        again only past its fence ``f + 1``, which waits for this rank's reset); fixed values, so one graph per
-        parity. ``then`` (a ``triton_launch.Launch`` of the current stream's next kernel, ``stream`` left None)
-        is queued right after: once compiled, inside the fence's graph (one per parity and ``then.graph_key()``),
-        else called after the fence."""
+        rank's has reached it. Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and
+        resets it (a peer sets it again only past its fence ``f + 1``, which waits for this rank's reset): fixed
+        values, so one graph per parity. ``then`` (a ``triton_launch.Launch``, ``stream`` left None) is queued
+        right after, inside the fence's graph once compiled."""
         self.watchdog.check()
         stream = self._stream(stream)
         handle, q = stream.cuda_stream, self.fences % 2
@@ -343,7 +333,7 @@ class CopyEngineGroup:
             d.check(d.write64(stream, slot, 0, 0), "cuStreamWriteValue64")
 
     def _capture_fence(self, q: int, then=None) -> int:
-        """Fence ``q``'s calls and ``then``'s launch as a graph (0 where the driver cannot: made one by one)."""
+        """Fence ``q``'s calls and ``then``'s launch as a graph (0 where the driver cannot)."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
 
@@ -361,7 +351,6 @@ class CopyEngineGroup:
         return exe or 0
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
-        """``stream``, or this device's current stream."""
         return torch.cuda.current_stream(self.device) if stream is None else stream
 
     def _watch(self, stream: torch.cuda.Stream, what: tuple[str, int]) -> None:
@@ -371,8 +360,7 @@ class CopyEngineGroup:
         self.watchdog.watch(event.query, what)
 
     def _laggards(self, what: tuple[str, int]) -> list[int]:
-        """The peers whose signal for ``what`` has not reached this rank (read on a side stream: the
-        waiting stream is blocked)."""
+        """The peers whose signal for ``what`` has not reached this rank (read on a side stream)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream()):
             signals = self.signals.cpu().tolist()  # sync-ok: the watchdog's thread, on a failure
         kind, n = what
@@ -381,8 +369,7 @@ class CopyEngineGroup:
         return [p for p in self._peer_signals if min(signals[0][p], signals[1][p]) < n]
 
     def _release(self) -> None:
-        """Satisfy every wait of this rank's streams for its peers (the group is failed): the counters past
-        any call, the fence words set; queued on a side stream, which nothing blocks."""
+        """Satisfy every wait of this rank's streams for its peers (the group is failed), on a side stream."""
         d, side = self._driver, self._side_stream()
         with torch.cuda.device(self.device), torch.cuda.stream(side):
             if self.source_table is not None:  # the failed batch's pulls read this rank's pool, not a dead peer's
@@ -394,7 +381,7 @@ class CopyEngineGroup:
                     d.check(d.write64(side.cuda_stream, slot, value, 0), "cuStreamWriteValue64")
 
     def _side_stream(self) -> torch.cuda.Stream:
-        """The watchdog's stream for reading and writing the signals (made at its first use, on this device)."""
+        """The watchdog's stream for reading and writing the signals."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         return self._side
@@ -407,8 +394,7 @@ class CopyEngineGroup:
             d.check(d.wait64(stream, slot, k, WAIT_GEQ), "cuStreamWaitValue64")
 
     def _announce(self, stream: int) -> int:
-        """The next call's counter ``k`` into the outbox (a write with a memory barrier), then to every peer as
-        ready. Returns ``k``."""
+        """The next call's counter ``k`` into the outbox, then to every peer as ready. Returns ``k``."""
         d = self._driver
         self.calls += 1
         d.check(d.write64(stream, self._outbox_at, self.calls, 0), "cuStreamWriteValue64")
@@ -416,13 +402,12 @@ class CopyEngineGroup:
         return self.calls
 
     def _destroy(self, graphs) -> None:
-        """Free these captured graphs (0 and None: none was made)."""
         for exe in graphs:
             if exe:
                 self._driver.exec_destroy(exe)
 
     def close(self) -> None:
-        """Unmap the peers' allocations (after the last call has run; the process's exit does it too)."""
+        """Unmap the peers' allocations (after the last call has run)."""
         if hasattr(self, "watchdog"):
             self.watchdog.close()
         graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
@@ -437,9 +422,6 @@ class CopyEngineGroup:
 
     def all_gather_object(self, obj: object) -> list[object]:
         return self.cpu_group.all_gather_object(obj)
-
-    def barrier(self) -> None:
-        self.cpu_group.barrier()
 
     def _signal(self, stream: int, which: int) -> None:
         """Queue ``signals[which][me] := outbox`` on every peer: 8 bytes by copy engine into each peer's slot."""
@@ -464,8 +446,8 @@ class CopyEngineGroup:
         raise ValueError("out lies outside every registered buffer")
 
     def _pulls(self, outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> list[tuple[int, list]]:
-        """Per peer, in rank order: ``(its ready signal's address, [(destination, source, bytes)])``, checked
-        and computed once per set of buffers (a batch all-gathers into the same views every layer)."""
+        """Per peer, in rank order: ``(its ready signal's address, [(destination, source, bytes)])``, computed
+        once per set of buffers (a batch all-gathers into the same views every layer)."""
         key = tuple(
             (o.data_ptr(), o.numel(), o.is_contiguous(), o.dtype, x.data_ptr(), x.numel(), x.dtype)
             for o, x in zip(outs, locals_)
@@ -502,9 +484,8 @@ class CopyEngineGroup:
         stream: torch.cuda.Stream | None = None,
         ack: bool = True,
     ) -> PendingCollective:
-        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, for every ``i`` and peer ``p``, in place, queued on
-        ``stream`` (default: the current one) after the caller's writes there: the result needs no wait.
-        ``ack=False`` leaves out the wait for the peers' reads of this rank's part (module docstring)."""
+        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, in place, queued on ``stream`` (default: the
+        current one): the result needs no wait. ``ack=False``: see the module docstring."""
         self.watchdog.check()
         pulls = self._pulls(outs, locals_)
         d = self._driver
@@ -522,8 +503,8 @@ class CopyEngineGroup:
         return PendingCollective()
 
     def finish_reads(self, stream: torch.cuda.Stream | None = None) -> None:
-        """The ack of the last call, on ``stream`` (default: the current one): what the stream runs next
-        may write this rank's buffers (every peer has finished reading them). After calls with ``ack=False``."""
+        """The ack of the last call (after calls with ``ack=False``): what ``stream`` runs next may write this
+        rank's buffers."""
         self.watchdog.check()
         self._finish_reads(self._stream(stream), self.calls)
 
@@ -539,9 +520,7 @@ TRANSPORTS = ("auto", "copy_engine", "nccl")
 
 
 def transport_setting(setting: str | None = None) -> str:
-    """``setting``, else ``$SGLANG_CP_SHARED_KV_TRANSPORT``: ``auto`` (default: copy engines when every CP rank
-    is on this node, else the CP group's collectives), ``copy_engine`` (required: an error where it cannot
-    run) or ``nccl`` (the CP group's collectives, never copy engines)."""
+    """``setting``, else ``$SGLANG_CP_SHARED_KV_TRANSPORT`` (``environ.Envs`` says what each value means)."""
     raw = setting or envs.SGLANG_CP_SHARED_KV_TRANSPORT.get().strip() or "auto"
     if raw not in TRANSPORTS:
         raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
@@ -557,8 +536,7 @@ def view_group(
 ) -> CPGroup | CopyEngineGroup:
     """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself,
     decided alike on every rank (copy engines only if every rank loads the driver, on one host; never for CPU
-    buffers; a fallback under ``auto`` is a WARNING). ``sources``: the pools' page buffers, mapped too;
-    ``on_peer_lost``: the copy engines' fail-stop (``CopyEngineGroup``)."""
+    buffers). ``sources``, ``on_peer_lost``: ``CopyEngineGroup``'s."""
     setting = transport_setting(setting)
     if setting == "nccl" or not buffers or not buffers[0].is_cuda:
         if setting == "copy_engine":
@@ -584,8 +562,7 @@ def view_group(
 
 
 def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
-    """``group`` in place of the copy engines, which cannot run (``why``): an error when they were required
-    (``setting`` ``copy_engine``), else one WARNING saying why and what it costs."""
+    """``group`` in place of the copy engines, which cannot run (``why``): an error where they are required."""
     if setting == "copy_engine":
         raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {why}")
     logger.warning(

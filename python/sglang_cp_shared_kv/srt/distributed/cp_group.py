@@ -12,8 +12,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 class PendingCollective:
-    """Collectives issued without waiting. ``wait()`` orders what the caller queues next after them:
-    on NCCL the current CUDA stream waits for NCCL's stream (the host does not block)."""
+    """Collectives issued without waiting. ``wait()`` orders what the caller queues next after them."""
 
     def __init__(self, works: Sequence[object] = ()):
         self._works = list(works)
@@ -34,8 +33,7 @@ class CPGroup:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
-        # Bytes this rank received from the others through the all-gathers (a counter for benchmarks).
-        self.bytes_received = 0
+        self.bytes_received = 0  # through the all-gathers (a counter for benchmarks)
 
     def __repr__(self) -> str:
         return f"CPGroup(rank={self.rank}, size={self.size}, backend={self.backend})"
@@ -43,10 +41,7 @@ class CPGroup:
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``out`` (``[size * n, ...]``) <- every rank's ``local`` (``[n, ...]``), rank-major, as raw bytes (fp8
         on gloo too). ``local`` may be this rank's slice of ``out`` (an in-place all-gather)."""
-        check_pairs([out], [local])
-        out_b, local_b = self._byte_pair(out, local)
-        self._all_gather_bytes(out_b, local_b)
-        self.bytes_received += out_b.numel() - local_b.numel()
+        self._all_gather_many([out], [local], False, False)
         return out
 
     def all_gather_into_many(
@@ -59,11 +54,9 @@ class CPGroup:
         stream: torch.cuda.Stream | None = None,
     ) -> PendingCollective:
         """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call: on NCCL (or with
-        ``coalesce=True`` where the backend supports it) one kernel launch, else in order. ``async_op``: returns
-        at once (on CUDA the collectives follow what the current stream queued); ``wait()`` on the result before
-        reading ``outs``. ``stream`` (CUDA): the collectives and their wait are queued there, nothing left to
-        wait for. The next write into ``locals_`` is always safe (no ack, unlike ``CopyEngineGroup``).
-        """
+        ``coalesce=True``) one kernel launch, else in order. ``async_op``: ``wait()`` on the result before
+        reading ``outs``. ``stream`` (CUDA): the collectives and their wait are queued there. The next write
+        into ``locals_`` is always safe (no ack, unlike ``CopyEngineGroup``)."""
         if stream is None:
             return self._all_gather_many(outs, locals_, async_op, coalesce)
         with torch.cuda.stream(stream):

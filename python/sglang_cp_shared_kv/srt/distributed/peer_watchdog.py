@@ -1,12 +1,11 @@
 """A deadline on the device waits a CP rank queues for its peers (``docs/design.md``, "Fail-stop").
 
 A stream waiting for a peer's signal (``cuStreamWaitValue64``) has no timeout: a peer that died leaves it
-blocked for ever, and the host with it at its next sync. ``PeerWatchdog`` is a host thread that sees each
-queued wait through a ``done`` check (an event recorded after it). A wait still pending ``deadline_s`` after
-it was queued means a peer stopped: one ERROR line names the peers behind (``laggards``) and the wait;
-``on_failure`` (the server's fail-stop) is called; ``release`` then satisfies this rank's waits so that no
-stream stays blocked; and every later ``check`` raises ``PeerLost`` with that line. Every live rank waits
-for the dead one, so every live rank fails with it, at its own next call.
+blocked for ever. A host thread sees each queued wait through a ``done`` check; a wait still pending
+``deadline_s`` after it was queued means a peer stopped: one ERROR line names the peers behind and the wait,
+``on_failure`` (the server's fail-stop) is called, this rank's waits are released so that no stream stays
+blocked, and every later ``check`` raises ``PeerLost``. Every live rank waits for the dead one, so every
+live rank fails with it.
 """
 
 from __future__ import annotations

@@ -31,17 +31,13 @@ TRASH_PAGE = 0  # physical page of every rank that foreign rows of a masked stor
 
 
 def page_owner(pages, cp_size: int):
-    """The CP rank that holds logical page(s) ``pages`` (an int, a numpy array or a tensor): ``pages % cp_size``.
-
-    The one ownership rule, used by every part that stores, sends or plans pages. It equals SGLang
-    0.5.23's ``PageInterleavePlacement.owner_of`` applied to page ``loc // ps`` (``test_placement``).
-    """
+    """The CP rank that holds logical page(s) ``pages`` (an int, array or tensor): the one ownership rule,
+    SGLang 0.5.23's ``PageInterleavePlacement.owner_of`` of page ``loc // ps`` (``test_placement``)."""
     return pages % cp_size
 
 
 def local_page(pages, cp_size: int):
-    """The physical page of logical page(s) ``pages`` on their owner: ``pages // cp_size`` (the page of
-    SGLang's ``PageInterleavePlacement.local_index``)."""
+    """The physical page of logical page(s) ``pages`` on their owner (``PageInterleavePlacement.local_index``)."""
     return pages // cp_size
 
 
@@ -116,8 +112,7 @@ class PageOwnership:
         self, locs: torch.Tensor, rank: int, trash_page: int, phys_pages: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where ``rank`` stores each loc of a chunk every rank holds: ``(rows, mine)``. An owned loc goes to
-        its physical row, any other to the same offset of ``trash_page`` (a masked store: static shape, no
-        host sync). With ``phys_pages`` and debug mode on, the rows are checked (``check_store_rows``)."""
+        its physical row, any other to the same offset of ``trash_page`` (a masked store: no host sync)."""
         mine = self.loc_owner(locs) == rank
         trash = trash_page * self.page_size + (locs & (self.page_size - 1))
         rows = torch.where(mine, self.phys_row(locs), trash)
@@ -145,8 +140,7 @@ class PageOwnership:
 
 @dataclass(frozen=True)
 class CPSharedSpec:
-    """One rank's share of a CP-shared pool, checked once when the pool is built and handed down (as
-    SGLang's ``PageShardSpec`` is)."""
+    """One rank's share of a CP-shared pool, checked once when the pool is built."""
 
     cp_size: int  # the CP group's size (1: a replicated pool)
     cp_rank: int
@@ -167,9 +161,7 @@ class CPSharedSpec:
 
     @property
     def logical_pages(self) -> int:
-        """The logical page space: ``cp_size`` times this rank's pages (``[0, cp_size)`` reserved)."""
         return self.cp_size * self.phys_pages
 
     def ownership(self) -> PageOwnership:
-        """The page map, bounded by the logical page space (debug mode rejects locs past it)."""
         return PageOwnership(self.cp_size, self.page_size, self.logical_pages)

@@ -1,9 +1,8 @@
 """The view arena's two regions, in tokens, from a server's limits (no torch, no SGLang).
 
-A prefill batch's read buffer is ``[prefix view | current chunk | trash page]``. The arena bounds it
-once: ``contexts`` full contexts of prefix, each rounded up to whole rotations of ``N`` pages (the view
-all-gathers ``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefill budget in whole pages.
-``contexts`` is ``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``, else ``ARENA_CONTEXTS``.
+A prefill batch's read buffer is ``[prefix view | current chunk | trash page]``. The arena bounds it once:
+``contexts`` full contexts of prefix, each rounded up to whole rotations of ``N`` pages (the view all-gathers
+``N * sum_i ceil(prefix_pages_i / N)`` pages), and the chunked-prefill budget in whole pages.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ def arena_contexts() -> int:
 
 
 def ceil_align(x: int, granule: int) -> int:
-    """``x`` rounded up to a multiple of ``granule``."""
     return -(-x // granule) * granule
 
 

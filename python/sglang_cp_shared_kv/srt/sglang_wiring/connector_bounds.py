@@ -5,19 +5,12 @@ reach a prefill rank after its sender was cleared make SGLang's bootstrap thread
 (``transfer_infos``, ``req_to_decode_prefix_len``, ``request_status``) with no sender left to clear it;
 and ``_deferred_ack_poisoned_rooms`` keeps a failed batch's room for ever.
 
-This module bounds both, per prefill manager (its ``RoomBounds``), before ``CommonKVManager.update_status``
-(``admit_status``) and after the room's own ``CommonKVSender.clear`` (``room_cleared``):
-
-- a room is *live* from its sender's opening status (``update_status(room, Bootstrapping)``, set only
-  by ``CommonKVSender.__init__``) until ``CommonKVSender.clear``, then *closed* for ``window_s``:
-  destinations that reach a closed room are dropped at once (their tables popped, the room not opened);
-- destinations for a room neither live nor closed open it as SGLang does (they may precede their
-  sender), and are dropped if no sender opens it within ``window_s``;
-- when a closed room's window ends, its poison is dropped: the decode has released its pages by then.
-
-``window_s`` is SGLang's waiting and deferred-release timeouts plus a margin, read as the decode reads
-them. Expired rooms are swept at every clear; closed rooms beyond ``MAX_CLOSED`` are forgotten oldest
-first keeping their poison. Nothing here reads a flag: the caller decides which managers it serves.
+Per prefill manager (its ``RoomBounds``), a room is *live* from its sender's opening status until
+``CommonKVSender.clear``, then *closed* for ``window_s`` (SGLang's waiting and deferred-release timeouts plus
+a margin): destinations that reach a closed room are dropped at once; destinations for a room neither live
+nor closed open it as SGLang does (they may precede their sender) and are dropped if no sender opens it
+within ``window_s``; when a closed room's window ends, its poison is dropped (the decode has released its
+pages by then). Closed rooms beyond ``MAX_CLOSED`` are forgotten oldest first, keeping their poison.
 """
 
 from __future__ import annotations
@@ -45,7 +38,7 @@ def window_s() -> float:
 
 
 class RoomBounds:
-    """This module's view of one prefill manager's rooms: live, closed (until), unclaimed (until)."""
+    """One prefill manager's rooms: live, closed (until), unclaimed (until)."""
 
     def __init__(self, window: float):
         self.window = window
@@ -100,8 +93,7 @@ def admit_status(bounds: RoomBounds, mgr: Any, bootstrap_room: int, status: Any)
 
 
 def room_cleared(bounds: RoomBounds, mgr: Any, bootstrap_room: int) -> None:
-    """After the room's own sender cleared it (``CommonKVSender.clear``): the room closes for a window,
-    then expired rooms are swept."""
+    """After the room's own sender cleared it: the room closes for a window, then expired rooms are swept."""
     with bounds.lock:
         bounds.live.discard(bootstrap_room)
         bounds.unclaimed.pop(bootstrap_room, None)

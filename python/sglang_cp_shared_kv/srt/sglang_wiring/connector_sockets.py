@@ -2,12 +2,10 @@
 
 SGLang 0.5.23's ``CommonKVManager._connect`` makes each peer's ZMQ PUSH socket with ``RECONNECT_IVL = -1``
 and watches only ``EVENT_DISCONNECTED``: a socket made while the peer is unreachable (a partition) never
-retries and swallows every later status message (``docs/sglang_plugin.md``). ``reconnect_new_sockets``
-(wraps ``_connect``, flag on) drops the first connect of each socket SGLang has just made and connects it
-again with ZMQ's reconnect on (every 100 ms) before anything is sent on it, so it connects once the link is
-back and delivers what was queued; a disconnect still drops the socket as SGLang does. Of several sender
-threads that reach a new endpoint at once, the first to take its send lock sets the socket up, and the
-manager remembers it, so no later thread drops its connection (and a message queued on it).
+retries and swallows every later status message. ``reconnect_new_sockets`` connects each socket SGLang has
+just made again with ZMQ's reconnect on before anything is sent on it, so it delivers once the link is back;
+a disconnect still drops the socket as SGLang does. The manager remembers a socket set up, so no later
+sender thread drops its connection (and a message queued on it).
 """
 
 from __future__ import annotations

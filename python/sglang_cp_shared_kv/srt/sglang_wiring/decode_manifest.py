@@ -2,21 +2,12 @@
 "Manifest").
 
 A decode server run with ``--enable-cp-shared-kv --disaggregation-mode decode`` stays non-CP; the flag
-means "expect CP shared-KV manifests" (``transfer.manifest_frames``). Three functions check them:
-
-- ``arm_manifest_check`` (as ``CommonKVReceiver.send_metadata`` begins): before the destination pages
-  leave, the request gets a ``ManifestCollector`` over its pages, expecting as many senders as SGLang's
-  own success count.
-- ``check_status_message`` (on what ``CommonKVManager.parse_kv_status_message`` returns, on the decode
-  thread, before SGLang counts the status): a Success passes only if the collector accepts its manifest,
-  so SGLang's N successes, its only condition for ``KVPoll.Success``, are reached exactly when the
-  collector is complete. Otherwise the status is held back until every expected sender has reported (no
-  prefill rank still writes into the request's pages), then turned into ``KVPoll.Failed`` with a
-  one-line reason.
-- ``forget_room`` (after ``CommonKVReceiver.clear``) drops the request's collector.
-
-A rank that never reports is left to SGLang's waiting timeout. Other statuses pass through unchanged;
-with the flag off, or in a prefill process, nothing is checked.
+means "expect CP shared-KV manifests" (``transfer.manifest_frames``). Each request gets a
+``ManifestCollector`` before its destination pages leave; a Success status passes only if the collector
+accepts its manifest, so SGLang's N successes, its only condition for ``KVPoll.Success``, are reached
+exactly when the collector is complete. A refused one is held back until every expected sender has
+reported (no prefill rank still writes into the request's pages), then turned into ``KVPoll.Failed``. A
+rank that never reports is left to SGLang's waiting timeout.
 """
 
 from __future__ import annotations
@@ -52,8 +43,7 @@ class RoomCheck:
 
 
 def arm_manifest_check(receiver, n_pages: int) -> None:
-    """Before ``CommonKVReceiver.send_metadata`` sends a request's ``n_pages`` destination pages: open the
-    request's collector."""
+    """Before ``CommonKVReceiver.send_metadata`` sends a request's ``n_pages`` destination pages."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     mgr = receiver.kv_mgr
@@ -115,9 +105,8 @@ def _judge(check: RoomCheck, msg: list[bytes], room: int, prefill_rank: int) -> 
 
 
 def check_status_message(mgr, msg: list[bytes], parsed):
-    """What a decode's ``CommonKVManager.parse_kv_status_message`` returns for ``msg`` with the flag on: its
-    ``parsed`` status, but a refused manifest's Success is ``None`` (ignored) until every sender reported,
-    then a Failed with the reason."""
+    """What a decode's ``CommonKVManager.parse_kv_status_message`` returns for ``msg``: ``parsed``, but a refused
+    manifest's Success is ``None`` (ignored) until every sender reported, then a Failed with the reason."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if parsed is None or parsed[1] != KVPoll.Success or not manager_enabled(mgr, "decode"):

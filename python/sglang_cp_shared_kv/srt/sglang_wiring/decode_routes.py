@@ -4,10 +4,8 @@ A decode rank ``d`` of ``D`` (``D > 1``) registers SGLang's ``dst_dcp_size`` / `
 the request's logical destination pages, the same on every decode rank. Each prefill rank sends it only
 the pages it owns whose destination logical page ``l`` has ``l % D == d``, to that rank's physical page
 ``l // D`` (``route_to_owner``), latent and indexer pages alike: every page once, from its prefill
-owner to its decode owner, whole, for any ``D``. SGLang's token relayout for a DCP decode
-(``send_kvcache_dcp``) is not taken. No decode server builds such a pool yet (the startup checks refuse
-``--dcp-size`` on a decode with the flag): this side is ready for it, and the demo's
-``--decode-cp-size`` runs it through SGLang's connector into decode ranks over sharded pools.
+owner to its decode owner, whole, for any ``D`` (not SGLang's token relayout). No decode server builds such
+a pool yet (the startup checks refuse ``--dcp-size`` there); the demo's ``--decode-cp-size`` runs it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The ``--enable-cp-shared-kv`` flag: its name, and whether a server-args record (or this process) has it on.
-
-Every module reads the flag through here (SGLang's parser and server-args record carry it);
-``startup_checks`` checks what it may be combined with.
-"""
+"""The ``--enable-cp-shared-kv`` flag: its name, and whether a server-args record (or this process) has it on."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """How the plugin installs itself in SGLang 0.5.23: every hook, and the checks that they are installed.
 
-The other wiring modules hold plain functions, each called before, after or instead of one of SGLang's
-steps with explicit arguments. This module alone knows about wrapping: each hook adapts one SGLang target
-to them through SGLang's ``HookRegistry`` or a resolution hook, and passes through unless
-``--enable-cp-shared-kv`` is on. The flag itself rides on ``ServerArgs.add_cli_args`` (the option) and
-``ServerArgs.from_cli_args`` (the record's attribute, which ``ServerArgs.__reduce__`` carries to the
-schedulers). With the flag on, the SGLang version and the installed hooks are checked first: SGLang's
-registry logs a target it cannot wrap and goes on, which would leave the KV replicated.
+Each hook adapts one SGLang target to a plain function of the other wiring modules through SGLang's
+``HookRegistry`` or a resolution hook, and passes through unless ``--enable-cp-shared-kv`` is on. With the
+flag on, the SGLang version and the installed hooks are checked first: SGLang's registry logs a target it
+cannot wrap and goes on, which would leave the KV replicated.
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ _HELP = (
 
 
 class _FlagAction(argparse._StoreTrueAction):
-    """``store_true`` that, when the flag is given, checks that every hook is installed (parsing comes first
-    after SGLang applied them); the rejection prints as its line alone (``install_clean_exit``)."""
+    """``store_true`` that, when the flag is given, checks that every hook is installed."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         super().__call__(parser, namespace, values, option_string)
@@ -282,8 +278,8 @@ RESOLUTION_HOOKS = [
 
 
 def sglang_version_rejections() -> list[str]:
-    """One line unless SGLang is a version the hooks (on private functions) were checked against; another may
-    shard wrongly. ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING (once per process)."""
+    """One line unless SGLang is a version the hooks (on private functions) were checked against;
+    ``$SGLANG_CP_SHARED_KV_ANY_SGLANG=1`` lets it start, with a WARNING."""
     from sglang.version import __version__ as version
 
     checked = " or ".join(SGLANG_VERSIONS)
@@ -329,8 +325,7 @@ def _wraps(target: str, hook: object) -> bool:
 
 
 def missing_hooks() -> list[str]:
-    """The targets (and resolution steps) of ``register`` not installed here: installed means marked patched,
-    and the callable there wraps this plugin's hook."""
+    """The targets (and resolution steps) of ``register`` not installed here."""
     from sglang.srt.arg_groups.resolution_hooks import _HOOKS
     from sglang.srt.plugins.hook_registry import HookRegistry
 

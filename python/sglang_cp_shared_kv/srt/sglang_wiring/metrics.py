@@ -1,15 +1,8 @@
 """What ``--enable-cp-shared-kv`` does, per CP rank: one startup line, and metrics in SGLang's ``/metrics``.
 
-**Startup line** (INFO, every prefill CP rank, once its pool and allocator are built): the CP size, the
-KV token slots this rank holds against the logical tokens the group caches (and what a replicated pool
-would hold in the same memory), the view arena, the transport setting and whether views are prefetched
-(the transport, and with it the prefetch, is settled at the first prefix batch).
-
-**Metrics** (only with ``--enable-metrics``; ``docs/usage.md`` lists them), made as SGLang's scheduler
-metrics (prometheus_client's multiprocess directory, gauges in ``mostrecent`` mode, SGLang's labels) plus
-``cp_rank``: every CP rank reports its own shard. Every value is one the host already has: nothing reads
-the device. A batch's view bytes are recorded when the next batch begins (its layers have all read their
-views by then).
+Metrics exist only with ``--enable-metrics`` (``docs/usage.md`` lists them), made as SGLang's scheduler
+metrics plus ``cp_rank``: every CP rank reports its own shard. Every value is one the host already has:
+nothing reads the device.
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import serves_arena
 logger = logging.getLogger(__name__)
 
 PREFIX = "sglang:cp_shared_kv_"
-# Bytes a batch receives: 0 (current-reuse) and powers of 4 from 1 MiB to 64 GiB (a 128k-token
-# GLM-5 prefix at CP 8 is ~7 GB over its 78 layers).
+# Bytes a batch receives: 0 (current-reuse) and powers of 4 from 1 MiB to 64 GiB.
 BYTES_BUCKETS = (0.0, *(float(4**k * 2**20) for k in range(9)))
 
 
@@ -33,7 +25,6 @@ class CPSharedKVMetrics:
     """The flag's Prometheus series for one process, under ``labels`` (SGLang's scheduler labels + ``cp_rank``)."""
 
     def __init__(self, labels: dict[str, Any]):
-        # As SGLang's collectors: prometheus_client only after $PROMETHEUS_MULTIPROC_DIR is set.
         from prometheus_client import Counter, Gauge, Histogram
 
         self.labels = {k: str(v) for k, v in labels.items()}
@@ -81,11 +72,9 @@ class CPSharedKVMetrics:
         self._transport: str | None = None
 
     def series(self, metric: Any) -> Any:
-        """``metric``'s series for this process's labels."""
         return metric.labels(**self.labels)
 
     def pools_built(self, pool: Any, allocator: Any) -> None:
-        """Sizes fixed at start-up: the shard, the logical capacity, the arena."""
         self.series(self.held_tokens).set(pool.size)
         self.series(self.logical_capacity_tokens).set(allocator.size)
         self.series(self.view_arena_bytes).set(arena_bytes(pool))
@@ -104,7 +93,7 @@ class CPSharedKVMetrics:
             self.view_transport.labels(**self.labels, transport=self._transport).set(1)
 
     def batch_done(self, counters: Any) -> None:
-        """A batch whose layers have all read their views (``BatchCounters``, host ints): its received bytes."""
+        """A batch whose layers have all read their views (recorded when the next batch begins)."""
         if counters is None or counters is self._recorded:
             return
         self._recorded = counters
@@ -154,13 +143,13 @@ def get() -> CPSharedKVMetrics | None:
 
 
 def use(metrics: CPSharedKVMetrics | None) -> None:
-    """Record into ``metrics`` from now on in this process (a caller that builds its own labels)."""
+    """Record into ``metrics`` from now on in this process."""
     global _metrics, _decided
     _metrics, _decided = metrics, True
 
 
 def startup_line(pool: Any, allocator: Any) -> str:
-    """The one line a prefill CP rank logs once its pool and allocator are built."""
+    """The one INFO line a prefill CP rank logs once its pool and allocator are built."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import TRANSPORT_ENV, transport_setting
 
     spec = pool.spec
@@ -181,7 +170,6 @@ def startup_line(pool: Any, allocator: Any) -> str:
 
 
 def report_pools(pool, allocator) -> None:
-    """Once a CP-shared pool and its allocator are built: the startup line and the start-up sizes."""
     logger.info(startup_line(pool, allocator))
     metrics = get()
     if metrics is not None:
@@ -189,18 +177,16 @@ def report_pools(pool, allocator) -> None:
 
 
 def count_deferral(adder) -> None:
-    """``PrefillAdder._kv_shard_reserve_scratch`` deferred a request: count it if the view arena held it back."""
+    """Count a request ``PrefillAdder._kv_shard_reserve_scratch`` deferred for the view arena."""
     if serves_arena(adder.token_to_kv_pool_allocator):
         _count("arena_deferrals")
 
 
 def count_manifest_rejection() -> None:
-    """A decode server refused a request's manifests (``decode_manifest``)."""
     _count("manifest_rejections")
 
 
 def _count(counter: str) -> None:
-    """One more on this process's counter named ``counter`` (a ``CPSharedKVMetrics`` attribute), if any."""
     metrics = get()
     if metrics is not None:
         metrics.series(getattr(metrics, counter)).inc()

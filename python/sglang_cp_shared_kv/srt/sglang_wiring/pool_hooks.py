@@ -1,17 +1,11 @@
-"""Pool selection in SGLang's KV cache configurator: the CP-shared pools and the widened allocator.
-
-With ``--enable-cp-shared-kv`` on and a target (not a draft) pool, SGLang's DSA / MLA builder builds
-``cp_shared_pool_class`` in place of its own class; ``build_allocator`` builds SGLang's owner-rotating
-``PageInterleavePoolAllocator`` over it with the view arena's ``PageShardSpec`` (its admission keeps every
-prefill batch inside the arena), then turns on sharded transfer (``transfer``); ``check_built_pools``
-refuses a pool or allocator that is not the CP-shared one.
+"""Pool selection in SGLang's KV cache configurator (the CP-shared pools and the widened allocator), and
+the per-batch calls: the shared-prefix hint and ``prepare_kv_shard_forward``.
 
 **Shared prefixes**: only the scheduler's radix tree knows which requests of a batch share prefix pages.
 ``hint_shared_prefix`` (after ``ForwardBatch.init_new``) hands the hint to the pool, keyed by the batch's
 rids and prefix lens (SGLang's eager runner rebuilds the ForwardBatch before the backend begins it);
-``prepare_forward`` (SGLang's ``prepare_kv_shard_forward`` for this pool) names the batch, whose begin
-takes the hint if it is the hint's. Every CP rank holds the same tree and batches, so every rank plans
-with the same hint, and the read state checks it against the page ids on the device."""
+``prepare_forward`` names the batch, whose begin takes the hint if it is the hint's. Every CP rank holds the
+same tree and batches, so every rank plans with the same hint; the read state checks it on the device."""
 
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def cp_shared_pool_class(kind: str) -> type:
-    """The CP-shared subclass of SGLang's ``"dsa"`` or ``"mla"`` pool, built in its place by SGLang's builder
-    (every size, dtype and layer decision stays SGLang's)."""
+    """The CP-shared subclass of SGLang's ``"dsa"`` or ``"mla"`` pool, built in its place by SGLang's builder."""
     from sglang_cp_shared_kv.srt.sglang_wiring import sharded_kv_pool
 
     return {"dsa": sharded_kv_pool.CPSharedDSATokenToKVPool, "mla": sharded_kv_pool.CPSharedMLATokenToKVPool}[kind]
@@ -84,8 +77,7 @@ def check_built_pools(pool, allocator) -> None:
 
 @dataclass(frozen=True)
 class SharedPrefixHint:
-    """An extend batch's shared-prefix hint: its ``rids`` and ``extend_prefix_lens_cpu``, and ``(source, pages)``
-    per request (``BatchInputs.shared_prefix``)."""
+    """An extend batch's ``rids`` and ``extend_prefix_lens_cpu``, and its ``BatchInputs.shared_prefix`` pairs."""
 
     rids: tuple[str, ...]
     prefix_lens: tuple[int, ...]
@@ -132,8 +124,7 @@ def shared_prefix_from_paths(
 def shared_prefix_from_nodes(
     last_nodes: Sequence[object], prefix_lens: Sequence[int], page_size: int
 ) -> list[tuple[int, int]]:
-    """``shared_prefix_from_paths`` from ``Req.last_node`` s in a tree of SGLang's ``TreeNode`` s (``parent``,
-    ``value``, the root's parent ``None``); a node's depth is the host length of its value (else its key)."""
+    """``shared_prefix_from_paths`` from ``Req.last_node`` s in a tree of SGLang's ``TreeNode`` s."""
     paths = []
     for node in last_nodes:
         chain = []
@@ -191,14 +182,13 @@ def hint_shared_prefix(forward_batch, batch, pool) -> None:
     """After ``ForwardBatch.init_new``: hand an extend batch's shared-prefix hint (``None``: no sharing) to a
     CP-shared ``pool``. Every extend batch replaces it, so a hint never outlives the next batch."""
     if forward_batch.forward_mode.is_extend_or_draft_extend_or_mixed():
-        hint = batch_shared_prefix(batch, forward_batch.rids, forward_batch.extend_prefix_lens_cpu, pool.page_size)
-        pool.expect_shared_prefix(hint)
+        rids, prefix_lens = forward_batch.rids, forward_batch.extend_prefix_lens_cpu
+        pool.shared_prefix_hint = batch_shared_prefix(batch, rids, prefix_lens, pool.page_size)
 
 
 def prepare_forward(pool, req_to_token, forward_batch) -> bool:
-    """``prepare_kv_shard_forward`` for a CP-shared ``pool``: name the batch (request ids for errors, the
-    shared-prefix hint if it is the hint's batch), begin or end its read state, and record its metrics.
-    Returns whether the batch is an extend."""
+    """``prepare_kv_shard_forward`` for a CP-shared ``pool``: name the batch, begin or end its read state, and
+    record its metrics. Returns whether the batch is an extend."""
     from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import SlotOverflowError
     from sglang_cp_shared_kv.srt.sglang_wiring import metrics
 

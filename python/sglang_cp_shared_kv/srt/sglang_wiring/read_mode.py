@@ -1,22 +1,18 @@
 """In line or a layer ahead: how a CP-shared pool builds each layer's view, chosen once at startup.
 
-Building layer ``l + 1``'s view while layer ``l`` computes (the prefetch) hides the pull from the peers'
-pools behind the layer, at a fixed cost per layer (its launches and stream waits, the own pages'
-gather on the compute stream); building it in line costs the pull itself. The rank model
-(``docs/benchmarks/rank_model.json``: one rank of a CP-N node, DeepSeek-V3.2's layer at the speed of
-SGLang's kernels on one H200, the pull paced to the link) measured both over CP 2-8, 32K-512K prefixes
-and 512-4K new tokens per rank; the cheaper one follows the pull's share of the layer::
+Building layer ``l + 1``'s view while layer ``l`` computes (the prefetch) hides the pull behind the layer
+at a fixed cost per layer; building it in line costs the pull itself. The rank model
+(``docs/benchmarks/rank_model.json``, CP 2-8 on one H200) found the cheaper one follows the pull's share
+of the layer::
 
     pull_us  = (cp_size - 1) / cp_size * ctx * token_bytes / LINK_BYTES_PER_US
     layer_us = max(LAYER_FLOOR_US,
                    tokens_per_rank * (US_PER_TOKEN + US_PER_TOKEN_CONTEXT * ctx))
     prefetch  iff  pull_us >= PULL_SHARE * layer_us
 
-for a context of ``ctx`` tokens. ``layer_us`` is a fit of the model's layer on the replicated pool (its test
-checks the fit against the JSON); the pull is one layer's view of a full context over NVLink inside a node.
-Across nodes the views go through NCCL, where the prefetch does not run whatever is chosen
-(``copy_engine.prefetch_on``).
-``$SGLANG_CP_SHARED_KV_PREFETCH`` (1 or 0) overrides the choice.
+for a context of ``ctx`` tokens (``layer_us``: a fit of the model's layer, checked against the JSON by its
+test). Over NCCL the prefetch never runs (``copy_engine.prefetch_on``); ``$SGLANG_CP_SHARED_KV_PREFETCH``
+(1 or 0) overrides the choice.
 """
 
 from __future__ import annotations

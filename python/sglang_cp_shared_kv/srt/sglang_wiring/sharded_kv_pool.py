@@ -1,19 +1,9 @@
 """SGLang's MLA and DSA token pools, sharded over the prefill CP ranks.
 
-``CPSharedMLATokenToKVPool`` / ``CPSharedDSATokenToKVPool`` subclass SGLang's own pools, so every
-``isinstance`` check and byte format stays SGLang's; they change where rows go and what a read sees:
-
-- **Storage**: SGLang's per-rank buffers. Logical page ``lp`` lives on CP rank ``lp % cp_size`` as
-  physical page ``lp // cp_size`` (``PageOwnership``); the widened allocator never hands out logical pages
-  ``[0, cp_size)``, so physical page 0 of every rank is the trash page.
-- **Write path**: every rank receives the whole current chunk, which SGLang's own writers quantize to
-  ``store_rows(locs)`` (a masked store: static shapes, no ``nonzero``, no host sync).
-- **Read path**: the kv-shard contract SGLang's backends already call (``begin_shard_extend`` /
-  ``translate_loc_to_scratch`` / ``get_key_buffer`` and the indexer's page reads), served by
-  ``read_state.BatchReadState``.
-
-Debug (``SGLANG_DEBUG_CP_SHARED_KV=1``): the stored rows, the read plan and the translation are checked
-(syncing)."""
+The pools subclass SGLang's own, so every ``isinstance`` check and byte format stays SGLang's. Storage is
+SGLang's per-rank buffers, paged by ``placement.PageOwnership``; every rank receives the whole current chunk,
+which SGLang's writers quantize to ``store_rows(locs)`` (a masked store: no host sync); reads go through the
+kv-shard contract SGLang's backends already call, served by ``read_state.BatchReadState``."""
 
 from __future__ import annotations
 
@@ -57,16 +47,14 @@ def _host_ints(values) -> tuple[int, ...]:
 
 
 class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
-    """Sharded storage + the kv-shard read contract over an SGLang MLA/DSA pool's buffers. SGLang's kv-shard
-    mixin is inherited only for the type: its backends detect a sharded pool by ``isinstance(pool,
-    PageInterleaveKVPoolMixin)`` and call the methods below, all defined here (its scratch and gather never built).
-    """
+    """Sharded storage + the kv-shard read contract over an SGLang MLA/DSA pool's buffers. SGLang's mixin is
+    inherited for the type only (its backends detect a sharded pool by it); every method it calls is here."""
 
     def _init_cp_shared(
         self, cp_rank: int | None, cp_size: int | None, cp_group: CPGroup | Callable[[], CPGroup] | None
     ) -> None:
-        """Build the pool's ``CPSharedSpec`` once (everything below reads it): ranks from the arguments, else
-        from SGLang's parallel context, whose CP device group (NCCL on GPUs) is then looked up at first use."""
+        """Build the pool's ``CPSharedSpec``: ranks from the arguments, else from SGLang's parallel context,
+        whose CP device group is then looked up at first use."""
         on_peer_lost = None  # ranks handed in (tests, benchmarks): a lost peer raises at the next call
         if cp_rank is None or cp_size is None:
             from sglang.srt.runtime_context import get_parallel
@@ -92,7 +80,6 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             raise ValueError(f"pool size {self.size} must be a multiple of page_size {ps}")
         self.spec = spec
         self.dcp_replicated = True  # rows are physical: never apply SGLang's DCP owner rule (DCP is rejected)
-        # SGLang's PageInterleaveKVPoolMixin names for the CP rank and size; its code reads them.
         self.shard_rank, self.shard_size = spec.cp_rank, spec.cp_size
         self.phys_pages = spec.phys_pages
         self.ownership = spec.ownership()
@@ -107,7 +94,6 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         index = None
         if spec.with_indexer:
             index = PageBuffers(self.ownership, spec.cp_rank, INDEX_TOKEN_BYTES, list(self.index_key_cache.buffer))
-        # One plan and one collective per layer serve both (read_state.BatchReadState.source).
         self.read = BatchReadState(
             self.ownership, spec.cp_rank, spec.logical_pages, latent, index, cp_group, on_peer_lost
         )
@@ -115,15 +101,15 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         self._store_rows = TensorMemo(
             lambda locs: self.ownership.store_rows(locs.long(), spec.cp_rank, spec.trash_page, spec.phys_pages)[0]
         )
-        self._hint = None  # the last extend batch's shared-prefix hint (``expect_shared_prefix``)
+        # The last extend batch's shared-prefix hint (``pool_hooks.hint_shared_prefix``), or None.
+        self.shared_prefix_hint = None
         # The request ids and shared-prefix pairs the next ``begin_shard_extend`` takes (``name_next_batch``).
         self.next_batch: tuple[tuple[str, ...] | None, tuple | None] = (None, None)
         self._shard_extend_active = False
         logger.debug("CP-shared KV pool: %s", spec)  # the rank's one INFO line: metrics.startup_line
 
     def attach_view_arena(self, spec, prefetch: bool = False) -> int:
-        """Allocate the view arena once, sized by the allocator's ``PageShardSpec`` ``spec`` (``prefetch``: a
-        second chunk and page). Returns its bytes, which ``view_arena.charge_arena`` took out of the KV budget."""
+        """Allocate the view arena once, sized by the allocator's ``PageShardSpec``. Returns its bytes."""
         if spec.page_size != self.page_size or spec.shard_size != self.spec.cp_size:
             raise ValueError(
                 f"arena spec (page size {spec.page_size}, {spec.shard_size} ranks) does not match the pool "
@@ -133,16 +119,14 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
 
     # -- write path --
     def store_rows(self, locs: torch.Tensor) -> torch.Tensor:
-        """Physical row (int64) of every loc on this rank: its own row if owned, else a row of the trash page
-        (checked in debug mode). Once per loc tensor (``TensorMemo``)."""
+        """Physical row (int64) of every loc on this rank (``PageOwnership.store_rows``), once per loc tensor."""
         return self._store_rows(locs)
 
     def _local_layer(self, layer, layer_id_override) -> int:
         return (layer_id_override if layer_id_override is not None else layer.layer_id) - self.start_layer
 
     def _stage_rows(self, locs: torch.Tensor) -> torch.Tensor | None:
-        """Rows of the batch's staging pages for ``locs`` (the current-reuse buffer, or the pages past a
-        materialized view), or None outside a sharded extend batch."""
+        """Rows of the batch's staging pages for ``locs``, or None outside a sharded extend batch."""
         return self.read.stage_rows(locs) if self._shard_extend_active and self.read.mode is not None else None
 
     def _as_rows(self, buf: torch.Tensor) -> torch.Tensor:
@@ -177,20 +161,10 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         self.kv_buffer[local][self.store_rows(loc)] = cache_k
 
     # -- what the scheduler knows of the next batch --
-    @property
-    def expected_shared_prefix(self):
-        """The last extend batch's shared-prefix hint (``pool_hooks.SharedPrefixHint``, or None)."""
-        return self._hint
-
-    def expect_shared_prefix(self, hint) -> None:
-        """An extend batch's shared-prefix hint (``pool_hooks.SharedPrefixHint`` or None), computed where
-        SGLang's ``ForwardBatch.init_new`` still sees the scheduler's batch; it replaces the last one."""
-        self._hint = hint
-
     def name_next_batch(self, request_ids, prefix_lens) -> None:
-        """The request ids of the batch the next ``begin_shard_extend`` begins (for errors), and with its
-        prefix lens the hint's pairs where the hint is that batch's (``SharedPrefixHint.for_batch``)."""
-        hint = self._hint
+        """The request ids of the batch the next ``begin_shard_extend`` begins (for errors), and the hint's
+        pairs where the hint is that batch's (``SharedPrefixHint.for_batch``)."""
+        hint = self.shared_prefix_hint
         shared = hint.for_batch(request_ids, prefix_lens) if hint is not None else None
         names = tuple(str(r) for r in request_ids) if request_ids is not None else None
         self.next_batch = (names, tuple(shared) if shared is not None else None)
@@ -313,7 +287,7 @@ class CPSharedIndexKeyCache(IndexKeyCache):
 
     def write_targets(self, layer_id: int, loc: torch.Tensor):
         """(buffer, token slots, None) pairs an indexer writer stores the whole chunk to: the pool at its masked
-        rows and, inside an extend batch, the staging page the batch reads. No row selection, no sync."""
+        rows and, inside an extend batch, the staging page the batch reads."""
         if loc.numel() == 0:
             return []
         pool = self.pool

@@ -1,19 +1,11 @@
 """Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
 
-Two checks run after existing resolution steps, with the flag on: flag-only checks
-(:func:`early_check`) after ``validate_prefill_cp_platform``, before model resolution and the dummy-model
-early return; model and resolved-value checks (:func:`resolved_check`) after ``handle_kv_cache_sharding``,
-once page size, attention backends and CP topology are resolved, and again (idempotent) over the final view.
-
 Every rejection is one line naming the offending flag and the fix; all of a configuration's rejections are
-raised together in one ``CPSharedKVStartupError`` (a ``ValueError``). The first check also requires the
-model config to be readable without the network (a local directory, or a model in the Hugging Face
-cache), since the rest of resolution may download it.
-
-What is accepted is exactly what the pools, their read path and the PD manifest honour (the table in
-``docs/sglang_plugin.md``): a PD prefill server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA
-model on CUDA on a prefill kernel that reads through the kv-shard contract; a PD decode server only checks
-the manifests (``decode_manifest``), on Mooncake, non-CP, its pool, model and kernels SGLang's.
+raised together in one ``CPSharedKVStartupError`` (a ``ValueError``). What is accepted is exactly what the
+pools, their read path and the PD manifest honour (the table in ``docs/sglang_plugin.md``): a PD prefill
+server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA model on CUDA on a prefill kernel that
+reads through the kv-shard contract; a PD decode server only checks the manifests (``decode_manifest``), on
+Mooncake, non-CP, its pool, model and kernels SGLang's.
 """
 
 from __future__ import annotations
@@ -44,7 +36,6 @@ def _line(what: str, fix: str) -> str:
 
 
 def _lines(checks: list[tuple[Any, str, str]]) -> list[str]:
-    """The lines of the ``(rejected, what, fix)`` checks that reject."""
     return [_line(what, fix) for rejected, what, fix in checks if rejected]
 
 
@@ -92,7 +83,6 @@ def _is_pow2(n: Any) -> bool:
 
 
 def _staging_buffer_rejections(why: str) -> list[str]:
-    """The one ``SGLANG_DISAGG_STAGING_BUFFER`` check, for either server: ``why`` it is refused there."""
     from sglang.srt.environ import envs
 
     staged = envs.SGLANG_DISAGG_STAGING_BUFFER.get()
@@ -190,8 +180,7 @@ def flag_rejections(cfg: Any) -> list[str]:
 
 
 def _setting_rejections() -> list[str]:
-    """The feature's environment settings, read here as the pools and their read path read them later, so a bad
-    value stops the server at startup instead of in each scheduler once its pool is sized."""
+    """The feature's environment settings, read here so a bad value stops the server at startup."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
     from sglang_cp_shared_kv.srt.environ import envs
     from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
@@ -402,7 +391,7 @@ def _tree_core_rejections(cfg: Any) -> list[str]:
 
 
 def early_check(server_args: Any) -> None:
-    """After ``validate_prefill_cp_platform``, flag on: the flag-only rules."""
+    """After ``validate_prefill_cp_platform`` (before model resolution), flag on: the flag-only rules."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     _raise(flag_rejections(resolving_view(server_args)))

@@ -1,21 +1,12 @@
 """PD transfer of a CP-shared pool through SGLang's Mooncake connector (``docs/sglang_plugin.md``,
 "Transfer" and "Manifest").
 
-SGLang 0.5.23's connector already sends sharded KV for its own page sharding, with ``PageOwnership``'s
-arithmetic over the attention-CP group: each prefill CP rank sends the request pages it owns to their
-positions (``filter_kv_indices_for_shard_rank``; DSA indexer pages likewise), and the decode pulls from all
-N ranks. Those paths key on ``get_parallel().enable_kv_cache_sharding``, which ``pool_hooks`` sets once the
-CP-shared pool and its allocator exist (after the only pool builders that read it), so the KV manager,
-created later, takes them; the only later reader, the FlashInfer autotune, then skips.
-
-The manifest: SGLang's sender never sends positions, so each CP rank records per request the
-logical page at every position (the same on every rank) and the positions it selected
-(``record_sent_share``), and appends them to its Success status message (``manifest_frames``), after the
-frames SGLang parses: a decode without the flag reads the message as before; a decode running the flag checks them
-before the request is ready (``decode_manifest``).
-
-With ``SGLANG_DEBUG_CP_SHARED_KV=1`` each prefill rank also checks its own share as it selects it
-(``check_send_indices``).
+SGLang 0.5.23's connector already sends each prefill CP rank's owned pages for its own page sharding, keyed
+on ``get_parallel().enable_kv_cache_sharding``, which ``pool_hooks`` sets once the CP-shared pool exists.
+SGLang's sender never sends positions, so each CP rank records per request the logical page at every
+position and the positions it selected (``record_sent_share``), and appends them to its Success status
+message after the frames SGLang parses (``manifest_frames``): a decode without the flag reads the message
+as before; one with it checks them before the request is ready (``decode_manifest``).
 """
 
 from __future__ import annotations
@@ -43,9 +34,8 @@ class SendShareError(AssertionError):
 
 
 def check_send_indices(sender, kv_indices, local, positions, is_last: bool) -> None:
-    """After ``CommonKVSender._prepare_send_indices`` selected ``local`` pages at ``positions`` of the chunk's
-    logical pages ``kv_indices`` (debug mode): they are this rank's owned pages and positions, and the last
-    chunk's tally all the positions it owns."""
+    """Debug mode, after ``CommonKVSender._prepare_send_indices``: the ``local`` pages at ``positions`` it
+    selected are this rank's owned ones, and by the last chunk all of them."""
     if not debug_enabled():
         return
     mgr = sender.kv_mgr
@@ -93,8 +83,8 @@ def sharded_prefill(mgr: Any) -> bool:
 
 
 def record_sent_share(sender, kv_indices, positions) -> None:
-    """After ``CommonKVSender._prepare_send_indices`` (flag on, sharded prefill): record the chunk's logical
-    pages (``kv_indices``) and the ``positions`` SGLang's filter selected for this rank (what its worker sends)."""
+    """After ``CommonKVSender._prepare_send_indices``: record the chunk's logical pages (``kv_indices``) and
+    the ``positions`` SGLang's filter selected for this rank."""
     mgr = sender.kv_mgr
     if not sharded_prefill(mgr):
         return
@@ -116,10 +106,9 @@ def record_sent_share(sender, kv_indices, positions) -> None:
 
 
 def manifest_frames(mgr, bootstrap_room: int, status) -> list[bytes]:
-    """The frames a status message of ``CommonKVManager._encode_kv_status_message`` gets after SGLang's own
-    (flag on, sharded prefill): a Success carries this rank's manifest (after an empty reason frame where the
-    backend sends none), so the decode's parser reads the status unchanged; a Failed drops the record;
-    WaitingForInput leaves it."""
+    """The frames a status message of ``CommonKVManager._encode_kv_status_message`` gets after SGLang's own: a
+    Success carries this rank's manifest (after an empty reason frame where the backend sends none); a Failed
+    drops the record."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if not sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
@@ -143,8 +132,8 @@ def manifest_frames(mgr, bootstrap_room: int, status) -> list[bytes]:
 
 
 def drop_unsent_share(sender) -> None:
-    """After ``CommonKVSender.clear``: forget a request that will send no Success (a concluded Success keeps
-    its record: the sender may be cleared before the status is encoded) and the debug check's record."""
+    """After ``CommonKVSender.clear``: forget a request that will send no Success (a Success keeps its record:
+    the sender may be cleared before the status is encoded)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     state = state_if_any(sender.kv_mgr)

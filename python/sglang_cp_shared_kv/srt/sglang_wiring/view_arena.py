@@ -1,15 +1,12 @@
 """The view arena: the read buffer of a CP-shared pool, ``[prefix view | current chunk | trash page]``,
 sized once from the server's limits (``docs/sglang_plugin.md``, "View arena").
 
-Per rank: ``contexts`` full contexts of prefix (``$SGLANG_CP_SHARED_KV_ARENA_CONTEXTS``, default
-``ARENA_CONTEXTS``) plus the chunked-prefill budget plus one page (with layer-ahead prefetch, ``read_mode``,
-a second chunk and page), times one token's latent row and indexer record. The allocator gets these region
-sizes as its ``PageShardSpec``, so SGLang's own admission (``PrefillAdder._kv_shard_reserve_scratch``) keeps
-every batch inside the arena, and its bytes are charged to the KV budget in place of SGLang's
-page-interleave scratch (``pool_configurator.compute_page_shard_scratch_bytes``; eight contexts, twice)::
+The allocator gets its region sizes (``view_arena_size``) as its ``PageShardSpec``, so SGLang's own
+admission (``PrefillAdder._kv_shard_reserve_scratch``) keeps every batch inside the arena, and its bytes are
+charged to the KV budget in place of SGLang's page-interleave scratch (eight contexts, twice)::
 
     arena / page-interleave scratch = contexts / 16
-    (prefix dominated; 1/8 with the default 2, prefetch or not)
+    (prefix dominated; 1/8 with the default 2)
 """
 
 from __future__ import annotations
@@ -31,16 +28,14 @@ logger = logging.getLogger(__name__)
 
 
 def builds_cp_shared_pool(configurator: Any) -> bool:
-    """Whether this KV cache configurator builds a CP-shared pool: flag on, a prefill server (a decode's pool
-    stays SGLang's), the target model's pool (not a draft's)."""
+    """Whether this KV cache configurator builds a CP-shared pool: flag on, a prefill server, not a draft."""
     from sglang.srt.runtime_context import get_disagg
 
     return runtime_enabled() and get_disagg().disaggregation_mode == "prefill" and not configurator.is_draft_worker
 
 
 def read_mode_for(configurator: Any) -> ReadMode:
-    """This server's read mode (``read_mode.choose_read_mode``) from its limits; a prefetch chosen here runs
-    only where the transport chosen at the first prefix batch is not NCCL (``copy_engine.prefetch_on``)."""
+    """This server's read mode (``read_mode.choose_read_mode``) from its limits."""
     from sglang.srt.mem_cache import page_interleave
 
     spec = spec_for(configurator)
@@ -51,8 +46,7 @@ def read_mode_for(configurator: Any) -> ReadMode:
 def make_arena_spec(
     cp_rank: int, cp_size: int, page_size: int, context_len: int, chunk_tokens: int, contexts: int
 ) -> Any:
-    """SGLang's ``PageShardSpec`` with our region sizes: ``contexts`` contexts of prefix, the chunk budget
-    (what SGLang's admission bounds every batch by)."""
+    """SGLang's ``PageShardSpec`` with our region sizes (``view_arena_size.arena_regions``)."""
     from sglang.srt.mem_cache.page_interleave import PageShardSpec
 
     check_int("cp_size", cp_size, 2)
@@ -63,8 +57,7 @@ def make_arena_spec(
 
 
 def arena_bytes(spec: Any, token_bytes: int, prefetch: bool = False) -> int:
-    """Bytes of one arena: ``arena_tokens`` (``spec.scratch_rows``: prefix, chunk, trash page; a second chunk
-    and page with ``prefetch``) of ``token_bytes`` each."""
+    """Bytes of one arena: ``materialize.arena_tokens`` of ``token_bytes`` each."""
     from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import arena_tokens
 
     return arena_tokens(spec.max_prefix_tokens, spec.chunk_tokens, spec.page_size, prefetch) * token_bytes
@@ -98,8 +91,7 @@ def spec_for(configurator: Any) -> Any:
 
 
 def charge_arena(kvc) -> int:
-    """The view arena's bytes, charged to the KV budget of a configurator that builds a CP-shared pool (in
-    place of SGLang's ``compute_page_shard_scratch_bytes``)."""
+    """The view arena's bytes, charged to the KV budget in place of SGLang's page-interleave scratch."""
     from sglang.srt.mem_cache import page_interleave
 
     spec = spec_for(kvc)
@@ -131,8 +123,7 @@ def is_cp_shared_pool(pool: Any) -> bool:
 
 
 def serves_arena(allocator) -> bool:
-    """Whether ``allocator`` hands out a CP-shared pool's slots: SGLang's admission then keeps each batch
-    within that pool's view arena."""
+    """Whether ``allocator`` hands out a CP-shared pool's slots."""
     get_kvcache = getattr(allocator, "get_kvcache", None)
     return get_kvcache is not None and is_cp_shared_pool(get_kvcache())
 

@@ -1,20 +1,10 @@
 """The decode side's check that N sender manifests rebuild a request exactly.
 
-Each prefill CP rank reports, after its write, the request's full page table
-(logical page at every position, identical on every rank) and the positions it
-sent. A request is complete only when:
-
-- every rank ``0 .. N-1`` reported once, all with the same page table of ``n_pages``
-  distinct logical pages;
-- every reported position is in ``0 .. n_pages-1`` and reported once overall;
-- rank ``r`` reported exactly the positions whose logical page it owns
-  (``page_table[p] % N == r``): a position claimed by a non-owner, or an owned
-  position left out, is an error. With every rank in, the positions are therefore
-  exactly ``0 .. n_pages-1``;
-- the byte count each rank reports matches its page count.
-
-Rank ``r`` is the rank of the connection the manifest arrived on (checked by the
-receiver), so the owner check compares the page table against who actually wrote.
+Each prefill CP rank reports, after its write, the request's page table (identical on every rank) and the
+positions it sent. A request is complete only when every rank ``0 .. N-1`` reported once, all with the same
+table of ``n_pages`` distinct pages, and rank ``r`` reported exactly the positions whose page it owns, with
+a byte count matching them: the positions are then exactly ``0 .. n_pages-1``. Rank ``r`` is that of the
+connection the manifest arrived on (checked by the receiver), so the owner check is against who wrote.
 """
 
 from __future__ import annotations
@@ -49,10 +39,8 @@ class ManifestCollector:
         return len(self.reported_by) == self.cp_size
 
     def add(self, m: Manifest) -> bool:
-        """Check ``m`` against the request and record it; return True once all ranks are in.
-
-        Raises ``ManifestError`` (and records nothing) if ``m`` is wrong.
-        """
+        """Check ``m`` against the request and record it (nothing if it is wrong: ``ManifestError``); return
+        True once all ranks are in."""
         rank, rid = m.rank, self.request_id
         if m.request_id != rid:
             raise ManifestError(f"request {rid}: the manifest is for request {m.request_id!r:.80}")

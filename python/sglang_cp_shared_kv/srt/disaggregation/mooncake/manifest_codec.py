@@ -1,12 +1,9 @@
 """The manifest on the wire: one versioned, fully validated JSON object.
 
-A prefill CP rank reports, after its write, ``Manifest(request_id, rank, page_table, positions,
-nbytes)``; the decode side checks it with ``manifest.ManifestCollector``. On the wire it is
-``{"v": 1, "type": "manifest", <fields>}``. ``decode`` checks the version, the type, the
-exact field set and every field's type and range, and raises ``ControlMessageError`` (a
-``ValueError``) with one line naming the offending field; it never returns a partly valid
-message. Checks that need request state (a position within the request, the owner of a page)
-belong to the collector, not here.
+On the wire a ``Manifest`` is ``{"v": 1, "type": "manifest", <fields>}``. ``decode`` checks the version,
+the type, the exact field set and every field's type and range, and raises ``ControlMessageError`` (a
+``ValueError``) naming the offending field; checks that need request state belong to
+``manifest.ManifestCollector``.
 """
 
 from __future__ import annotations

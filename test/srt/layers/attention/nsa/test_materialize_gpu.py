@@ -12,7 +12,7 @@ from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    gather_pages,
+    gather_page_buffers,
     gather_pages_ref,
     positions_to_view_rows,
     prepare_gather,
@@ -48,7 +48,7 @@ def test_plan_gather_and_remap_do_not_sync_and_equal_cpu():
     torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
     try:
         plan = build_slot_plan(table_d, lens, n, PS, trash_page=phys)
-        send = gather_pages(src_d, plan.send_pages(rank))
+        send = gather_page_buffers([src_d], plan.send_pages(rank))[0]
         rows = positions_to_view_rows(pos_d, q_req_d, plan.slot_table, PS)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -8,7 +8,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     _translate_kernel,
     gather_launch,
     gather_page_buffers,
-    gather_pages,
     gather_pages_ref,
     planned_translation,
     positions_to_view_rows,
@@ -38,6 +37,11 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
     not triton_enabled(DEVICE), reason="Triton kernels need CUDA or TRITON_INTERPRET=1 at import"
 )
+
+
+def gather_pages(src, page_ids, out=None, use_triton=None):
+    """``gather_page_buffers`` for a single buffer."""
+    return gather_page_buffers([src], page_ids, None if out is None else [out], use_triton)[0]
 
 
 @needs_triton

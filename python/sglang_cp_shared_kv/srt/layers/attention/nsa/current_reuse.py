@@ -1,8 +1,7 @@
 """Current-reuse: a batch that reads no prefix attends over the chunk it just computed.
 
 After prefill CP's all-gather every rank holds the whole current chunk, so when no request has a prefix
-those rows are every key the batch can see and nothing is gathered: the read state stages the chunk as
-it is written. Batches with any history use the materialized view.
+nothing is gathered: the read state stages the chunk as it is written.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Syncing checks of the slot plan, on only with ``SGLANG_DEBUG_CP_SHARED_KV=1``: they read device data
-back and talk to the CP group, so they are never on in a measurement. Each failure raises
-``CPSharedKVDebugError`` with one line saying what is wrong and where.
-"""
+"""Syncing checks of the slot plan, on only with ``SGLANG_DEBUG_CP_SHARED_KV=1`` (they read device data back
+and talk to the CP group). Each failure raises ``CPSharedKVDebugError`` with one line."""
 
 from __future__ import annotations
 

@@ -27,11 +27,8 @@ _LAST = torch.iinfo(torch.int64).max  # the sort key of an empty candidate: afte
 
 
 def ranked_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` first of each row by score descending, position ascending.
-
-    ``scores`` fp32 ``[R, L]`` (``-inf``: not visible), ``positions`` int64 ``[R, L]`` (-1: no candidate).
-    Returns fp32 ``[R, k]`` and int64 ``[R, k]``; a slot past the visible candidates holds ``-inf``, -1.
-    """
+    """The ``k`` first of each row by score descending, position ascending: fp32 and int64 ``[R, k]`` of
+    ``scores`` fp32 ``[R, L]`` (``-inf``: not visible) and ``positions`` int64 ``[R, L]`` (-1: none)."""
     rows, width = scores.shape
     if width < k:  # fewer candidates than k: padded with empty ones
         scores = torch.nn.functional.pad(scores, (0, k - width), value=-torch.inf)
@@ -68,20 +65,15 @@ def position_rows(pages: torch.Tensor, page_size: int, cp_size: int, rank: int, 
 
 
 def owned_rows(selected: torch.Tensor, row_of_position: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of the ``selected`` positions it owns, -1 elsewhere.
-
-    ``selected`` int64 ``[R, k]`` (-1: none), ``row_of_position`` int64 ``[R, P]``: per query row, the row
-    of each position in this rank's buffer, -1 where another rank owns it.
-    """
+    """This rank's rows of the ``selected`` positions (int64 ``[R, k]``, -1: none) it owns, -1 elsewhere;
+    ``row_of_position`` int64 ``[R, P]``: each position's row here, -1 where another rank owns it."""
     rows = row_of_position.gather(-1, selected.clamp(min=0))
     return torch.where(selected < 0, -1, rows)
 
 
 def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``outs [N, R, H, D]``, natural-log ``lses [N, R, H]`` -> ``out [R, H, D]``, ``lse [R, H]`` (fp32).
-
-    A row no rank attends to keeps ``out = 0``, ``lse = -inf``. FlashMLA reports a row with no valid index as
-    ``lse = +inf``; no attended row can have it, so it is read as -inf."""
+    """``outs [N, R, H, D]``, natural-log ``lses [N, R, H]`` -> ``out [R, H, D]``, ``lse [R, H]`` (fp32); a row
+    no rank attends to keeps ``out = 0``, ``lse = -inf`` (FlashMLA's ``lse = +inf`` for such a row read as -inf)."""
     lses = lses.float()
     lses = torch.where(lses == torch.inf, -torch.inf, lses)
     lse = torch.logsumexp(lses, dim=0)

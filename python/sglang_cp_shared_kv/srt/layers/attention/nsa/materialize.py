@@ -1,11 +1,9 @@
 """Per-batch materialized read path over a sharded MLA/NSA pool.
 
-SGLang's indexer and MLA kernels index a page table into one dense buffer. Over a sharded pool this
-module builds one per layer from the batch's plan (``plan_kernels.BatchPlan``: a view of ``N * S``
-pages, owner-major): this rank copies its owned pages in slot order into its part of the view and the
-CP group all-gathers the parts in place; or, over a copy-engine group that mapped the peers' pools, one
-launch reads every owner's block straight from its pool. The kernels' page table is the plan's slot
-table; ``LayerView.rows`` maps NSA top-k positions to view rows. Nothing reads device data back.
+SGLang's indexer and MLA kernels index a page table into one dense buffer. This module builds one per layer
+from the batch's plan (``plan_kernels.BatchPlan``: ``N * S`` pages, owner-major): this rank copies its owned
+pages in slot order into its part of the view and the CP group all-gathers the parts in place; or, over a
+copy-engine group that mapped the peers' pools, one launch reads every owner's block from its pool.
 
 ``prefetch=True`` also builds layer ``l + 1``'s view while layer ``l`` computes: the view holds prefix
 pages only, in the pool before the batch starts, so it equals one gathered in line.
@@ -34,7 +32,7 @@ from sglang_cp_shared_kv.srt.utils import check_int
 @dataclass
 class BatchCounters:
     """What one forward batch cost this rank's read path, summed over the layers it served (``S``: the
-    plan's ``slots_per_rank``). Every rank of the group materializes the same amount."""
+    plan's ``slots_per_rank``)."""
 
     kind: str  # ``current_reuse.batch_kind``
     layers: int = 0  # layer views served
@@ -45,8 +43,7 @@ class BatchCounters:
     pages_staged: int = 0  # current-chunk pages staged locally next to the view (not gathered)
 
 
-# The side stream's default priority, the device's highest (torch maps one past its range to its end):
-# the block scheduler then starts the prefetch kernels' blocks ahead of the compute stream's next ones.
+# The side stream's default priority, the device's highest (torch clamps it to its range).
 HIGHEST_STREAM_PRIORITY = -(1 << 10)
 # Where a prefetched layer's own-page gather runs: on the compute stream, the side stream only transferring
 # ("compute": no SM work of the view beside the layer's kernels), or on the side stream.
@@ -56,9 +53,8 @@ PREFETCH_GATHER_PLACES = ("compute", "side")
 @dataclass(eq=False, slots=True)
 class LayerView:
     """What the indexer and MLA kernels read for one layer: ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages``
-    uint8 ``[P, page_size * 132]`` (None: the layer has no indexer pages); ``page_table`` int32 ``[B, max_pages]``
-    into both (position ``p`` of request ``b`` is row ``page_table[b, p // ps] * ps + p % ps``), given as
-    ``table`` or taken from that ``BatchPlan`` at its first read (SGLang's read path reads the buffers only)."""
+    uint8 ``[P, page_size * 132]`` (None: no indexer pages); ``page_table`` int32 ``[B, max_pages]`` into both,
+    given as ``table`` or that ``BatchPlan``'s slot table."""
 
     kv_rows: torch.Tensor
     index_pages: torch.Tensor | None
@@ -83,8 +79,8 @@ class ViewArenaError(RuntimeError):
 def arena_pages(
     arena: dict[str, torch.Tensor] | None, key: str, pages: int, width: int, device, part: int = 0
 ) -> torch.Tensor:
-    """View set ``part`` of ``pages`` pages of ``arena[key]`` (uint8 ``[P, width]``; a prefetching reader
-    alternates two), or ``ViewArenaError`` if even one set does not fit; without an arena, a new buffer."""
+    """View set ``part`` of ``pages`` pages of ``arena[key]`` (uint8 ``[P, width]``), or ``ViewArenaError`` if
+    even one set does not fit; without an arena, a new buffer."""
     if arena is None:
         return torch.empty((pages, width), dtype=torch.uint8, device=device)
     buf = arena.get(key)
@@ -110,8 +106,7 @@ def check_arena_fits(arena: dict[str, torch.Tensor], pages: int) -> None:
 
 def arena_tokens(prefix_tokens: int, chunk_tokens: int, page_size: int, prefetch: bool = False) -> int:
     """Token rows of a view arena: one batch's read buffer at its largest (``prefix_tokens`` of view,
-    ``chunk_tokens`` staged, a trash page), plus, for a prefetching reader, a second chunk and trash page:
-    two view sets fit whenever the batch's views take at most half the prefix budget."""
+    ``chunk_tokens`` staged, a trash page), plus, for a prefetching reader, a second chunk and trash page."""
     return prefix_tokens + (2 if prefetch else 1) * (chunk_tokens + page_size)
 
 
@@ -124,8 +119,7 @@ def allocate_arena(
     device,
     prefetch: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """A view arena, once, of ``arena_tokens`` rows: latent (``"latent"``, uint8 ``[pages, ps * row_bytes]``)
-    and indexer (``"index"``, ``[pages, ps * 132]``)."""
+    """A view arena of ``arena_tokens`` rows: ``"latent"`` and (``with_indexer``) ``"index"`` page buffers."""
     for name, value in (("prefix_tokens", prefix_tokens), ("chunk_tokens", chunk_tokens)):
         check_int(name, value, 0)
         if value % page_size:
@@ -140,9 +134,8 @@ def allocate_arena(
 class ViewMaterializer:
     """Builds, per batch and layer, the dense view a sharded pool's kernels read. ``group``: the CP group
     owning the pool's pages (None only for a single-rank pool), or a ``copy_engine.CopyEngineGroup``
-    registered over the arena. ``arena`` (optional, ``allocate_arena``): every batch's views are its leading
-    pages; a batch whose views would not fit raises ``ViewArenaError`` before anything is written, one whose
-    two view sets do not fit is not prefetched."""
+    registered over the arena. ``arena`` (``allocate_arena``): every batch's views are its leading pages; a
+    batch whose two view sets do not fit is not prefetched."""
 
     def __init__(
         self,
@@ -173,8 +166,7 @@ class ViewMaterializer:
         self.use_triton = use_triton
         self.plan: BatchPlan | None = None
         self.counters: BatchCounters | None = None
-        # Per view set (two, for alternate layers, when prefetching): its buffers, its latent rows, what the caller
-        # stages the current chunk into, and (this rank's page ids, its part of each view, each whole view).
+        # Per view set: its buffers, its latent rows, the caller's stages, (page ids, this rank's part, views).
         self._views: list[dict[str, torch.Tensor]] = []
         self._rows: list[torch.Tensor] = []
         self.stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -183,21 +175,18 @@ class ViewMaterializer:
         self._side_stream: torch.cuda.Stream | None = None
         self._prefetched = self._fork = self._gathered = None  # CUDA events, made with the side stream
         self._unacked = False  # the last transfer left out its wait for the peers' reads (``_gather``)
-        # Over a copy-engine group that mapped the peers' pools: in-line views read from them (``_pull``, ``fence``).
         self._source_table = None if prefetch else getattr(group, "source_table", None)
 
     def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
-        """Start a batch whose plan and ``current_reuse.batch_kind`` the caller made, its current chunk staged
-        into the ``extra_pages`` past the view. The caller queues the batch's ``fence`` before its reads."""
+        """Start a batch of this plan and ``current_reuse.batch_kind``, ``extra_pages`` staged past the view."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
         self.counters = BatchCounters(kind=kind)
         self.plan = plan
         self._allocate(plan, 2 if self.prefetch else 1, extra_pages)
         return self.counters
 
-    def _allocate(self, plan: BatchPlan, copies: int, extra_pages: int = 0) -> None:
-        """The view buffers (``extra_pages`` past the view, untouched), and the slices this rank gathers into
-        and the in-place all-gather fills (none for views read from the owners' pools, ``_pull``)."""
+    def _allocate(self, plan: BatchPlan, copies: int, extra_pages: int) -> None:
+        """The view buffers, and the slices this rank gathers into and the in-place all-gather fills."""
         pool = self.pool
         self._parts = []
         pages = plan.view_pages + extra_pages
@@ -219,7 +208,6 @@ class ViewMaterializer:
                 self._parts.append((send, mine, [v[: plan.view_pages] for v in views.values()]))
 
     def layer_view(self, layer: int) -> LayerView:
-        """The view of ``layer`` for the batch in progress."""
         if self.counters is None:
             raise ValueError("layer_view called before begin_planned")
         pool = self.pool
@@ -249,8 +237,7 @@ class ViewMaterializer:
         self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None, ack: bool = True
     ) -> None:
         """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, on the current stream or,
-        after the gather, on ``transfer_stream``. ``ack=False`` (the set is rewritten only after a later transfer
-        on that stream): the copy engines' wait for the peers' reads is left out (``copy_engine``'s docstring)."""
+        after the gather, on ``transfer_stream`` (``ack``: ``CopyEngineGroup.all_gather_into_many``'s)."""
         plan, group = self.plan, self.group
         if self._source_table is not None:
             page_bytes = self._pull(layer)
@@ -276,8 +263,7 @@ class ViewMaterializer:
         counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
 
     def _prepare_gather(self, layer: int, slot: int) -> tuple[Callable[[], None], list, list, int]:
-        """``layer``'s gather into view set ``slot`` (a layer is gathered once per batch):
-        ``(launch, the views to all-gather, this rank's part of them, the bytes of one slot's pages)``."""
+        """``(launch, the views to all-gather, this rank's part of them, one slot's page bytes)`` of ``layer``."""
         pool = self.pool
         sources = [pool.latent_pages(layer)] + ([pool.index[layer]] if self.pool.has_index[layer] else [])
         used = len(sources)
@@ -299,10 +285,8 @@ class ViewMaterializer:
         return page_bytes
 
     def fence(self, then=None) -> None:
-        """Where views are read straight from the peers' pools, a point every rank's stream passes together
-        (``CopyEngineGroup.fence``), queued at each batch's start: a batch reads only pages written before it
-        started, rewritten only by a later batch. No host wait. ``then`` (a bound ``Launch``) follows it, in the
-        fence's graph where there is one."""
+        """Where views are read straight from the peers' pools, ``CopyEngineGroup.fence`` at each batch's start:
+        a batch reads only pages written before it started. ``then`` (a bound ``Launch``) follows it."""
         if self._source_table is not None:
             self.group.fence(then=then)
         elif then is not None:
@@ -321,8 +305,7 @@ class ViewMaterializer:
                 # The gather in line here, between the compute stream's kernels; the transfer on the side stream.
                 self._gather(layer, slot, transfer_stream=side, ack=layer + 1 == self.pool.num_layers)
             else:
-                # The side stream starts after everything queued so far (the previous batch's pool writes,
-                # the kernels still reading this view set): each wait is queued before the event is re-recorded.
+                # The side stream starts after everything queued so far (pool writes, readers of this view set).
                 main = torch.cuda.current_stream(device)
                 self._fork.record(main)
                 self._fork.wait(side)
@@ -345,8 +328,8 @@ class ViewMaterializer:
         return None if pending is None else pending[:2]
 
     def drain(self) -> None:
-        """Order what the caller queues next after a gather started ahead (none: nothing), and after the
-        peers' reads of this rank's views where the last transfer did not wait for them. No host wait."""
+        """Order what the caller queues next after a gather started ahead, and after the peers' reads of this
+        rank's views where the last transfer did not wait for them."""
         self._wait()
         if self._unacked:  # copy engines only
             self._unacked = False

@@ -1,14 +1,6 @@
-"""Triton kernels of the materialized read path, each beside its plain-torch reference.
-
-- ``gather_page_buffers`` / ``gather_pages``: copy whole pages of one or two page-major pool buffers
-  (latent and indexer) into a send block, in the order a page-id vector gives, in one launch.
-- ``pull_launch``: the whole view of a layer read straight from every owner's pool pages, where the
-  peers' pools are mapped into this process (copy-engine transport, views built in line).
-- ``positions_to_view_rows``: token positions within a request (NSA top-k output, -1 padded) -> view rows.
-- ``translate_locs`` / ``planned_translation``: logical token locs (or page ids) -> rows (pages) of the
-  read buffer, through the batch's page map.
-
-Each wrapper runs Triton where ``triton_launch.triton_enabled`` says, otherwise the reference.
+"""Triton kernels of the materialized read path, each beside its plain-torch reference: page gathers into
+a send block, the pull of a view from every owner's mapped pool, NSA top-k positions -> view rows, and
+logical locs -> read-buffer rows. Each wrapper runs Triton where ``triton_launch.triton_enabled`` says.
 """
 
 from __future__ import annotations
@@ -72,8 +64,7 @@ if triton is not None:
         out_stride_b,
         BLOCK: tl.constexpr,
     ):
-        # Program (i, k) copies the pages of slots i, i + G, i + 2G, ... (G programs per column) of
-        # buffer a (grid column k = 0) or b (k = 1).
+        # Program (i, k) copies the pages of slots i, i + G, ... of buffer a (k = 0) or b (k = 1).
         first = tl.program_id(0).to(tl.int64)
         for slot in range(first, num_slots, tl.num_programs(0)):
             page = tl.load(page_ids + slot).to(tl.int64)
@@ -99,9 +90,8 @@ if triton is not None:
         stride_b,
         BLOCK: tl.constexpr,
     ):
-        # slot_phys: int64, the view's send entries from word ``start`` on. table: int64 [layers, 2, cp_size],
-        # the address of owner o's buffer k (0 latent, 1 indexer) of a layer, int32 words apart by stride_k per
-        # page. Program (i, k) copies slots i, i + G, ... of buffer k, each from the owner whose block holds it.
+        # table: int64 [layers, 2, cp_size], the address of owner o's buffer k of a layer. Program (i, k)
+        # copies slots i, i + G, ... of buffer k, each from the owner whose block holds it.
         first = tl.program_id(0).to(tl.int64)
         k = tl.program_id(1)
         owners = table + (layer.to(tl.int64) * 2 + k) * cp_size
@@ -144,8 +134,7 @@ def gather_page_buffers(
     outs: Sequence[torch.Tensor] | None = None,
     use_triton: bool | None = None,
 ) -> list[torch.Tensor]:
-    """``outs[k][i] = srcs[k][page_ids[i]]`` for one or two page-major buffers (``[P, page_bytes]`` each, rows
-    contiguous) in one launch; ``page_ids`` must be valid pages of every source (padding: the trash page)."""
+    """``outs[k][i] = srcs[k][page_ids[i]]`` for one or two page-major buffers (rows contiguous) in one launch."""
     outs, launch = prepare_gather(srcs, page_ids, outs, use_triton)
     launch()
     return outs
@@ -157,8 +146,7 @@ def prepare_gather(
     outs: Sequence[torch.Tensor] | None = None,
     use_triton: bool | None = None,
 ) -> tuple[list[torch.Tensor], Callable[[], None]]:
-    """``gather_page_buffers`` checked once: ``(outs, launch)``, where each ``launch()`` queues the same
-    gather (these very tensors, on the current stream) without the checks."""
+    """``gather_page_buffers`` checked once: ``(outs, launch)``, each ``launch()`` queuing the same gather."""
     if not 1 <= len(srcs) <= 2:
         raise ValueError(f"srcs must hold one or two buffers, got {len(srcs)}")
     if outs is not None and len(outs) != len(srcs):
@@ -182,8 +170,8 @@ def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch
 def gather_launch(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
 ) -> Launch:
-    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (one or two ``word_pair``
-    s of buffers ``prepare_gather`` accepts). ``programs`` per buffer (None: one per slot): fewer hold fewer SMs."""
+    """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (``word_pair`` s).
+    ``programs`` per buffer (None: one per slot): fewer hold fewer SMs."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
     slots = page_ids.shape[0]
     grid0 = slots if programs is None else max(1, min(slots, programs))
@@ -191,19 +179,11 @@ def gather_launch(
 
 
 def _copy_launch(kernel, grid0: int, head: tuple, buffers: list[tuple], words: int) -> Launch:
-    """A page-copy kernel's launch: ``head``, then the arguments of buffer a and b (the same one when there is
-    one), grid column ``k`` copying buffer ``k``; rows of at most ``words`` elements."""
+    """A page-copy kernel's launch: ``head``, then buffer a's and b's arguments (b = a for one buffer)."""
     block = min(4096, triton.next_power_of_2(words))
     grid = (grid0, len(buffers))
     args = (*head, *buffers[0], *buffers[-1])
     return Launch(kernel, grid, args, {"BLOCK": block}, num_warps=8 if block >= 2048 else 4)
-
-
-def gather_pages(
-    src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None, use_triton: bool | None = None
-) -> torch.Tensor:
-    """Copy ``src[page_ids[i]]`` into ``out[i]``: ``gather_page_buffers`` for a single buffer."""
-    return gather_page_buffers([src], page_ids, None if out is None else [out], use_triton)[0]
 
 
 def pull_launch(
@@ -216,10 +196,9 @@ def pull_launch(
     start: int = 0,
     slots: int | None = None,
 ) -> Launch:
-    """The launch filling whole views ``outs`` (one or two, int32 words ``[N * S, W]``, contiguous) of ``layer``
-    from every owner's pool pages through ``table`` (int64 ``[layers, 2, N]``, the owners' buffer addresses),
-    ``source_strides[k]`` words apart per page of buffer ``k``. The send entries are ``slots`` (default: all
-    past ``start``) words of ``slot_phys`` from ``start`` (a plan's ``send_start``)."""
+    """The launch filling whole views ``outs`` (int32 words ``[N * S, W]``) of ``layer`` from every owner's pool
+    pages through ``table`` (int64 ``[layers, 2, N]``, ``CopyEngineGroup.source_table``). The send entries are
+    ``slots`` (default: all past ``start``) words of ``slot_phys`` from ``start``."""
     if table.dim() != 3 or table.shape[1] != 2:
         raise ValueError(f"table must be int64 [layers, 2, cp_size] (latent, indexer), got {tuple(table.shape)}")
     args = [(o, o.shape[1], stride) for o, stride in zip(outs, source_strides)]
@@ -301,7 +280,7 @@ if triton is not None:
     @triton.jit
     def _translated_rows(page_pos, loc, live, page_size, num_pages):
         """The read-buffer rows of int64 token locs ``loc`` (``translate_locs_ref``; 0 where not ``live``)."""
-        # Floor division and a non-negative remainder, and negative pages from the end, as torch indexes.
+        # As torch indexes: floor division, and negative pages from the end.
         offset = loc % page_size
         offset = tl.where(offset < 0, offset + page_size, offset)
         page = (loc - offset) // page_size
@@ -318,9 +297,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["page_size", "num_pages"])
     def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        # ``words`` (int64, device): ``plan_kernels.TRANSLATION_WORDS``; locs and rows int32. A fixed grid walks
-        # any count, so the launch can sit in a captured graph. (No parameter may be named ``params``:
-        # Triton's argument binder takes that name for its own dict.)
+        # ``words``: ``plan_kernels.TRANSLATION_WORDS``. A fixed grid walks any count (graph-capturable). (No
+        # parameter may be named ``params``: Triton's argument binder takes that name.)
         n = tl.load(words + 1)
         locs = tl.load(words).to(tl.pointer_type(tl.int32))
         cols = tl.load(words + 2)
@@ -365,9 +343,8 @@ _PLANNED_PROGRAMS = 128  # one wave on an H200 (132 SMs); a 32K-token table is o
 
 
 def planned_translation(page_pos: torch.Tensor, params: torch.Tensor, page_size: int) -> Launch:
-    """A bound, unqueued launch of ``translate_locs_ref(page_pos, locs, page_size)`` for int32 locs named by
-    ``params`` (int64 ``[>= 5]`` on ``page_pos``'s device, ``plan_kernels.TRANSLATION_WORDS``), which earlier
-    work on the stream writes: its arguments never change, so it is captured into a graph with the plan."""
+    """A bound, unqueued launch of ``translate_locs_ref`` for int32 locs named by ``params`` (int64 ``[>= 5]``,
+    ``plan_kernels.TRANSLATION_WORDS``, written by earlier work): fixed arguments, captured with the plan."""
     if params.dtype != torch.int64 or params.numel() < 5 or params.device != page_pos.device:
         raise ValueError(f"params must be int64 [>= 5] on {page_pos.device}, got {params.dtype} on {params.device}")
     args = (page_pos, params, page_size, page_pos.shape[0])

@@ -8,11 +8,8 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 
 class PageBuffers:
-    """Page-major per-layer buffers of a pool, shaped as ``ViewMaterializer`` reads a pool.
-
-    ``buffers[layer]``: uint8 ``[pages, page_size * row_bytes]``; ``index`` (optional) the same pages'
-    indexer buffers, uint8 ``[pages, page_size * 132]`` (empty for a layer that skips top-k).
-    """
+    """Page-major per-layer buffers of a pool: ``buffers[layer]`` uint8 ``[pages, page_size * row_bytes]``;
+    ``index`` (optional) the same pages' indexer buffers (empty for a layer that skips top-k)."""
 
     trash_page = 0
 

@@ -1,9 +1,8 @@
 """A batch's slot plan: one Triton kernel (``plan_batch``) beside the plain-torch references it equals.
 
 From a token table (SGLang's ``req_to_token``, or a page table with page size 1), ``plan_batch`` computes
-in one launch of one program the slot plan (``assign_slots_ref``), optionally the batch's page map
-(``map_batch_pages_ref``), and the check of a shared-prefix hint. Triton runs on CUDA tensors, and on CPU
-tensors when ``TRITON_INTERPRET=1`` (the tests); otherwise the reference (``use_triton`` forces either).
+the slot plan (``assign_slots_ref``), optionally the batch's page map (``map_batch_pages_ref``), and the
+check of a shared-prefix hint.
 """
 
 from __future__ import annotations
@@ -46,22 +45,19 @@ def assign_slots_ref(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The slot plan: ``(logical [M], slots [M], slot_table [B, W] int32, slot_phys [N * S], status [N + 1])``.
 
-    Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by ``o = lp % N``;
-    ``r`` is its rank among the positions owned by ``o`` (request-major). With ``S = slots_per_rank`` its
-    view slot is ``o * S + r`` (owner-major), and its send entry, the same index of ``slot_phys``, holds its
-    physical page ``lp // N`` (unused entries: ``trash_page``). ``slot_table[b, j]`` is the slot of page
-    ``j`` of request ``b``, ``pad`` past its pages.
-
-    **Overflow**: a position with ``r >= S`` gets no send entry; its slot is the first unused entry of the
-    owner with the fewest positions, which exists (``M <= N * S``) and holds ``trash_page``. ``status[0]``
-    is 1 when some owner overflows, ``status[1 + o]`` the positions owner ``o`` holds (int64, on the device).
+    Position ``i`` reads logical page ``lp = page_table.view(-1)[positions_flat[i]]`` owned by ``o = lp % N``,
+    ``r``-th among the positions ``o`` owns: its view slot is ``o * S + r``, whose send entry in ``slot_phys``
+    holds ``lp // N`` (unused entries: ``trash_page``). ``slot_table[b, j]``: the slot of page ``j`` of
+    request ``b``, ``pad`` past its pages. A position with ``r >= S`` sends nothing and reads the first unused
+    entry of the least loaded owner (it exists: ``M <= N * S``); ``status``: the overflow flag, then the
+    positions per owner.
     """
     n, s = cp_size, slots_per_rank
     device = page_table.device
     logical = page_table.reshape(-1).index_select(0, positions_flat).long()
     owner = page_owner(logical, n)
-    # Rank among same-owner positions: a cumsum over a one-hot [N, M], scanned along the inner
-    # dimension (along the outer one CUDA scans each of the N columns serially).
+    # Rank among same-owner positions: a cumsum over a one-hot [N, M] along the inner dimension (CUDA scans
+    # the outer one serially).
     one_hot = (torch.arange(n, device=device).unsqueeze(1) == owner.unsqueeze(0)).to(torch.int32)
     running = one_hot.cumsum(1, dtype=torch.int32)
     rank = running.gather(0, owner.unsqueeze(0)).squeeze(0).long() - 1
@@ -98,9 +94,8 @@ if triton is not None:
 
     @triton.jit
     def _slot_of(owner, rank, totals, slots_per_rank, N: tl.constexpr, NP2: tl.constexpr):
-        """``(view slot, send entry)`` of positions with these owners and ranks, ``totals`` ``[NP2]`` the batch's
-        positions per owner: past its owner's block a position reads the first free entry of the least
-        loaded owner and sends nothing (entry ``N * S``, the dump; ``assign_slots_ref``)."""
+        """``(view slot, send entry)`` of positions with these owners and ranks (``assign_slots_ref``; send entry
+        ``N * S`` is the dump), ``totals`` ``[NP2]`` the batch's positions per owner."""
         owners = tl.arange(0, NP2)
         totals_o = tl.where(owners < N, totals, 1 << 62)
         fewest = tl.argmin(totals_o, axis=0).to(tl.int64)
@@ -133,12 +128,11 @@ def map_batch_pages_ref(
 ) -> torch.Tensor:
     """Fill ``page_pos`` (int64 ``[logical pages]``) with ``fill``, then map the batch's pages into it.
 
-    ``meta`` int64 ``[4, B]`` holds per request ``shared``, ``prefix`` and ``pages`` (page counts) and
-    ``start`` (its first staged page among the batch's). Page ``j`` of request ``b`` (logical page
-    ``page_table[b, j]``) maps to nothing for ``j < shared[b]`` (the source request maps it), to its view
-    slot ``plan_table[b, j - shared[b]]`` for ``j < prefix[b]``, and to its staged page ``base + start[b] +
-    j - prefix[b]`` for ``j < pages[b]``. A page two requests both read is written twice, with slots holding
-    the same bytes. Unmapped writes go to logical page 0 (never handed out) with ``fill``.
+    ``meta`` int64 ``[4, B]``: per request ``shared``, ``prefix``, ``pages`` and ``start`` (its first staged
+    page). Page ``j`` of request ``b`` maps to nothing for ``j < shared[b]`` (its source maps it), to its view
+    slot ``plan_table[b, j - shared[b]]`` for ``j < prefix[b]``, else to staged page ``base + start[b] + j -
+    prefix[b]``. A page two requests read is written twice, with slots of the same bytes; unmapped writes go
+    to logical page 0 (never handed out).
     """
     width = page_table.shape[1]
     shared, prefix, pages, start = (v.unsqueeze(1) for v in meta.long())
@@ -166,8 +160,7 @@ PARAMS_WORDS = 8  # ``PlanWorkspace.params``, where a header launch copies them:
 @dataclass(frozen=True)
 class BatchPlan:
     """Where each planned page position of one batch lives in the dense view (identical on every rank):
-    ``plan_batch``'s device outputs and the host sizes they were built for. The view's launches take the
-    send entries by offset (``send_start``) in ``words``; ``status`` and ``wrong`` are views of ``flags``."""
+    ``plan_batch``'s device outputs and the host sizes they were built for."""
 
     words: torch.Tensor  # int64 [>= 3 * M + N * S]: positions, logical pages, slots, send entries
     slot_table: torch.Tensor  # int32 [B, width]: the kernels' page table, in view slots (pad past a request's pages)
@@ -178,44 +171,38 @@ class BatchPlan:
 
     @property
     def view_pages(self) -> int:
-        """``N * S``: the view's pages, the send entries."""
         return self.cp_size * self.slots_per_rank
 
     @property
     def send_start(self) -> int:
-        """Offset of the send entries in ``words``."""
         return 3 * self.num_positions
 
     @property
     def positions(self) -> torch.Tensor:
-        """int64 ``[M]``: ``b * width + j`` of each planned position, request-major."""
+        """int64 ``[M]``: ``b * width + j`` of each planned position."""
         return self.words[: self.num_positions]
 
     @property
     def logical(self) -> torch.Tensor:
-        """int64 ``[M]``: the logical page each position reads."""
         return self.words[self.num_positions : 2 * self.num_positions]
 
     @property
     def slots(self) -> torch.Tensor:
-        """int64 ``[M]``: the view slot of each position."""
         return self.words[2 * self.num_positions : 3 * self.num_positions]
 
     @cached_property
     def slot_phys(self) -> torch.Tensor:
-        """int64 ``[N * S]``: every owner's send block, owner-major, so entry ``x`` is what view slot ``x``
-        holds: the physical page (on its owner) of a position, or the trash page (``assign_slots_ref``)."""
+        """int64 ``[N * S]``: every owner's send block, owner-major: entry ``x`` is what view slot ``x`` holds."""
         start = self.send_start
         return self.words[start : start + self.view_pages]
 
     @property
     def status(self) -> torch.Tensor:
-        """int64 ``[N + 1]``: the overflow flag, then the positions per owner (``assign_slots_ref``)."""
         return self.flags[: self.cp_size + 1]
 
     @property
     def wrong(self) -> torch.Tensor:
-        """int64 ``[B]``: request b's shared pages that differ from its source's."""
+        """int64 ``[B]``: per request, its shared pages that differ from its source's."""
         return self.flags[self.cp_size + 1 : -1]
 
     def rank_view_slots(self, rank: int) -> tuple[int, int]:
@@ -226,7 +213,7 @@ class BatchPlan:
         return rank * s, (rank + 1) * s
 
     def send_pages(self, rank: int) -> torch.Tensor:
-        """Physical pages rank ``rank`` copies into its send block, in block order."""
+        """Physical pages ``rank`` copies into its send block."""
         return self.slot_phys[slice(*self.rank_view_slots(rank))]
 
     def slot_owner(self, slots: torch.Tensor) -> torch.Tensor:
@@ -252,10 +239,8 @@ def plan_batch_ref(
     """A batch's whole plan from its token table, composed of the references above.
 
     Page ``j`` of request ``b`` is logical page ``tokens[rows[b], j * page_size] // page_size``. ``meta`` int64
-    ``[6, B]`` (or flat) holds per request the ``PLAN_META_ROWS``: shared, prefix and total pages, first
-    staged page, the source of its shared pages (-1: none) and first planned position. The plan covers pages
-    ``[shared, prefix)`` of each request; ``page_pos`` (None: no map) receives the page map; ``wrong[b]``
-    counts request ``b``'s first ``shared`` pages that are not its source's."""
+    ``[6, B]`` (or flat): per request the ``PLAN_META_ROWS`` (``slot_plan.plan_meta_rows``). The plan covers
+    pages ``[shared, prefix)`` of each request; ``page_pos`` (None: no map) receives the page map."""
     shared, prefix, pages, start, source, plan_start = meta.long().view(len(PLAN_META_ROWS), -1)
     page_table = tokens[rows.long()][:, : width * page_size : page_size].long() // page_size
     cols = torch.arange(width, device=tokens.device).unsqueeze(0)
@@ -314,12 +299,10 @@ if triton is not None:
         HEADER: tl.constexpr,
     ):
         # One program walks the batch twice: the positions per owner first, then each position's rank, slot
-        # and stores (the tokens' column stride is 1). ``out``, int64: positions, logical pages and slots ([M]
-        # each), the send entries ([N * S] and a dump entry), the host lengths' device copy ([6 * B]);
-        # ``flags_out``: status ([N + 1]), the hint's wrong pages ([B]), a landed word written last (1: the
-        # flags before it are visible); ``table_out``: int32 [B, width], contiguous. With ``HEADER`` every
-        # per-batch value comes from ``meta_in`` (``PLAN_HEADER``, then the lengths and the flags), so a graph
-        # replays the launch, and ``params_out`` (int64 [PARAMS_WORDS]) receives the translation words.
+        # and stores. ``out``, int64: positions, logical pages and slots ([M] each), the send entries ([N * S]
+        # and a dump entry), the host lengths' device copy ([6 * B]); ``flags_out``: status, wrong, landed.
+        # With ``HEADER`` every per-batch value comes from ``meta_in``, and ``params_out`` receives the
+        # translation words.
         if HEADER:
             batch = tl.load(meta_in)
             width = tl.load(meta_in + 1)
@@ -328,8 +311,7 @@ if triton is not None:
             base = tl.load(meta_in + 4)
             fill = tl.load(meta_in + 5)
             rows = tl.load(meta_in + 6).to(tl.pointer_type(tl.int64))
-            # The translation's words, for the launch queued after this one (it reads them on the device:
-            # this buffer may be reused once the landed word is set).
+            # The translation's words, for the launch queued after this one (this buffer may be reused).
             k = tl.arange(0, 8)
             tl.store(params_out + k, tl.load(meta_in + 7 + k, mask=k < 5), mask=k < 5)
             meta_in = meta_in + 12  # len(PLAN_HEADER)
@@ -342,8 +324,7 @@ if triton is not None:
         status_out = flags_out
         wrong_out = flags_out + N + 1
         lanes = tl.arange(0, BLOCK)
-        # The host lengths into device scratch first, a block of loads at a time: ``meta_in`` may be pinned
-        # host memory, whose loads cost a bus round trip each; the passes below read them per request.
+        # The host lengths into device scratch first: loads of pinned host memory cost a bus round trip each.
         for i0 in range(0, 6 * batch, BLOCK):
             i = i0 + lanes
             tl.store(meta + i, tl.load(meta_in + i, mask=i < 6 * batch), mask=i < 6 * batch)
@@ -441,16 +422,15 @@ def plan_batch(
     header: bool = False,
     queue: bool = True,
 ) -> BatchPlan | tuple[BatchPlan, Launch | None]:
-    """``plan_batch_ref`` in one launch of one program: its outputs in one int64 buffer and an int32 table.
+    """``plan_batch_ref`` in one launch of one program (Triton where ``triton_enabled``, else the reference).
 
-    ``meta`` may be pinned host memory, which a CUDA launch reads in place. ``flags`` (int64 ``[N + 2 + B]``;
-    default: a device buffer) receives ``status``, ``wrong`` and last a landed word (1 once the words before
-    it are written): pinned, they reach the host with the launch (``slot_plan.DeviceFlagCheck``).
+    ``meta`` may be pinned host memory, read in place. ``flags`` (int64 ``[N + 2 + B]``; default: a device
+    buffer) receives ``status``, ``wrong`` and last a landed word (1 once the words before it are written).
     ``workspace``: the outputs are views of its buffers, valid until the next plan over it. ``header``:
-    ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header`` (the request rows by
-    address: contiguous int64), the lengths, then the flags (default ``flags``); the launch reads everything
-    from it, so a captured graph replays it, and copies the translation words to ``workspace.params``.
-    ``queue=False``: returns ``(plan, launch)``, the launch bound, not queued (None: the reference ran)."""
+    ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header``, the lengths, then the
+    flags; the launch reads everything from it, so a captured graph replays it, and copies the translation
+    words to ``workspace.params``. ``queue=False``: returns ``(plan, launch)``, the launch not queued (None:
+    the reference ran)."""
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
@@ -533,8 +513,7 @@ def plan_header(
 
 
 class PlanWorkspace:
-    """The device memory a planner reuses batch after batch (``plan_batch(..., workspace=)``). Reuse follows
-    stream order: a reader on another stream must be waited for before the next plan."""
+    """The device memory a planner reuses batch after batch, in stream order (``plan_batch(..., workspace=)``)."""
 
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None

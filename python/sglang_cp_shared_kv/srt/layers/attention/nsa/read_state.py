@@ -12,24 +12,10 @@ token locs to rows of the buffer ``get_key_buffer(layer)`` (and the indexer's pa
   chunk staged past it: ``[prefix view (N * S pages) | current pages | trash page]``, latent rows and indexer
   pages alike (one plan, one gather, one collective for both).
 
-**Shared prefixes** (optional, ``BatchInputs.shared_prefix``, from the radix tree): request ``b``'s first
-``pages`` prefix pages are those of the earlier request ``source``. The plan skips them (``S = sum_b
-ceil((Q_b - shared_b) / N)``) and the translation finds them through the source's slots. The hint is checked
-on the device: a mismatch raises ``SharedPrefixError`` like an overflow (below).
-
-**View arena** (``attach_arena``, once): the buffers are the leading pages of one latent and one indexer
-buffer sized as SGLang's scratch admission bounds a batch, with a second chunk when prefetching (layers then
-alternate between two view sets). A batch past it raises ``ViewArenaError`` in ``begin``, before any write.
-
-Sizes come from host lengths; nothing reads device data back (debug mode aside). A plan whose pages do not
-rotate owners reads the trash page past an owner's block and sets a device flag in pinned memory: batch ``k``'s
-flags raise ``SlotOverflowError`` when batch ``k + 2`` begins, on every rank alike, before its collectives
-(``slot_plan.DeviceFlagCheck``: one verdict per batch, for flags that have landed by then under SGLang's
-overlap scheduler).
-
-**One launch per batch start** (``DeferredPlan``): ``begin`` queues nothing; the fence and the plan wait for
-the batch's first device call. When that is SGLang's translation of its int32 page table, a fixed-grid
-translation runs right after the plan, in the fence's captured graph.
+Sizes come from host lengths; nothing reads device data back (debug mode aside). What only the device can
+see (a plan whose pages do not rotate owners, a wrong shared-prefix hint) is flagged in pinned memory and
+raised ``VERDICT_LAG`` batches later, on every rank alike, before that batch's collectives
+(``slot_plan.DeviceFlagCheck``).
 """
 
 from __future__ import annotations
@@ -99,10 +85,12 @@ class BatchInputs:
 
 @dataclass
 class DeferredPlan:
-    """A begun batch's plan, bound, queued at the batch's first device call (``BatchReadState._queue_plan``)
-    after the copy engines' fence where ``fence``. ``launch``: None where the plan was computed in line;
-    ``header``: its pinned buffer as numpy (a planned translation writes its words there); ``rows``: the
-    request rows the launch reads by address, held until it is queued (stream order keeps them after)."""
+    """A begun batch's plan, bound, queued at the batch's first device call (``BatchReadState._queue_plan``),
+    after the copy engines' fence where ``fence``: one launch per batch start, its arguments the same batch
+    after batch (the fence's captured graph replays it, with SGLang's page-table translation where that is
+    the first call). ``launch``: None where the plan was computed in line; ``header``: its pinned buffer as
+    numpy (a planned translation writes its words there); ``rows``: the request rows the launch reads by
+    address, held until it is queued."""
 
     launch: Launch | None
     fence: bool
@@ -271,11 +259,8 @@ class BatchReadState:
         fill: int,
         fence: bool,
     ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``) from one pinned buffer, no copy: ``plan_header`` and
-        ``plan_meta_rows`` go in, the launch reads them in place and writes its flags after them, which
-        ``flags`` reads at the ``begin`` ``VERDICT_LAG`` batches later (``SlotOverflowError``, ``SharedPrefixError``).
-        Its launch, bound, is the batch's ``DeferredPlan`` (``fence``: after the copy engines' fence), its
-        arguments the same batch after batch (the fence's captured graph replays it)."""
+        """The batch's plan and page map (``plan_batch``) from one pinned buffer the launch reads in place and
+        writes its flags into (read by ``flags``); its launch is the batch's ``DeferredPlan``."""
         width, b, n = max(pages, default=0), len(pages), self.ownership.cp_size
         m = len(PLAN_HEADER) + len(PLAN_META_ROWS) * b  # the header, then the lengths
         rows = inputs.rows  # read by address in the launch: int64, one after another

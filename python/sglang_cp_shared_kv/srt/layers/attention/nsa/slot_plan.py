@@ -7,16 +7,11 @@ entry ``r`` of the block. The view (``N * S`` pages) is the all-gather of the bl
 
     slot(b, j) = o * S + r
 
-Balanced allocation spreads each request's pages over owners within one page, so no owner holds more than
-``ceil(pages_b / N)`` of them and a block never overflows. That is the allocator's policy, not a law: a
-position past its owner's block (pages that do not rotate owners) gets a slot holding the trash page, never
-one past the view, and the plan's device ``status`` flags it. The read state reads the flag two batches
-later, on every rank at the same batch (``DeviceFlagCheck``), and fails (``SlotOverflowError``). A prefix
-page shared by two requests gets two slots: more bytes, static shapes.
-
-Everything the plan sizes (``M``, ``S``, the view) comes from host lengths and its device work never
-syncs, so it can be queued ahead of the batch's kernels or captured in a CUDA graph. It is the same on
-every rank.
+The owner-rotating allocator spreads each request's pages over owners within one page, so a block never
+overflows; that is its policy, not a law: a position past its owner's block gets a slot holding the trash
+page and the plan's device ``status`` flags it, read ``VERDICT_LAG`` batches later on every rank at the same
+batch (``DeviceFlagCheck``: ``SlotOverflowError``). Everything the plan sizes comes from host lengths: its
+device work never syncs, and it is the same on every rank.
 """
 
 from __future__ import annotations
@@ -43,9 +38,9 @@ def slots_per_rank(pages_per_req: Sequence[int], cp_size: int) -> int:
 def plan_meta_rows(
     pages: Sequence[int], prefix_pages: Sequence[int] | None = None, hint: Sequence[tuple[int, int]] | None = None
 ) -> list[int]:
-    """``plan_batch``'s ``meta`` as host ints, row after row (rows ``PLAN_META_ROWS``, ``B`` each): request ``b``
-    has ``pages[b]`` pages, the first ``prefix_pages[b]`` of them prefix pages (default: all, none staged), the
-    first ``hint[b] = (source, shared)`` of those the source's (default: none)."""
+    """``plan_batch``'s ``meta`` as host ints, rows ``PLAN_META_ROWS`` of ``B`` each: request ``b`` has
+    ``pages[b]`` pages, the first ``prefix_pages[b]`` prefix pages (default: all), the first ``hint[b] =
+    (source, shared)`` of those the source's (default: none)."""
     prefix_pages = pages if prefix_pages is None else prefix_pages
     b = len(pages)
     shared = [0] * b if hint is None else [s for _, s in hint]
@@ -90,33 +85,27 @@ class FlagWaitTimeout(RuntimeError):
 class DeviceFlagCheck:
     """Device flags read on the host at a batch fixed in advance: one verdict per batch on every rank.
 
-    ``host_views`` hands a buffer (pinned on CUDA: a kernel writes it through unified addressing) that queued
-    work fills with flags; ``watch(host, fail)`` records it for the current batch, read once the work queued so
-    far is done (an event), or with ``landed=i`` once that work has set ``host[i]`` to 1 (the host reads that
-    word). ``next_batch()`` starts batch ``k`` and hands the values of every record of batches ``<= k - lag`` to
-    its ``fail``, oldest first, raising the exception ``fail`` returns (None: nothing wrong). The ranks of a CP
-    group run the same batches, so they raise at the same batch whatever their timing, before its collectives:
-    none is left waiting for another. Under SGLang's overlap scheduler a batch's outputs reach the host before
-    the batch after next is scheduled, so with ``lag = 2`` due records have landed; one still pending is waited
-    for, up to ``deadline_s`` (default ``$SGLANG_CP_SHARED_KV_PEER_TIMEOUT``; then ``FlagWaitTimeout``).
-    ``poll(wait=True)`` reads every record. A read record's event and buffer serve later records (no
-    allocation per batch).
+    ``host_views`` hands a buffer (pinned on CUDA) that queued work fills with flags; ``watch(host, fail)``
+    records it for the current batch. ``next_batch()`` starts batch ``k`` and hands every record of batches
+    ``<= k - lag`` to its ``fail``, oldest first, raising what ``fail`` returns. The ranks of a CP group run
+    the same batches, so they raise at the same batch whatever their timing, before its collectives. Under
+    SGLang's overlap scheduler a batch's outputs reach the host before the batch after next is scheduled, so
+    with ``lag = 2`` due records have landed; one still pending is waited for up to ``deadline_s`` (then
+    ``FlagWaitTimeout``). Read records' events and buffers serve later records.
     """
 
     def __init__(self, lag: int = VERDICT_LAG, deadline_s: float | None = None) -> None:
         self.lag = lag
         self.deadline_s = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get() if deadline_s is None else deadline_s
         self.batch = 0  # the batch in progress (``next_batch`` calls so far)
-        # Per record: its batch, its host values (a tensor, and as numpy), its event (None: on CPU, or watched by
-        # a landed word), that word's index, whether the values are pinned (kept for later records), ``fail``.
+        # Per record: batch, host values (tensor, numpy), event (None: CPU or a landed word), that word, pinned, fail.
         self._pending: list[tuple[int, torch.Tensor, np.ndarray, torch.cuda.Event | None, int | None, bool, Callable]]
         self._pending = []
         self._spare: list[torch.cuda.Event] = []  # events of read records
         self._buffers: list[torch.Tensor] = []  # buffers of read records
 
     def host_views(self, numel: int, device: torch.device) -> tuple[torch.Tensor, np.ndarray]:
-        """int64 ``[numel]`` for a ``watch`` record (pinned on a CUDA ``device``, a read record's where one
-        is large enough), and the same memory as numpy."""
+        """int64 ``[numel]`` for a ``watch`` record (pinned on a CUDA ``device``), and the same memory as numpy."""
         i = next((i for i, b in enumerate(self._buffers) if b.numel() >= numel), None)
         if i is None:
             base = torch.empty(max(numel, 64), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -133,9 +122,9 @@ class DeviceFlagCheck:
         landed: int | None = None,
         array: np.ndarray | None = None,
     ) -> None:
-        """Record ``host`` (from ``host_views``) for the current batch, filled by the work queued so far on
-        ``device``'s current stream; with ``landed``, that work sets ``host[landed]``, 0 when it was queued,
-        to 1 (no event). ``array``: ``host`` as numpy (``host_views``), else taken here."""
+        """Record ``host`` for the current batch, filled by the work queued so far on ``device``'s current
+        stream; with ``landed``, that work sets ``host[landed]`` (0 when queued) to 1 last. ``array``: ``host``
+        as numpy."""
         event, cuda = None, device.type == "cuda"
         if cuda and landed is None:
             event = self._spare.pop() if self._spare else torch.cuda.Event()
@@ -144,7 +133,6 @@ class DeviceFlagCheck:
         self._pending.append((self.batch, host, array, event, landed, cuda, fail))
 
     def next_batch(self) -> None:
-        """Start the next batch: act on the records of the batches ``lag`` or more before it."""
         self.batch += 1
         self._read(self.batch - self.lag)
 
@@ -170,8 +158,7 @@ class DeviceFlagCheck:
                 self._buffers.append(flags if flags._base is None else flags._base)
             error = fail(host)
             if error is not None:
-                # The later records' values are dropped, but their pinned buffers stay held until they land:
-                # the launches still in flight read and write them.
+                # Later records' values are dropped; their pinned buffers stay held (launches in flight use them).
                 self._pending = [(k, f, a, e, i, p, lambda _: None) for k, f, a, e, i, p, _ in self._pending if p]
                 raise error
 

@@ -41,9 +41,8 @@ def check_index(name: str, t: torch.Tensor, dim: int) -> None:
 
 class Launch:
     """``fn[grid](*args, **constexprs, **options)``, queued on the current stream at every call. Every tensor
-    must be on the launch's device (its first tensor off the host) or pinned host memory. ``ran``: a launch
-    Triton compiles to the same kernel (``compile_key``) has been queued, so a graph capture compiles nothing.
-    """
+    must be on the launch's device or pinned host memory. ``ran``: a launch of the same compiled kernel
+    (``compile_key``) has been queued, so a graph capture compiles nothing."""
 
     __slots__ = ("fn", "grid", "args", "constexprs", "options", "device")
 

@@ -35,6 +35,13 @@ def _decode(flash_mla, q, cache_u8, rows, sm_scale):
     return out, lse
 
 
+def _rows_through(positions: torch.Tensor, tables: list[torch.Tensor]) -> torch.Tensor:
+    """int32 ``[B, k]``: each request's token positions (-1: none) as rows of a pool through its page table."""
+    return torch.stack(
+        [torch.where(p >= 0, t[p.clamp(min=0) // PS] * PS + p.clamp(min=0) % PS, -1) for p, t in zip(positions, tables)]
+    ).to(torch.int32)
+
+
 def _pools(cp_size: int, lens: list[int], seed: int):
     """Random fp8 rows for requests of ``lens`` tokens on rotating pages, stored in a replicated pool and
     in every rank's sharded pool: ``(ownership, pages per request, replicated pool, rank pools)``."""
@@ -83,13 +90,8 @@ def test_fp8_sparse_decode_over_rebuilt_pool_equals_replicated(cp_size):
     pos = torch.stack([torch.randperm(n, device=dev)[:topk] for n in lens])
     pos[:, -5:] = -1
 
-    def rows_through(tables):
-        return torch.stack(
-            [torch.where(p >= 0, t[p.clamp(min=0) // PS] * PS + p.clamp(min=0) % PS, -1) for p, t in zip(pos, tables)]
-        ).to(torch.int32)
-
-    rows_repl = rows_through(req_pages).unsqueeze(1)
-    rows_dec = rows_through(dst_of_req).unsqueeze(1)
+    rows_repl = _rows_through(pos, req_pages).unsqueeze(1)
+    rows_dec = _rows_through(pos, dst_of_req).unsqueeze(1)
     out_r, lse_r = _decode(flash_mla, q, replicated.latent[0], rows_repl, sm_scale)
     out_d, lse_d = _decode(flash_mla, q, decode.latent[0], rows_dec, sm_scale)
     assert torch.equal(out_r, out_d) and torch.equal(lse_r, lse_d)
@@ -118,12 +120,7 @@ def test_decode_cp_each_rank_attends_over_its_own_rows_and_the_lse_merge_equals_
     selected = torch.stack([torch.randperm(n, device=dev)[:topk] for n in lens])
     selected[0] = torch.cat([torch.randperm(PS, device=dev)[:40], torch.full((topk - 40,), -1, device=dev)])
     selected[1:, -5:] = -1
-    rows_repl = torch.stack(
-        [
-            torch.where(p >= 0, t[p.clamp(min=0) // PS] * PS + p.clamp(min=0) % PS, -1)
-            for p, t in zip(selected, req_pages)
-        ]
-    ).to(torch.int32)
+    rows_repl = _rows_through(selected, req_pages)
     out_repl, lse_repl = _decode(flash_mla, q, replicated.latent[0], rows_repl.unsqueeze(1), sm_scale)
     width = max(lens)
     outs, lses, attended = [], [], []
@@ -219,12 +216,7 @@ def test_decode_cp_step_makes_no_host_sync_and_replays_in_a_cuda_graph():
 
     assert torch.equal(selected, ranked_topk(scores, positions, topk)[1])
     assert (selected[0] >= 0).sum() == lens[0] and (selected[1:] >= 0).all()
-    rows_repl = torch.stack(
-        [
-            torch.where(p >= 0, t[p.clamp(min=0) // PS] * PS + p.clamp(min=0) % PS, -1)
-            for p, t in zip(selected, req_pages)
-        ]
-    ).to(torch.int32)
+    rows_repl = _rows_through(selected, req_pages)
     out_repl, lse_repl = _decode(flash_mla, q, replicated.latent[0], rows_repl.unsqueeze(1), sm_scale)
     assert torch.allclose(lse, lse_repl[:, :, 0].float(), atol=1e-4), (lse - lse_repl[:, :, 0]).abs().max()
     assert torch.allclose(out, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (out - out_repl[:, 0]).abs().max()

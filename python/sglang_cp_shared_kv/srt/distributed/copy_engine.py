@@ -9,11 +9,13 @@ Per call ``k`` (the same count on every rank), on the caller's stream::
     ack[me]   := k on every peer           (done reading the peers' parts)
     wait ack[p] >= k                       (no peer reads this rank's part any more)
 
-A caller that alternates two sets of buffers may leave the ack out (``ack=False``): the next write into a
-set follows its next call's wait for ``ready[p] >= k + 1``, which a peer signals only after its pulls of call
-``k``; it ends with an acked call or ``finish_reads``. Counters only grow, so no older call satisfies a wait.
+A caller that alternates two sets of buffers, its calls ordered on the device, may leave the ack out
+(``ack=False``): the next write into a set follows its next call's wait for ``ready[p] >= k + 1``, which a
+peer signals only after its pulls of call ``k``; it ends with an acked call or ``finish_reads``. Counters only
+grow, so no older call satisfies a wait.
 With the peers' pools mapped too (``sources``), a view built in line is one kernel reading every owner's
-pages where they lie, and one ``fence`` per batch orders the pools across ranks."""
+pages where they lie, and one ``fence`` per batch orders the pools across ranks: a batch reads only pages
+written before it began."""
 
 from __future__ import annotations
 

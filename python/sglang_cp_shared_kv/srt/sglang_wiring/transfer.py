@@ -108,7 +108,7 @@ def record_sent_share(sender, kv_indices, positions) -> None:
 def manifest_frames(mgr, bootstrap_room: int, status) -> list[bytes]:
     """The frames a status message of ``CommonKVManager._encode_kv_status_message`` gets after SGLang's own: a
     Success carries this rank's manifest (after an empty reason frame where the backend sends none); a Failed
-    drops the record."""
+    drops the record; any other status leaves it."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if not sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):

@@ -135,7 +135,8 @@ class ViewMaterializer:
     """Builds, per batch and layer, the dense view a sharded pool's kernels read. ``group``: the CP group
     owning the pool's pages (None only for a single-rank pool), or a ``copy_engine.CopyEngineGroup``
     registered over the arena. ``arena`` (``allocate_arena``): every batch's views are its leading pages; a
-    batch whose two view sets do not fit is not prefetched."""
+    batch whose views do not fit raises ``ViewArenaError`` before anything is written, one whose two view
+    sets do not fit is not prefetched."""
 
     def __init__(
         self,

@@ -10,7 +10,9 @@ token locs to rows of the buffer ``get_key_buffer(layer)`` (and the indexer's pa
 - **materialized** (any prefix): the prefix pages are planned (``plan_kernels.plan_batch``) and per layer
   gathered from their owners into a dense owner-major view (``materialize.ViewMaterializer``), the current
   chunk staged past it: ``[prefix view (N * S pages) | current pages | trash page]``, latent rows and indexer
-  pages alike (one plan, one gather, one collective for both).
+  pages alike (one plan, one gather, one collective for both). A request's prefix pages shared with an
+  earlier request (``BatchInputs.shared_prefix``) are not planned again (``S = sum_b ceil((Q_b - shared_b) /
+  N)``); the translation finds them through the source's slots.
 
 Sizes come from host lengths; nothing reads device data back (debug mode aside). What only the device can
 see (a plan whose pages do not rotate owners, a wrong shared-prefix hint) is flagged in pinned memory and

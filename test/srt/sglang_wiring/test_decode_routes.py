@@ -47,3 +47,13 @@ def test_indexer_pages_are_routed_and_other_state_is_left():
     assert src[0].tolist() == [5, 7] and req2.dst_state_indices[0].tolist() == [5, 6]
     assert src[1].tolist() == [3] and req2.dst_state_indices[1].tolist() == [7]
     assert req.dst_state_indices[0].tolist() == [10, 11, 12, 13]  # the request itself is left as it was
+
+
+def test_the_manifest_names_the_decode_cp_size_the_room_was_routed_by(monkeypatch):
+    table = {"a": SimpleNamespace(dst_dcp_size=4, dst_dcp_rank=1), "b": SimpleNamespace(dst_dcp_size=1, dst_dcp_rank=0)}
+    info = lambda sid, dummy=False: SimpleNamespace(mooncake_session_id=sid, is_dummy=dummy)  # noqa: E731
+    rooms = {7: {"a": info("a")}, 8: {"b": info("b")}, 9: {"a": info("a", dummy=True)}}
+    mgr = SimpleNamespace(decode_kv_args_table=table, transfer_infos=rooms)
+    monkeypatch.setattr(decode_routes, "sharded_prefill", lambda m: m is mgr)
+    sizes = [decode_routes.routed_dcp_size(mgr, room) for room in (7, 8, 9, 10)]
+    assert sizes == [4, 1, 1, 1]  # routed; a whole-page decode; only a dummy destination; no room

@@ -50,7 +50,8 @@ def arm_manifest_check(receiver, n_pages: int) -> None:
     info = getattr(receiver, "prefill_info", None)
     if manager_enabled(mgr, "decode") and info is not None and receiver.conclude_state != KVPoll.Failed:
         room = receiver.bootstrap_room
-        collector = ManifestCollector(str(room), n_pages, info.attn_cp_size, latent_page_bytes(mgr.kv_args))
+        page_bytes, dcp_size = latent_page_bytes(mgr.kv_args), getattr(mgr, "dcp_size", 1) or 1
+        collector = ManifestCollector(str(room), n_pages, info.attn_cp_size, page_bytes, dcp_size)
         check = RoomCheck(collector, senders=int(info.required_prefill_response_num))
         if check.senders != info.attn_cp_size:
             check.error = (

@@ -4,7 +4,8 @@ A decode rank ``d`` of ``D`` (``D > 1``) registers SGLang's ``dst_dcp_size`` / `
 the request's logical destination pages, the same on every decode rank. Each prefill rank sends it only
 the pages it owns whose destination logical page ``l`` has ``l % D == d``, to that rank's physical page
 ``l // D`` (``route_to_owner``), latent and indexer pages alike: every page once, from its prefill
-owner to its decode owner, whole, for any ``D`` (not SGLang's token relayout). No decode server builds such
+owner to its decode owner, whole, for any ``D`` (not SGLang's token relayout). Each rank's manifest names the
+``D`` it routed by (``routed_dcp_size``) and the decode refuses any other. No decode server builds such
 a pool yet (the startup checks refuse ``--dcp-size`` there); the demo's ``--decode-cp-size`` runs it.
 """
 
@@ -27,6 +28,13 @@ def decode_owner(mgr: Any, session_id: str) -> tuple[int, int] | None:
     info = mgr.decode_kv_args_table.get(session_id)
     size = getattr(info, "dst_dcp_size", 1)
     return (size, info.dst_dcp_rank) if size > 1 else None
+
+
+def routed_dcp_size(mgr: Any, room: int) -> int:
+    """The decode CP size ``D`` a sharded prefill routes request ``room``'s pages by (1: not routed)."""
+    infos = getattr(mgr, "transfer_infos", {}).get(room) or {}
+    owners = [decode_owner(mgr, info.mooncake_session_id) for info in infos.values() if not getattr(info, "is_dummy", False)]
+    return max((owner[0] for owner in owners if owner is not None), default=1)
 
 
 def route_to_owner(src, dst, owner: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:

@@ -69,6 +69,7 @@ class SentShare:
 
     page_table: list[int] = field(default_factory=list)  # the logical page at every position
     positions: list[int] = field(default_factory=list)  # the positions this rank selected to send
+    dcp_size: int = 1  # the decode CP size its pages are routed by (1: not routed)
 
 
 def latent_page_bytes(kv_args: Any) -> int:
@@ -82,9 +83,9 @@ def sharded_prefill(mgr: Any) -> bool:
     return manager_enabled(mgr, "prefill") and mgr.kv_shard_size > 1
 
 
-def record_sent_share(sender, kv_indices, positions) -> None:
-    """After ``CommonKVSender._prepare_send_indices``: record the chunk's logical pages (``kv_indices``) and
-    the ``positions`` SGLang's filter selected for this rank."""
+def record_sent_share(sender, kv_indices, positions, dcp_size: int = 1) -> None:
+    """After ``CommonKVSender._prepare_send_indices``: record the chunk's logical pages (``kv_indices``), the
+    ``positions`` SGLang's filter selected for this rank and the decode CP size the pages are routed by."""
     mgr = sender.kv_mgr
     if not sharded_prefill(mgr):
         return
@@ -97,7 +98,7 @@ def record_sent_share(sender, kv_indices, positions) -> None:
     positions = range(positions.start, positions.stop) if isinstance(positions, slice) else positions
     shares = state_of(mgr).shares
     if sender.curr_idx == len(pages):  # the request's first chunk opens its share (a reused room starts over)
-        shares[sender.bootstrap_room] = SentShare()
+        shares[sender.bootstrap_room] = SentShare(dcp_size=dcp_size)
     share = shares.get(sender.bootstrap_room)
     if share is None:  # never opened: the request goes without a manifest and the decode fails it
         return
@@ -126,6 +127,7 @@ def manifest_frames(mgr, bootstrap_room: int, status) -> list[bytes]:
         page_table=tuple(share.page_table),
         positions=tuple(share.positions),
         nbytes=len(share.positions) * latent_page_bytes(mgr.kv_args),
+        dcp_size=share.dcp_size,
     )
     reason = [] if mgr.kv_status_msg_carries_reason else [b""]
     return [*reason, MANIFEST_FRAME, str(mgr.kv_shard_size).encode("ascii"), cm.encode(manifest)]

@@ -60,6 +60,7 @@ MUTATIONS = [
     "wrong_nbytes",
     "wrong_rank",
     "wrong_cp_size",
+    "wrong_dcp_size",
     "no_manifest",
     "extra_frame",
     "garbage_cp_frame",
@@ -93,16 +94,17 @@ def test_codec_returns_a_valid_manifest_or_one_clear_error(data):
 @given(
     body=st.fixed_dictionaries(
         {
-            "v": st.just(1),
+            "v": st.just(cm.PROTOCOL_VERSION),
             "type": st.just("manifest"),
             "request_id": st.one_of(st.text(min_size=1, max_size=300), json_values),
             "rank": st.one_of(st.integers(-(2**70), 2**70), json_values),
             "page_table": st.one_of(st.lists(st.integers(-(2**40), 2**66), max_size=6), json_values),
             "positions": st.one_of(st.lists(st.integers(-3, 2**33), max_size=6), json_values),
             "nbytes": st.one_of(st.integers(-(2**70), 2**70), st.floats(), json_values),
+            "dcp_size": st.one_of(st.integers(-3, 2**33), json_values),
         }
     ),
-    drop=st.sets(st.sampled_from(["v", "type", "request_id", "rank", "page_table", "positions", "nbytes"])),
+    drop=st.sets(st.sampled_from(["v", "type", "request_id", "rank", "page_table", "positions", "nbytes", "dcp_size"])),
 )
 def test_codec_checks_every_field(body, drop):
     for k in drop:
@@ -116,6 +118,7 @@ def test_codec_checks_every_field(body, drop):
     assert not drop
     assert 0 < len(m.request_id) <= cm.MAX_ID_CHARS and 0 <= m.rank <= cm.MAX_INT and 0 <= m.nbytes <= cm.MAX_INT
     assert all(0 <= x <= cm.MAX_INDEX for x in (*m.page_table, *m.positions))
+    assert 1 <= m.dcp_size <= cm.MAX_INDEX
 
 
 def test_codec_refuses_oversized_and_deeply_nested_messages():
@@ -124,10 +127,10 @@ def test_codec_refuses_oversized_and_deeply_nested_messages():
     with pytest.raises(cm.ControlMessageError, match="nested too deeply"):
         cm.decode(b"[" * 200_000)
     with pytest.raises(cm.ControlMessageError, match=r"page_table\[0\] must be an int >= 0 and <= 2147483647"):
-        cm.decode(json.dumps({"v": 1, "type": "manifest", "request_id": "1", "rank": 0, "page_table": [2**70], "positions": [0], "nbytes": 0}).encode())  # fmt: skip
+        cm.decode(json.dumps({"v": cm.PROTOCOL_VERSION, "type": "manifest", "request_id": "1", "rank": 0, "page_table": [2**70], "positions": [0], "nbytes": 0, "dcp_size": 1}).encode())  # fmt: skip
     # An integer past Python's digit limit for str -> int: json raises a plain ValueError for it.
     with pytest.raises(cm.ControlMessageError, match="not valid JSON: Exceeds the limit"):
-        cm.decode(b'{"v": 1, "type": "manifest", "rank": ' + b"9" * 4301 + b"}")
+        cm.decode(b'{"v": 2, "type": "manifest", "rank": ' + b"9" * 4301 + b"}")
 
 
 # ------------------------------------------------------------------------------ one request's messages
@@ -144,13 +147,14 @@ def honest_body(room: int, rank: int, cp_size: int, table: list[int], page_bytes
     """What ``transfer.attach_manifest`` sends for rank ``rank``: the table and the positions it owns."""
     positions = [p for p, lp in enumerate(table) if lp % cp_size == rank]
     return {
-        "v": 1,
+        "v": cm.PROTOCOL_VERSION,
         "type": "manifest",
         "request_id": str(room),
         "rank": rank,
         "page_table": list(table),
         "positions": positions,
         "nbytes": len(positions) * page_bytes,
+        "dcp_size": 1,
     }
 
 
@@ -187,29 +191,30 @@ def hostile_message(draw, kind: str, room: int, rank: int, cp_size: int, table: 
         return frames(json.dumps(draw(json_values)).encode())
     if kind == "deep_nesting":
         depth = draw(st.integers(5_000, 50_000))
-        return frames(b'{"v":1,"type":"manifest","request_id":' + b"[" * depth + b"]" * depth + b"}")
+        return frames(b'{"v":2,"type":"manifest","request_id":' + b"[" * depth + b"]" * depth + b"}")
     if kind == "wrong_version":
-        return enc({**body, "v": draw(st.sampled_from([0, 2, "1", None, 1.0, True]))})
+        return enc({**body, "v": draw(st.sampled_from([0, 1, 3, "2", None, 2.0, True]))})
     if kind == "wrong_type":
         return enc({**body, "type": draw(st.sampled_from(["hello", "Manifest", "", None, 7]))})
     if kind == "missing_field":
-        k = draw(st.sampled_from(["request_id", "rank", "page_table", "positions", "nbytes"]))
+        k = draw(st.sampled_from(["request_id", "rank", "page_table", "positions", "nbytes", "dcp_size"]))
         return enc({f: v for f, v in body.items() if f != k})
     if kind == "extra_field":
         return enc({**body, draw(st.sampled_from(["pages", "Rank", "x", ""])): draw(json_values)})
     if kind == "field_wrong_type":
-        k = draw(st.sampled_from(["request_id", "rank", "page_table", "positions", "nbytes"]))
+        k = draw(st.sampled_from(["request_id", "rank", "page_table", "positions", "nbytes", "dcp_size"]))
         bad = {
             "request_id": st.sampled_from([room, None, "", [str(room)], "x" * 300]),
             "rank": st.sampled_from([str(rank), float(rank) + 0.5, None, True, [rank]]),
             "page_table": st.sampled_from([None, "1,2", {"0": 1}, [str(x) for x in table] or ["0"], [0.5]]),
             "positions": st.sampled_from([None, "0", {"0": 0}, [[0]], [True], [1.5]]),
             "nbytes": st.sampled_from([None, "0", 1.5, [0], False]),
+            "dcp_size": st.sampled_from([None, "1", 1.5, [1], True]),
         }[k]
         return enc({**body, k: draw(bad)})
     if kind == "int_out_of_range":
-        k = draw(st.sampled_from(["rank", "nbytes", "page_table", "positions"]))
-        v = draw(st.sampled_from([-1, -(2**63), 2**63, 2**80]))
+        k = draw(st.sampled_from(["rank", "nbytes", "page_table", "positions", "dcp_size"]))
+        v = draw(st.sampled_from([-1, -(2**63), 2**63, 2**80] + ([0] if k == "dcp_size" else [])))
         if k in ("page_table", "positions"):
             lst = list(body[k]) or [0]
             lst[draw(st.integers(0, len(lst) - 1))] = v if v < 0 or k == "positions" else max(v, 2**31)
@@ -250,6 +255,8 @@ def hostile_message(draw, kind: str, room: int, rank: int, cp_size: int, table: 
         return enc({**body, "rank": draw(st.sampled_from([r for r in range(cp_size + 2) if r != rank]))})
     if kind == "wrong_cp_size":
         return status(room, rank, [MANIFEST_FRAME, str(draw(st.sampled_from([0, cp_size + 1, 2 * cp_size + 1]))).encode(), json.dumps(body).encode()])  # fmt: skip
+    if kind == "wrong_dcp_size":  # routed for a decode CP the decode (non-CP here) does not run
+        return enc({**body, "dcp_size": draw(st.sampled_from([2, 3, 8]))})
     if kind == "no_manifest":
         return status(room, rank, [])
     if kind == "extra_frame":

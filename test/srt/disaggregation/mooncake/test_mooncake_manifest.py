@@ -100,3 +100,15 @@ def test_constructor_rejects_bad_arguments():
         ManifestCollector("r", -1, 2, PAGE_BYTES)
     with pytest.raises(ValueError, match="cp_size"):
         ManifestCollector("r", 4, 0, PAGE_BYTES)
+
+
+@pytest.mark.parametrize("sent, decode", [(1, 2), (2, 1), (4, 2)])
+def test_pages_routed_for_another_decode_cp_size(sent, decode):
+    table = _table(8, 2)
+    col = ManifestCollector("r", 8, 2, PAGE_BYTES, dcp_size=decode)
+    m = _manifest(table, 0, 2)
+    _rejects(col, Manifest(m.request_id, 0, m.page_table, m.positions, m.nbytes, dcp_size=sent),
+             f"rank 0 routed its pages for a decode CP size of {sent}, this decode runs {decode}")  # fmt: skip
+    routed = [Manifest(x.request_id, r, x.page_table, x.positions, x.nbytes, decode)
+              for r, x in ((r, _manifest(table, r, 2)) for r in range(2))]  # fmt: skip
+    assert [col.add(x) for x in routed] == [False, True]

@@ -4,7 +4,9 @@ Each prefill CP rank reports, after its write, the request's page table (identic
 positions it sent. A request is complete only when every rank ``0 .. N-1`` reported once, all with the same
 table of ``n_pages`` distinct pages, and rank ``r`` reported exactly the positions whose page it owns, with
 a byte count matching them: the positions are then exactly ``0 .. n_pages-1``. Rank ``r`` is that of the
-connection the manifest arrived on (checked by the receiver), so the owner check is against who wrote.
+connection the manifest arrived on (checked by the receiver), so the owner check is against who wrote. Every
+rank routed its pages by the decode's CP size ``D`` (1: not routed), so decode rank ``d`` of ``D`` got each
+position whose destination logical page ``l`` has ``l % D == d`` from the one prefill rank owning it.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ class ManifestError(ValueError):
 class ManifestCollector:
     """Collects the manifests of one request from ``cp_size`` senders."""
 
-    def __init__(self, request_id: str, n_pages: int, cp_size: int, page_bytes: int):
+    def __init__(self, request_id: str, n_pages: int, cp_size: int, page_bytes: int, dcp_size: int = 1):
         check_int("n_pages", n_pages, 0)
         check_int("cp_size", cp_size, 1)
+        check_int("dcp_size", dcp_size, 1)
         self.request_id = request_id
         self.n_pages = n_pages
         self.cp_size = cp_size
+        self.dcp_size = dcp_size  # the decode's CP size: every sender must have routed by it
         self.page_bytes = page_bytes
         self.page_table: np.ndarray | None = None
         self.reported_by: dict[int, int] = {}  # rank -> pages reported
@@ -48,6 +52,11 @@ class ManifestCollector:
             raise ManifestError(f"request {rid}: manifest rank {rank} out of range [0, {self.cp_size})")
         if rank in self.reported_by:
             raise ManifestError(f"request {rid}: rank {rank} sent a second manifest")
+        if m.dcp_size != self.dcp_size:
+            raise ManifestError(
+                f"request {rid}: rank {rank} routed its pages for a decode CP size of {m.dcp_size}, "
+                f"this decode runs {self.dcp_size}"
+            )
         table = np.asarray(m.page_table, dtype=np.int64)
         if table.shape[0] != self.n_pages:
             raise ManifestError(

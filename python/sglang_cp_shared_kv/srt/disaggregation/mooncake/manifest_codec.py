@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: dcp_size
 MAX_ID_CHARS = 256
 MAX_MESSAGE_BYTES = 64 << 20  # a manifest of ~3M pages; anything larger is refused unparsed
 MAX_INT = (1 << 63) - 1  # every int fits an int64 (the collector's arrays)
@@ -55,13 +55,15 @@ def int_list_field(name: str, v: Any) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What one prefill CP rank wrote for one request: the page table and the positions it sent."""
+    """What one prefill CP rank wrote for one request: the page table, the positions it sent, and the
+    decode CP size it routed them by (each page to the decode rank owning its destination; 1: not routed)."""
 
     request_id: str
     rank: int
     page_table: tuple[int, ...]
     positions: tuple[int, ...]
     nbytes: int
+    dcp_size: int = 1
 
     TYPE = "manifest"
     SCHEMA = {
@@ -70,6 +72,7 @@ class Manifest:
         "page_table": int_list_field,
         "positions": int_list_field,
         "nbytes": int_field(),
+        "dcp_size": int_field(1, MAX_INDEX),
     }
 
 
@@ -97,7 +100,7 @@ def decode(data: bytes) -> Manifest:
     if not isinstance(obj, dict):
         raise ControlMessageError(f"control message must be a JSON object, got {type(obj).__name__}")
     version = obj.pop("v", None)
-    if type(version) is not int or version != PROTOCOL_VERSION:  # not 1.0, not true
+    if type(version) is not int or version != PROTOCOL_VERSION:  # an int: not 2.0, not true
         raise ControlMessageError(f"control message version must be {PROTOCOL_VERSION}, got {version!r:.40}")
     kind = obj.pop("type", None)
     if kind != Manifest.TYPE:

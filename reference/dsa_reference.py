@@ -171,6 +171,19 @@ def _top_positions(scores: torch.Tensor, width: int) -> torch.Tensor:
     return top
 
 
+def ranked_topk_ref(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decode_cp.ranked_topk`` by two stable sorts: fp32 and int64 ``[R, k]``, the ``k`` first of each row
+    by score descending, position ascending (-1: an empty candidate, after every position of its score;
+    a row of fewer than ``k`` is padded with empties, ``-inf`` and -1)."""
+    key = torch.where(positions < 0, torch.iinfo(torch.int64).max, positions)
+    by_position = torch.sort(key, dim=-1, stable=True).indices
+    s, p = scores.gather(-1, by_position), positions.gather(-1, by_position)
+    first = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+    values = torch.nn.functional.pad(s.gather(-1, first), (0, k - first.shape[1]), value=-torch.inf)
+    chosen = torch.nn.functional.pad(p.gather(-1, first), (0, k - first.shape[1]), value=-1)
+    return values, torch.where(values == -torch.inf, -1, chosen)
+
+
 def sparse_mla(
     q: torch.Tensor,
     kv_rows_u8: torch.Tensor,

@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - triton ships with torch on Linux
 
 from benchmark.cp_shared_kv import rank_model_pacing as pacing
 from benchmark.cp_shared_kv.layer_compute import HEADS, INDEX_TOPK, PAGE_SIZE, QK_DIM, AttentionStep
+from reference.dsa_reference import ranked_topk_ref
 from reference.kv_formats import quantize_mla_fp8
 from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import merge_by_lse, ranked_topk
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import KV_LORA_RANK, ROPE_DIM
@@ -165,15 +166,19 @@ class ShardedStep:
     def _gather(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.link.copy_pull([(src.view(torch.uint8).view(-1), dst.view(torch.uint8).view(-1)) for src, dst in pairs])
 
-    def __call__(self) -> torch.Tensor:
-        d, b = self.d, self.d.batch
+    def merge(self, rank=ranked_topk) -> torch.Tensor:
+        """The global top-k of the gathered candidates by ``rank``: ``[N, B, k]`` -> ``[B, k]``."""
+        per_row = lambda t: t.transpose(0, 1).reshape(self.d.batch, -1)  # noqa: E731 - [N, B, k] -> [B, N * k]
+        return rank(per_row(self.vals), per_row(self.pos), INDEX_TOPK)[1]
+
+    def __call__(self, rank=ranked_topk) -> torch.Tensor:
+        d = self.d
         index_logits(d.q, d.w, self.k, self.k_scale, self.logits)
         top = torch.topk(self.logits, self.width, dim=-1)
         self.vals[0, :, : self.width] = top.values
         self.pos[0, :, : self.width] = self.positions[top.indices]
         self._gather([(self.peer_vals, self.vals[1:]), (self.peer_pos, self.pos[1:])])
-        per_row = lambda t: t.transpose(0, 1).reshape(b, -1)  # noqa: E731 - [N, B, k] -> [B, N * k]
-        self.top = ranked_topk(per_row(self.vals), per_row(self.pos), INDEX_TOPK)[1]
+        self.top = self.merge(rank)
         self.outs[0] = self.attn(self.kv_rows)[:, 0]
         self._gather([(self.peer_outs, self.outs[1:]), (self.peer_lses, self.lses[1:])])
         return merge_by_lse(self.outs, self.lses)[0]
@@ -184,8 +189,11 @@ def measure(batch: int, context: int, cp_size: int, link: pacing.PacedLink, devi
     data = DecodeData(batch, context, cp_size, device)
     rep, shard = ReplicatedStep(data), ShardedStep(data, link)
     rep_us, shard_us = time_us(rep), time_us(shard)
+    shard_sorting_us = time_us(lambda: shard(ranked_topk_ref))
+    merge_us, merge_sorting_us = time_us(shard.merge), time_us(lambda: shard.merge(ranked_topk_ref))
     rep(), shard()
     same = all(set(rep.top[i].tolist()) == set(t for t in shard.top[i].tolist() if t >= 0) for i in range(batch))
+    same_merge = torch.equal(shard.merge(), shard.merge(ranked_topk_ref))
     return {
         "batch": batch,
         "context": context,
@@ -194,6 +202,12 @@ def measure(batch: int, context: int, cp_size: int, link: pacing.PacedLink, devi
         "sharded_us": round(shard_us, 1),
         "overhead_pct": round((shard_us / rep_us - 1) * 100, 2),
         "topk_equal": same,
+        # The global merge alone and the step with it, by one top-k over a composite key (the product's
+        # ranked_topk) and by two stable sorts (ranked_topk_ref); merge_equal: the same top-k both ways.
+        "merge_us": round(merge_us, 1),
+        "merge_sorting_us": round(merge_sorting_us, 1),
+        "sharded_sorting_merge_us": round(shard_sorting_us, 1),
+        "merge_equal": same_merge,
         "candidate_bytes_per_peer": batch * INDEX_TOPK * 12,
         "output_bytes_per_peer": batch * HEADS * (KV_LORA_RANK * 2 + 4),
         "kv_bytes_per_rank": {
@@ -231,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_overhead_b32_128k": None if cell is None else cell["overhead_pct"],
         "what": "attention part of a decode layer, sharded over cp_size ranks vs replicated (percent)",
         "topk_equal": all(r["topk_equal"] for r in rows),
+        "merge_equal": all(r["merge_equal"] for r in rows),
         "cp_size": args.cp_size,
         "link": link.describe(),
         "stand_ins": [
@@ -240,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result("decode_dcp_step", rows, summary)
     print(summary)
-    return 0 if summary["topk_equal"] else 1
+    return 0 if summary["topk_equal"] and summary["merge_equal"] else 1
 
 
 if __name__ == "__main__":

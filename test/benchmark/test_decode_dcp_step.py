@@ -47,5 +47,6 @@ def test_a_cell_reports_both_steps():
     link = pacing.PacedLink(370.0, 0.0, 1e9, pacing.Spinner(torch.device("cpu")))
     row = measure(2, 4096, 4, link, "cpu", lambda fn: (fn(), 10.0)[1])  # every step "takes" 10 us here
     assert row["topk_equal"] and row["overhead_pct"] == 0.0 and row["replicated_us"] == 10.0
+    assert row["merge_equal"] and row["merge_us"] == row["merge_sorting_us"] == 10.0
     kv = row["kv_bytes_per_rank"]
     assert kv["sharded"] * 4 == kv["replicated"]

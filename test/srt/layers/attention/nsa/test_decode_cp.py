@@ -136,9 +136,29 @@ def test_ranked_topk_orders_by_score_then_position_and_pads():
     values, chosen = ranked_topk(scores, positions, 7)
     assert chosen.tolist() == [[2, 7, 4, 9, -1, -1, -1]], chosen
     assert values[0, :4].tolist() == [3.0, 3.0, 2.0, 1.0]
+    assert ranked_topk(torch.tensor([[-0.0, 0.0, -1.0]]), torch.tensor([[8, 3, 1]]), 2)[1].tolist() == [[3, 8]]
     # No rank attended to the row: out 0, lse -inf (not NaN), whatever the outputs held.
     out, lse = merge_by_lse(torch.full((2, 1, 1, 3), torch.nan), torch.full((2, 1, 1), -torch.inf))
     assert out.tolist() == [[[0.0, 0.0, 0.0]]] and lse.tolist() == [[-torch.inf]]
     # FlashMLA's mark of a rank that attended to nothing (lse +inf) drops out of the merge as -inf does.
     out, lse = merge_by_lse(torch.tensor([[[[1.0, 2.0]]], [[[0.0, 0.0]]]]), torch.tensor([[[0.5]], [[torch.inf]]]))
     assert out.tolist() == [[[1.0, 2.0]]] and lse.tolist() == [[0.5]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ranked_topk_equals_the_rule_by_sorting(seed):
+    from reference.dsa_reference import ranked_topk_ref
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import ranked_topk
+
+    g = torch.Generator().manual_seed(seed)
+    rows, width, k = 5, 300, 64
+    # Few distinct scores (ties everywhere), both zeros, negatives, invisible and empty candidates.
+    levels = torch.tensor([-torch.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, 7.25, 3e38])
+    scores = levels[torch.randint(0, len(levels), (rows, width), generator=g)]
+    positions = torch.randint(0, 2**31 - 1, (rows, width), generator=g)
+    positions[torch.rand(rows, width, generator=g) < 0.1] = -1
+    positions[0, :3] = torch.tensor([0, 2**31 - 2, 2**31 - 3])
+    for kk in (k, width + 20):  # fewer candidates than k: padded
+        values, chosen = ranked_topk(scores, positions, kk)
+        want_values, want_chosen = ranked_topk_ref(scores, positions, kk)
+        assert torch.equal(chosen, want_chosen) and torch.equal(values, want_values)

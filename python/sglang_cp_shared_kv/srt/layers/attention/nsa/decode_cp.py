@@ -23,19 +23,19 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
-_LAST = torch.iinfo(torch.int64).max  # the sort key of an empty candidate: after every position
-
-
 def ranked_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` first of each row by score descending, position ascending: fp32 and int64 ``[R, k]`` of
-    ``scores`` fp32 ``[R, L]`` (``-inf``: not visible) and ``positions`` int64 ``[R, L]`` (-1: none)."""
+    ``scores`` fp32 ``[R, L]`` (``-inf``: not visible) and ``positions`` int64 ``[R, L]`` (-1: none, ranked
+    after every position of its score). One ``torch.topk`` over an int64 key that orders as that rule:
+    the high 32 bits order as the score, the low 32 bits against the position."""
     rows, width = scores.shape
     if width < k:  # fewer candidates than k: padded with empty ones
         scores = torch.nn.functional.pad(scores, (0, k - width), value=-torch.inf)
         positions = torch.nn.functional.pad(positions, (0, k - width), value=-1)
-    by_position = torch.argsort(torch.where(positions < 0, _LAST, positions), dim=-1, stable=True)
-    scores, positions = scores.gather(-1, by_position), positions.gather(-1, by_position)
-    first = torch.argsort(scores, dim=-1, descending=True, stable=True)[:, :k]  # ties keep the position order
+    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 ties with 0.0, as floats compare
+    high = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # IEEE order: negatives by magnitude, reversed
+    low = torch.where(positions < 0, 0, 0xFFFFFFFF - positions)  # positions < 2**31: low >= 2**31 > empty
+    first = torch.topk(high * (1 << 32) + low, k, dim=-1).indices  # sorted: keys are unique but for empties
     values, chosen = scores.gather(-1, first), positions.gather(-1, first)
     return values, torch.where(values == -torch.inf, -1, chosen)
 

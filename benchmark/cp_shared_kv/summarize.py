@@ -177,6 +177,10 @@ def decode_dcp_step() -> str:
              r["topk_equal"]] for r in d["rows"]]  # fmt: skip
     head = ["batch", "context", "replicated (us)", f"sharded, rank 0 of {s['cp_size']} (us)", "overhead %",
             "merged top-k = replicated"]  # fmt: skip
+    if all("merge_us" in r for r in d["rows"]):  # the merge by one top-k against two sorts, same run
+        head += ["merge: one top-k / two sorts (us)", "sharded with the two-sort merge (us)"]
+        for row, r in zip(rows, d["rows"]):
+            row += [f"{r['merge_us']} / {r['merge_sorting_us']}", r["sharded_sorting_merge_us"]]
     link_s = s["link"]
     note = (
         f"\nOverhead: {s['what']}; CUDA-graph replays; all-gathers paced to "

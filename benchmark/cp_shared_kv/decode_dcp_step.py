@@ -184,6 +184,35 @@ class ShardedStep:
         return merge_by_lse(self.outs, self.lses)[0]
 
 
+def owned_first(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` int32 ``[B, 1, k]`` (-1: another rank's) -> the same rows, this rank's first in their order,
+    and their count int32 ``[B]``: FlashMLA's ``cache_seqlens`` for a sparse decode over only those."""
+    own = rows >= 0
+    count = own.sum(-1, dtype=torch.int32)
+    dst = torch.where(own, own.cumsum(-1) - 1, count.unsqueeze(-1) + (~own).cumsum(-1) - 1)
+    return torch.empty_like(rows).scatter_(-1, dst, rows), count.view(-1)
+
+
+def attend_owned_first(shard: ShardedStep) -> torch.Tensor:
+    """Rank 0's attention with its rows first and ``cache_seqlens`` their count (schedule made from the
+    counts in the step): FlashMLA then walks ~k / N rows, not k with the others skipped as -1."""
+    rows, count = owned_first(shard.attn.indices)
+    return AttentionStep(shard.d.q_attn, rows, count)(shard.kv_rows)
+
+
+def measure_owned_first(shard: ShardedStep, time_us) -> dict:
+    """An experiment: the attention over this rank's rows only (``attend_owned_first``) against over all k
+    (-1 for the others'), timed alone; ``owned_first_max_diff``: their outputs' largest difference."""
+    try:
+        attn_us = time_us(lambda: shard.attn(shard.kv_rows))
+        first_us = time_us(lambda: attend_owned_first(shard))
+        diff = (attend_owned_first(shard).float() - shard.attn(shard.kv_rows).float()).abs().max().item()
+    except Exception as e:  # noqa: BLE001 - recorded: the kernel may not take a schedule made in a graph
+        return {"owned_first_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"attn_us": round(attn_us, 1), "attn_owned_first_us": round(first_us, 1),
+            "owned_first_max_diff": diff}  # fmt: skip
+
+
 def measure(batch: int, context: int, cp_size: int, link: pacing.PacedLink, device, time_us) -> dict:
     """Both steps of one cell, timed by ``time_us(fn)``; the merged top-k against the replicated one."""
     data = DecodeData(batch, context, cp_size, device)
@@ -194,6 +223,7 @@ def measure(batch: int, context: int, cp_size: int, link: pacing.PacedLink, devi
     rep(), shard()
     same = all(set(rep.top[i].tolist()) == set(t for t in shard.top[i].tolist() if t >= 0) for i in range(batch))
     same_merge = torch.equal(shard.merge(), shard.merge(ranked_topk_ref))
+    owned_first_row = measure_owned_first(shard, time_us)
     return {
         "batch": batch,
         "context": context,
@@ -208,6 +238,7 @@ def measure(batch: int, context: int, cp_size: int, link: pacing.PacedLink, devi
         "merge_sorting_us": round(merge_sorting_us, 1),
         "sharded_sorting_merge_us": round(shard_sorting_us, 1),
         "merge_equal": same_merge,
+        **owned_first_row,
         "candidate_bytes_per_peer": batch * INDEX_TOPK * 12,
         "output_bytes_per_peer": batch * HEADS * (KV_LORA_RANK * 2 + 4),
         "kv_bytes_per_rank": {

@@ -181,6 +181,10 @@ def decode_dcp_step() -> str:
         head += ["merge: one top-k / two sorts (us)", "sharded with the two-sort merge (us)"]
         for row, r in zip(rows, d["rows"]):
             row += [f"{r['merge_us']} / {r['merge_sorting_us']}", r["sharded_sorting_merge_us"]]
+    if all("attn_owned_first_us" in r for r in d["rows"]):  # the attention over owned rows only, same run
+        head += ["rank 0's attention: all k / its rows first (us)", "largest output difference"]
+        for row, r in zip(rows, d["rows"]):
+            row += [f"{r['attn_us']} / {r['attn_owned_first_us']}", f"{r['owned_first_max_diff']:.2g}"]
     link_s = s["link"]
     note = (
         f"\nOverhead: {s['what']}; CUDA-graph replays; all-gathers paced to "

@@ -48,5 +48,14 @@ def test_a_cell_reports_both_steps():
     row = measure(2, 4096, 4, link, "cpu", lambda fn: (fn(), 10.0)[1])  # every step "takes" 10 us here
     assert row["topk_equal"] and row["overhead_pct"] == 0.0 and row["replicated_us"] == 10.0
     assert row["merge_equal"] and row["merge_us"] == row["merge_sorting_us"] == 10.0
+    assert row["attn_us"] == row["attn_owned_first_us"] == 10.0 and row["owned_first_max_diff"] < 1e-2, row
     kv = row["kv_bytes_per_rank"]
     assert kv["sharded"] * 4 == kv["replicated"]
+
+
+def test_owned_rows_first_keep_their_order_and_count():
+    from benchmark.cp_shared_kv.decode_dcp_step import owned_first
+
+    rows = torch.tensor([[[5, -1, 7, -1, 2]], [[-1, -1, -1, -1, -1]], [[1, 2, 3, 4, 0]]], dtype=torch.int32)
+    first, count = owned_first(rows)
+    assert first[:, 0].tolist() == [[5, 7, 2, -1, -1], [-1] * 5, [1, 2, 3, 4, 0]] and count.tolist() == [3, 0, 5]

@@ -48,9 +48,18 @@ def test_a_cell_reports_both_steps():
     row = measure(2, 4096, 4, link, "cpu", lambda fn: (fn(), 10.0)[1])  # every step "takes" 10 us here
     assert row["topk_equal"] and row["overhead_pct"] == 0.0 and row["replicated_us"] == 10.0
     assert row["merge_equal"] and row["merge_us"] == row["merge_sorting_us"] == 10.0
-    assert row["attn_us"] == row["attn_owned_first_us"] == 10.0 and row["owned_first_max_diff"] < 1e-2, row
     kv = row["kv_bytes_per_rank"]
     assert kv["sharded"] * 4 == kv["replicated"]
+
+
+def test_attention_over_owned_rows_first_equals_over_all_k():
+    from benchmark.cp_shared_kv import rank_model_pacing as pacing
+    from benchmark.cp_shared_kv.decode_dcp_step import DecodeData, ShardedStep, measure_owned_first
+
+    link = pacing.PacedLink(370.0, 0.0, 1e9, pacing.Spinner(torch.device("cpu")))
+    shard = ShardedStep(DecodeData(batch=2, context=4096, cp_size=4, device="cpu"), link)
+    row = measure_owned_first(shard, lambda fn: (fn(), 10.0)[1])
+    assert row["attn_us"] == row["attn_owned_first_us"] == 10.0 and row["owned_first_max_diff"] < 1e-2, row
 
 
 def test_owned_rows_first_keep_their_order_and_count():

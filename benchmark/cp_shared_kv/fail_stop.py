@@ -117,8 +117,13 @@ def pages_to_locs(pages: torch.Tensor) -> torch.Tensor:
     return pages.repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(pages))
 
 
-def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float, device: str) -> None:
-    """A rank of a kill trial: warm up, say so, then run batches until a peer is lost (reported)."""
+def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, deadline_s: float, device: str) -> None:
+    """A rank of a kill trial: warm up, say so, then run batches until a peer is lost (reported). A rank
+    still running ``deadline_s + 15`` s after it said it was ready prints every thread's stack (stderr):
+    where a survivor hangs."""
+    import faulthandler
+    import sys
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
 
@@ -131,7 +136,8 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float
     for r in range(4):
         ranks.batch(r)
     reports.put(("ready", rank, time.time(), None))
-    end = time.monotonic() + max_s
+    faulthandler.dump_traceback_later(deadline_s + 15, file=sys.stderr)
+    end = time.monotonic() + deadline_s + 60
     kind, line = "no failure", None
     try:
         while time.monotonic() < end:
@@ -142,10 +148,12 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, max_s: float
     except Exception as e:  # any other way out is reported as it is
         kind, line = type(e).__name__, str(e)
     at = time.time()
+    print(f"rank {rank}: {kind} at batch {r}; checking the GPU", file=sys.stderr, flush=True)
     try:  # the GPU still runs work once the waits are released
         usable = torch.ones(4, device=ranks.device).sum().item() == 4
     except Exception:
         usable = False
+    faulthandler.cancel_dump_traceback_later()
     reports.put((kind, rank, at, (line, usable, r)))
     reports.close()
     reports.join_thread()
@@ -160,9 +168,9 @@ def trial(size: int, victim: int, seed: int, deadline_s: float, device: str = "c
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
     port = free_port()
-    max_s = deadline_s + 60
     procs = [
-        ctx.Process(target=_trial_rank, args=(r, size, port, reports, max_s, device), daemon=True) for r in range(size)
+        ctx.Process(target=_trial_rank, args=(r, size, port, reports, deadline_s, device), daemon=True)
+        for r in range(size)
     ]
     for p in procs:
         p.start()

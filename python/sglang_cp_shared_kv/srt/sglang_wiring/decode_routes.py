@@ -33,7 +33,9 @@ def decode_owner(mgr: Any, session_id: str) -> tuple[int, int] | None:
 def routed_dcp_size(mgr: Any, room: int) -> int:
     """The decode CP size ``D`` a sharded prefill routes request ``room``'s pages by (1: not routed)."""
     infos = getattr(mgr, "transfer_infos", {}).get(room) or {}
-    owners = [decode_owner(mgr, info.mooncake_session_id) for info in infos.values() if not getattr(info, "is_dummy", False)]
+    owners = [
+        decode_owner(mgr, info.mooncake_session_id) for info in infos.values() if not getattr(info, "is_dummy", False)
+    ]
     return max((owner[0] for owner in owners if owner is not None), default=1)
 
 

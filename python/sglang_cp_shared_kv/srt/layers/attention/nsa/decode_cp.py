@@ -23,6 +23,7 @@ import torch
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
+
 def ranked_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` first of each row by score descending, position ascending: fp32 and int64 ``[R, k]`` of
     ``scores`` fp32 ``[R, L]`` (``-inf``: not visible) and ``positions`` int64 ``[R, L]`` (-1: none, ranked

@@ -45,7 +45,7 @@ def _content(round_: int, locs: torch.Tensor) -> torch.Tensor:
 class _Ranks:
     """One rank's pool, read state and batch loop."""
 
-    def __init__(self, rank: int, size: int, device: str = "cuda"):
+    def __init__(self, rank: int, size: int, device: str = "cuda", on_peer_lost=None):
         from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
         from sglang_cp_shared_kv.srt.layers.attention.nsa.read_state import BatchReadState, PageBuffers
         from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
@@ -58,8 +58,9 @@ class _Ranks:
         self.ownership = PageOwnership(size, PS, logical_pages=size * PHYS)
         self.pools = [torch.zeros((PHYS, PS * ROW), dtype=torch.uint8, device=self.device) for _ in range(LAYERS)]
         self.state = BatchReadState(
-            self.ownership, rank, size * PHYS, PageBuffers(self.ownership, rank, ROW, self.pools), None, CPGroup()
-        )
+            self.ownership, rank, size * PHYS, PageBuffers(self.ownership, rank, ROW, self.pools), None, CPGroup(),
+            on_peer_lost,
+        )  # fmt: skip
         self.state.attach_arena(size * K * PS, size * K * PS, prefetch=False)
         # Logical pages [N, N + NK) and [N + NK, N + 2NK): the two halves batches alternate between.
         self.halves = [torch.arange(size + h * size * K, size + (h + 1) * size * K) for h in range(2)]
@@ -117,12 +118,63 @@ def pages_to_locs(pages: torch.Tensor) -> torch.Tensor:
     return pages.repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(pages))
 
 
-def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, deadline_s: float, device: str) -> None:
-    """A rank of a kill trial: warm up, say so, then run batches until a peer is lost (reported). A rank
-    still running ``deadline_s + 15`` s after it said it was ready prints every thread's stack (stderr):
-    where a survivor hangs."""
+FENCE_STEPS = ("queued", "signalled the peers", "passed the waits", "reset its words")
+
+
+def _mark_fence_progress(progress: torch.Tensor) -> None:
+    """Make every fence write its step into ``progress[0]`` (pinned host memory the device writes by address):
+    where a hung stream stands, read without a CUDA call."""
+    from sglang_cp_shared_kv.srt.distributed import copy_engine
+
+    fence_calls = copy_engine.CopyEngineGroup._fence_calls
+
+    def marked(self, stream: int, q: int) -> None:
+        d, at = self._driver, progress.data_ptr()
+        d.check(d.write64(stream, at, 10 * q + 1, 0), "cuStreamWriteValue64")
+        original_wait, seen = d.wait64, []
+
+        def wait64(*a):  # the first wait: every signal to the peers is queued before it
+            if not seen:
+                seen.append(1)
+                d.check(d.write64(stream, at, 10 * q + 2, 0), "cuStreamWriteValue64")
+            return original_wait(*a)
+
+        d.wait64 = wait64
+        try:
+            fence_calls(self, stream, q)
+        finally:
+            d.wait64 = original_wait
+        d.check(d.write64(stream, at, 10 * q + 4, 0), "cuStreamWriteValue64")
+
+    copy_engine.CopyEngineGroup._fence_calls = marked
+
+
+def _report_stuck(rank: int, ranks: _Ranks, progress, lost: dict, after_s: float) -> None:
+    """``after_s`` seconds after the peer-lost line, print where this rank's stream and threads stand."""
     import faulthandler
     import sys
+
+    while "at" not in lost:
+        time.sleep(0.05)
+    time.sleep(after_s)
+    group = ranks.state.views.group
+    step = int(progress[0])
+    waits = [(what, done()) for _, done, what in list(group.watchdog._waits)]
+    print(
+        f"rank {rank}, {after_s:g} s after the line: fence {group.fences} at step {step % 10} "
+        f"({FENCE_STEPS[step % 10 - 1] if step % 10 else 'none'}, parity {step // 10}); watched waits {waits}",
+        file=sys.stderr,
+        flush=True,
+    )
+    faulthandler.dump_traceback(file=sys.stderr)
+
+
+def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, deadline_s: float, device: str) -> None:
+    """A rank of a kill trial: warm up, say so, then run batches until a peer is lost. Reported: the peer-lost
+    line when the watchdog gives it (the server stops there, ``stop_server``), then how the batch loop ended
+    and whether the GPU still runs work. Where the loop has not ended 2 s after the line, the rank prints
+    where its stream and threads stand (stderr)."""
+    import threading
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
@@ -131,12 +183,24 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, deadline_s: 
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=60))  # fmt: skip
-    ranks = _Ranks(rank, size, device)
+    lost: dict = {}
+
+    def on_peer_lost(line: str) -> None:
+        lost["at"] = time.time()
+        reports.put(("line", rank, lost["at"], line))
+
+    progress = None
+    if device == "cuda":
+        progress = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        _mark_fence_progress(progress)
+    ranks = _Ranks(rank, size, device, on_peer_lost)
     r = 0
     for r in range(4):
         ranks.batch(r)
     reports.put(("ready", rank, time.time(), None))
-    faulthandler.dump_traceback_later(deadline_s + 15, file=sys.stderr)
+    if progress is not None:
+        for after in (2.0, 10.0):
+            threading.Thread(target=_report_stuck, args=(rank, ranks, progress, lost, after), daemon=True).start()
     end = time.monotonic() + deadline_s + 60
     kind, line = "no failure", None
     try:
@@ -148,12 +212,10 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, deadline_s: 
     except Exception as e:  # any other way out is reported as it is
         kind, line = type(e).__name__, str(e)
     at = time.time()
-    print(f"rank {rank}: {kind} at batch {r}; checking the GPU", file=sys.stderr, flush=True)
     try:  # the GPU still runs work once the waits are released
         usable = torch.ones(4, device=ranks.device).sum().item() == 4
     except Exception:
         usable = False
-    faulthandler.cancel_dump_traceback_later()
     reports.put((kind, rank, at, (line, usable, r)))
     reports.close()
     reports.join_thread()
@@ -195,20 +257,18 @@ def trial(size: int, victim: int, seed: int, deadline_s: float, device: str = "c
         killed_at = time.time()
         survivors = [r for r in range(size) if r != victim]
         wait_until = time.monotonic() + deadline_s + 30
-        seen = {}
-        while len(seen) < len(survivors) and time.monotonic() < wait_until:
+        seen: dict[int, dict] = {r: {"kind": "hang"} for r in survivors}
+        while any("gpu_usable" not in seen[r] for r in survivors) and time.monotonic() < wait_until:
             try:
                 kind, rank, at, detail = reports.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if kind != "ready":
-                seen[rank] = {"kind": kind, "seconds": round(at - killed_at, 3), "line": detail[0],
-                              "gpu_usable": detail[1], "batches": detail[2]}  # fmt: skip
-        return {
-            "seed": seed,
-            "victim": victim,
-            "survivors": {str(r): seen.get(r, {"kind": "hang"}) for r in survivors},
-        }
+            if kind == "line":
+                seen[rank].update(line=detail, line_seconds=round(at - killed_at, 3))
+            elif kind != "ready":
+                seen[rank].update(kind=kind, seconds=round(at - killed_at, 3), raised=detail[0],
+                                  gpu_usable=detail[1], batches=detail[2])  # fmt: skip
+        return {"seed": seed, "victim": victim, "survivors": {str(r): seen[r] for r in survivors}}
     finally:
         for p in procs:
             if p.is_alive():
@@ -222,36 +282,44 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--cp-size", type=int, default=2)
+    ap.add_argument("--kills-only", action="store_true", help="the kill trials without the fence runs")
     args = ap.parse_args(argv)
     os.environ.setdefault("SGLANG_CP_SHARED_KV_PEER_TIMEOUT", "5")
     deadline = float(os.environ["SGLANG_CP_SHARED_KV_PEER_TIMEOUT"])
     from reference.spawn import spawn_ranks
 
     # The fence on and switched off, the same batches: the rounds whose prefix reads were wrong, per rank.
-    fence = {"on" if on else "off": spawn_ranks(fence_rank, args.cp_size, on, timeout_s=300) for on in (True, False)}
-    print(fence, flush=True)
+    fence = {}
+    if not args.kills_only:
+        fence = {"on" if on else "off": spawn_ranks(fence_rank, args.cp_size, on, timeout_s=300) for on in (True, False)}
+        print(fence, flush=True)
     rows = []
     for t in range(args.trials):
         row = trial(args.cp_size, victim=t % args.cp_size, seed=t, deadline_s=deadline)
         print(row, flush=True)
         rows.append(row)
     outcomes = [s for row in rows for s in row.get("survivors", {}).values()]
-    lost = [s for s in outcomes if s["kind"] == "lost"]
     summary = {
         "kill_trials": len(rows),
-        "kill_hangs": sum(s["kind"] == "hang" for s in outcomes) + sum("error" in row for row in rows),
-        "kill_other_errors": sum(s["kind"] not in ("lost", "hang") for s in outcomes),
-        "kill_max_seconds": max((s["seconds"] for s in lost), default=None),
+        # A survivor that neither gave the peer-lost line nor left its batch loop (or a trial that never started).
+        "kill_hangs": sum("line" not in s and s["kind"] == "hang" for s in outcomes) + sum("error" in r for r in rows),
+        "kill_max_seconds": max((s.get("line_seconds", s.get("seconds", 0)) for s in outcomes), default=None),
         "deadline_s": deadline,
-        "gpu_usable_after": all(s.get("gpu_usable") for s in lost) and bool(lost),
+        # Survivors whose batch loop ended with PeerLost (their stream released), and whose GPU then ran work.
+        "kill_loops_ended": sum(s["kind"] == "lost" for s in outcomes),
+        "kill_other_errors": sum(s["kind"] not in ("lost", "hang") for s in outcomes),
+        "gpu_usable_after": bool(outcomes) and all(s.get("gpu_usable") for s in outcomes),
         "cp_size": args.cp_size,
-        "fence_on_wrong_rounds": sum(len(r["wrong_rounds"]) for r in fence["on"]),
-        "fence_off_wrong_rounds": sum(len(r["wrong_rounds"]) for r in fence["off"]),
-        "fence_rounds_per_rank": ROUNDS - 2,
     }
+    if fence:
+        summary.update(
+            fence_on_wrong_rounds=sum(len(r["wrong_rounds"]) for r in fence["on"]),
+            fence_off_wrong_rounds=sum(len(r["wrong_rounds"]) for r in fence["off"]),
+            fence_rounds_per_rank=ROUNDS - 2,
+        )
     write_result("fail_stop", rows, summary, {"fence": fence})
     print(summary)
-    ok = summary["kill_hangs"] == 0 and summary["kill_other_errors"] == 0 and summary["fence_on_wrong_rounds"] == 0
+    ok = summary["kill_hangs"] == 0 and summary["kill_other_errors"] == 0 and not summary.get("fence_on_wrong_rounds")
     return 0 if ok else 1
 
 

@@ -59,7 +59,8 @@ def test_a_rank_killed_mid_batch_fails_the_other_with_one_line_within_the_deadli
     monkeypatch.setenv("SGLANG_CP_SHARED_KV_PEER_TIMEOUT", "3")
     res = trial(2, victim, seed=victim, deadline_s=3.0)
     (survivor,) = res["survivors"].values()
-    assert survivor["kind"] == "lost", res
-    assert survivor["line"].startswith(f"--enable-cp-shared-kv: CP peer lost: rank {victim} did not reach"), res
-    assert survivor["seconds"] < 3.0 + 2.0 and survivor["gpu_usable"], res
+    assert survivor.get("line", "").startswith(f"--enable-cp-shared-kv: CP peer lost: rank {victim} did not reach"), res
+    assert survivor["line_seconds"] < 3.0 + 2.0, res
+    # Its batch loop then ends with the same line, and its GPU still runs work.
+    assert survivor["kind"] == "lost" and survivor["raised"] == survivor["line"] and survivor["gpu_usable"], res
     assert os.environ["SGLANG_CP_SHARED_KV_PEER_TIMEOUT"] == "3"

@@ -87,3 +87,16 @@ def test_a_device_error_while_waiting_fails_the_group_with_that_error():
     with pytest.raises(PeerLost, match="the device failed while this rank waited for its CP peers: CUDA error"):
         dog.check()
     dog.close()
+
+
+def test_a_wait_the_release_does_not_free_is_named_in_a_second_line(caplog):
+    dog = PeerWatchdog(0.05, lambda what: [1], lambda: None, poll_s=0.01)
+    with caplog.at_level("ERROR", logger="sglang_cp_shared_kv.srt.distributed.peer_watchdog"):
+        dog.watch(lambda: False, ("fence", 5))
+        deadline = time.monotonic() + 5
+        while len(caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("--enable-cp-shared-kv: CP peer lost: rank 1 did not reach this rank's fence 5")
+    assert lines[1] == "--enable-cp-shared-kv: this rank's fence 5 is still pending after its waits were released"
+    dog.close()

@@ -98,6 +98,8 @@ class PeerWatchdog:
         end = time.monotonic() + max(self.deadline_s, 1.0)
         while time.monotonic() < end:
             self._release()
-            if self._oldest_pending() is None:
+            pending = self._oldest_pending()
+            if pending is None:
                 return
             time.sleep(self.poll_s)
+        logger.error("--enable-cp-shared-kv: this rank's %s %d is still pending after its waits were released", *pending[1])

@@ -291,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     # The fence on and switched off, the same batches: the rounds whose prefix reads were wrong, per rank.
     fence = {}
     if not args.kills_only:
-        fence = {"on" if on else "off": spawn_ranks(fence_rank, args.cp_size, on, timeout_s=300) for on in (True, False)}
+        fence = {
+            "on" if on else "off": spawn_ranks(fence_rank, args.cp_size, on, timeout_s=300) for on in (True, False)
+        }
         print(fence, flush=True)
     rows = []
     for t in range(args.trials):

@@ -102,4 +102,6 @@ class PeerWatchdog:
             if pending is None:
                 return
             time.sleep(self.poll_s)
-        logger.error("--enable-cp-shared-kv: this rank's %s %d is still pending after its waits were released", *pending[1])
+        logger.error(
+            "--enable-cp-shared-kv: this rank's %s %d is still pending after its waits were released", *pending[1]
+        )

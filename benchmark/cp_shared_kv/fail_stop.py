@@ -6,7 +6,7 @@ is read straight from the owners' pools, one fence per batch orders the pools (`
 pages batch ``r - 2`` read (requests ended, their pages reused); each batch ends in a host sync, as
 SGLang's output processing does.
 
-- ``fence_rank``: rounds where one rank runs 20 ms late in turn; every prefix read is compared with the
+- ``fence_rank``: rounds where one rank runs 20 ms late, four rounds in turn; every prefix read is compared with the
   bytes its owner wrote. With the fence, every read is exact; without it (the test switches it off), a
   late rank reads pages its peer already rewrote.
 - ``trial``: once every rank has run its warm-up batches, one rank is SIGKILLed mid-batch; every other
@@ -34,6 +34,7 @@ K = 8  # pages per rank in each half of the pool the batches use
 PHYS = 2 * K + 2  # physical pages per rank (page 0 the trash page)
 LATE_CYCLES = 40_000_000  # about 20 ms of GPU sleep: the late rank of a round
 ROUNDS = 40  # batches of a fence run (the first two warm up, the others are compared)
+LATE_ROUNDS = 4  # rounds a rank runs late in a row
 
 
 def _content(round_: int, locs: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ class _Ranks:
 
 
 def fence_rank(rank: int, size: int, fence_on: bool, rounds: int = ROUNDS, device: str = "cuda") -> dict:
-    """``rounds`` batches, rank ``r % size`` late in round ``r``; the rounds whose prefix reads were wrong.
+    """``rounds`` batches, rank ``(r // LATE_ROUNDS) % size`` late in round ``r``; the rounds whose prefix reads were wrong.
     ``mapped``: whether the views were read from the peers' pools (else all-gathered by the CP group)."""
     ranks = _Ranks(rank, size, device)
     ranks.batch(0)
@@ -102,7 +103,8 @@ def fence_rank(rank: int, size: int, fence_on: bool, rounds: int = ROUNDS, devic
     group = ranks.state.views.group
     if not fence_on:  # the test's switch: the fence's companion launch alone
         group.fence = lambda stream=None, then=None: then() if then is not None else None
-    reads = [(r, ranks.batch(r, late=r % size == rank)) for r in range(2, rounds)]
+    # Each rank late for four rounds in turn: without the fence the others run a batch ahead at once.
+    reads = [(r, ranks.batch(r, late=(r // LATE_ROUNDS) % size == rank)) for r in range(2, rounds)]
     wrong = []
     for r, layers in reads:
         prefix = ranks.halves[(r - 1) % 2]
@@ -222,8 +224,8 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, deadline_s: 
     os._exit(0)  # the gloo group's teardown would wait for the dead peer
 
 
-def trial(size: int, victim: int, seed: int, deadline_s: float, device: str = "cuda") -> dict:
-    """Spawn ``size`` ranks, SIGKILL ``victim`` mid-batch, and collect the survivors' reports (on CPU the
+def trial(size: int, victim: int, seed: int, deadline_s: float, device: str = "cuda", how=signal.SIGKILL) -> dict:
+    """Spawn ``size`` ranks, stop ``victim`` mid-batch (``how``: SIGKILL; SIGSTOP keeps its GPU context), and collect the survivors' reports (on CPU the
     views go over gloo, whose collectives fail at once when a peer's connection drops)."""
     from reference.spawn import free_port
 
@@ -253,7 +255,7 @@ def trial(size: int, victim: int, seed: int, deadline_s: float, device: str = "c
         if len(ready) < size:
             return {"seed": seed, "error": f"ranks ready: {sorted(ready)}, reports: {got}"}
         time.sleep(random.Random(seed).uniform(0.0, 0.2))  # somewhere inside a batch
-        os.kill(procs[victim].pid, signal.SIGKILL)
+        os.kill(procs[victim].pid, how)
         killed_at = time.time()
         survivors = [r for r in range(size) if r != victim]
         wait_until = time.monotonic() + deadline_s + 30
@@ -283,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--cp-size", type=int, default=2)
     ap.add_argument("--kills-only", action="store_true", help="the kill trials without the fence runs")
+    ap.add_argument("--sigstop", action="store_true", help="stop the victim with SIGSTOP instead of SIGKILL")
     args = ap.parse_args(argv)
     os.environ.setdefault("SGLANG_CP_SHARED_KV_PEER_TIMEOUT", "5")
     deadline = float(os.environ["SGLANG_CP_SHARED_KV_PEER_TIMEOUT"])
@@ -297,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         print(fence, flush=True)
     rows = []
     for t in range(args.trials):
-        row = trial(args.cp_size, victim=t % args.cp_size, seed=t, deadline_s=deadline)
+        how = signal.SIGSTOP if args.sigstop else signal.SIGKILL
+        row = trial(args.cp_size, victim=t % args.cp_size, seed=t, deadline_s=deadline, how=how)
         print(row, flush=True)
         rows.append(row)
     outcomes = [s for row in rows for s in row.get("survivors", {}).values()]

@@ -1,6 +1,6 @@
 """The fence and the peer watchdog where they live: batches through ``BatchReadState`` whose views are read
 straight from the peers' pools (one GPU is enough: ranks as processes sharing it), pages freed and
-reused batch after batch, one rank 20 ms late in turn (``benchmark/cp_shared_kv/fail_stop.py``).
+reused batch after batch, one rank 20 ms late, four rounds in turn (``benchmark/cp_shared_kv/fail_stop.py``).
 
 - With the fence every prefix read is exact; with it switched off the same run reads rewritten pages.
 - A rank SIGKILLed mid-batch: every other rank fails with the peer-lost line within the deadline and

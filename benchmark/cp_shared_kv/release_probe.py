@@ -25,6 +25,8 @@ VARIANTS = {
     "legacy_graph/side_write64": "main: legacy, the wait inside a graph; release: cuStreamWriteValue64 on a side stream",
     "legacy_main/host_word": "main: legacy, the word in pinned host memory; release: a host store (no CUDA call)",
     "legacy_main/high_prio_write64": "main: legacy; release: cuStreamWriteValue64 on a high-priority torch stream",
+    "graph_kernel/side_write64": "main: legacy, a graph of the wait then a kernel; release: cuStreamWriteValue64",
+    "graph_kernel/side_clone_write64": "the same graph; release: a clone kernel on the side stream, then the write",
 }
 
 
@@ -41,9 +43,16 @@ def run_variant(name: str) -> bool:
     side = torch.cuda.Stream(dev, priority=-1 if "high_prio" in name else 0)
     main = torch.cuda.Stream(dev) if name.startswith("pool_main") else torch.cuda.default_stream(dev)
     torch.cuda.synchronize()
-    if name.startswith("legacy_graph"):
-        cap = torch.cuda.Stream(dev)
-        exe = d.capture(cap.cuda_stream, lambda h: d.check(d.wait64(h, word.data_ptr(), 1, WAIT_EQ), "wait"))
+    if name.startswith(("legacy_graph", "graph_kernel")):
+        cap, x = torch.cuda.Stream(dev), torch.zeros(1024, device=dev)
+
+        def body(h: int) -> None:
+            d.check(d.wait64(h, word.data_ptr(), 1, WAIT_EQ), "wait")
+            if name.startswith("graph_kernel"):
+                with torch.cuda.stream(cap):
+                    x.add_(1)
+
+        exe = d.capture(cap.cuda_stream, body)
         d.check(d.graph_launch(exe, main.cuda_stream), "cuGraphLaunch")
     else:
         d.check(d.wait64(main.cuda_stream, word.data_ptr(), 1, WAIT_EQ), "cuStreamWaitValue64")
@@ -58,6 +67,10 @@ def run_variant(name: str) -> bool:
         elif name.endswith("side_fill"):
             with torch.cuda.stream(side):
                 word.fill_(1)
+        elif name.endswith("side_clone_write64"):
+            with torch.cuda.device(dev), torch.cuda.stream(side):
+                word.clone()
+                d.check(d.write64(side.cuda_stream, word.data_ptr(), 1, 0), "cuStreamWriteValue64")
         elif name.endswith("fresh_stream_write64"):
             s = ctypes.c_void_p()
             d.check(d._lib.cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
@@ -83,6 +96,7 @@ def run_variant(name: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant")
+    ap.add_argument("--only", help="comma-separated name prefixes of the variants to run")
     args = ap.parse_args(argv)
     if args.variant:
         run_variant(args.variant)
@@ -90,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         os._exit(0)  # a blocked stream would hang the interpreter's exit
-    for name, what in VARIANTS.items():
+    ap_names = [n for n in VARIANTS if not args.only or n.startswith(tuple(args.only.split(",")))]
+    for name in ap_names:
+        what = VARIANTS[name]
         print(f"# {name}: {what}", flush=True)
         try:
             out = subprocess.run(

@@ -143,6 +143,8 @@ class _Driver:
                 self.ipc_close(entry[0])
 
 
+# What a failed group writes into its signal rows (ready, ack, fence0, fence1): every wait passes.
+RELEASED = (1 << 62, 1 << 62, 1, 1)
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: other threads' CUDA calls are not checked
@@ -227,6 +229,7 @@ class CopyEngineGroup:
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
         self.source_table: torch.Tensor | None = None
         self.source_strides: list[int] = []
+        self._own_sources: list[tuple[int, int]] = []  # (address in source_table, this rank's buffer), per entry
         self._side: torch.cuda.Stream | None = None  # the watchdog's reads and writes of the signals
         deadline = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get()
         self.watchdog = PeerWatchdog(deadline, self._laggards, self._release, on_peer_lost)
@@ -282,8 +285,14 @@ class CopyEngineGroup:
         if failures:
             logger.info("CP-shared KV: views all-gathered by the copy engines (pools not mapped: %s)", failures[0])
             return
-        table = torch.tensor(table, dtype=torch.int64)
-        self.source_table = table.to(self.device)  # sync-ok: once, at registration
+        self.source_table = torch.tensor(table, dtype=torch.int64).to(self.device)  # sync-ok: once, at registration
+        at = self.source_table.data_ptr()
+        self._own_sources = [
+            (at + ((layer * 2 + k) * self.size + p) * 8, entry[self.rank])
+            for layer, row in enumerate(table)
+            for k, entry in enumerate(row)
+            for p in self._peer_signals
+        ]
         # Words from one page to the next, per buffer kind (every layer's buffer of a kind has one shape).
         self.source_strides = [
             next((layer[k].stride(0) // 4 for layer in sources if layer[k].numel()), 0) for k in range(kinds)
@@ -371,16 +380,15 @@ class CopyEngineGroup:
         return [p for p in self._peer_signals if min(signals[0][p], signals[1][p]) < n]
 
     def _release(self) -> None:
-        """Satisfy every wait of this rank's streams for its peers (the group is failed), on a side stream."""
+        """Satisfy every wait of this rank's streams for its peers (the group is failed), on a side stream. Only
+        stream memory writes: a kernel there could wait for SMs that work queued behind the blocked wait holds."""
         d, side = self._driver, self._side_stream()
-        with torch.cuda.device(self.device), torch.cuda.stream(side):
-            if self.source_table is not None:  # the failed batch's pulls read this rank's pool, not a dead peer's
-                own = self.source_table[..., self.rank : self.rank + 1].clone()
-                self.source_table.copy_(own.expand_as(self.source_table))
-            for p in self._peer_signals:
-                for row, value in ((0, 1 << 62), (1, 1 << 62), (2, 1), (3, 1)):
-                    slot = self._signals_at + (row * self.size + p) * 8
-                    d.check(d.write64(side.cuda_stream, slot, value, 0), "cuStreamWriteValue64")
+        writes = list(self._own_sources)  # the failed batch's pulls read this rank's pool, not a dead peer's
+        for p in self._peer_signals:
+            writes += [(self._signals_at + (row * self.size + p) * 8, v) for row, v in enumerate(RELEASED)]
+        with torch.cuda.device(self.device):
+            for at, value in writes:
+                d.check(d.write64(side.cuda_stream, at, value, 0), "cuStreamWriteValue64")
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The watchdog's stream for reading and writing the signals."""

@@ -204,8 +204,9 @@ def fail_stop() -> str:
         ["kill trials (a rank SIGKILLed mid-batch), CP size", f"{s['kill_trials']}, {s['cp_size']}"],
         ["survivors hung / failed otherwise than the peer-lost line", f"{s['kill_hangs']} / {s['kill_other_errors']}"],
         ["slowest peer-lost line after the kill (deadline)", f"{s['kill_max_seconds']} s ({s['deadline_s']} s)"],
+        ["survivors whose batch loop then ended with the line", s["kill_loops_ended"]],
         ["GPU still runs work after the line", s["gpu_usable_after"]],
-        ["rounds read wrong, fence on / off (of per rank)",
+        ["rounds read wrong on all ranks, fence on / off (rounds per rank)",
          f"{s['fence_on_wrong_rounds']} / {s['fence_off_wrong_rounds']} ({s['fence_rounds_per_rank']})"],
         ["device; commit", f"{env.get('gpu', '?')}; `{(env.get('commit') or '?')[:7]}`"],
     ]  # fmt: skip

@@ -286,12 +286,9 @@ class CopyEngineGroup:
             logger.info("CP-shared KV: views all-gathered by the copy engines (pools not mapped: %s)", failures[0])
             return
         self.source_table = torch.tensor(table, dtype=torch.int64).to(self.device)  # sync-ok: once, at registration
-        at = self.source_table.data_ptr()
+        at, rows = self.source_table.data_ptr(), [entry for layer in table for entry in layer]  # [layers * 2] of N
         self._own_sources = [
-            (at + ((layer * 2 + k) * self.size + p) * 8, entry[self.rank])
-            for layer, row in enumerate(table)
-            for k, entry in enumerate(row)
-            for p in self._peer_signals
+            (at + (i * self.size + p) * 8, row[self.rank]) for i, row in enumerate(rows) for p in self._peer_signals
         ]
         # Words from one page to the next, per buffer kind (every layer's buffer of a kind has one shape).
         self.source_strides = [

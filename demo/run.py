@@ -122,12 +122,11 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
     from sglang.srt.mem_cache import page_interleave
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.runtime_context import publish
+    from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import prepare_server_args
 
     from demo import sglang_parts as sp
     from demo.tiny_model import TinyDSA
-    from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
     from sglang_cp_shared_kv.srt.sglang_wiring.view_arena import upstream_scratch_bytes
 
@@ -144,8 +143,10 @@ def _prefill_rank(rank: int, cp_size: int, cfg: dict, to_driver, inbox) -> None:
     model_config = model_config_of(prepare_server_args(["--model-path", os.path.join(cfg["model_dir"], "dsa")]))
     model_config.context_len = cfg["context_len"]
     pages_per_rank = -(-sum(-(-n // ps) for n in lengths) // cp_size) + 2
+    # The CP group the pool's reads look up at the first batch: this process group (on a server: SGLang's
+    # attention-CP group coordinator, whose device group it names).
+    get_parallel().override_permanently(attn_cp_group=SimpleNamespace(device_group=None))
     pool, allocator = sp.build_pool_and_allocator(model_config, pages_per_rank * ps, len(lengths), ps, (rank, cp_size))
-    pool.read.group = CPGroup()  # the CP group's communicator (on a server: SGLang's attention-CP group)
     (stock,) = sp.stock_dsa_pools([cp_size * pool.phys_pages * ps - ps], ps)  # the replicated pool of today
     arena = sum(t.numel() * t.element_size() for t in pool.read.arena.values())  # allocated once, by the hook
     token_bytes = pool.kv_buffer[0][0].nbytes + INDEX_TOKEN_BYTES  # one layer's row + indexer record

@@ -2,8 +2,8 @@
 
 SGLang's own launcher, tokenizer manager, scheduler processes, model loader, KV cache configurator and
 Mooncake bootstrap run a tiny random-weight DeepSeek-V3.2-shaped model (``demo.sglang_parts.MODELS["dsa"]``
-with DeepSeek's YaRN rope scaling, ``--load-format dummy``) as a PD prefill server with prefill CP 2,
-with and without the flag, and beside a decode server, on the test-only platform of ``cpu_platform/``
+with DeepSeek's YaRN rope scaling, ``--load-format dummy``) as a PD prefill server with prefill CP 2
+(``CP_SHARED_KV_E2E_CP`` sets another), with and without the flag, and beside a decode server, on the test-only platform of ``cpu_platform/``
 (its ``STAND_INS`` table names everything it changes). The servers run in their own process groups;
 nothing here imports the server.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import threading
@@ -50,13 +51,13 @@ from demo.sglang_parts import MODELS, decode_argv, prefill_cp_argv
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sglang, pytest.mark.mooncake]
 
-CP = 2
+CP = int(os.environ.get("CP_SHARED_KV_E2E_CP", "2"))  # prefill CP ranks (each a scheduler process)
 PAGE = 64
 CHUNK = 256  # a 2048-token prompt is 8 chunked-prefill batches
 SLOTS = 8192  # --max-total-tokens: token slots each CP rank's pool holds
 PROMPT = 2048
-READY_S = 420  # two scheduler processes importing SGLang on 2 shared cores
-ANSWER_S = 300
+READY_S = 210 * CP  # CP scheduler processes importing SGLang on 2 shared cores
+ANSWER_S = 150 * CP  # a request on CP ranks sharing 2 cores
 SHARED = 1536  # the second prompt's prefix shared with the first
 DECODE_TOKENS = 8
 # SGLang's own flags for a CPU server: the torch top-k (the platform sets SGLANG_DSA_FUSE_TOPK=0) and no
@@ -116,7 +117,7 @@ def _series(metrics: str, name: str) -> dict[int, float]:
 
 
 def _servers(tmp_path_factory, name: str, *, flag: bool, decode: bool = False):
-    """Starts a prefill server (CP 2), and first a decode server when ``decode``; yields (prefill, decode or None)."""
+    """Starts a prefill server (CP ``CP``), and first a decode server when ``decode``; yields (prefill, decode or None)."""
     missing = missing_server_stack()
     if missing:
         pytest.skip(
@@ -124,7 +125,9 @@ def _servers(tmp_path_factory, name: str, *, flag: bool, decode: bool = False):
             "pip install --no-deps -r test/e2e/requirements.txt (or --target DIR and CP_SHARED_KV_E2E_SITE=DIR)"
         )
     root = tmp_path_factory.mktemp(name)
-    env = server_env(register_platform(root / "registry"), SGLANG_CPU_OMP_THREADS_BIND="0|1")
+    # One OpenMP bind group per CP rank, over the two cores.
+    binds = "|".join(str(rank % 2) for rank in range(CP))
+    env = server_env(register_platform(root / "registry"), SGLANG_CPU_OMP_THREADS_BIND=binds)
     model = _dsa_model(root)
     started = []
     try:
@@ -212,7 +215,7 @@ class TestWithTheFlag:
         for prefill, _ in _servers(tmp_path_factory, "flag", flag=True):
             yield prefill
 
-    def test_prefill_cp2_starts_through_the_launcher(self, prefill):
+    def test_prefill_cp_starts_through_the_launcher(self, prefill):
         log = prefill.text()
         for rank in range(CP):
             # The plugin's hooks built this rank's pool and allocator inside SGLang's scheduler process.
@@ -254,7 +257,7 @@ class TestWithoutTheFlag:
         for prefill, _ in _servers(tmp_path_factory, "stock", flag=False):
             yield prefill
 
-    def test_prefill_cp2_starts_with_the_stock_pool(self, prefill):
+    def test_prefill_cp_starts_with_the_stock_pool(self, prefill):
         log = prefill.text()
         assert "--enable-cp-shared-kv:" not in log
         assert f"max_total_num_tokens={SLOTS}," in log
@@ -268,16 +271,29 @@ class TestWithoutTheFlag:
             assert _compared(ANSWERS[True][name]) == _compared(ANSWERS[False][name]), name
 
 
-PD_ANSWERS: dict[bool, dict] = {}
+PD_ANSWERS: dict[tuple[bool, str], dict] = {}  # by flag and prompt
 
 
-def _pd_request(prefill: Server, decode: Server, room: int, max_new_tokens: int, wait: bool = True):
-    """A request sent to both servers with one bootstrap room, as SGLang's router sends it.
+def _second_pd_request(prefill: Server, decode: Server, flag: bool) -> None:
+    """After the first request's pages went to the decode, the second prompt (its first ``SHARED`` tokens the
+    first's): SGLang's radix cache on the prefill matches them, and the decode's tokens are compared."""
+    if (flag, "first") not in PD_ANSWERS:
+        pytest.fail("the first request through the pair answered nothing")
+    _, _, answer = _pd_request(prefill, decode, room=10, max_new_tokens=DECODE_TOKENS, prompt=_prompts()["second"])
+    # SGLang's batch log: the prefix came from the radix cache (whole pages), the rest was prefilled.
+    assert f"#cached-token: {SHARED // PAGE * PAGE}" in prefill.text(), prefill.tail(40)
+    PD_ANSWERS[flag, "second"] = _decoded(answer)
+    assert len(PD_ANSWERS[flag, "second"]["output_ids"]) == DECODE_TOKENS
+
+
+def _pd_request(prefill: Server, decode: Server, room: int, max_new_tokens: int, wait: bool = True, prompt=None):
+    """A request sent to both servers with one bootstrap room, as SGLang's router sends it (``prompt``: the
+    first of ``_prompts`` by default).
 
     Returns the prefill's (status, body, seconds) and the decode's client thread with its answer dict.
     """
     body = {
-        "input_ids": _prompt(),
+        "input_ids": prompt or _prompt(),
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
         "return_logprob": True,
         "top_logprobs_num": 3,
@@ -327,12 +343,15 @@ class TestPDWithoutTheFlag:
     def test_a_request_through_prefill_and_decode(self, servers):
         prefill, decode = servers
         _, _, answer = _pd_request(prefill, decode, room=7, max_new_tokens=DECODE_TOKENS)
-        PD_ANSWERS[False] = _decoded(answer)
-        assert len(PD_ANSWERS[False]["output_ids"]) == DECODE_TOKENS
+        PD_ANSWERS[False, "first"] = _decoded(answer)
+        assert len(PD_ANSWERS[False, "first"]["output_ids"]) == DECODE_TOKENS
+
+    def test_a_second_request_reads_its_prefix_from_the_radix_cache(self, servers):
+        _second_pd_request(*servers, flag=False)
 
 
 class TestPDWithTheFlag:
-    """A decode server (non-CP, the flag on: it expects the prefill ranks' manifests) and the CP 2 prefill server,
+    """A decode server (non-CP, the flag on: it expects the prefill ranks' manifests) and the CP prefill server,
     a request sent to both as SGLang's router sends it (the same bootstrap room)."""
 
     @pytest.fixture(scope="class")
@@ -354,11 +373,19 @@ class TestPDWithTheFlag:
         log = decode.text()
         assert f"--enable-cp-shared-kv: room 7: {CP} manifests cover its {PROMPT // PAGE} pages" in log, decode.tail(60)
         assert "manifest check failed" not in log
-        decoded = _decoded(answer)
+        decoded = PD_ANSWERS[True, "first"] = _decoded(answer)
         assert len(decoded["output_ids"]) == DECODE_TOKENS
-        if False not in PD_ANSWERS:
+        if (False, "first") not in PD_ANSWERS:
             pytest.fail("the pair without the flag answered nothing to compare with (see TestPDWithoutTheFlag)")
-        assert decoded == PD_ANSWERS[False]
+        assert decoded == PD_ANSWERS[False, "first"]
+
+    def test_a_second_request_reads_its_prefix_from_the_radix_cache(self, servers):
+        # The prefix's pages, matched in the radix cache, are read through the views of the CP ranks that
+        # own them, under the shared-prefix hint; the decode's tokens equal the stock pair's.
+        _second_pd_request(*servers, flag=True)
+        if (False, "second") not in PD_ANSWERS:
+            pytest.fail("the pair without the flag answered nothing to compare with (see TestPDWithoutTheFlag)")
+        assert PD_ANSWERS[True, "second"] == PD_ANSWERS[False, "second"]
 
     def test_killing_the_decode_mid_request(self, servers):
         prefill, decode = servers

@@ -196,21 +196,25 @@ def decode_dcp_step() -> str:
 
 
 def fail_stop() -> str:
-    if not (RESULTS / "fail_stop.json").exists():
+    """One column per run: ``fail_stop.json`` and any ``fail_stop_cp<N>.json`` (another CP size)."""
+    files = sorted(RESULTS.glob("fail_stop*.json"))
+    if not files:
         return "Not run yet: `fail_stop` needs a GPU.\n"
-    d = load("fail_stop.json")
-    s, env = d["summary"], d["environment"]
-    rows = [
-        ["kill trials (a rank SIGKILLed mid-batch), CP size", f"{s['kill_trials']}, {s['cp_size']}"],
-        ["survivors hung / failed otherwise than the peer-lost line", f"{s['kill_hangs']} / {s['kill_other_errors']}"],
-        ["slowest peer-lost line after the kill (deadline)", f"{s['kill_max_seconds']} s ({s['deadline_s']} s)"],
-        ["survivors whose batch loop then ended with the line", s["kill_loops_ended"]],
-        ["GPU still runs work after the line", s["gpu_usable_after"]],
-        ["rounds read wrong on all ranks, fence on / off (rounds per rank)",
-         f"{s['fence_on_wrong_rounds']} / {s['fence_off_wrong_rounds']} ({s['fence_rounds_per_rank']})"],
-        ["device; commit", f"{env.get('gpu', '?')}; `{(env.get('commit') or '?')[:7]}`"],
+    runs = [load(f.name) for f in files]
+    cells = [
+        ("CP size; kill trials (a rank SIGKILLed mid-batch)", lambda s, e: f"{s['cp_size']}; {s['kill_trials']}"),
+        ("survivors hung / failed otherwise than the peer-lost line",
+         lambda s, e: f"{s['kill_hangs']} / {s['kill_other_errors']}"),
+        ("slowest peer-lost line after the kill (deadline)",
+         lambda s, e: f"{s['kill_max_seconds']} s ({s['deadline_s']} s)"),
+        ("survivors whose batch loop then ended with the line", lambda s, e: s["kill_loops_ended"]),
+        ("GPU still runs work after the line", lambda s, e: s["gpu_usable_after"]),
+        ("rounds read wrong on all ranks, fence on / off (rounds per rank)",
+         lambda s, e: f"{s['fence_on_wrong_rounds']} / {s['fence_off_wrong_rounds']} ({s['fence_rounds_per_rank']})"),
+        ("device; commit", lambda s, e: f"{e.get('gpu', '?')}; `{(e.get('commit') or '?')[:7]}`"),
     ]  # fmt: skip
-    return table(["", ""], rows)
+    rows = [[name] + [cell(d["summary"], d["environment"]) for d in runs] for name, cell in cells]
+    return table([""] + [link(f.name) for f in files], rows)
 
 
 TABLES: dict[str, Callable[[], str]] = {

@@ -70,6 +70,7 @@ ANSWERS: dict[bool, dict[str, dict]] = {}
 def _dsa_model(root) -> str:
     """The demo's tiny DSA config with DeepSeek-V3.2's YaRN rope (SGLang's CPU rope requires deepseek_yarn)."""
     cfg = dict(MODELS["dsa"])
+    cfg["n_routed_experts"] = max(cfg["n_routed_experts"], CP)  # SGLang's MoE tensor parallel: an expert per rank
     n = cfg["max_position_embeddings"]
     cfg["rope_scaling"] = {
         "type": "yarn",

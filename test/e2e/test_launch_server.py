@@ -22,12 +22,15 @@ prefill and decode alike):
   as SGLang's router sends it, is prefilled, its pages go from both CP ranks over Mooncake on 127.0.0.1,
   the decode accepts both ranks' manifests and decodes 8 tokens: the same tokens and log-probabilities as
   the same pair without the flag (SGLang's stock prefill and decode);
+- then a second request through the pair sharing the first's first 1536 tokens: the prefill's radix
+  cache matches them (``#cached-token: 1536`` in SGLang's batch log), the CP ranks read that prefix
+  through the views, and the decoded tokens and log-probabilities equal the stock pair's;
 - the decode killed mid-request (its process group, while it generates): its client gets its answer at
   once (the connection closes), not a hang, and the prefill serves the next request.
 
-Not reached: the second prompt's prefix is not matched in the prefill's radix cache (``#cached-token: 0``
-in SGLang's batch log), so a radix-cache hit has not run; SGLang's router (not installed here: the test
-sends to both servers itself, as the router does).
+Not reached: on the prefill server alone (SGLang's fake transfer) the second prompt's prefix is not
+matched (``#cached-token: 0``); SGLang's router (not installed here: the test sends to both servers
+itself, as the router does).
 
 Selected out of the default run (marker ``e2e``; about 4-7 minutes on 2 cores; it needs SGLang's HTTP
 server stack, ``test/e2e/requirements.txt``, which the project's requirements leave out);

@@ -120,7 +120,7 @@ def pages_to_locs(pages: torch.Tensor) -> torch.Tensor:
     return pages.repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(pages))
 
 
-FENCE_STEPS = ("queued", "signalled the peers", "passed the waits", "reset its words")
+FENCE_STEPS = {1: "signalling the peers", 2: "at its waits", 4: "past its fence"}  # what a fence writes when
 
 
 def _mark_fence_progress(progress: torch.Tensor) -> None:
@@ -164,7 +164,7 @@ def _report_stuck(rank: int, ranks: _Ranks, progress, lost: dict, after_s: float
     waits = [(what, done()) for _, done, what in list(group.watchdog._waits)]
     print(
         f"rank {rank}, {after_s:g} s after the line: fence {group.fences} at step {step % 10} "
-        f"({FENCE_STEPS[step % 10 - 1] if step % 10 else 'none'}, parity {step // 10}); watched waits {waits}",
+        f"({FENCE_STEPS.get(step % 10, 'none')}, parity {step // 10}); watched waits {waits}",
         file=sys.stderr,
         flush=True,
     )

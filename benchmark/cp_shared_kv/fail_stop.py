@@ -95,8 +95,9 @@ class _Ranks:
 
 
 def fence_rank(rank: int, size: int, fence_on: bool, rounds: int = ROUNDS, device: str = "cuda") -> dict:
-    """``rounds`` batches, rank ``(r // LATE_ROUNDS) % size`` late in round ``r``; the rounds whose prefix reads were wrong.
-    ``mapped``: whether the views were read from the peers' pools (else all-gathered by the CP group)."""
+    """``rounds`` batches, rank ``(r // LATE_ROUNDS) % size`` late in round ``r``; the rounds whose prefix
+    reads were wrong. ``mapped``: whether the views were read from the peers' pools (else all-gathered by the
+    CP group)."""
     ranks = _Ranks(rank, size, device)
     ranks.batch(0)
     ranks.batch(1)  # the copy engines' group and the pools' mapping are made here
@@ -225,8 +226,9 @@ def _trial_rank(rank: int, size: int, port: int, reports: mp.Queue, deadline_s: 
 
 
 def trial(size: int, victim: int, seed: int, deadline_s: float, device: str = "cuda", how=signal.SIGKILL) -> dict:
-    """Spawn ``size`` ranks, stop ``victim`` mid-batch (``how``: SIGKILL; SIGSTOP keeps its GPU context), and collect the survivors' reports (on CPU the
-    views go over gloo, whose collectives fail at once when a peer's connection drops)."""
+    """Spawn ``size`` ranks, stop ``victim`` mid-batch (``how``: SIGKILL; SIGSTOP keeps its GPU context), and
+    collect the survivors' reports (on CPU the views go over gloo, whose collectives fail at once when a peer's
+    connection drops)."""
     from reference.spawn import free_port
 
     ctx = mp.get_context("spawn")
@@ -298,9 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             "on" if on else "off": spawn_ranks(fence_rank, args.cp_size, on, timeout_s=300) for on in (True, False)
         }
         print(fence, flush=True)
-    rows = []
+    rows, how = [], signal.SIGSTOP if args.sigstop else signal.SIGKILL
     for t in range(args.trials):
-        how = signal.SIGSTOP if args.sigstop else signal.SIGKILL
         row = trial(args.cp_size, victim=t % args.cp_size, seed=t, deadline_s=deadline, how=how)
         print(row, flush=True)
         rows.append(row)

@@ -20,9 +20,11 @@ VARIANTS = {
     "legacy_main/side_write64": "main: the legacy default stream; release: cuStreamWriteValue64 on a torch side stream",
     "legacy_main/side_write64_thread": "the same, from another thread (as the watchdog)",
     "legacy_main/side_fill": "main: legacy; release: word.fill_(1) on a torch side stream",
-    "legacy_main/fresh_stream_write64": "main: legacy; release: cuStreamWriteValue64 on a new non-blocking stream (cuStreamCreate)",
+    "legacy_main/fresh_stream_write64": "main: legacy; release: cuStreamWriteValue64 on a new non-blocking stream "
+    "(cuStreamCreate)",
     "pool_main/side_write64": "main: a torch pool stream; release: cuStreamWriteValue64 on another pool stream",
-    "legacy_graph/side_write64": "main: legacy, the wait inside a graph; release: cuStreamWriteValue64 on a side stream",
+    "legacy_graph/side_write64": "main: legacy, the wait inside a graph; release: cuStreamWriteValue64 on a side "
+    "stream",
     "legacy_main/host_word": "main: legacy, the word in pinned host memory; release: a host store (no CUDA call)",
     "legacy_main/high_prio_write64": "main: legacy; release: cuStreamWriteValue64 on a high-priority torch stream",
     "graph_kernel/side_write64": "main: legacy, a graph of the wait then a kernel; release: cuStreamWriteValue64",

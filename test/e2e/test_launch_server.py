@@ -3,9 +3,9 @@
 SGLang's own launcher, tokenizer manager, scheduler processes, model loader, KV cache configurator and
 Mooncake bootstrap run a tiny random-weight DeepSeek-V3.2-shaped model (``demo.sglang_parts.MODELS["dsa"]``
 with DeepSeek's YaRN rope scaling, ``--load-format dummy``) as a PD prefill server with prefill CP 2
-(``CP_SHARED_KV_E2E_CP`` sets another), with and without the flag, and beside a decode server, on the test-only platform of ``cpu_platform/``
-(its ``STAND_INS`` table names everything it changes). The servers run in their own process groups;
-nothing here imports the server.
+(``CP_SHARED_KV_E2E_CP`` sets another), with and without the flag, and beside a decode server, on the
+test-only platform of ``cpu_platform/`` (its ``STAND_INS`` table names everything it changes). The
+servers run in their own process groups; nothing here imports the server.
 
 Reached (asserted), with the platform's stand-ins for the CUDA-only DSA pieces (the indexer's DeepGEMM
 logits, FlashMLA's sparse attention by the project's oracle ``reference.dsa_reference.sparse_mla``, for
@@ -121,7 +121,8 @@ def _series(metrics: str, name: str) -> dict[int, float]:
 
 
 def _servers(tmp_path_factory, name: str, *, flag: bool, decode: bool = False):
-    """Starts a prefill server (CP ``CP``), and first a decode server when ``decode``; yields (prefill, decode or None)."""
+    """Starts a prefill server (CP ``CP`` ranks), and first a decode server when ``decode``; yields (prefill,
+    decode or None)."""
     missing = missing_server_stack()
     if missing:
         pytest.skip(

@@ -38,9 +38,7 @@ a sleep kernel of about 4 ms is queued, so the metadata call and each layer's po
 device runs earlier work, as under SGLang's overlap scheduler (its default: a batch's metadata and launches
 are made while the previous batch's forward runs), without a launch queue to wait on (``*_busy`` figures;
 ``*_busy_ended_calls``: timed calls at whose end the sleep had already finished, 0 when it covered them
-all). ``ours_planned_translations``: timed forwards whose page-table translation was queued with the
-batch's plan (one launch for both), one per forward when SGLang's translation is the batch's first pool
-call. The last forward is timed: wall clock and CUDA events for the forward, and events around each pool
+all). The last forward is timed: wall clock and CUDA events for the forward, and events around each pool
 read call (the read path: the plan, each layer's index and latent reads) and each stand-in. Its outputs
 (attention output per layer, index K reads) are kept and compared across the paths after timing, by exact
 digests. Bytes are the transports' own counts (ours: the transport's byte counter; SGLang's: its NCCL calls' sizes).
@@ -341,7 +339,6 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.read_state:BatchReadState._begin_materialized",
     f"{_NSA}.read_state:BatchReadState._begin_current",
     f"{_NSA}.read_state:BatchReadState._queue_plan",
-    f"{_NSA}.read_state:BatchReadState._translate_planned",
     f"{_NSA}.read_state:BatchReadState.translate",
     f"{_NSA}.read_state:BatchReadState.translate_pages",
     f"{_NSA}.read_state:BatchReadState.index_pages",
@@ -356,10 +353,6 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.slot_plan:DeviceFlagCheck.poll",
     f"{_NSA}.slot_plan:DeviceFlagCheck.watch",
     f"{_NSA}.slot_plan:DeviceFlagCheck.host_views",
-    f"{_NSA}.triton_launch:Launch.__init__",
-    f"{_NSA}.triton_launch:Launch.__call__",
-    f"{_NSA}.triton_launch:Launch.graph_key",
-    f"{_NSA}.triton_launch:LaunchSequence.graph_key",
     f"{_NSA}.materialize:ViewMaterializer.begin_planned",
     f"{_NSA}.materialize:ViewMaterializer._allocate",
     f"{_NSA}.materialize:ViewMaterializer.drain",
@@ -371,7 +364,6 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.materialize:ViewMaterializer._start_prefetch",
     f"{_NSA}.materialize:ViewMaterializer._wait",
     "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup.fence",
-    "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._capture_fence",
     "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup.all_gather_into_many",
     "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._pulls",
     "sglang_cp_shared_kv.srt.distributed.copy_engine:CopyEngineGroup._signal",
@@ -765,8 +757,6 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             probe.busy_cycles = BUSY_CYCLES if busy else 0
             counter = _SyncCounter(device)
             outs, reads = [], []
-            read_state = getattr(pool, "read", None)  # the sharded pools' per-batch read state (ours)
-            planned = getattr(read_state, "planned_translations", None)
             gate()
             if profile and timer is not None:
                 timer.start(name)
@@ -863,8 +853,6 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             sglang_ops = sum(v for k, v in stand.items() if k != MOE)  # the MoE is the layer's own compute
             row[f"{name}_stand_ins_us_per_layer"] = round(sglang_ops / layers, 1)
             row[f"{name}_forward_host_syncs"] = counter.count
-            if planned is not None:  # SGLang's page table translated in one launch with the batch's plan
-                row[f"{name}_planned_translations"] = read_state.planned_translations - planned
             # The timed forward's outputs: digests now, a few rows kept to bound any difference.
             digests[name] = [(_digest(o), _digest(kf), _digest(kscl)) for o, (kf, kscl) in zip(outs, reads)]
             samples[name] = [o.reshape(new_tokens, -1)[sample].float().cpu() for o in outs]
@@ -1072,8 +1060,6 @@ def summarize(rows: list[dict], env: dict, correct_all: bool) -> dict:
         s[f"host_syncs_{name}_per_forward"] = _median([r.get(f"{name}_forward_host_syncs") for r in rows])
         if any(f"{name}_busy_ended_calls" in r for r in rows):
             s[f"{name}_busy_ended_calls"] = _total(rows, f"{name}_busy_ended_calls")
-        if any(f"{name}_planned_translations" in r for r in rows):
-            s[f"{name}_planned_translations"] = _total(rows, f"{name}_planned_translations")
     # Host cost: what queuing the plan and each layer's reads costs the host, median over the batches
     # that read a prefix (history and mixed), and SGLang's whole init_forward_metadata beside it.
     for name in paths:

@@ -54,8 +54,11 @@ def run_variant(name: str) -> bool:
                 with torch.cuda.stream(cap):
                     x.add_(1)
 
-        exe = d.capture(cap.cuda_stream, body)
-        d.check(d.graph_launch(exe, main.cuda_stream), "cuGraphLaunch")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=cap, capture_error_mode="relaxed"):
+            body(cap.cuda_stream)
+        with torch.cuda.stream(main):
+            graph.replay()
     else:
         d.check(d.wait64(main.cuda_stream, word.data_ptr(), 1, WAIT_EQ), "cuStreamWaitValue64")
     event = torch.cuda.Event()

@@ -59,8 +59,6 @@ def test_tiny_workload_through_sglangs_backend_is_bit_exact_and_counts_moved_byt
             assert (r["layersplit_bytes_received"] > 0) == (rank == 1), r
         assert len({r["layersplit_bytes_received"] for r in rows[1:]}) == 1
         assert all(r[f"{p}_forward_host_syncs"] == 0 for r in rows for p in ARGS["paths"])
-        # SGLang's backend translates its page table first: each batch's translation queued with its plan.
-        assert [r["ours_planned_translations"] for r in rows] == [1] * len(rows), rows
     summary = summarize(per_rank[0]["rows"], env, True)
     for key in (
         "ours_vs_stock_layer_time",

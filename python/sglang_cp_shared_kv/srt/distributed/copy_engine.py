@@ -64,17 +64,6 @@ class _Driver:
         self.ipc_get = self._fn(("cuIpcGetMemHandle",), [ctypes.POINTER(_IpcHandle), u64])
         self.ipc_open = self._fn(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"), [u64_p, _IpcHandle, uint])
         self.ipc_close = self._fn(("cuIpcCloseMemHandle",), [u64])
-        # Graphs of stream calls (``capture``); None where the driver lacks them.
-        try:
-            ptr = ctypes.POINTER(vp)
-            self.begin_capture = self._fn(("cuStreamBeginCapture_v2",), [vp, ctypes.c_int])
-            self.end_capture = self._fn(("cuStreamEndCapture",), [vp, ptr])
-            self.instantiate = self._fn(("cuGraphInstantiateWithFlags",), [ptr, vp, u64])
-            self.graph_launch = self._fn(("cuGraphLaunch",), [vp, vp])
-            self.graph_destroy = self._fn(("cuGraphDestroy",), [vp])
-            self.exec_destroy = self._fn(("cuGraphExecDestroy",), [vp])
-        except CopyEngineUnavailable:
-            self.begin_capture = None
         self._mapped: dict[bytes, list[int]] = {}  # IPC handle -> [address here, registrations]
         self._error_name = lib.cuGetErrorName
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -113,27 +102,6 @@ class _Driver:
         entry[1] += 1
         return entry[0]
 
-    def capture(self, stream: int, body) -> int | None:
-        """The calls ``body(stream)`` queues on ``stream`` (idle, not the legacy default stream) as an
-        instantiated graph for ``graph_launch``; None where this driver cannot."""
-        if self.begin_capture is None:
-            return None
-        graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
-        self.check(self.begin_capture(stream, CAPTURE_RELAXED), "cuStreamBeginCapture")
-        try:
-            body(stream)
-        except BaseException:
-            # Leave capture mode; the caller sees the body's error, not the end call's.
-            if self.end_capture(stream, ctypes.byref(graph)) == 0 and graph.value:
-                self.graph_destroy(graph)
-            raise
-        self.check(self.end_capture(stream, ctypes.byref(graph)), "cuStreamEndCapture")
-        try:
-            self.check(self.instantiate(ctypes.byref(exe), graph, 0), "cuGraphInstantiateWithFlags")
-        finally:
-            self.graph_destroy(graph)
-        return exe.value
-
     def release(self, handle: bytes) -> None:
         entry = self._mapped.get(handle)
         if entry is not None:
@@ -147,7 +115,6 @@ class _Driver:
 RELEASED = (1 << 62, 1 << 62, 1, 1)
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
-CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: other threads' CUDA calls are not checked
 
 
 @functools.cache  # one per process; a failure is not cached, so it is raised again at the next call
@@ -220,11 +187,6 @@ class CopyEngineGroup:
         self.calls = 0
         self.fences = 0  # fences queued so far (the same count on every rank)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # what a fence sends
-        self._fence_graphs: list[int | None] = [None, None]  # per parity, captured at its first fence
-        # Per parity and companion launch (``fence(then=)``): the fence and that launch as one graph.
-        self._fused_graphs: dict[tuple, int] = {}
-        self.fused_fences = 0  # fences launched with their companion inside the graph
-        self._capture_stream: torch.cuda.Stream | None = None
         self.bytes_received = 0  # pulled from the others (a counter for benchmarks)
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
         self.source_table: torch.Tensor | None = None
@@ -295,68 +257,24 @@ class CopyEngineGroup:
             next((layer[k].stride(0) // 4 for layer in sources if layer[k].numel()), 0) for k in range(kinds)
         ]
 
-    def fence(self, stream: torch.cuda.Stream | None = None, then=None) -> None:
+    def fence(self, stream: torch.cuda.Stream | None = None) -> None:
         """Queue on ``stream`` (default: the current one) a point every rank's stream passes only once every
         rank's has reached it. Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and
-        resets it (a peer sets it again only past its fence ``f + 1``, which waits for this rank's reset): fixed
-        values, so one graph per parity. ``then`` (a ``triton_launch.Launch``, ``stream`` left None) is queued
-        right after, inside the fence's graph once compiled."""
+        resets it (a peer sets it again only past its fence ``f + 1``, which waits for this rank's reset)."""
         self.watchdog.check()
         stream = self._stream(stream)
-        handle, q = stream.cuda_stream, self.fences % 2
+        d, one, row = self._driver, self._one.data_ptr(), 2 + self.fences % 2
         self.fences += 1
-        key = then.graph_key() if then is not None and then.ran else None
-        if key is None:
-            exe = self._fence_graphs[q]
-            if exe is None:
-                exe = self._fence_graphs[q] = self._capture_fence(q)
-        else:
-            exe = self._fused_graphs.get((q, key))
-            if exe is None:
-                if len(self._fused_graphs) >= 16:  # launches still in flight free theirs when done
-                    self._destroy(self._fused_graphs.values())
-                    self._fused_graphs = {}
-                exe = self._fused_graphs[(q, key)] = self._capture_fence(q, then)
-        if exe:
-            self._driver.check(self._driver.graph_launch(exe, handle), "cuGraphLaunch")
-        else:
-            self._fence_calls(handle, q)
-        self._watch(stream, ("fence", self.fences))
-        if then is None:
-            return
-        if key is None or not exe:
-            then()
-        else:
-            self.fused_fences += 1
-
-    def _fence_calls(self, stream: int, q: int) -> None:
-        d, one, row = self._driver, self._one.data_ptr(), 2 + q
-        d.check(d.write64(stream, one, 1, 0), "cuStreamWriteValue64")  # the barrier: earlier work visible
+        h = stream.cuda_stream
+        d.check(d.write64(h, one, 1, 0), "cuStreamWriteValue64")  # the barrier: earlier work visible
         for peer in self._peer_signals.values():
-            d.check(d.copy(peer + (row * self.size + self.rank) * 8, one, 8, stream), "cuMemcpyDtoDAsync")
+            d.check(d.copy(peer + (row * self.size + self.rank) * 8, one, 8, h), "cuMemcpyDtoDAsync")
         mine = [self._signals_at + (row * self.size + p) * 8 for p in self._peer_signals]
         for slot in mine:
-            d.check(d.wait64(stream, slot, 1, WAIT_EQ), "cuStreamWaitValue64")
+            d.check(d.wait64(h, slot, 1, WAIT_EQ), "cuStreamWaitValue64")
         for slot in mine:
-            d.check(d.write64(stream, slot, 0, 0), "cuStreamWriteValue64")
-
-    def _capture_fence(self, q: int, then=None) -> int:
-        """Fence ``q``'s calls and ``then``'s launch as a graph (0 where the driver cannot)."""
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-
-        def body(h: int) -> None:
-            self._fence_calls(h, q)
-            if then is not None:  # Triton launches on torch's current stream: the capture stream here
-                with torch.cuda.stream(self._capture_stream):
-                    then()
-
-        try:
-            exe = self._driver.capture(self._capture_stream.cuda_stream, body)
-        except RuntimeError as e:
-            logger.info("CP-shared KV: the copy engines' fence is made call by call (no graph: %s)", e)
-            exe = None
-        return exe or 0
+            d.check(d.write64(h, slot, 0, 0), "cuStreamWriteValue64")
+        self._watch(stream, ("fence", self.fences))
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device) if stream is None else stream
@@ -408,18 +326,10 @@ class CopyEngineGroup:
         self._signal(stream, 0)
         return self.calls
 
-    def _destroy(self, graphs) -> None:
-        for exe in graphs:
-            if exe:
-                self._driver.exec_destroy(exe)
-
     def close(self) -> None:
         """Unmap the peers' allocations (after the last call has run)."""
         if hasattr(self, "watchdog"):
             self.watchdog.close()
-        graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
-        self._destroy([*graphs, *getattr(self, "_fused_graphs", {}).values()])
-        self._fused_graphs = {}
         opened, self._opened = getattr(self, "_opened", []), []
         with torch.cuda.device(self.device):
             for handle in opened:

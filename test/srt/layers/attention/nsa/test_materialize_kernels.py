@@ -5,11 +5,9 @@ import torch
 
 from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    _translate_kernel,
     gather_launch,
     gather_page_buffers,
     gather_pages_ref,
-    planned_translation,
     positions_to_view_rows,
     positions_to_view_rows_ref,
     pull_launch,
@@ -19,14 +17,7 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     word_pair,
     word_view,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import (
-    Launch,
-    LaunchSequence,
-    interpreting,
-    tl,
-    triton,
-    triton_enabled,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import interpreting, triton_enabled
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import (
     INDEX_TOKEN_BYTES,
     MLA_BF16_ROW_BYTES,
@@ -278,65 +269,3 @@ def test_a_translation_follows_its_page_map_as_it_is_rewritten():
             assert torch.equal(pages_of(locs[:, ::2] // 16), translate_locs_ref(page_pos, locs[:, ::2] // 16, 1))
     with pytest.raises(ValueError, match="translate on one device"):  # never an address of another device
         locs_of(torch.zeros(4, dtype=torch.int32, device="meta"))
-
-
-@needs_triton
-def test_a_planned_translation_reads_its_table_from_the_device_words():
-    """``planned_translation`` equals ``translate_locs_ref`` for the int32 table its words name (rows strided,
-    a 1-D table, a negative loc), with the same arguments every time; a count of 0 writes nothing."""
-    g = torch.Generator().manual_seed(9)
-    page_pos = torch.randint(0, 1000, (40,), generator=g, dtype=torch.int64).to(DEVICE)
-    params = torch.zeros(8, dtype=torch.int64, device=DEVICE)
-    launch = planned_translation(page_pos, params, 16)
-    tokens = torch.randint(0, 40 * 16, (5, 3000), generator=g, dtype=torch.int32).to(DEVICE)
-    tokens[1, 7] = -1  # torch's negative index: the last page
-    # Rows strided by the token table's width; more than one pass of the fixed grid; a 1-D table.
-    for locs in (tokens[:3, :37], tokens[:, :2999], tokens[4, 5:40]):
-        out = torch.full(locs.shape, -7, dtype=torch.int32, device=DEVICE)
-        cols = locs.shape[-1]
-        stride = locs.stride(0) if locs.dim() == 2 else cols
-        params.copy_(torch.tensor([locs.data_ptr(), locs.numel(), cols, stride, out.data_ptr(), 0, 0, 0]))
-        LaunchSequence(launch)()
-        assert torch.equal(out, translate_locs_ref(page_pos, locs, 16))
-    params[1] = 0
-    out.fill_(-7)
-    launch()
-    assert bool((out == -7).all()) and launch.args == (page_pos, params, 16, 40)
-    with pytest.raises(ValueError, match="params must be int64"):
-        planned_translation(page_pos, params[:4], 16)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _add_to(x, n, value, BLOCK: tl.constexpr):  # a kernel of this test's own: launched here only
-        i = tl.arange(0, BLOCK)
-        tl.store(x + i, tl.load(x + i, mask=i < n) + value, mask=i < n)
-
-
-@needs_triton
-def test_a_launch_runs_its_kernel_and_keys_what_a_graph_bakes_in():
-    """A ``Launch`` queues its kernel with its bound arguments at every call; ``ran`` once a launch that
-    compiles to the same kernel has run (another value of an int of the same class, another tensor of the
-    same dtype and alignment); its ``graph_key`` is equal for equal values and differs where a tensor's
-    address or an int differs."""
-    x, y = torch.zeros(8, dtype=torch.int64, device=DEVICE), torch.zeros(8, dtype=torch.int64, device=DEVICE)
-    first = Launch(_add_to, (1,), (x, 8, 3), {"BLOCK": 8})
-    assert not first.ran
-    first()
-    first()
-    assert first.ran and x.tolist() == [6] * 8  # reads what its tensor holds when it runs
-    again = Launch(_add_to, (1,), (y, 5, 2), {"BLOCK": 8})
-    assert again.ran and LaunchSequence(first, again).ran  # same dtypes, alignment and int classes
-    assert not Launch(_add_to, (1,), (y, 5, 1), {"BLOCK": 8}).ran  # an int of 1: Triton specializes it
-    again()
-    assert y.tolist() == [2] * 5 + [0] * 3
-    assert Launch(_add_to, (1,), (x, 8, 3), {"BLOCK": 8}).graph_key() == first.graph_key()
-    assert again.graph_key() != Launch(_add_to, (1,), (x, 5, 2), {"BLOCK": 8}).graph_key()
-    assert again.graph_key() != Launch(_add_to, (1,), (y, 6, 2), {"BLOCK": 8}).graph_key()
-
-
-def test_a_launch_refuses_tensors_of_two_devices():
-    """A kernel takes its tensors by address: a tensor off the launch's device (not pinned) is refused."""
-    with pytest.raises(ValueError, match="launched on meta got a tensor on cpu"):
-        Launch(_translate_kernel, (1,), (torch.zeros(4), torch.zeros(4, device="meta"), 0), {})

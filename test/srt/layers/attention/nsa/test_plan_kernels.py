@@ -15,7 +15,6 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     map_batch_pages_ref,
     plan_batch,
     plan_batch_ref,
-    plan_header,
     plan_positions_ref,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import plan_meta_rows, slots_per_rank
@@ -259,46 +258,9 @@ def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
 
 
 @needs_triton
-def test_plan_batch_reading_a_header_binds_one_launch_for_batches_of_other_sizes():
-    """``header=True``: the launch reads its per-batch values and the request rows' address from the host
-    buffer, so two batches of other sizes over one buffer, workspace and token table bind the same launch
-    (one graph key: a graph captured once serves both), and each plan, flags included, is the reference's."""
-    ps, n = 16, 3
-    tokens, rows, _, _, _, _, logical = _plan_case(n, [7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], ps, 5)
-    tokens, rows = tokens.to(DEVICE), rows.to(DEVICE)
-    batches = [
-        (rows, [7, 7, 7, 7], [9, 7, 8, 12], [(-1, 0), (0, 7), (1, 4), (-1, 0)]),
-        (rows[[3, 0]], [12, 3], [12, 9], [(-1, 0), (-1, 0)]),  # fewer requests, no hint
-    ]
-    buffer = torch.zeros(12 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=DEVICE.type == "cuda")
-    workspace, page_pos = PlanWorkspace(), torch.zeros(logical, dtype=torch.int64, device=DEVICE)
-    keys = []
-    for i, (r, prefix, pages, hint) in enumerate(batches):
-        b, width = len(pages), max(pages)
-        plan_pages = [q - sh for q, (_, sh) in zip(prefix, hint)]
-        m, s = sum(plan_pages), slots_per_rank(plan_pages, n)
-        lengths = plan_meta_rows(pages, prefix, hint)
-        buf = buffer[: 12 + 6 * b + n + 2 + b]
-        buf[: 12 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
-        args = (tokens, r, ps, buf, width, m, n, s, 77, page_pos, 50, 99)
-        plan, queued = plan_batch(*args, workspace=workspace, header=True, queue=False)
-        queued()
-        keys.append(queued.graph_key())
-        ref_pos = torch.full_like(page_pos, -3)
-        meta = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
-        ref = plan_batch_ref(tokens, r, ps, meta, width, m, n, s, 77, ref_pos, 50, 99)
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        assert buf[12 + 6 * b :].tolist() == ref.flags.tolist()  # status, wrong, then the landed word
-        _assert_same_plan(dataclasses.replace(plan, flags=plan.flags.to(DEVICE)), ref, page_pos, ref_pos, i)
-    assert keys[0] == keys[1]
-
-
-@needs_triton
 def test_plan_batch_reads_strided_request_rows_as_the_reference():
     """The launch reads the request rows one after another: rows that are a strided view are made
-    contiguous first (they read other requests' pages, or past the table, otherwise), and a header, which
-    hands the launch their address, must have contiguous ones."""
+    contiguous first (they read other requests' pages, or past the table, otherwise)."""
     ps, n = 4, 2
     tokens, rows, meta, width, m, s, logical = _plan_case(n, [3, 5, 0], [5, 6, 2], [0, 2, 0], [-1, 0, -1], ps, n)
     tokens, meta = tokens.to(DEVICE), meta.to(DEVICE)
@@ -311,48 +273,29 @@ def test_plan_batch_reads_strided_request_rows_as_the_reference():
         outs.append((plan, page_pos))
     (ref, ref_pos), (got, got_pos) = outs
     _assert_same_plan(got, ref, got_pos, ref_pos, "strided rows")
-    buf = torch.zeros(12 + 6 * 3 + n + 2 + 3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="rows must be contiguous int64"):
-        plan_batch(tokens, strided, ps, buf, width, m, n, s, 77, None, 0, 0, header=True)
-    # A header launch writes its flags into the buffer's tail: other flags would never see them.
-    other = torch.zeros(n + 2 + 3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="flags must be its buffer's tail"):
-        plan_batch(tokens, rows.to(DEVICE), ps, buf, width, m, n, s, 77, None, 0, 0, header=True, flags=other)
 
 
 @needs_triton
-def test_a_header_plan_bound_and_queued_later_is_not_changed_by_another_workspace_plan():
-    """A header plan's launch is its caller's own: another workspace's plan, made between a plan's binding
-    and its queueing (two pools of one process, each deferring its launch), binds its own, and each plan
-    equals the reference."""
+def test_a_plan_bound_and_queued_later_is_not_changed_by_another_workspace_plan():
+    """A plan bound with ``queue=False`` over one host buffer (its lengths, read in place, then its flags,
+    written by the launch) is its caller's own: another workspace's plan, made between a plan's binding and
+    its queueing (two pools of one process, each deferring its launch), binds its own, and each plan equals
+    the reference, flags included."""
     ps, n = 16, 3
     tokens, rows, _, _, _, _, logical = _plan_case(n, [7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], ps, 5)
     tokens, rows = tokens.to(DEVICE), rows.to(DEVICE)
     pin = DEVICE.type == "cuda"
     page_pos = {name: torch.zeros(logical, dtype=torch.int64, device=DEVICE) for name in ("ours", "theirs")}
 
-    def bind(workspace, buf, r, prefix, pages, name):
+    def bind(workspace, r, prefix, pages, name):
         b, width = len(pages), max(pages)
         m, s = sum(prefix), slots_per_rank(prefix, n)
         lengths = plan_meta_rows(pages, prefix)
-        buf[: 12 + 6 * b] = torch.tensor(plan_header(b, width, m, s, 50, 99, r) + lengths)
-        plan, queued = plan_batch(
-            tokens,
-            r,
-            ps,
-            buf,
-            width,
-            m,
-            n,
-            s,
-            77,
-            page_pos[name],
-            50,
-            99,
-            workspace=workspace,
-            header=True,
-            queue=False,
-        )
+        buf = torch.tensor(lengths + [0] * (n + 2 + b), dtype=torch.int64).pin_memory() if pin else None
+        if buf is None:
+            buf = torch.tensor(lengths + [0] * (n + 2 + b), dtype=torch.int64)
+        args = (tokens, r, ps, buf[: 6 * b], width, m, n, s, 77, page_pos[name], 50, 99)
+        plan, queued = plan_batch(*args, flags=buf[6 * b :], workspace=workspace, queue=False)
 
         def check():
             ref_pos = torch.full_like(page_pos[name], -3)
@@ -360,19 +303,17 @@ def test_a_header_plan_bound_and_queued_later_is_not_changed_by_another_workspac
             ref = plan_batch_ref(tokens, r, ps, meta, width, m, n, s, 77, ref_pos, 50, 99)
             if pin:
                 torch.cuda.synchronize()
-            assert buf[12 + 6 * b :].tolist() == ref.flags.tolist()
+            assert buf[6 * b :].tolist() == ref.flags.tolist()  # status, wrong, then the landed word
             _assert_same_plan(dataclasses.replace(plan, flags=plan.flags.to(DEVICE)), ref, page_pos[name], ref_pos, 0)
 
         return queued, check
 
     ours, theirs = PlanWorkspace(), PlanWorkspace()
-    buf = torch.zeros(12 + 6 * 4 + n + 2 + 4, dtype=torch.int64, pin_memory=pin)
-    other = torch.zeros(12 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pin)
-    first, check = bind(ours, buf, rows, [7, 7, 7, 7], [9, 7, 8, 12], "ours")
+    first, check = bind(ours, rows, [7, 7, 7, 7], [9, 7, 8, 12], "ours")
     first()
     check()
-    first, check = bind(ours, buf, rows[[3, 2, 1, 0]], [4, 7, 3, 7], [12, 8, 7, 9], "ours")  # other lengths
-    theirs_launch, check_theirs = bind(theirs, other, rows[[1, 2]], [3, 5], [7, 8], "theirs")
+    first, check = bind(ours, rows[[3, 2, 1, 0]], [4, 7, 3, 7], [12, 8, 7, 9], "ours")  # other lengths
+    theirs_launch, check_theirs = bind(theirs, rows[[1, 2]], [3, 5], [7, 8], "theirs")
     assert theirs_launch is not first
     theirs_launch()  # queued before ours, bound after it
     first()

@@ -121,10 +121,10 @@ def test_a_failed_record_keeps_the_later_buffers_until_they_land():
 
 
 def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
-    """Kernels get their tensors by address: a request-row tensor on the host (not pinned) or a relaunch with
-    one is one clear ValueError before anything is queued; pinned host memory is a valid argument."""
+    """Kernels get their tensors by address: a request-row tensor on the host is one clear ValueError before
+    anything is queued, lengths in host memory that is not pinned are refused by Triton, and pinned host
+    memory (the read state's lengths and flags) is read and written in place."""
     from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import plan_header
 
     dev = torch.device("cuda")
     ps, n = 4, 2
@@ -136,17 +136,16 @@ def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
     meta = torch.tensor(lengths, dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="rows must be on the token table's device"):
         plan_batch(tokens, rows.cpu(), ps, meta, 4, m, n, s, 0, None, 0, 0)
-    # A header buffer in pinned host memory is read in place; one that is not pinned is refused.
     for pinned in (True, False):
-        buf = torch.zeros(12 + 6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pinned)
-        buf[: 12 + 6 * 2] = torch.tensor(plan_header(2, 4, m, s, 0, 0, rows) + lengths)
+        buf = torch.zeros(6 * 2 + n + 2 + 2, dtype=torch.int64, pin_memory=pinned)
+        buf[: 6 * 2] = torch.tensor(lengths)
         if pinned:
-            plan = plan_batch(tokens, rows, ps, buf, 4, m, n, s, 0, None, 0, 0, header=True)
+            plan = plan_batch(tokens, rows, ps, buf[:12], 4, m, n, s, 0, None, 0, 0, flags=buf[12:])
             torch.cuda.synchronize()
             assert buf[-1].item() == 1 and plan.num_positions == m  # the landed word
         else:
-            with pytest.raises(ValueError, match="got a tensor on cpu"):
-                plan_batch(tokens, rows, ps, buf, 4, m, n, s, 0, None, 0, 0, header=True)
+            with pytest.raises(ValueError, match="cannot be accessed from Triton"):
+                plan_batch(tokens, rows, ps, buf[:12], 4, m, n, s, 0, None, 0, 0, flags=buf[12:])
     page_pos = torch.arange(24, dtype=torch.int64, device=dev)
     assert translate_locs(page_pos, tokens[:2], ps).is_cuda
     with pytest.raises(ValueError, match="locs are on cpu"):

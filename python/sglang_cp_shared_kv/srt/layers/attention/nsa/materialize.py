@@ -285,13 +285,11 @@ class ViewMaterializer:
             self.group.bytes_received += (plan.view_pages - s) * page_bytes
         return page_bytes
 
-    def fence(self, then=None) -> None:
+    def fence(self) -> None:
         """Where views are read straight from the peers' pools, ``CopyEngineGroup.fence`` at each batch's start:
-        a batch reads only pages written before it started. ``then`` (a bound ``Launch``) follows it."""
+        a batch reads only pages written before it started."""
         if self._source_table is not None:
-            self.group.fence(then=then)
-        elif then is not None:
-            then()
+            self.group.fence()
 
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device

@@ -6,18 +6,11 @@ logical locs -> read-buffer rows. Each wrapper runs Triton where ``triton_launch
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import (
-    Launch,
-    check_index,
-    launch,
-    nothing,
-    tl,
-    triton,
-    triton_enabled,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import check_index, nothing, tl, triton, triton_enabled
 from sglang_cp_shared_kv.srt.utils import check_int
 
 
@@ -169,7 +162,7 @@ def word_pair(src: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def gather_launch(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], page_ids: torch.Tensor, programs: int | None = None
-) -> Launch:
+) -> Callable[[], None]:
     """The gather kernel's launch copying pages ``page_ids`` of ``pairs[k] = (src, out)`` (``word_pair`` s).
     ``programs`` per buffer (None: one per slot): fewer hold fewer SMs."""
     args = [(s, o, s.shape[1], s.stride(0), o.stride(0)) for s, o in pairs]
@@ -178,12 +171,11 @@ def gather_launch(
     return _copy_launch(_gather_pages_kernel, grid0, (page_ids, slots), args, max(a[2] for a in args))
 
 
-def _copy_launch(kernel, grid0: int, head: tuple, buffers: list[tuple], words: int) -> Launch:
+def _copy_launch(kernel, grid0: int, head: tuple, buffers: list[tuple], words: int) -> Callable[[], None]:
     """A page-copy kernel's launch: ``head``, then buffer a's and b's arguments (b = a for one buffer)."""
     block = min(4096, triton.next_power_of_2(words))
-    grid = (grid0, len(buffers))
     args = (*head, *buffers[0], *buffers[-1])
-    return Launch(kernel, grid, args, {"BLOCK": block}, num_warps=8 if block >= 2048 else 4)
+    return partial(kernel[(grid0, len(buffers))], *args, BLOCK=block, num_warps=8 if block >= 2048 else 4)
 
 
 def pull_launch(
@@ -195,7 +187,7 @@ def pull_launch(
     layer: int = 0,
     start: int = 0,
     slots: int | None = None,
-) -> Launch:
+) -> Callable[[], None]:
     """The launch filling whole views ``outs`` (int32 words ``[N * S, W]``) of ``layer`` from every owner's pool
     pages through ``table`` (int64 ``[layers, 2, N]``, ``CopyEngineGroup.source_table``). The send entries are
     ``slots`` (default: all past ``start``) words of ``slot_phys`` from ``start``."""
@@ -262,7 +254,7 @@ def positions_to_view_rows(
     block = min(1024, triton.next_power_of_2(k))
     grid = (t, triton.cdiv(k, block))
     args = (positions, q_req, table, out, k, table.stride(0), page_size)
-    launch(_positions_to_rows_kernel, grid, args, {"BLOCK": block})
+    _positions_to_rows_kernel[grid](*args, BLOCK=block)
     return out
 
 
@@ -295,24 +287,6 @@ if triton is not None:
         row = _translated_rows(page_pos, loc, live, page_size, num_pages)
         tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
 
-    @triton.jit(do_not_specialize=["page_size", "num_pages"])
-    def _translate_planned_kernel(page_pos, words, page_size, num_pages, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        # ``words``: ``plan_kernels.TRANSLATION_WORDS``. A fixed grid walks any count (graph-capturable). (No
-        # parameter may be named ``params``: Triton's argument binder takes that name.)
-        n = tl.load(words + 1)
-        locs = tl.load(words).to(tl.pointer_type(tl.int32))
-        cols = tl.load(words + 2)
-        stride = tl.load(words + 3)
-        out = tl.load(words + 4).to(tl.pointer_type(tl.int32))
-        lanes = tl.arange(0, BLOCK)
-        for i0 in range(tl.program_id(0).to(tl.int64) * BLOCK, n, PROGRAMS * BLOCK):
-            i = i0 + lanes
-            live = i < n
-            r = i // cols
-            loc = tl.load(locs + r * stride + (i - r * cols), mask=live, other=0).to(tl.int64)
-            row = _translated_rows(page_pos, loc, live, page_size, num_pages)
-            tl.store(out + i, row.to(tl.int32), mask=live)
-
 
 _TRANSLATE_BLOCK = 1024
 
@@ -335,17 +309,5 @@ def translate_locs(
     out = torch.empty_like(flat, dtype=out_dtype)  # the locs' shape, contiguous (``None``: their dtype)
     n = flat.numel()
     args = (page_pos, flat, out, n, page_size, page_pos.shape[0])
-    launch(_translate_kernel, (triton.cdiv(n, _TRANSLATE_BLOCK),), args, {"BLOCK": _TRANSLATE_BLOCK})
+    _translate_kernel[(triton.cdiv(n, _TRANSLATE_BLOCK),)](*args, BLOCK=_TRANSLATE_BLOCK)
     return out
-
-
-_PLANNED_PROGRAMS = 128  # one wave on an H200 (132 SMs); a 32K-token table is one pass of them
-
-
-def planned_translation(page_pos: torch.Tensor, params: torch.Tensor, page_size: int) -> Launch:
-    """A bound, unqueued launch of ``translate_locs_ref`` for int32 locs named by ``params`` (int64 ``[>= 5]``,
-    ``plan_kernels.TRANSLATION_WORDS``, written by earlier work): fixed arguments, captured with the plan."""
-    if params.dtype != torch.int64 or params.numel() < 5 or params.device != page_pos.device:
-        raise ValueError(f"params must be int64 [>= 5] on {page_pos.device}, got {params.dtype} on {params.device}")
-    args = (page_pos, params, page_size, page_pos.shape[0])
-    return Launch(_translate_planned_kernel, (_PLANNED_PROGRAMS,), args, {"BLOCK": 1024, "PROGRAMS": _PLANNED_PROGRAMS})

@@ -7,12 +7,13 @@ check of a shared-prefix hint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 
 import torch
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, check_index, tl, triton, triton_enabled
+from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import check_index, tl, triton, triton_enabled
 from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
 
 
@@ -147,14 +148,6 @@ def map_batch_pages_ref(
 
 
 PLAN_META_ROWS = ("shared", "prefix", "pages", "start", "source", "plan_start")  # ``plan_batch``'s ``meta``
-# A translation queued after the plan, copied by a header launch to the workspace's ``params``: the address
-# of an int32 table of token locs, its elements (0: none), its row length and row stride (columns one apart),
-# and the address of the contiguous int32 rows out.
-TRANSLATION_WORDS = ("locs", "count", "cols", "stride", "out")
-# Words ahead of the lengths in a ``plan_batch(..., header=True)`` buffer: the launch's per-batch values,
-# the address of the request rows (int64), then ``TRANSLATION_WORDS``.
-PLAN_HEADER = ("batch", "width", "num_positions", "slots_per_rank", "base", "fill", "rows") + TRANSLATION_WORDS
-PARAMS_WORDS = 8  # ``PlanWorkspace.params``, where a header launch copies them: one power-of-two block
 
 
 @dataclass(frozen=True)
@@ -260,6 +253,9 @@ def plan_batch_ref(
     return BatchPlan(words, table, flags, cp_size, num_positions, slots_per_rank)
 
 
+_INT_ARGS = ("tok_stride0", "batch", "width", "page_size", "num_positions", "slots_per_rank", "trash_page")
+_INT_ARGS += ("pad", "base", "fill", "num_pages")
+
 if triton is not None:
 
     @triton.jit
@@ -268,10 +264,7 @@ if triton is not None:
         offs = row * tok_stride0 + j.to(tl.int64) * page_size
         return tl.load(tokens + offs, mask=live, other=0).to(tl.int64) // page_size
 
-    @triton.jit(
-        # Every int argument: the header's per-batch values and the rest, never specialized on.
-        do_not_specialize=["tok_stride0", "page_size", "trash_page", "pad", "num_pages", *PLAN_HEADER[:6]]
-    )
+    @triton.jit(do_not_specialize=_INT_ARGS)  # one compiled kernel for every batch
     def _plan_batch_kernel(
         tokens,
         tok_stride0,
@@ -281,7 +274,6 @@ if triton is not None:
         table_out,
         flags_out,
         page_pos,
-        params_out,
         batch,
         width,
         page_size,
@@ -296,26 +288,10 @@ if triton is not None:
         NP2: tl.constexpr,
         BLOCK: tl.constexpr,
         MAP: tl.constexpr,
-        HEADER: tl.constexpr,
     ):
         # One program walks the batch twice: the positions per owner first, then each position's rank, slot
         # and stores. ``out``, int64: positions, logical pages and slots ([M] each), the send entries ([N * S]
         # and a dump entry), the host lengths' device copy ([6 * B]); ``flags_out``: status, wrong, landed.
-        # With ``HEADER`` every per-batch value comes from ``meta_in``, and ``params_out`` receives the
-        # translation words.
-        if HEADER:
-            batch = tl.load(meta_in)
-            width = tl.load(meta_in + 1)
-            num_positions = tl.load(meta_in + 2)
-            slots_per_rank = tl.load(meta_in + 3)
-            base = tl.load(meta_in + 4)
-            fill = tl.load(meta_in + 5)
-            rows = tl.load(meta_in + 6).to(tl.pointer_type(tl.int64))
-            # The translation's words, for the launch queued after this one (this buffer may be reused).
-            k = tl.arange(0, 8)
-            tl.store(params_out + k, tl.load(meta_in + 7 + k, mask=k < 5), mask=k < 5)
-            meta_in = meta_in + 12  # len(PLAN_HEADER)
-            flags_out = meta_in + 6 * batch
         positions_out = out
         logical_out = out + num_positions
         slots_out = out + 2 * num_positions
@@ -419,44 +395,23 @@ def plan_batch(
     use_triton: bool | None = None,
     flags: torch.Tensor | None = None,
     workspace: PlanWorkspace | None = None,
-    header: bool = False,
     queue: bool = True,
-) -> BatchPlan | tuple[BatchPlan, Launch | None]:
+) -> BatchPlan | tuple[BatchPlan, Callable[[], None] | None]:
     """``plan_batch_ref`` in one launch of one program (Triton where ``triton_enabled``, else the reference).
 
     ``meta`` may be pinned host memory, read in place. ``flags`` (int64 ``[N + 2 + B]``; default: a device
-    buffer) receives ``status``, ``wrong`` and last a landed word (1 once the words before it are written).
-    ``workspace``: the outputs are views of its buffers, valid until the next plan over it. ``header``:
-    ``meta`` is one host buffer, int64 ``[12 + 6 * B + N + 2 + B]``: ``plan_header``, the lengths, then the
-    flags; the launch reads everything from it, so a captured graph replays it, and copies the translation
-    words to ``workspace.params``. ``queue=False``: returns ``(plan, launch)``, the launch not queued (None:
-    the reference ran)."""
+    buffer, or pinned host memory) receives ``status``, ``wrong`` and last a landed word (1 once the words
+    before it are written). ``workspace``: the outputs are views of its buffers, valid until the next plan
+    over it. ``queue=False``: returns ``(plan, launch)``, the launch not queued (None: the reference ran)."""
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
-    if header and (rows.dtype != torch.int64 or not rows.is_contiguous()):
-        raise ValueError(
-            "a header buffer passes the request rows by address: rows must be contiguous int64, got "
-            f"{rows.dtype} with stride {rows.stride()}"
-        )
     if not rows.is_contiguous():
         rows = rows.contiguous()
     batch, m = rows.shape[0], num_positions
     check_index("tokens", tokens, 2)
-    lengths, head = len(PLAN_META_ROWS) * batch, len(PLAN_HEADER)
-    if header:
-        need = head + lengths + cp_size + 2 + batch
-        if meta.dtype != torch.int64 or meta.numel() != need or meta.device.type != "cpu":
-            raise ValueError(
-                f"a header buffer must be host int64 [{need}], got {meta.dtype} {tuple(meta.shape)} on {meta.device}"
-            )
-        if flags is None:
-            flags = meta[head + lengths :]
-        elif flags.data_ptr() != meta.data_ptr() + 8 * (head + lengths):  # the launch writes the buffer's tail
-            raise ValueError(
-                "a header plan's flags must be its buffer's tail (meta[12 + 6 * B:]), where the launch writes"
-            )
-    elif meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
+    lengths = len(PLAN_META_ROWS) * batch
+    if meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
         raise ValueError(
             f"meta must be contiguous int64 [{len(PLAN_META_ROWS)}, {batch}] (or flat), got {tuple(meta.shape)}"
         )
@@ -464,14 +419,12 @@ def plan_batch(
         raise ValueError(f"page_pos must be int64 [logical pages], got {page_pos.dtype} {tuple(page_pos.shape)}")
     if num_positions and slots_per_rank < 1:
         raise ValueError(f"slots_per_rank must be >= 1 for a batch with page positions, got {slots_per_rank}")
-    lengths_in = meta[head : head + lengths] if header else meta
-    args = (tokens, rows, page_size, lengths_in, width, num_positions, cp_size, slots_per_rank, trash_page, page_pos)
     if flags is not None and (flags.dtype != torch.int64 or flags.shape != (cp_size + 2 + batch,)):
         raise ValueError(f"flags must be int64 [{cp_size + 2 + batch}], got {flags.dtype} {tuple(flags.shape)}")
     if not triton_enabled(tokens.device, use_triton) or batch == 0 or tokens.stride(1) != 1:
-        if meta.device != tokens.device:  # host lengths the launch would have read in place
-            args = (*args[:3], lengths_in.to(tokens.device, non_blocking=True), *args[4:])
-        plan = plan_batch_ref(*args, base, fill, pad)
+        lengths_in = meta.to(tokens.device, non_blocking=True)  # host lengths the launch would read in place
+        args = (tokens, rows, page_size, lengths_in, width, num_positions, cp_size, slots_per_rank, trash_page)
+        plan = plan_batch_ref(*args, page_pos, base, fill, pad)
         if flags is not None:
             # The landed word in a second copy: stream order lands it after the flags.
             flags[:-1].copy_(plan.flags[:-1], non_blocking=True)
@@ -487,29 +440,17 @@ def plan_batch(
         table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
     else:
         flat, table = workspace.take(words, batch, width, tokens.device)
-    pages_out = flat if page_pos is None else page_pos
     num_pages = 0 if page_pos is None else page_pos.shape[0]
-    if header:  # the buffer in place of the rows and the flags, the per-batch ints read from it (0 here)
-        params = workspace.params if workspace else torch.empty(PARAMS_WORDS, dtype=torch.int64, device=tokens.device)
-        args = (tokens, tokens.stride(0), meta, meta, flat, table, meta, pages_out, params)
-        args += (0, 0, page_size, 0, 0, trash_page, pad, 0, 0, num_pages)
-    else:
-        args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, pages_out, flat)
-        args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill, num_pages)
+    args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, flat if page_pos is None else page_pos)
+    args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill, num_pages)
     np2 = max(2, 1 << (cp_size - 1).bit_length())  # the next power of two (host time: no Triton helper)
-    constexprs = {"N": cp_size, "NP2": np2, "BLOCK": 1024, "MAP": page_pos is not None, "HEADER": header}
-    prepared = Launch(_plan_batch_kernel, (1,), args, constexprs, num_warps=8)
+    launch = partial(
+        _plan_batch_kernel[(1,)], *args, N=cp_size, NP2=np2, BLOCK=1024, MAP=page_pos is not None, num_warps=8
+    )
     if queue:
-        prepared()
+        launch()
     plan = BatchPlan(flat, table, flags, cp_size, m, slots_per_rank)
-    return plan if queue else (plan, prepared)
-
-
-def plan_header(
-    batch: int, width: int, num_positions: int, slots_per_rank: int, base: int, fill: int, rows: torch.Tensor
-) -> list[int]:
-    """The ``PLAN_HEADER`` words of a ``plan_batch(..., header=True)`` call with these values (host ints)."""
-    return [batch, width, num_positions, slots_per_rank, base, fill, rows.data_ptr()] + [0] * len(TRANSLATION_WORDS)
+    return plan if queue else (plan, launch)
 
 
 class PlanWorkspace:
@@ -518,13 +459,10 @@ class PlanWorkspace:
     def __init__(self) -> None:
         self._words: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
-        self.params: torch.Tensor | None = None  # int64 [PARAMS_WORDS]: a header launch's TRANSLATION_WORDS
 
     def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""
         flat, table = self._words, self._table
-        if self.params is None or self.params.device != device:
-            self.params = torch.zeros(PARAMS_WORDS, dtype=torch.int64, device=device)
         if flat is None or flat.shape[0] < words or flat.device != device:
             flat = self._words = torch.empty(2 * words, dtype=torch.int64, device=device)
         if table is None or table.shape[0] < batch * width or table.device != device:

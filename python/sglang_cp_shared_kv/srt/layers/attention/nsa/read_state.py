@@ -40,16 +40,13 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     arena_pages,
     check_arena_fits,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import planned_translation, translate_locs
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import translate_locs
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
-    PLAN_HEADER,
     PLAN_META_ROWS,
-    TRANSLATION_WORDS,
     BatchPlan,
     PlanWorkspace,
     plan_batch,
-    plan_header,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
@@ -60,12 +57,8 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     request_names,
     slots_per_rank,
 )
-from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import Launch, LaunchSequence
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_enabled
-
-# The translation's words in a plan's pinned buffer.
-_TRANSLATION_AT = slice(PLAN_HEADER.index(TRANSLATION_WORDS[0]), len(PLAN_HEADER))
 
 
 @dataclass(frozen=True)
@@ -87,17 +80,11 @@ class BatchInputs:
 
 @dataclass
 class DeferredPlan:
-    """A begun batch's plan, bound, queued at the batch's first device call (``BatchReadState._queue_plan``),
-    after the copy engines' fence where ``fence``: one launch per batch start, its arguments the same batch
-    after batch (the fence's captured graph replays it, with SGLang's page-table translation where that is
-    the first call). ``launch``: None where the plan was computed in line; ``header``: its pinned buffer as
-    numpy (a planned translation writes its words there); ``rows``: the request rows the launch reads by
-    address, held until it is queued."""
+    """A begun batch's plan, queued at the batch's first device call (``BatchReadState._queue_plan``), after
+    the copy engines' fence where ``fence``. ``launch``: None where the plan was computed in line."""
 
-    launch: Launch | None
+    launch: Callable[[], None] | None
     fence: bool
-    header: object  # numpy int64 [>= len(PLAN_HEADER)]
-    rows: torch.Tensor
 
 
 class SharedPrefixError(RuntimeError):
@@ -184,8 +171,6 @@ class BatchReadState:
         self.flags = DeviceFlagCheck()  # each batch's overflow and wrong-hint flags, read back later
         self._workspace = PlanWorkspace()  # the plan's outputs, reused every batch like ``page_pos``
         self._deferred: DeferredPlan | None = None  # this batch's plan until it is queued
-        self._translation: Launch | None = None  # planned_translation over the workspace's params
-        self.planned_translations = 0  # translations queued with their batch's plan, since start-up
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
@@ -264,22 +249,15 @@ class BatchReadState:
         """The batch's plan and page map (``plan_batch``) from one pinned buffer the launch reads in place and
         writes its flags into (read by ``flags``); its launch is the batch's ``DeferredPlan``."""
         width, b, n = max(pages, default=0), len(pages), self.ownership.cp_size
-        m = len(PLAN_HEADER) + len(PLAN_META_ROWS) * b  # the header, then the lengths
-        rows = inputs.rows  # read by address in the launch: int64, one after another
-        if rows.dtype != torch.int64 or not rows.is_contiguous():
-            rows = rows.to(torch.int64).contiguous()
+        m = len(PLAN_META_ROWS) * b
         buf, host = self.flags.host_views(m + n + 2 + b, self.device)
-        # One host write: the header, the lengths, and the flags zeroed (the landed word, set by the launch).
-        host[:] = (
-            plan_header(b, width, num_positions, slots_per_rank, base, fill, rows)
-            + plan_meta_rows(pages, prefix_pages, hint)
-            + [0] * (n + 2 + b)
-        )
+        # One host write: the lengths, and the flags zeroed (the landed word, set by the launch).
+        host[:] = plan_meta_rows(pages, prefix_pages, hint) + [0] * (n + 2 + b)
         plan, queued = plan_batch(
             inputs.req_to_token,
-            rows,
+            inputs.rows,
             self.page_size,
-            buf,
+            buf[:m],
             width,
             num_positions,
             n,
@@ -288,8 +266,8 @@ class BatchReadState:
             self.page_pos,
             base,
             fill,
+            flags=buf[m:],
             workspace=self._workspace,
-            header=True,
             queue=False,
         )
         requests = inputs.request_ids
@@ -304,7 +282,7 @@ class BatchReadState:
             return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
-        self._deferred = DeferredPlan(queued, fence, host, rows)
+        self._deferred = DeferredPlan(queued, fence)
         return plan
 
     def _begin_current(self, inputs: BatchInputs, pages: list[int]) -> None:
@@ -354,43 +332,15 @@ class BatchReadState:
         self._stages = self.views.stages
         self.mode = "materialized"
 
-    def _queue_plan(self, translation: Launch | None = None) -> None:
-        """Queue the batch's deferred fence and plan (``begin``), with ``translation`` after the plan (in the
-        fence's graph where there is one); nothing once they are queued."""
+    def _queue_plan(self) -> None:
+        """Queue the batch's deferred fence and plan (``begin``); nothing once they are queued."""
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        launch = deferred.launch if translation is None else LaunchSequence(deferred.launch, translation)
         if deferred.fence:
-            self.views.fence(launch)
-        elif launch is not None:
-            launch()
-
-    def _translate_planned(self, locs: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
-        """``translate(locs)`` queued in one graph with the batch's plan, still deferred (``_queue_plan``),
-        for int32 locs on the pool's device whose columns are one apart (SGLang's page tables); None for
-        anything else, or where the plan was computed in line."""
-        deferred = self._deferred
-        if deferred.launch is None or locs.dtype != torch.int32 or dtype not in (None, torch.int32):
-            return None
-        n = locs.numel()
-        if n == 0 or locs.get_device() != self._device_index:
-            return None
-        if locs.dim() == 2 and locs.stride(1) == 1:
-            cols, stride = locs.shape[1], locs.stride(0)
-        elif locs.dim() == 1 and locs.stride(0) == 1:
-            cols = stride = n
-        else:
-            return None
-        params = self._workspace.params
-        translation = self._translation
-        if translation is None or translation.args[1] is not params:
-            translation = self._translation = planned_translation(self.page_pos, params, self.page_size)
-        out = torch.empty(locs.shape, dtype=torch.int32, device=self.device)
-        deferred.header[_TRANSLATION_AT] = (locs.data_ptr(), n, cols, stride, out.data_ptr())
-        self._queue_plan(translation)
-        self.planned_translations += 1
-        return out
+            self.views.fence()
+        if deferred.launch is not None:
+            deferred.launch()
 
     def end(self) -> None:
         self._queue_plan()
@@ -420,11 +370,7 @@ class BatchReadState:
     # -- translation --
     def translate(self, locs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Logical token locs -> rows of this batch's read buffer (same shape; ``dtype``, default the locs')."""
-        if self._deferred is not None:
-            out = self._translate_planned(locs, dtype)
-            if out is not None:
-                return out
-            self._queue_plan()
+        self._queue_plan()
         return translate_locs(self.page_pos, locs, self.page_size, dtype)
 
     def translate_pages(self, logical_pages: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from page_fixtures import PagePool, RotatingPages, build_slot_plan, plan_meta
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, positions_to_view_rows
+from reference.dsa_reference import positions_to_rows
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -53,7 +54,7 @@ def test_materialize_graph_replays_equal_eager(kv_format):
     def step(tbl, vecs, outs=None):
         plan = build_slot_plan(tbl, PAGES, CP, PS, pool.trash_page, meta=vecs)
         sent = gather_page_buffers(srcs, plan.send_pages(RANK), outs)
-        return plan.slot_table, positions_to_view_rows(pos, q_req, plan.slot_table, PS), sent
+        return plan.slot_table, positions_to_rows(pos, q_req, plan.slot_table, PS), sent
 
     s = build_slot_plan(table, PAGES, CP, PS, pool.trash_page).slots_per_rank
     assert s == sum(-(-p // CP) for p in PAGES)

@@ -10,11 +10,11 @@ import pytest
 import torch
 from page_fixtures import PagePool, RotatingPages, begin_batch
 
-from reference.dsa_reference import sparse_mla
+from reference.dsa_reference import positions_to_rows, sparse_mla
 from reference.kv_formats import pack_mla_bf16
 from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import LayerView, ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership
 
 PS, HEADS, TOPK = 64, 64, 128
@@ -95,9 +95,9 @@ def run_rank(rank, world, kernel_name="flash_mla"):
         mat = ViewMaterializer(mine, group)
         counters = begin_batch(mat, table, seq_lens, prefix)
         view = mat.layer_view(0)
-        out_v, lse_v = kernel(q, view.kv_rows, view.rows(positions, q_req))
-        ref = LayerView(repl.latent[0], None, table, PS)  # the replicated pool as it is
-        out_r, lse_r = kernel(q, ref.kv_rows, ref.rows(positions, q_req))
+        out_v, lse_v = kernel(q, view.kv_rows, positions_to_rows(positions, q_req, view.page_table, PS).int())
+        # The replicated pool as it is.
+        out_r, lse_r = kernel(q, repl.latent[0], positions_to_rows(positions, q_req, table, PS).int())
         results[name] = (torch.equal(out_v, out_r) and torch.equal(lse_v, lse_r), counters.bytes_materialized)
     return results
 

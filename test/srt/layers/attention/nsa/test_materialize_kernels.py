@@ -3,13 +3,10 @@
 import pytest
 import torch
 
-from reference.dsa_reference import positions_to_rows
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
     gather_launch,
     gather_page_buffers,
     gather_pages_ref,
-    positions_to_view_rows,
-    positions_to_view_rows_ref,
     pull_launch,
     pull_pages_ref,
     translate_locs,
@@ -72,35 +69,10 @@ def test_gather_pages_from_a_page_view_of_a_row_buffer():
     assert torch.equal(out.view(3 * ps, rb), torch.cat([rows[p * ps : (p + 1) * ps] for p in (4, 2, 1)]))
 
 
-@needs_triton
-@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize(("page_size", "k"), [(16, 5), (64, 33), (1, 8)])
-def test_positions_to_view_rows_equals_reference(pos_dtype, page_size, k):
-    g = torch.Generator().manual_seed(page_size * 100 + k)
-    batch, max_pages, t = 3, 4, 11
-    table = torch.randint(0, 50, (batch, max_pages), dtype=torch.int32, generator=g)
-    q_req = torch.randint(0, batch, (t,), generator=g)
-    positions = torch.randint(0, max_pages * page_size, (t, k), generator=g)
-    positions[torch.rand((t, k), generator=g) < 0.3] = -1
-    positions[0] = -1  # a query with no valid key
-    positions = positions.to(pos_dtype)
-    table, q_req, positions = table.to(DEVICE), q_req.to(DEVICE), positions.to(DEVICE)
-    expected = positions_to_view_rows_ref(positions, q_req, table, page_size)
-    assert expected.dtype == pos_dtype
-    assert torch.equal(expected.long(), positions_to_rows(positions, q_req, table, page_size))
-    got = positions_to_view_rows(positions, q_req, table, page_size, use_triton=True)
-    assert got.dtype == pos_dtype and torch.equal(got, expected)
-    assert bool((got[positions < 0] == -1).all())
-
-
 def test_wrappers_fall_back_to_reference_without_triton():
     src = torch.arange(60, dtype=torch.uint8).view(6, 10)
     ids = torch.tensor([5, 1])
     assert torch.equal(gather_pages(src, ids, use_triton=False), src[ids])
-    pos = torch.tensor([[0, 17, -1]], dtype=torch.int32)
-    table = torch.tensor([[3, 9]], dtype=torch.int32)
-    rows = positions_to_view_rows(pos, torch.tensor([0]), table, 16, use_triton=False)
-    assert rows.tolist() == [[48, 145, -1]]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or interpreting(), reason="Triton can run here")
@@ -119,21 +91,6 @@ def test_forcing_triton_where_it_cannot_run_is_a_clear_error():
                 torch.zeros((2, 4), dtype=torch.uint8), torch.tensor([0]), out=torch.zeros((2, 4), dtype=torch.uint8)
             ),
             "out",
-        ),
-        (
-            lambda: positions_to_view_rows(
-                torch.zeros((2, 3), dtype=torch.int32), torch.zeros(3, dtype=torch.int64), torch.zeros((1, 1)), 16
-            ),
-            "page_table",
-        ),
-        (
-            lambda: positions_to_view_rows(
-                torch.zeros((2, 3), dtype=torch.int32),
-                torch.zeros(3, dtype=torch.int64),
-                torch.zeros((1, 1), dtype=torch.int32),
-                16,
-            ),
-            "q_req",
         ),
     ],
 )

@@ -10,6 +10,7 @@ import pytest
 import torch
 from page_fixtures import PagePool, RotatingPages, begin_batch, page_table
 
+from reference.dsa_reference import positions_to_rows
 from reference.spawn import spawn_ranks
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
@@ -62,7 +63,7 @@ def _rank_views(rank, world_size, ps, kv_format):
     # Token-level remap: position p of request b is row p of its pages in the view.
     pos = torch.tensor([[0, ps - 1, -1], [ps + 1, 0, 2], [5 * ps, -1, 3]], dtype=torch.int32)
     q_req = torch.tensor([0, 4, 2])
-    view_rows = view.rows(pos, q_req)
+    view_rows = positions_to_rows(pos, q_req, view.page_table, ps)
     row_ok = all(
         torch.equal(view.kv_rows[int(vr)], rows[int(table[int(q), int(x) // ps]) * ps + int(x) % ps])
         for r, vrs, q in zip(pos, view_rows, q_req)

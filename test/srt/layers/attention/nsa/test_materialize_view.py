@@ -27,7 +27,7 @@ def test_single_rank_view_holds_the_batch_pages_in_slot_order(with_indexer):
     counters = begin_batch(mat, table, [3 * PS, 2 * PS - 3], [PS, 5])
     view = mat.layer_view(1)
     assert mat.plan is not None and counters.kind == "history"
-    assert view.page_size == PS and view.kv_rows.shape == (5 * PS, pool.row_bytes)
+    assert view.kv_rows.shape == (5 * PS, pool.row_bytes)
     for b, n in enumerate([3, 2]):
         for j in range(n):
             slot, lp = int(view.page_table[b, j]), int(table[b, j])
@@ -35,9 +35,6 @@ def test_single_rank_view_holds_the_batch_pages_in_slot_order(with_indexer):
             if with_indexer:
                 assert torch.equal(view.index_pages[slot], pool.index[1][lp])
     assert view.index_pages is None if not with_indexer else view.index_pages.shape == (5, PS * INDEX_TOKEN_BYTES)
-    # Position 17 of request 0 is row 1 of its second page.
-    rows = view.rows(torch.tensor([[17, -1]], dtype=torch.int32), torch.tensor([0]))
-    assert rows.tolist() == [[int(view.page_table[0, 1]) * PS + 1, -1]]
     page_bytes = PS * (pool.row_bytes + (INDEX_TOKEN_BYTES if with_indexer else 0))
     assert (counters.view_pages, counters.pages_gathered, counters.bytes_received) == (5, 5, 0)
     assert counters.bytes_materialized == 5 * page_bytes

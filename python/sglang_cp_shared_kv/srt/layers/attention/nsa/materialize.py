@@ -17,12 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import (
-    positions_to_view_rows,
-    prepare_gather,
-    pull_launch,
-    word_view,
-)
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import prepare_gather, pull_launch, word_view
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
@@ -53,23 +48,12 @@ PREFETCH_GATHER_PLACES = ("compute", "side")
 @dataclass(eq=False, slots=True)
 class LayerView:
     """What the indexer and MLA kernels read for one layer: ``kv_rows`` uint8 ``[R, row_bytes]``; ``index_pages``
-    uint8 ``[P, page_size * 132]`` (None: no indexer pages); ``page_table`` int32 ``[B, max_pages]`` into both,
-    given as ``table`` or that ``BatchPlan``'s slot table."""
+    uint8 ``[P, page_size * 132]`` (None: no indexer pages); ``page_table`` int32 ``[B, max_pages]`` into both
+    (the plan's slot table)."""
 
     kv_rows: torch.Tensor
     index_pages: torch.Tensor | None
-    table: torch.Tensor | BatchPlan
-    page_size: int
-    use_triton: bool | None = None
-
-    @property
-    def page_table(self) -> torch.Tensor:
-        table = self.table
-        return table if isinstance(table, torch.Tensor) else table.slot_table
-
-    def rows(self, positions: torch.Tensor, q_req: torch.Tensor) -> torch.Tensor:
-        """Token positions (top-k output, -1 padded) of request ``q_req[t]`` -> rows of ``kv_rows``."""
-        return positions_to_view_rows(positions, q_req, self.page_table, self.page_size, use_triton=self.use_triton)
+    page_table: torch.Tensor
 
 
 class ViewArenaError(RuntimeError):
@@ -221,7 +205,7 @@ class ViewMaterializer:
             self._start_prefetch(layer + 1, (layer + 1) % len(self._views))
         self.counters.layers += 1
         index = self._views[slot].get("index") if pool.has_index[layer] else None
-        return LayerView(self._rows[slot], index, self.plan, pool.page_size, self.use_triton)
+        return LayerView(self._rows[slot], index, self.plan.slot_table)
 
     @property
     def reads_pools(self) -> bool:

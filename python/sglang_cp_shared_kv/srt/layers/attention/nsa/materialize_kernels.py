@@ -1,7 +1,6 @@
 """Triton kernels of the materialized read path, each beside its plain-torch reference: page gathers into
-a send block, the pull of a view from every owner's mapped pool, NSA top-k positions -> view rows, and
-logical locs -> read-buffer rows. Each wrapper runs Triton where ``triton_launch.triton_enabled`` says.
-"""
+a send block, the pull of a view from every owner's mapped pool, and logical locs -> read-buffer rows.
+Each wrapper runs Triton where ``triton_launch.triton_enabled`` says."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from functools import partial
 import torch
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.triton_launch import check_index, nothing, tl, triton, triton_enabled
-from sglang_cp_shared_kv.srt.utils import check_int
 
 
 def gather_pages_ref(src: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,63 +197,6 @@ def pull_launch(
         raise ValueError(f"send entries [{start}, {start + slots}) past slot_phys's {slot_phys.shape[0]} words")
     head = (slot_phys, start, slots, slots_per_rank, table, layer, table.shape[2])
     return _copy_launch(_pull_pages_kernel, slots, head, args, max(w for _, w, _ in args))
-
-
-def positions_to_view_rows_ref(
-    positions: torch.Tensor, q_req: torch.Tensor, page_table: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """``row = page_table[q_req, pos // ps] * ps + pos % ps`` (same dtype as ``positions``); -1 stays -1."""
-    pos = positions.long()
-    valid = pos >= 0
-    safe = torch.where(valid, pos, torch.zeros_like(pos))
-    req = q_req.long().view(-1, *([1] * (pos.dim() - 1))).expand_as(pos)
-    pages = page_table.long()[req, safe // page_size]
-    rows = pages * page_size + safe % page_size
-    return torch.where(valid, rows, torch.full_like(rows, -1)).to(positions.dtype)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _positions_to_rows_kernel(positions, q_req, page_table, out, k, pt_stride, page_size, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        block = tl.program_id(1)
-        offs = block * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < k
-        pos = tl.load(positions + t.to(tl.int64) * k + offs, mask=inside, other=-1).to(tl.int64)
-        valid = pos >= 0
-        safe = tl.where(valid, pos, 0)
-        req = tl.load(q_req + t).to(tl.int64)
-        page = tl.load(page_table + req * pt_stride + safe // page_size, mask=inside & valid, other=0).to(tl.int64)
-        rows = tl.where(valid, page * page_size + safe % page_size, -1)
-        tl.store(out + t.to(tl.int64) * k + offs, rows.to(out.dtype.element_ty), mask=inside)
-
-
-def positions_to_view_rows(
-    positions: torch.Tensor,
-    q_req: torch.Tensor,
-    page_table: torch.Tensor,
-    page_size: int,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """Map ``positions [T, K]`` (token positions in request ``q_req[t]``, -1 padded) to view rows."""
-    check_index("positions", positions, 2)
-    check_index("q_req", q_req, 1)
-    check_index("page_table", page_table, 2)
-    if q_req.shape[0] != positions.shape[0]:
-        raise ValueError(f"q_req must have one entry per query ({positions.shape[0]}), got {q_req.shape[0]}")
-    check_int("page_size", page_size, 1)
-    if not triton_enabled(positions.device, use_triton) or positions.numel() == 0:
-        return positions_to_view_rows_ref(positions, q_req, page_table, page_size)
-    positions = positions.contiguous()
-    table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
-    out = torch.empty_like(positions)
-    t, k = positions.shape
-    block = min(1024, triton.next_power_of_2(k))
-    grid = (t, triton.cdiv(k, block))
-    args = (positions, q_req, table, out, k, table.stride(0), page_size)
-    _positions_to_rows_kernel[grid](*args, BLOCK=block)
-    return out
 
 
 def translate_locs_ref(

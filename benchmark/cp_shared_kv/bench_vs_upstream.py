@@ -349,7 +349,6 @@ HOST_TIMER_TARGETS = (
     f"{_NSA}.read_state:_batch_pages",
     f"{_NSA}.read_state:check_arena_fits",
     f"{_NSA}.read_state:translate_locs",
-    f"{_NSA}.plan_kernels:PlanWorkspace.take",
     f"{_NSA}.slot_plan:DeviceFlagCheck.poll",
     f"{_NSA}.slot_plan:DeviceFlagCheck.watch",
     f"{_NSA}.slot_plan:DeviceFlagCheck.host_views",

@@ -8,12 +8,16 @@ from __future__ import annotations
 import torch
 
 from reference.kv_formats import index_page_views
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import PLAN_META_ROWS, BatchPlan, plan_batch
-from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import pages_for_lens, plan_meta_rows, slots_per_rank
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
+    batch_kind,
+    pages_for_lens,
+    plan_meta_rows,
+    slots_per_rank,
+)
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES, mla_row_bytes
 from sglang_cp_shared_kv.srt.mem_cache.placement import TRASH_PAGE, PageOwnership, debug_enabled
 

@@ -6,8 +6,8 @@ import torch
 from page_fixtures import begin_batch
 from page_fixtures import filled_pool as _filled_pool
 
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import ViewMaterializer
+from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import batch_kind
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
 
 PS = 16

@@ -34,7 +34,6 @@ CHECKED = (
             "triton_launch.py",
             "materialize_kernels.py",
             "materialize.py",
-            "current_reuse.py",
             "read_state.py",
         )
     ]

@@ -9,7 +9,6 @@ from page_fixtures import build_slot_plan, plan_meta
 
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_META_ROWS,
-    PlanWorkspace,
     assign_slots_ref,
     build_slot_table_ref,
     map_batch_pages_ref,
@@ -228,11 +227,9 @@ def _assert_same_plan(got, ref, got_pos: torch.Tensor, ref_pos: torch.Tensor, ca
 
 
 @needs_triton
-def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
-    """Batches of other sizes planned one after another over one workspace (its buffers grown, then reused
-    with the last batch's values still in them) give the plan that the reference gives in fresh buffers;
-    both write the flags, then the landed word."""
-    workspace = PlanWorkspace()
+def test_plan_batch_equals_the_reference_for_batches_of_other_sizes():
+    """Batches of other sizes planned one after another give the plan the reference gives; both write the
+    flags, then the landed word."""
     cases = [
         ([3, 5, 0], [5, 6, 2], [0, 2, 0], [-1, 0, -1], 4),
         ([1100, 40], [1101, 44], [0, 0], [-1, -1], 2),  # grows the buffers
@@ -242,19 +239,15 @@ def test_plan_batch_over_a_reused_workspace_equals_a_fresh_plan():
     for i, case in enumerate(cases):
         tokens, rows, meta, width, m, s, logical = _plan_case(3, *case, seed=i)
         outs = []
-        for ws, use_triton in ((None, False), (workspace, True)):
+        for use_triton in (False, True):
             page_pos = torch.full((logical,), -3, dtype=torch.int64, device=DEVICE)
             args = (tokens.to(DEVICE), rows.to(DEVICE), case[-1], meta.to(DEVICE), width, m, 3, s, 77, page_pos)
             flags = torch.zeros(3 + 2 + len(case[1]), dtype=torch.int64, device=DEVICE)  # status, wrong, landed
-            plan = plan_batch(*args, base=50, fill=99, workspace=ws, flags=flags, use_triton=use_triton)
+            plan = plan_batch(*args, base=50, fill=99, flags=flags, use_triton=use_triton)
             assert flags.tolist() == plan.status.tolist() + plan.wrong.tolist() + [1]  # the landed word last
             outs.append((plan, page_pos))
         (ref, ref_pos), (got, got_pos) = outs
         _assert_same_plan(got, ref, got_pos, ref_pos, i)
-        if i == 1:
-            words = workspace._words
-        if i >= 2:  # the grown buffers serve the smaller batches
-            assert workspace._words is words and got.positions.untyped_storage().data_ptr() == words.data_ptr()
 
 
 @needs_triton
@@ -276,18 +269,18 @@ def test_plan_batch_reads_strided_request_rows_as_the_reference():
 
 
 @needs_triton
-def test_a_plan_bound_and_queued_later_is_not_changed_by_another_workspace_plan():
+def test_a_plan_bound_and_queued_later_is_not_changed_by_another_plan():
     """A plan bound with ``queue=False`` over one host buffer (its lengths, read in place, then its flags,
-    written by the launch) is its caller's own: another workspace's plan, made between a plan's binding and
-    its queueing (two pools of one process, each deferring its launch), binds its own, and each plan equals
-    the reference, flags included."""
+    written by the launch) is its caller's own: another plan, made between a plan's binding and its queueing
+    (two pools of one process, each deferring its launch), binds its own, and each plan equals the
+    reference, flags included."""
     ps, n = 16, 3
     tokens, rows, _, _, _, _, logical = _plan_case(n, [7, 7, 7, 7], [9, 7, 8, 12], [0, 7, 4, 0], [-1, 0, 1, -1], ps, 5)
     tokens, rows = tokens.to(DEVICE), rows.to(DEVICE)
     pin = DEVICE.type == "cuda"
     page_pos = {name: torch.zeros(logical, dtype=torch.int64, device=DEVICE) for name in ("ours", "theirs")}
 
-    def bind(workspace, r, prefix, pages, name):
+    def bind(r, prefix, pages, name):
         b, width = len(pages), max(pages)
         m, s = sum(prefix), slots_per_rank(prefix, n)
         lengths = plan_meta_rows(pages, prefix)
@@ -295,7 +288,7 @@ def test_a_plan_bound_and_queued_later_is_not_changed_by_another_workspace_plan(
         if buf is None:
             buf = torch.tensor(lengths + [0] * (n + 2 + b), dtype=torch.int64)
         args = (tokens, r, ps, buf[: 6 * b], width, m, n, s, 77, page_pos[name], 50, 99)
-        plan, queued = plan_batch(*args, flags=buf[6 * b :], workspace=workspace, queue=False)
+        plan, queued = plan_batch(*args, flags=buf[6 * b :], queue=False)
 
         def check():
             ref_pos = torch.full_like(page_pos[name], -3)
@@ -308,12 +301,11 @@ def test_a_plan_bound_and_queued_later_is_not_changed_by_another_workspace_plan(
 
         return queued, check
 
-    ours, theirs = PlanWorkspace(), PlanWorkspace()
-    first, check = bind(ours, rows, [7, 7, 7, 7], [9, 7, 8, 12], "ours")
+    first, check = bind(rows, [7, 7, 7, 7], [9, 7, 8, 12], "ours")
     first()
     check()
-    first, check = bind(ours, rows[[3, 2, 1, 0]], [4, 7, 3, 7], [12, 8, 7, 9], "ours")  # other lengths
-    theirs_launch, check_theirs = bind(theirs, rows[[1, 2]], [3, 5], [7, 8], "theirs")
+    first, check = bind(rows[[3, 2, 1, 0]], [4, 7, 3, 7], [12, 8, 7, 9], "ours")  # other lengths
+    theirs_launch, check_theirs = bind(rows[[1, 2]], [3, 5], [7, 8], "theirs")
     assert theirs_launch is not first
     theirs_launch()  # queued before ours, bound after it
     first()

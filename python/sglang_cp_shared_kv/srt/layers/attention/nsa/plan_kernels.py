@@ -394,15 +394,13 @@ def plan_batch(
     pad: int = 0,
     use_triton: bool | None = None,
     flags: torch.Tensor | None = None,
-    workspace: PlanWorkspace | None = None,
     queue: bool = True,
 ) -> BatchPlan | tuple[BatchPlan, Callable[[], None] | None]:
     """``plan_batch_ref`` in one launch of one program (Triton where ``triton_enabled``, else the reference).
 
     ``meta`` may be pinned host memory, read in place. ``flags`` (int64 ``[N + 2 + B]``; default: a device
     buffer, or pinned host memory) receives ``status``, ``wrong`` and last a landed word (1 once the words
-    before it are written). ``workspace``: the outputs are views of its buffers, valid until the next plan
-    over it. ``queue=False``: returns ``(plan, launch)``, the launch not queued (None: the reference ran)."""
+    before it are written). ``queue=False``: returns ``(plan, launch)``, the launch not queued (None: the reference ran)."""
     check_index("rows", rows, 1)
     if rows.get_device() != tokens.get_device():  # host ints: no device object per batch
         raise ValueError(f"rows must be on the token table's device ({tokens.device}), got {rows.device}")
@@ -435,11 +433,8 @@ def plan_batch(
     words = 3 * m + cp_size * slots_per_rank + 1 + lengths
     if flags is None:
         flags = torch.empty(cp_size + 2 + batch, dtype=torch.int64, device=tokens.device)
-    if workspace is None:
-        flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
-        table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
-    else:
-        flat, table = workspace.take(words, batch, width, tokens.device)
+    flat = torch.empty(words, dtype=torch.int64, device=tokens.device)
+    table = torch.empty((batch, width), dtype=torch.int32, device=tokens.device)
     num_pages = 0 if page_pos is None else page_pos.shape[0]
     args = (tokens, tokens.stride(0), rows, meta, flat, table, flags, flat if page_pos is None else page_pos)
     args += (batch, width, page_size, m, slots_per_rank, trash_page, pad, base, fill, num_pages)
@@ -451,20 +446,3 @@ def plan_batch(
         launch()
     plan = BatchPlan(flat, table, flags, cp_size, m, slots_per_rank)
     return plan if queue else (plan, launch)
-
-
-class PlanWorkspace:
-    """The device memory a planner reuses batch after batch, in stream order (``plan_batch(..., workspace=)``)."""
-
-    def __init__(self) -> None:
-        self._words: torch.Tensor | None = None
-        self._table: torch.Tensor | None = None
-
-    def take(self, words: int, batch: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(int64 [>= words], int32 [batch, width])`` on ``device``; both stay valid until the next call."""
-        flat, table = self._words, self._table
-        if flat is None or flat.shape[0] < words or flat.device != device:
-            flat = self._words = torch.empty(2 * words, dtype=torch.int64, device=device)
-        if table is None or table.shape[0] < batch * width or table.device != device:
-            table = self._table = torch.empty(max(2 * batch * width, 1), dtype=torch.int32, device=device)
-        return flat, table.as_strided((batch, width), (width, 1))

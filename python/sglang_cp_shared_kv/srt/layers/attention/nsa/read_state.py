@@ -30,7 +30,6 @@ import torch
 
 from sglang_cp_shared_kv.srt.distributed.copy_engine import prefetch_on, view_group
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.current_reuse import batch_kind
 from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import check_plan
 from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize import (
     BatchCounters,
@@ -45,12 +44,12 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_META_ROWS,
     BatchPlan,
-    PlanWorkspace,
     plan_batch,
 )
 from sglang_cp_shared_kv.srt.layers.attention.nsa.slot_plan import (
     DeviceFlagCheck,
     SlotOverflowError,
+    batch_kind,
     overflow_message,
     pages_for_lens,
     plan_meta_rows,
@@ -169,7 +168,6 @@ class BatchReadState:
         self._arena_pages = float("inf")  # the pages every arena buffer holds (host time: read once)
         self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
         self.flags = DeviceFlagCheck()  # each batch's overflow and wrong-hint flags, read back later
-        self._workspace = PlanWorkspace()  # the plan's outputs, reused every batch like ``page_pos``
         self._deferred: DeferredPlan | None = None  # this batch's plan until it is queued
         # This batch's translations of the tensors every layer passes again (cleared per batch).
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
@@ -267,7 +265,6 @@ class BatchReadState:
             base,
             fill,
             flags=buf[m:],
-            workspace=self._workspace,
             queue=False,
         )
         requests = inputs.request_ids

@@ -30,6 +30,15 @@ def pages_for_lens(seq_lens: Sequence[int], page_size: int) -> list[int]:
     return [-(-int(n) // page_size) for n in seq_lens]
 
 
+def batch_kind(prefix_lens: Sequence[int]) -> str:
+    """``current`` (no request reads a prefix: the chunk every rank holds after prefill CP's all-gather is
+    all it reads, nothing is gathered), ``history`` (every request reads one) or ``mixed``; host ints."""
+    with_prefix = [int(p) > 0 for p in prefix_lens]
+    if not any(with_prefix):
+        return "current"
+    return "history" if all(with_prefix) else "mixed"
+
+
 def slots_per_rank(pages_per_req: Sequence[int], cp_size: int) -> int:
     """``sum(ceil(pages_b / N))``: the pages every owner sends (its block)."""
     return sum(-(-int(p) // cp_size) for p in pages_per_req)

@@ -209,7 +209,7 @@ class Context:
 
         def op():
             stream = torch.cuda.current_stream().cuda_stream
-            d.check(d.copy(dst.data_ptr(), src.data_ptr(), n, stream), "cuMemcpyDtoDAsync")
+            d.copy(dst.data_ptr(), src.data_ptr(), n, stream)
 
         return op
 
@@ -323,7 +323,7 @@ class RealPipeline:
             if delay_us:
                 torch.cuda._sleep(int(delay_us * 1e-6 * CLOCK_HZ))
         for which in (0, 1):
-            d.check(d.write64(stream, self.group.signals[which, 1].data_ptr(), target, 0), "cuStreamWriteValue64")
+            d.write64(stream, self.group.signals[which, 1].data_ptr(), target)
 
     def before_layer(self, layer: int) -> None:
         """Late peer: the counters of the all-gathers ``layer_view(layer)`` issues (its own layer's in line

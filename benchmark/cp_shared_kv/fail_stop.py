@@ -129,27 +129,29 @@ def _mark_fence_progress(progress: torch.Tensor) -> None:
     where a hung stream stands, read without a CUDA call."""
     from sglang_cp_shared_kv.srt.distributed import copy_engine
 
-    fence_calls = copy_engine.CopyEngineGroup._fence_calls
+    fence = copy_engine.CopyEngineGroup.fence
 
-    def marked(self, stream: int, q: int) -> None:
+    def marked(self, stream=None) -> None:
         d, at = self._driver, progress.data_ptr()
-        d.check(d.write64(stream, at, 10 * q + 1, 0), "cuStreamWriteValue64")
+        torch_stream = self._stream(stream)
+        stream, q = torch_stream.cuda_stream, self.fences % 2
+        d.write64(stream, at, 10 * q + 1)
         original_wait, seen = d.wait64, []
 
         def wait64(*a):  # the first wait: every signal to the peers is queued before it
             if not seen:
                 seen.append(1)
-                d.check(d.write64(stream, at, 10 * q + 2, 0), "cuStreamWriteValue64")
+                d.write64(stream, at, 10 * q + 2)
             return original_wait(*a)
 
         d.wait64 = wait64
         try:
-            fence_calls(self, stream, q)
+            fence(self, torch_stream)
         finally:
             d.wait64 = original_wait
-        d.check(d.write64(stream, at, 10 * q + 4, 0), "cuStreamWriteValue64")
+        d.write64(stream, at, 10 * q + 4)
 
-    copy_engine.CopyEngineGroup._fence_calls = marked
+    copy_engine.CopyEngineGroup.fence = marked
 
 
 def _report_stuck(rank: int, ranks: _Ranks, progress, lost: dict, after_s: float) -> None:

@@ -10,7 +10,6 @@ fails leaves its process's stream blocked, so each runs in its own process (``--
 from __future__ import annotations
 
 import argparse
-import ctypes
 import subprocess
 import sys
 import threading
@@ -49,7 +48,7 @@ def run_variant(name: str) -> bool:
         cap, x = torch.cuda.Stream(dev), torch.zeros(1024, device=dev)
 
         def body(h: int) -> None:
-            d.check(d.wait64(h, word.data_ptr(), 1, WAIT_EQ), "wait")
+            d.wait64(h, word.data_ptr(), 1, WAIT_EQ)
             if name.startswith("graph_kernel"):
                 with torch.cuda.stream(cap):
                     x.add_(1)
@@ -60,7 +59,7 @@ def run_variant(name: str) -> bool:
         with torch.cuda.stream(main):
             graph.replay()
     else:
-        d.check(d.wait64(main.cuda_stream, word.data_ptr(), 1, WAIT_EQ), "cuStreamWaitValue64")
+        d.wait64(main.cuda_stream, word.data_ptr(), 1, WAIT_EQ)
     event = torch.cuda.Event()
     event.record(main)
     time.sleep(0.3)
@@ -75,14 +74,13 @@ def run_variant(name: str) -> bool:
         elif name.endswith("side_clone_write64"):
             with torch.cuda.device(dev), torch.cuda.stream(side):
                 word.clone()
-                d.check(d.write64(side.cuda_stream, word.data_ptr(), 1, 0), "cuStreamWriteValue64")
+                d.write64(side.cuda_stream, word.data_ptr(), 1)
         elif name.endswith("fresh_stream_write64"):
-            s = ctypes.c_void_p()
-            d.check(d._lib.cuStreamCreate(ctypes.byref(s), 1), "cuStreamCreate")  # CU_STREAM_NON_BLOCKING
-            d.check(d.write64(s, word.data_ptr(), 1, 0), "cuStreamWriteValue64")
+            _, s = d.cu.cuStreamCreate(d.cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            d.write64(s, word.data_ptr(), 1)
         else:
             with torch.cuda.device(dev):
-                d.check(d.write64(side.cuda_stream, word.data_ptr(), 1, 0), "cuStreamWriteValue64")
+                d.write64(side.cuda_stream, word.data_ptr(), 1)
 
     if name.endswith("_thread"):
         t = threading.Thread(target=release)

@@ -38,67 +38,49 @@ class CopyEngineUnavailable(RuntimeError):
     """The copy-engine all-gather cannot run here (no CUDA driver entry points, ranks on several nodes)."""
 
 
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # CUipcMemHandle
-
-
-IPC_LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-
-
 class _Driver:
-    """The few CUDA driver calls we need, through ctypes."""
+    """The CUDA driver calls the copy engines need, through cuda-python's bindings (an SGLang dependency);
+    each raises ``RuntimeError`` naming the call on failure."""
 
     def __init__(self) -> None:
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise CopyEngineUnavailable(f"the CUDA driver library cannot be loaded: {e}") from e
-        self._lib = lib
-        vp, u64, uint, u64_p = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64)
-        self.write64 = self._fn(("cuStreamWriteValue64_v2", "cuStreamWriteValue64"), [vp, u64, u64, uint])
-        self.wait64 = self._fn(("cuStreamWaitValue64_v2", "cuStreamWaitValue64"), [vp, u64, u64, uint])
-        self.copy = self._fn(("cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"), [u64, u64, ctypes.c_size_t, vp])
-        self.address_range = self._fn(
-            ("cuMemGetAddressRange_v2", "cuMemGetAddressRange"), [u64_p, ctypes.POINTER(ctypes.c_size_t), u64]
-        )
-        self.ipc_get = self._fn(("cuIpcGetMemHandle",), [ctypes.POINTER(_IpcHandle), u64])
-        self.ipc_open = self._fn(("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"), [u64_p, _IpcHandle, uint])
-        self.ipc_close = self._fn(("cuIpcCloseMemHandle",), [u64])
+            from cuda.bindings import driver as cu
+        except ImportError as e:
+            raise CopyEngineUnavailable(f"cuda-python's driver bindings cannot be imported: {e}") from e
+        self.cu = cu
         self._mapped: dict[bytes, list[int]] = {}  # IPC handle -> [address here, registrations]
-        self._error_name = lib.cuGetErrorName
-        self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
 
-    def _fn(self, names: Sequence[str], argtypes: list) -> ctypes._CFuncPtr:
-        for name in names:
-            fn = getattr(self._lib, name, None)
-            if fn is not None:
-                fn.argtypes, fn.restype = argtypes, ctypes.c_int
-                return fn
-        raise CopyEngineUnavailable(f"the CUDA driver has none of {', '.join(names)}")
+    @staticmethod
+    def _ok(result: tuple, what: str):
+        if result[0]:
+            raise RuntimeError(f"{what} failed: {result[0].name} ({int(result[0])})")
+        return result[1:]
 
-    def check(self, result: int, what: str) -> None:
-        if result:
-            name = ctypes.c_char_p()
-            self._error_name(result, ctypes.byref(name))
-            raise RuntimeError(f"{what} failed: {(name.value or b'CUDA error').decode()} ({result})")
+    def write64(self, stream: int, address: int, value: int) -> None:
+        self._ok(self.cu.cuStreamWriteValue64(stream, address, value, 0), "cuStreamWriteValue64")
+
+    def wait64(self, stream: int, address: int, value: int, flags: int) -> None:
+        self._ok(self.cu.cuStreamWaitValue64(stream, address, value, flags), "cuStreamWaitValue64")
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._ok(self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
     def export(self, t: torch.Tensor) -> tuple[bytes, int]:
         """``(IPC handle of the allocation holding t, t's byte offset in it)``: a handle names a whole
         allocation, and the caching allocator hands out pieces of larger ones."""
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self.check(self.address_range(ctypes.byref(base), ctypes.byref(size), t.data_ptr()), "cuMemGetAddressRange")
-        handle = _IpcHandle()
-        self.check(self.ipc_get(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
-        return bytes(handle.reserved), t.data_ptr() - base.value
+        base, _ = self._ok(self.cu.cuMemGetAddressRange(t.data_ptr()), "cuMemGetAddressRange")
+        (handle,) = self._ok(self.cu.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), t.data_ptr() - int(base)
 
     def open(self, handle: bytes) -> int:
         """Map a peer's allocation into the current context, once per handle (the last ``release`` unmaps)."""
         entry = self._mapped.get(handle)
         if entry is None:
-            ptr = ctypes.c_uint64()
-            h = _IpcHandle.from_buffer_copy(handle)
-            self.check(self.ipc_open(ctypes.byref(ptr), h, IPC_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
-            entry = self._mapped[handle] = [ptr.value, 0]
+            h = self.cu.CUipcMemHandle()
+            ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
+            flags = self.cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+            (ptr,) = self._ok(self.cu.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle")
+            entry = self._mapped[handle] = [int(ptr), 0]
         entry[1] += 1
         return entry[0]
 
@@ -108,7 +90,10 @@ class _Driver:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._mapped[handle]
-                self.ipc_close(entry[0])
+                self.cu.cuIpcCloseMemHandle(entry[0])
+
+
+IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 
 
 # What a failed group writes into its signal rows (ready, ack, fence0, fence1): every wait passes.
@@ -266,14 +251,14 @@ class CopyEngineGroup:
         d, one, row = self._driver, self._one.data_ptr(), 2 + self.fences % 2
         self.fences += 1
         h = stream.cuda_stream
-        d.check(d.write64(h, one, 1, 0), "cuStreamWriteValue64")  # the barrier: earlier work visible
+        d.write64(h, one, 1)  # the barrier: earlier work visible
         for peer in self._peer_signals.values():
-            d.check(d.copy(peer + (row * self.size + self.rank) * 8, one, 8, h), "cuMemcpyDtoDAsync")
+            d.copy(peer + (row * self.size + self.rank) * 8, one, 8, h)
         mine = [self._signals_at + (row * self.size + p) * 8 for p in self._peer_signals]
         for slot in mine:
-            d.check(d.wait64(h, slot, 1, WAIT_EQ), "cuStreamWaitValue64")
+            d.wait64(h, slot, 1, WAIT_EQ)
         for slot in mine:
-            d.check(d.write64(h, slot, 0, 0), "cuStreamWriteValue64")
+            d.write64(h, slot, 0)
         self._watch(stream, ("fence", self.fences))
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
@@ -303,7 +288,7 @@ class CopyEngineGroup:
             writes += [(self._signals_at + (row * self.size + p) * 8, v) for row, v in enumerate(RELEASED)]
         with torch.cuda.device(self.device):
             for at, value in writes:
-                d.check(d.write64(side.cuda_stream, at, value, 0), "cuStreamWriteValue64")
+                d.write64(side.cuda_stream, at, value)
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The watchdog's stream for reading and writing the signals."""
@@ -316,13 +301,13 @@ class CopyEngineGroup:
         d = self._driver
         for p in self._peer_signals:
             slot = self._signals_at + (which * self.size + p) * 8  # int64 signals
-            d.check(d.wait64(stream, slot, k, WAIT_GEQ), "cuStreamWaitValue64")
+            d.wait64(stream, slot, k, WAIT_GEQ)
 
     def _announce(self, stream: int) -> int:
         """The next call's counter ``k`` into the outbox, then to every peer as ready. Returns ``k``."""
         d = self._driver
         self.calls += 1
-        d.check(d.write64(stream, self._outbox_at, self.calls, 0), "cuStreamWriteValue64")
+        d.write64(stream, self._outbox_at, self.calls)
         self._signal(stream, 0)
         return self.calls
 
@@ -345,7 +330,7 @@ class CopyEngineGroup:
         d, src = self._driver, self._outbox_at
         slot = (which * self.size + self.rank) * 8  # int64 signals
         for peer in self._peer_signals.values():
-            d.check(d.copy(peer + slot, src, 8, stream), "cuMemcpyDtoDAsync")
+            d.copy(peer + slot, src, 8, stream)
 
     def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, int, int]:
         """(registered buffer, byte offset of ``out`` in it, bytes per part), or ``ValueError``."""
@@ -411,9 +396,9 @@ class CopyEngineGroup:
         # Ready once my part is written; the same word goes out again as ack once the pulls have run.
         k = self._announce(stream)
         for ready, copies in pulls:
-            d.check(d.wait64(stream, ready, k, WAIT_GEQ), "cuStreamWaitValue64")
+            d.wait64(stream, ready, k, WAIT_GEQ)
             for dst, src, nbytes in copies:
-                d.check(d.copy(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+                d.copy(dst, src, nbytes, stream)
                 self.bytes_received += nbytes
         if ack:
             self._finish_reads(torch_stream, k)

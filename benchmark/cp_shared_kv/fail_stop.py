@@ -129,12 +129,10 @@ def _mark_fence_progress(progress: torch.Tensor) -> None:
     where a hung stream stands, read without a CUDA call."""
     from sglang_cp_shared_kv.srt.distributed import copy_engine
 
-    fence = copy_engine.CopyEngineGroup.fence
+    fence_calls = copy_engine.CopyEngineGroup._fence_calls
 
-    def marked(self, stream=None) -> None:
+    def marked(self, stream: int, q: int) -> None:
         d, at = self._driver, progress.data_ptr()
-        torch_stream = self._stream(stream)
-        stream, q = torch_stream.cuda_stream, self.fences % 2
         d.write64(stream, at, 10 * q + 1)
         original_wait, seen = d.wait64, []
 
@@ -146,12 +144,12 @@ def _mark_fence_progress(progress: torch.Tensor) -> None:
 
         d.wait64 = wait64
         try:
-            fence(self, torch_stream)
+            fence_calls(self, stream, q)
         finally:
             d.wait64 = original_wait
         d.write64(stream, at, 10 * q + 4)
 
-    copy_engine.CopyEngineGroup.fence = marked
+    copy_engine.CopyEngineGroup._fence_calls = marked
 
 
 def _report_stuck(rank: int, ranks: _Ranks, progress, lost: dict, after_s: float) -> None:

@@ -2,9 +2,10 @@
 every rank ends with every rank's part byte for byte, over many calls at moving offsets (a call
 that read a part before its owner wrote it, or an owner that overwrote it while a peer still
 read, shows as wrong bytes), on a side stream too, and without a host sync. Views read straight from
-the peers' mapped pools, batch by batch behind the group's fence, are exact over many rounds with a
-host running late now and then (without the fence the same rounds read wrong bytes on one H200), and
-pools that differ in shape are mapped on no rank."""
+the peers' mapped pools, batch by batch behind the group's fence (launched as captured graphs), are
+exact over many rounds with a host running late now and then (without the fence the same rounds read
+wrong bytes on one H200), and pools that differ in shape are mapped on no rank. A graph capture whose body
+raises ends the capture and raises the body's error."""
 
 import pytest
 import torch
@@ -230,11 +231,13 @@ def _pull_rank(rank: int, size: int, mismatch: bool) -> dict:
         r + 1 for r, (a, b) in enumerate(zip(got, expected)) if not all(torch.equal(x.cpu(), y) for x, y in zip(a, b))
     ]
     own = [int(ce.source_table[0, k, rank]) == pools[0][k].data_ptr() for k in range(2)]
+    graphs = [exe is not None for exe in ce._fence_graphs]  # each parity's fence launched as one captured graph
     ce.close()
     return {
         "mapped": True,
         "wrong_rounds": wrong,
         "own_addresses": own,
+        "fence_graphs": graphs,
         "bytes": sum(o.numel() for o in outs),
     }
 
@@ -242,10 +245,31 @@ def _pull_rank(rank: int, size: int, mismatch: bool) -> dict:
 @pytest.mark.parametrize("size", [2, 3])
 def test_views_read_from_the_peers_pools_follow_every_write_and_precede_the_next(size):
     for res in spawn_ranks(_pull_rank, size, False, timeout_s=300):
-        assert res["mapped"] and res["own_addresses"] == [True, True], res
+        assert res["mapped"] and res["own_addresses"] == [True, True] and res["fence_graphs"] == [True, True], res
         assert res["wrong_rounds"] == [], res
 
 
 def test_pools_of_different_shapes_are_mapped_on_no_rank():
     """Every rank keeps the arena all-gather alike (none maps, none hangs)."""
     assert spawn_ranks(_pull_rank, 2, True, timeout_s=120) == [{"mapped": False}] * 2
+
+
+def test_a_capture_whose_body_raises_ends_the_capture_and_raises_the_bodys_error():
+    """``_Driver.capture``: an error inside the captured body reaches the caller as it was raised, and the
+    stream is out of capture mode (the next capture on it, and plain work, run)."""
+    from sglang_cp_shared_kv.srt.distributed.copy_engine import driver
+
+    d = driver()
+    stream = torch.cuda.Stream()
+    x = torch.zeros(4, device="cuda")
+
+    def broken(h: int) -> None:
+        raise ValueError("body failed")
+
+    with pytest.raises(ValueError, match="body failed"):
+        d.capture(stream.cuda_stream, broken)
+    assert d.capture(stream.cuda_stream, lambda h: None) is not None  # an empty graph: capture works again
+    with torch.cuda.stream(stream):
+        x += 1
+    stream.synchronize()
+    assert x.tolist() == [1.0] * 4

@@ -65,6 +65,29 @@ class _Driver:
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self._ok(self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
+    def capture(self, stream: int, body: Callable[[int], None]):
+        """The calls ``body(stream)`` queues on ``stream`` (idle, not the legacy default stream) as an
+        instantiated graph for ``launch``; an error of the body is raised as it was, out of capture mode."""
+        cu = self.cu
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED  # other threads' calls are not checked
+        self._ok(cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        try:
+            body(stream)
+        except BaseException:
+            _, graph = cu.cuStreamEndCapture(stream)
+            if graph:
+                cu.cuGraphDestroy(graph)
+            raise
+        (graph,) = self._ok(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        try:
+            (exe,) = self._ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        finally:
+            cu.cuGraphDestroy(graph)
+        return exe
+
+    def launch(self, exe, stream: int) -> None:
+        self._ok(self.cu.cuGraphLaunch(exe, stream), "cuGraphLaunch")
+
     def export(self, t: torch.Tensor) -> tuple[bytes, int]:
         """``(IPC handle of the allocation holding t, t's byte offset in it)``: a handle names a whole
         allocation, and the caching allocator hands out pieces of larger ones."""
@@ -172,6 +195,8 @@ class CopyEngineGroup:
         self.calls = 0
         self.fences = 0  # fences queued so far (the same count on every rank)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # what a fence sends
+        self._fence_graphs: list = [None, None]  # per parity, captured at its first fence
+        self._capture_stream: torch.cuda.Stream | None = None
         self.bytes_received = 0  # pulled from the others (a counter for benchmarks)
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
         self.source_table: torch.Tensor | None = None
@@ -245,21 +270,31 @@ class CopyEngineGroup:
     def fence(self, stream: torch.cuda.Stream | None = None) -> None:
         """Queue on ``stream`` (default: the current one) a point every rank's stream passes only once every
         rank's has reached it. Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and
-        resets it (a peer sets it again only past its fence ``f + 1``, which waits for this rank's reset)."""
+        resets it (a peer sets it again only past its fence ``f + 1``, which waits for this rank's reset). Each
+        parity's calls are one captured graph: queued one by one, a fence blocked on a dead peer kept the
+        survivor's watchdog from getting its line out (``docs/benchmarks/fence_graph_bisect.txt``)."""
         self.watchdog.check()
         stream = self._stream(stream)
-        d, one, row = self._driver, self._one.data_ptr(), 2 + self.fences % 2
+        q = self.fences % 2
         self.fences += 1
-        h = stream.cuda_stream
-        d.write64(h, one, 1)  # the barrier: earlier work visible
+        if self._fence_graphs[q] is None:
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream(self.device)
+            capture = self._capture_stream.cuda_stream
+            self._fence_graphs[q] = self._driver.capture(capture, lambda h: self._fence_calls(h, q))
+        self._driver.launch(self._fence_graphs[q], stream.cuda_stream)
+        self._watch(stream, ("fence", self.fences))
+
+    def _fence_calls(self, stream: int, q: int) -> None:
+        d, one, row = self._driver, self._one.data_ptr(), 2 + q
+        d.write64(stream, one, 1)  # the barrier: earlier work visible
         for peer in self._peer_signals.values():
-            d.copy(peer + (row * self.size + self.rank) * 8, one, 8, h)
+            d.copy(peer + (row * self.size + self.rank) * 8, one, 8, stream)
         mine = [self._signals_at + (row * self.size + p) * 8 for p in self._peer_signals]
         for slot in mine:
-            d.wait64(h, slot, 1, WAIT_EQ)
+            d.wait64(stream, slot, 1, WAIT_EQ)
         for slot in mine:
-            d.write64(h, slot, 0)
-        self._watch(stream, ("fence", self.fences))
+            d.write64(stream, slot, 0)
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device) if stream is None else stream
@@ -315,6 +350,10 @@ class CopyEngineGroup:
         """Unmap the peers' allocations (after the last call has run)."""
         if hasattr(self, "watchdog"):
             self.watchdog.close()
+        graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
+        for exe in graphs:
+            if exe is not None:
+                self._driver.cu.cuGraphExecDestroy(exe)
         opened, self._opened = getattr(self, "_opened", []), []
         with torch.cuda.device(self.device):
             for handle in opened:

@@ -376,22 +376,15 @@ def test_view_arena_is_allocated_once_and_refuses_a_batch_past_it():
         pool.attach_view_arena(_arena_spec(0, 2, 16, prefix=2 * PS, chunk=2 * PS))
 
 
-def test_shared_prefix_from_sglang_radix_nodes():
-    """Which requests of a batch share prefix pages, from SGLang's own radix ``TreeNode`` s (host only)."""
-    from sglang.srt.mem_cache.radix_cache import TreeNode
+def test_shared_prefix_from_radix_paths():
+    """Which requests of a batch share prefix pages, from their radix paths (host only)."""
+    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import shared_prefix_from_paths
 
-    from sglang_cp_shared_kv.srt.sglang_wiring.pool_hooks import shared_prefix_from_nodes
-
-    def node(parent, tokens):
-        n = TreeNode()
-        n.parent, n.value = parent, torch.zeros(tokens, dtype=torch.int64)
-        return n
-
-    root = TreeNode()
-    a = node(root, 2 * PS)  # a cached system prompt
-    b, c = node(a, PS), node(a, 2 * PS)  # two continuations of it
-    d = node(root, 3 * PS)  # another conversation
-    got = shared_prefix_from_nodes([b, c, a, root, d, c], [3 * PS, 4 * PS, 2 * PS, 0, 3 * PS, 3 * PS], PS)
+    # A tree: a (a cached system prompt, 2 pages) with two continuations b (1 page) and c (2 pages),
+    # and d (another conversation, 3 pages). Per node on a path: its identity and its depth in tokens.
+    a, b, c, d = ("a", 2 * PS), ("b", 3 * PS), ("c", 4 * PS), ("d", 3 * PS)
+    paths = [[a, b], [a, c], [a], [], [d], [a, c]]
+    got = shared_prefix_from_paths(paths, [3 * PS, 4 * PS, 2 * PS, 0, 3 * PS, 3 * PS], PS)
     # c shares a's 2 pages with b; a (alone) too; root: no prefix; d: nothing; the second c shares
     # all of its 3-page prefix with the first c (its prefix ends inside c).
     assert got == [(-1, 0), (0, 2), (0, 2), (-1, 0), (-1, 0), (1, 3)]

@@ -1,7 +1,4 @@
-"""Byte sizes of SGLang's KV row and indexer page formats, importable without torch: the startup checks,
-the read path and the transfer protocol's layout checks read these (the formats themselves, in plain
-torch for the tests, are ``reference/kv_formats.py``).
-"""
+"""Byte sizes of SGLang's MLA row and DSA indexer page formats (no torch)."""
 
 from __future__ import annotations
 

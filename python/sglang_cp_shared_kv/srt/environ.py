@@ -1,8 +1,7 @@
-"""The CP-shared KV cache's environment variables, read as SGLang reads its own: ``envs.NAME.get()``.
+"""The CP-shared KV cache's environment variables, read as SGLang reads its own (``envs.X.get()``).
 
-In SGLang they are fields of ``sglang.srt.environ.Envs``. Here they are fields of the same kinds on a class
-of the same shape (this module imports neither SGLang nor torch), so each reader is written once for both:
-unset reads as the default; a value that does not parse warns and reads as the default, as in SGLang.
+In SGLang they are fields of its ``Envs``; here, of a class of the same shape that imports neither SGLang
+nor torch. Unset, or a value that does not parse (with a warning), reads as the default.
 """
 
 from __future__ import annotations
@@ -64,19 +63,17 @@ class EnvFloat(_EnvField):
 
 
 class Envs:
-    # --enable-cp-shared-kv: how each prefill CP rank reads its peers' pages
-    # (auto: copy engines when every CP rank is on this node, else the CP group's
-    # collectives; copy_engine: required; nccl: never copy engines).
+    # --enable-cp-shared-kv: how a prefill CP rank reads its peers' pages (auto: copy
+    # engines if all CP ranks are on this node, else the CP group's collectives;
+    # copy_engine: required; nccl: never copy engines).
     SGLANG_CP_SHARED_KV_TRANSPORT = EnvStr("auto")
-    # --enable-cp-shared-kv: full contexts of prefix the view arena holds per rank.
+    # Full contexts of prefix the view arena holds per rank.
     SGLANG_CP_SHARED_KV_ARENA_CONTEXTS = EnvInt(2)
-    # --enable-cp-shared-kv: build each layer's view one layer ahead (1) or in line
-    # (0); unset, the server's limits decide.
+    # Build each layer's view a layer ahead (1) or in line (0); unset, limits decide.
     SGLANG_CP_SHARED_KV_PREFETCH = EnvBool(False)
-    # --enable-cp-shared-kv: seconds a rank's device waits for a CP peer before the
-    # peer counts as lost and the server stops (well under SGLang's watchdog).
+    # Seconds a rank waits for a CP peer before the server stops (under the watchdog).
     SGLANG_CP_SHARED_KV_PEER_TIMEOUT = EnvFloat(60.0)
-    # --enable-cp-shared-kv: check stored rows, read plans and manifests (syncing).
+    # Check stored rows, read plans and manifests (syncs the device).
     SGLANG_DEBUG_CP_SHARED_KV = EnvBool(False)
 
 

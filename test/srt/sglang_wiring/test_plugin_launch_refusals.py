@@ -86,7 +86,7 @@ def test_bare_flag_lists_every_problem_cleanly():
     rc, lines, _ = _launch(["--model-path", "x", FLAG])
     _assert_clean(rc, lines)
     fixes = ["huggingface-cli download x", "add --enable-prefill-cp"]
-    fixes += ["use --cp-strategy interleave", "(--disaggregation-mode prefill)"]
+    fixes += ["use --cp-strategy interleave", "use --disaggregation-mode prefill"]
     assert len(lines) == len(fixes), lines
     for fix, line in zip(fixes, lines):
         assert fix in line, (fix, line)

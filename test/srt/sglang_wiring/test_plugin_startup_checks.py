@@ -280,6 +280,7 @@ def test_startup_check(results, case_id, model, mode, argv, expected):
     assert error.startswith("CPSharedKVStartupError: --enable-cp-shared-kv: "), error
     lines = error[len("CPSharedKVStartupError: ") :].split("\n")
     assert all(line.startswith("--enable-cp-shared-kv: ") and line.endswith(".") for line in lines), lines
+    assert all(line.count("--enable-cp-shared-kv: ") == 1 and not line.endswith("..") for line in lines), lines
     assert any(expected in line for line in lines), f"no line names {expected!r}: {lines}"
 
 

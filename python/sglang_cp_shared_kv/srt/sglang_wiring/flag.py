@@ -1,4 +1,4 @@
-"""The ``--enable-cp-shared-kv`` flag: its name, and whether a server-args record (or this process) has it on."""
+"""The ``--enable-cp-shared-kv`` flag; whether a record or this process has it on."""
 
 from __future__ import annotations
 
@@ -14,20 +14,18 @@ def enabled(server_args: Any) -> bool:
 
 
 def runtime_enabled() -> bool:
-    """Whether the server args published in this process have the flag on (False before any are published,
-    e.g. for a pool built by a test)."""
+    """Whether this process's published server args have the flag on (none yet: no)."""
     from sglang.srt.runtime_context import get_context
 
     try:
-        server_args = get_context().server_args
+        return enabled(get_context().server_args)
     except ValueError:  # "Global server args is not set yet!"
         return False
-    return enabled(server_args)
 
 
 def manager_enabled(mgr: Any, mode: str) -> bool:
-    """Whether ``mgr`` is a KV manager of disaggregation ``mode`` (``"prefill"``, ``"decode"``) in a process
-    with the flag on."""
+    """Whether ``mgr`` is a KV manager of ``mode`` ("prefill", "decode"), flag on."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode(mode) and runtime_enabled()
+    of_mode = getattr(mgr, "disaggregation_mode", None) == DisaggregationMode(mode)
+    return of_mode and runtime_enabled()

@@ -290,12 +290,10 @@ def sglang_version_rejections() -> list[str]:
         _warn_once(f"{FLAG}: SGLang {version} is installed, the plugin's hooks were checked against SGLang {checked} "
                    f"only; starting anyway because {ANY_SGLANG_ENV}=1")  # fmt: skip
         return []
-    return [
-        startup_checks._line(
-            f"SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang {checked} only",
-            f"install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk",
-        )
-    ]
+    return startup_checks._lines(
+        f"SGLang {version} is installed, and the plugin's hooks wrap private functions of SGLang {checked} only; "
+        f"install sglang=={SGLANG_VERSIONS[-1]}, or set {ANY_SGLANG_ENV}=1 to start at your own risk"
+    )
 
 
 @functools.cache
@@ -343,13 +341,11 @@ def hook_rejections() -> list[str]:
     missing = missing_hooks()
     if not missing:
         return []
-    return [
-        startup_checks._line(
-            f"SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs such a "
-            "failure and goes on, which would leave the KV replicated)",
-            f"run sglang=={SGLANG_VERSIONS[-1]}, whose functions these hooks wrap, or drop the flag",
-        )
-    ]
+    return startup_checks._lines(
+        f"SGLang did not install the plugin's hook(s) on {', '.join(missing)} (its HookRegistry logs such a "
+        "failure and goes on, which would leave the KV replicated); "
+        f"run sglang=={SGLANG_VERSIONS[-1]}, whose functions these hooks wrap, or drop the flag"
+    )
 
 
 def register() -> None:

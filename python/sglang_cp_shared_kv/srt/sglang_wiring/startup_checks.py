@@ -1,11 +1,6 @@
-"""Startup checks for ``--enable-cp-shared-kv``, run inside SGLang's argument resolution.
+"""Startup checks for ``--enable-cp-shared-kv``, in SGLang's argument resolution.
 
-Every rejection is one line naming the offending flag and the fix; all of a configuration's rejections are
-raised together in one ``CPSharedKVStartupError`` (a ``ValueError``). What is accepted is exactly what the
-pools, their read path and the PD manifest honour (the table in ``docs/sglang_plugin.md``): a PD prefill
-server over Mooncake, interleaved prefill CP over N > 1 ranks, an MLA model on CUDA on a prefill kernel that
-reads through the kv-shard contract; a PD decode server only checks the manifests (``decode_manifest``), on
-Mooncake, non-CP, its pool, model and kernels SGLang's.
+Every rejection is one line naming the flag and the fix, all raised together (``docs/sglang_plugin.md``).
 """
 
 from __future__ import annotations
@@ -14,51 +9,75 @@ import logging
 import os
 from typing import Any
 
-from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM as _INDEX_HEAD_DIM
+from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_HEAD_DIM
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG
 
 logger = logging.getLogger(__name__)
 
-# DSA prefill kernels whose reads go through the kv-shard pool contract the sharded pool implements
-# (translated page tables + ``get_key_buffer`` + logical indexer pages); others read the pool otherwise.
+# The DSA prefill kernels that read the pool through the kv-shard contract.
 DSA_PREFILL_BACKENDS = ("flashmla_sparse", "trtllm")
-# Plain-MLA prefill backends that consume the same contract in 0.5.23.
-MLA_PREFILL_BACKENDS = ("fa3",)
-_DSA_PAGE_SIZE = 64  # DSATokenToKVPool asserts 64-token pages on CUDA
+# Flags a prefill server cannot combine with this one, and why (named as attributes).
+_DROP = {
+    "--enable-dsa-cache-layer-split": "splits the same DSA cache by layer, not page",
+    "--dcp-size": "(decode context parallelism) also widens the allocator",
+    "--enable-cp-decode-attn-tp": "is a decode-time CP mode",
+    "--pp-size": "is not wired: pipeline-parallel slices of the pool",
+    "--speculative-algorithm": "is not wired: the draft model's pool is not sharded",
+    "--dllm-algorithm": "is not wired: its admission bypasses the allocator",
+    "--radix-cache-backend": "is not wired: only the built-in tree tracks owners",
+    "--enable-hierarchical-cache": "is not wired: host copies of a sharded pool",
+    "--enable-lmcache": "is not wired: LMCache reads whole pages from one rank",
+    "--enable-hisparse": "is not wired: HiSparse needs whole pages on a rank",
+    "--enable-flexkv": "is not wired: its load-back bypasses the allocator",
+    "--enable-unified-memory": "is not wired: the unified pool has its own layout",
+    "--enable-unified-cache-external-linker": "is not wired: it bypasses the allocator",
+    "--enable-streaming-session": "is not wired: sessions do not track page owners",
+    "--enable-session-radix-cache": "is not wired: sessions do not track page owners",
+    "--enable-two-batch-overlap": "is not wired: one read plan per pool",
+    "--enable-pdmux": "is not wired: split prefill batches are not planned",
+}
+_DECODE_CP = ("--enable-prefill-cp", "--enable-cp-decode-attn-tp", "--attn-cp-size", "--dcp-size")
 
 
 class CPSharedKVStartupError(ValueError):
-    """The configuration (or the SGLang it runs in) does not support ``--enable-cp-shared-kv``: one line per problem."""
+    """A configuration ``--enable-cp-shared-kv`` cannot run: one line per problem."""
 
 
-def _line(what: str, fix: str) -> str:
-    return f"{FLAG}: {what}; {fix}."
+def _lines(*rejections: Any) -> list[str]:
+    """The lines of the rejections given as ``"what; fix"`` (falsy ones pass)."""
+    return [f"{FLAG}: {r}." for r in rejections if r]
 
 
-def _lines(checks: list[tuple[Any, str, str]]) -> list[str]:
-    return [_line(what, fix) for rejected, what, fix in checks if rejected]
+def _raise(rejections: list[str]) -> None:
+    if rejections:
+        raise CPSharedKVStartupError("\n".join(rejections))
 
 
-# Both servers' rejection of SGLang's own sharding (what, fix).
-_KV_CACHE_SHARDING = (
-    "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool",
-    "pass only one of the two flags",
-)
+def _given(cfg: Any, flag: str) -> str | None:
+    """The flag with its value if on (not unset, False or a size <= 1), else None."""
+    value = getattr(cfg, flag[2:].replace("-", "_"), None)
+    if value in (None, False) or (type(value) is int and value <= 1):
+        return None
+    return flag if value is True else f"{flag} {value}"
 
 
 def _not_wired(flag: str, value: Any) -> str:
-    return f"{flag} is not set" if value in (None, "null", "") else f"{flag} {value} is not wired"
+    if value in (None, "null", ""):
+        return f"{flag} is not set"
+    return f"{flag} {value} is not wired"
 
 
-def model_config_rejections(model_path: Any, revision: str | None = None) -> list[str]:
-    """The model config must be readable here, without the network: a local checkpoint or a cached model."""
-    path = str(model_path)
+def _is_pow2(n: Any) -> bool:
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
+def model_config_rejections(path: str, revision: str | None = None) -> list[str]:
+    """The model config must be readable here, offline: a local or cached model."""
     if path.lower() in ("none", "dummy"):
-        return [_line(f"--model-path {path} carries no model config to check for MLA", "pass a real MLA checkpoint")]
+        return _lines(f"--model-path {path} carries no model config to check for MLA; pass a real MLA checkpoint")
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return []
-        return [_line(f"--model-path {path} has no config.json", "pass a Hugging Face checkpoint directory")]
+        found = os.path.isfile(os.path.join(path, "config.json"))
+        return _lines(not found and f"--model-path {path} has no config.json; pass a Hugging Face checkpoint directory")
     if os.path.exists(path):
         return []  # a single-file checkpoint: SGLang reads its config locally
     try:
@@ -67,344 +86,197 @@ def model_config_rejections(model_path: Any, revision: str | None = None) -> lis
         cached = try_to_load_from_cache(path, "config.json", revision=revision)
     except Exception:  # not a valid repo id either
         cached = None
-    if isinstance(cached, str):
-        return []
-    return [
-        _line(
-            f"--model-path {path} is neither a local directory nor a model in the Hugging Face cache, and the "
-            "model config is checked before anything goes to the network",
-            f"download it first (huggingface-cli download {path}) or pass its local directory",
-        )
-    ]
-
-
-def _is_pow2(n: Any) -> bool:
-    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
-
-
-def _staging_buffer_rejections(why: str) -> list[str]:
-    from sglang.srt.environ import envs
-
-    staged = envs.SGLANG_DISAGG_STAGING_BUFFER.get()
-    return _lines([(staged, f"SGLANG_DISAGG_STAGING_BUFFER{why}", "unset SGLANG_DISAGG_STAGING_BUFFER")])
-
-
-def decode_rejections(cfg: Any) -> list[str]:
-    """A decode server with the flag: non-CP, Mooncake, checking the prefill ranks' manifests."""
-    cp_flags = [
-        f
-        for f, on in (
-            ("--enable-prefill-cp", cfg.enable_prefill_cp),
-            ("--enable-cp-decode-attn-tp", cfg.enable_cp_decode_attn_tp),
-            (f"--attn-cp-size {cfg.attn_cp_size}", (cfg.attn_cp_size or 1) > 1),
-            (f"--dcp-size {cfg.dcp_size}", (cfg.dcp_size or 1) > 1),
-        )
-        if on
-    ]
-    checks = [  # (rejected, what, fix)
-        (
-            cfg.disaggregation_transfer_backend != "mooncake",
-            f"--disaggregation-transfer-backend {cfg.disaggregation_transfer_backend}: the manifests ride on the "
-            "Mooncake connector's status messages",
-            "use --disaggregation-transfer-backend mooncake",
-        ),
-        (
-            cp_flags,
-            f"{', '.join(cp_flags)} on the decode server: it stays non-CP (it receives whole pages and checks "
-            "the manifests); the KV is sharded on the prefill server (--disaggregation-mode prefill)",
-            f"drop {', '.join(f.split()[0] for f in cp_flags)} here",
-        ),
-        (cfg.enable_kv_cache_sharding, *_KV_CACHE_SHARDING),
-    ]
-    return _lines(checks) + _staging_buffer_rejections(": staged transfers are not wired with the manifest check")
+    return _lines(
+        not isinstance(cached, str)
+        and f"--model-path {path} is neither a local directory nor a model in the "
+        "Hugging Face cache (the model config is checked before anything goes to the "
+        f"network); download it first (huggingface-cli download {path}) or pass its "
+        "local directory"
+    )
 
 
 def flag_rejections(cfg: Any) -> list[str]:
-    """Checks that need only the flags (a record or a resolving view)."""
-    if cfg.disaggregation_mode == "decode":
-        return decode_rejections(cfg)
-    out = model_config_rejections(cfg.model_path, getattr(cfg, "revision", None))
-    checks = [  # (rejected, what, fix)
-        (
-            not cfg.enable_prefill_cp,
-            "the KV is sharded over the prefill context-parallel ranks, and prefill CP is off",
-            "add --enable-prefill-cp",
-        ),
-        (
-            cfg.cp_strategy != "interleave",
-            f"{_not_wired('--cp-strategy', cfg.cp_strategy)} (the write path needs every rank to hold the whole chunk "
-            "after the interleave all-gather; DeepSeek-V3.2 / GLM-5 require interleave)",
-            "use --cp-strategy interleave",
-        ),
-        (
-            cfg.disaggregation_mode != "prefill",
-            f"{_not_wired('--disaggregation-mode', cfg.disaggregation_mode)} (batches would decode from a pool that "
-            "holds 1/N of every page, and the widened allocator has no decode allocation)",
-            "run it on the PD prefill server (--disaggregation-mode prefill) and, to check the manifests, "
-            "on its decode server (--disaggregation-mode decode)",
-        ),
-        (
-            cfg.disaggregation_transfer_backend != "mooncake",
-            _not_wired("--disaggregation-transfer-backend", cfg.disaggregation_transfer_backend)
-            + ": it has no owned-page sender",
-            "use --disaggregation-transfer-backend mooncake",
-        ),
-        (cfg.enable_kv_cache_sharding, *_KV_CACHE_SHARDING),
-        (
-            cfg.enable_dsa_cache_layer_split,
-            "--enable-dsa-cache-layer-split splits the same DSA cache by layer instead of by page",
-            "drop --enable-dsa-cache-layer-split",
-        ),
-        (
-            cfg.dcp_size is not None and cfg.dcp_size > 1,
-            f"--dcp-size {cfg.dcp_size} (decode context parallelism) also widens the allocator index space",
-            "drop --dcp-size",
-        ),
-        (
-            cfg.enable_cp_decode_attn_tp,
-            "--enable-cp-decode-attn-tp is a decode-time CP mode; the sharded pool serves prefill only",
-            "drop --enable-cp-decode-attn-tp",
-        ),
-        (
-            cfg.page_size is not None and not _is_pow2(cfg.page_size),
-            f"--page-size {cfg.page_size} is not a power of two (page ownership is shift/mask arithmetic)",
-            "use a power of two, e.g. --page-size 64",
-        ),
-        (
-            cfg.pp_size is not None and cfg.pp_size > 1,
-            f"--pp-size {cfg.pp_size}: pipeline-parallel layer slices of the sharded pool are not wired",
-            "use --pp-size 1",
-        ),
+    """The rules on the flags alone (the record or a resolving view of it)."""
+    from sglang.srt.environ import envs
+
+    backend, mode = cfg.disaggregation_transfer_backend, cfg.disaggregation_mode
+    both = [  # a decode server's rules too
+        backend != "mooncake"
+        and f"{_not_wired('--disaggregation-transfer-backend', backend)}: it has no "
+        "owned-page sender; use --disaggregation-transfer-backend mooncake",
+        cfg.enable_kv_cache_sharding
+        and "--enable-kv-cache-sharding is SGLang's own page sharding of the same pool; pass only one of the two flags",
+        envs.SGLANG_DISAGG_STAGING_BUFFER.get()
+        and "SGLANG_DISAGG_STAGING_BUFFER: staged transfers send no owned pages or manifests; unset it",
     ]
-    return out + _lines(checks) + _plumbing_rejections(cfg) + _setting_rejections()
+    if mode == "decode":
+        on = [f for f in _DECODE_CP if _given(cfg, f)]
+        shown = ", ".join(_given(cfg, f) for f in on)
+        return _lines(
+            *both,
+            on
+            and f"{shown} on the decode server: it stays non-CP (the KV is sharded on "
+            f"the --disaggregation-mode prefill server); drop {', '.join(on)} here",
+        )
+    chunk, ps = cfg.chunked_prefill_size, cfg.page_size
+    out = model_config_rejections(str(cfg.model_path), getattr(cfg, "revision", None))
+    out += _setting_rejections()
+    return out + _lines(
+        *both,
+        not cfg.enable_prefill_cp
+        and "prefill CP is off, and the KV is sharded over its ranks; add --enable-prefill-cp",
+        cfg.cp_strategy != "interleave"
+        and f"{_not_wired('--cp-strategy', cfg.cp_strategy)} (the write path needs "
+        "the whole chunk on every rank); use --cp-strategy interleave",
+        mode != "prefill"
+        and f"{_not_wired('--disaggregation-mode', mode)} (the sharded pool has no "
+        "decode allocation); use --disaggregation-mode prefill (or decode, to "
+        "check the manifests)",
+        ps is not None
+        and not _is_pow2(ps)
+        and f"--page-size {ps} is not a power of two (page ownership is shift/mask "
+        "arithmetic); use e.g. --page-size 64",
+        chunk is not None
+        and chunk <= 0
+        and f"--chunked-prefill-size {chunk} turns chunked prefill off (the view "
+        "arena is sized from the chunk); set a positive multiple of the page size",
+        chunk is not None
+        and chunk > 0
+        and _is_pow2(ps)
+        and chunk % ps
+        and f"--chunked-prefill-size {chunk} is not a multiple of the page size {ps}; use a multiple of {ps}",
+        *(f"{g} {w}; drop {f}" for f, w in _DROP.items() if (g := _given(cfg, f))),
+    )
 
 
 def _setting_rejections() -> list[str]:
-    """The feature's environment settings, read here so a bad value stops the server at startup."""
+    """The feature's settings, read now: a bad value stops the server at startup."""
     from sglang_cp_shared_kv.srt.distributed.copy_engine import transport_setting
     from sglang_cp_shared_kv.srt.environ import envs
     from sglang_cp_shared_kv.srt.mem_cache.view_arena_size import arena_contexts
 
-    out = []
-    settings = (
-        envs.SGLANG_CP_SHARED_KV_TRANSPORT,
-        envs.SGLANG_CP_SHARED_KV_ARENA_CONTEXTS,
-        envs.SGLANG_CP_SHARED_KV_PREFETCH,
-        envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT,
-        envs.SGLANG_DEBUG_CP_SHARED_KV,
-    )
-    for setting in settings:  # a value that does not parse would read as the default, with a warning
-        if not setting.is_set():
-            continue
+    def problem(read: Any, *args: Any, name: str = "") -> str | None:
         try:
-            setting.parse(os.environ[setting.name])
+            read(*args)
         except ValueError as e:
-            out.append(_line(f"{setting.name}: {e}", "set a valid value or unset it"))
-    for read in (arena_contexts, transport_setting):
-        try:
-            read()
-        except ValueError as e:
-            out.append(_line(str(e), "set a valid value or unset it"))
-    if not envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get() > 0:
-        name = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.name
-        out.append(_line(f"{name} must be a positive number of seconds", "set a valid value or unset it"))
-    return out
+            return f"{name}{e}; set a valid value or unset it"
+        return None
 
-
-def _plumbing_rejections(cfg: Any) -> list[str]:
-    """Features that bypass the widened allocator / rotation-aware radix tree the wiring reuses from SGLang."""
-    unsupported = (  # (flag, why); the server args attribute is the flag's name
-        ("--speculative-algorithm", "the draft model's KV pool is not sharded"),
-        ("--dllm-algorithm", "diffusion admission bypasses the widened allocator"),
-        ("--radix-cache-backend", "only the built-in radix tree tracks page-owner rotation"),
-        ("--enable-hierarchical-cache", "HiCache host copies of a sharded pool are not wired"),
-        ("--enable-lmcache", "LMCache reads whole pages from one rank"),
-        ("--enable-hisparse", "HiSparse assumes each rank holds complete pages"),
-        ("--enable-flexkv", "FlexKV load-back allocates through the flat allocator"),
-        ("--enable-unified-memory", "the unified pool has its own allocator and layout"),
-        ("--enable-unified-cache-external-linker", "load-back allocates through the flat allocator"),
-        ("--enable-streaming-session", "session nodes carry no page-owner rotation"),
-        ("--enable-session-radix-cache", "session nodes carry no page-owner rotation"),
-        ("--enable-two-batch-overlap", "the per-batch read plan is one per pool, and TBO builds two"),
-        ("--enable-pdmux", "split prefill batches are not planned"),
+    names = [n for n in dir(envs) if "CP_SHARED_KV" in n and getattr(envs, n).is_set()]
+    peer = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT
+    return _lines(
+        # a value that does not parse would read as the default
+        *(problem(getattr(envs, n).parse, os.environ[n], name=f"{n}: ") for n in names),
+        problem(arena_contexts),
+        problem(transport_setting),
+        not peer.get() > 0 and f"{peer.name} must be a positive number of seconds; set a valid value or unset it",
     )
-    chunk, ps = cfg.chunked_prefill_size, cfg.page_size
-    checks = [
-        (
-            getattr(cfg, flag[2:].replace("-", "_"), None) not in (None, False),
-            f"{flag} is not supported ({why})",
-            f"drop {flag}",
-        )
-        for flag, why in unsupported
-    ]
-    checks += [
-        (
-            chunk is not None and chunk <= 0,
-            f"--chunked-prefill-size {chunk} turns chunked prefill off (the view arena and its batch admission are sized from the chunk)",
-            "set --chunked-prefill-size to a positive multiple of the page size",
-        ),
-        (
-            chunk is not None and chunk > 0 and _is_pow2(ps) and chunk % ps,
-            f"--chunked-prefill-size {chunk} is not a multiple of the page size {ps} (chunks must end on a page: the owner-rotating allocator extends whole pages)",
-            f"use a multiple of {ps}",
-        ),
-    ]
-    return _lines(checks) + _staging_buffer_rejections(" sends contiguous slices, not owned pages")
 
 
 def resolved_rejections(server_args: Any) -> list[str]:
-    """Checks on the model and on resolved values (page size, backends, dtype, device)."""
-    from sglang.srt.arg_groups.overrides import attention_backends_of, model_config_of, resolved_view, resolving_view
-    from sglang.srt.configs.model_config import (
-        AttentionArch,
-        get_dsa_index_kpool,
-        get_dsa_index_kpool_compress,
-        is_deepseek_dsa,
-    )
+    """The flag rules, then those on the model and the resolved values."""
+    from sglang.srt.arg_groups import overrides
+    from sglang.srt.configs.model_config import AttentionArch, is_deepseek_dsa
 
-    cfg = resolving_view(server_args)
+    cfg = overrides.resolving_view(server_args)
     out = flag_rejections(cfg)
-    if cfg.disaggregation_mode == "decode":  # the decode pool, model and kernels stay SGLang's
+    if cfg.disaggregation_mode == "decode":  # its pool, model and kernels are SGLang's
         return out
-    # SGLang sets a DeepSeek model's attention CP size itself (--tp-size / --attn-dp-size unless an
-    # interleaved --attn-cp-size N > 1 is given): judged here, on what it resolved to.
-    checks = [
-        (
-            cfg.enable_prefill_cp and (cfg.attn_cp_size or 1) <= 1,
-            f"the prefill's attention CP size resolves to {cfg.attn_cp_size or 1} (--tp-size {cfg.tp_size}, "
-            f"--attn-dp-size {cfg.attn_dp_size}): nothing to shard over",
-            "give it N > 1 CP ranks: --tp-size N with --attn-dp-size 1, or --attn-cp-size N",
-        )
-    ]
+    cp = cfg.attn_cp_size or 1  # SGLang sets a DeepSeek model's CP size itself
+    out += _lines(
+        cfg.enable_prefill_cp
+        and cp <= 1
+        and f"the prefill's attention CP size resolves to {cp} (--tp-size "
+        f"{cfg.tp_size}, --attn-dp-size {cfg.attn_dp_size}): nothing to shard over; "
+        "give it N > 1 CP ranks (--tp-size N with --attn-dp-size 1, or --attn-cp-size "
+        "N)"
+    )
     if str(cfg.model_path).lower() in ("none", "dummy"):
-        return out + _lines(checks)
-    model_config = model_config_of(server_args)
-    hf_config = model_config.hf_config
+        return out
+    model = overrides.model_config_of(server_args)
+    hf_config = model.hf_config
     arch = (hf_config.architectures or ["?"])[0]
-    if model_config.attention_arch != AttentionArch.MLA:
-        what = f"{arch} is not an MLA model (attention {model_config.attention_arch.name}); the sharded pool stores MLA latent rows"
-        return out + _lines([*checks, (True, what, "serve an MLA model (DeepSeek-V3/V3.2, GLM-5) or drop the flag")])
-    checks.append(
-        (
-            cfg.device != "cuda",
-            f"--device {cfg.device}: the read path all-gathers over NCCL and the MLA/DSA kernels are CUDA-only",
-            "run on CUDA GPUs",
+    if model.attention_arch != AttentionArch.MLA:
+        return out + _lines(
+            f"{arch} is not an MLA model (attention {model.attention_arch.name}); "
+            "serve an MLA model (DeepSeek-V3/V3.2, GLM-5) or drop the flag"
         )
-    )
-    prefill_backend, _ = attention_backends_of(resolved_view(server_args))
+    backend, _ = overrides.attention_backends_of(overrides.resolved_view(server_args))
     if is_deepseek_dsa(hf_config):
-        chosen = getattr(cfg, "prefill_attention_backend", None)
-        head_dim = getattr(hf_config, "index_head_dim", _INDEX_HEAD_DIM)
-        pooled = get_dsa_index_kpool(hf_config) != 1 or get_dsa_index_kpool_compress(hf_config)
-        checks += [
-            (
-                prefill_backend != "dsa",
-                f"DSA model {arch} on prefill attention backend {prefill_backend!r}",
-                f"drop --prefill-attention-backend {chosen} and use --attention-backend dsa"
-                if chosen
-                else "use --attention-backend dsa",
-            ),
-            (
-                prefill_backend == "dsa" and cfg.dsa_prefill_backend not in DSA_PREFILL_BACKENDS,
-                f"--dsa-prefill-backend {cfg.dsa_prefill_backend} reads the pool outside the sharded read contract",
-                f"use --dsa-prefill-backend {' or '.join(DSA_PREFILL_BACKENDS)}",
-            ),
-            (
-                head_dim != _INDEX_HEAD_DIM,
-                f"indexer head dim {head_dim} != {_INDEX_HEAD_DIM} (the sharded indexer page layout)",
-                "serve a model with 128-dim indexer keys",
-            ),
-            (  # a pooled indexer sets the page size itself
-                cfg.page_size != _DSA_PAGE_SIZE and not pooled,
-                f"--page-size {cfg.page_size}: SGLang's DSA pool stores {_DSA_PAGE_SIZE}-token indexer pages",
-                f"set --page-size {_DSA_PAGE_SIZE}",
-            ),
-            (
-                pooled,
-                "the model pools indexer keys (index_kpool > 1 or compressed), not wired",
-                "serve a model with index_kpool = 1",
-            ),
-        ]
-    else:
-        # SGLang moves fa3 to triton for an fp8_e5m2 cache (FA3 reads fp8 as e4m3 only): the dtype is the fix.
-        e5m2 = cfg.kv_cache_dtype == "fp8_e5m2"
-        checks.append(
-            (
-                prefill_backend not in MLA_PREFILL_BACKENDS,
-                f"prefill attention backend {prefill_backend!r} for MLA model {arch} reads the pool outside the sharded read contract"
-                + (" (SGLang moves fa3 to triton for --kv-cache-dtype fp8_e5m2)" if e5m2 else ""),
-                ("use --kv-cache-dtype fp8_e4m3 or auto with " if e5m2 else "use ")
-                + f"--prefill-attention-backend {' or '.join(MLA_PREFILL_BACKENDS)}",
-            )
+        out += _dsa_rejections(cfg, hf_config, backend, arch)
+    elif backend != "fa3":
+        e5m2 = cfg.kv_cache_dtype == "fp8_e5m2"  # SGLang moves fa3 to triton for it
+        why = " (SGLang moves fa3 to triton for fp8_e5m2)" if e5m2 else ""
+        fix = "--kv-cache-dtype fp8_e4m3 or auto with " if e5m2 else ""
+        out += _lines(
+            f"prefill attention backend {backend!r} for MLA model {arch} reads the "
+            f"pool outside the sharded read contract{why}; use "
+            f"{fix}--prefill-attention-backend fa3"
         )
-    checks += [
-        (
-            not _is_pow2(cfg.page_size) or cfg.page_size == 1,
-            f"resolved page size {cfg.page_size} must be a power of two greater than 1 (a page is the ownership and transfer unit)",
-            "set --page-size 64",
-        ),
-        (
-            model_config.is_encoder_decoder,
-            "encoder-decoder models keep a second page table that is not planned",
-            "serve a decoder-only MLA model",
-        ),
-        (
-            getattr(model_config, "attention_chunk_size", None) is not None,
-            "chunked/local-attention models build metadata the read plan does not cover",
-            "serve a full-attention MLA model",
-        ),
-    ]
-    return out + _lines(checks)
-
-
-def _raise(rejections: list[str]) -> None:
-    if rejections:
-        raise CPSharedKVStartupError("\n".join(dict.fromkeys(rejections)))
-
-
-def _disable_prefill_cuda_graph(server_args: Any) -> None:
-    """The per-batch read plan is built on the host each forward: prefill runs eagerly (declared, not written)."""
-    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
-    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
-
-    graph_config = resolving_view(server_args).cuda_graph_config
-    if graph_config.prefill.backend == Backend.DISABLED:
-        return
-    logger.warning(
-        "%s: prefill CUDA graph (%s) disabled: the sharded read plan runs eagerly.", FLAG, graph_config.prefill.backend
-    )
-    declare_resolution(
-        server_args, "cp_shared_kv", cuda_graph_config=with_phase(graph_config, Phase.PREFILL, backend=Backend.DISABLED)
+    return out + _lines(
+        cfg.device != "cuda"
+        and f"--device {cfg.device}: the read path all-gathers over NCCL and the "
+        "kernels are CUDA-only; run on CUDA GPUs",
+        cfg.page_size in (None, 1)  # the flag rules refuse sizes not powers of two
+        and f"resolved page size {cfg.page_size or 1} must be a power of two greater than 1; set --page-size 64",
+        model.is_encoder_decoder
+        and "encoder-decoder models keep a second page table, not planned; serve a decoder-only MLA model",
+        getattr(model, "attention_chunk_size", None) is not None
+        and "chunked/local attention is not covered by the read plan; serve a full-attention MLA model",
     )
 
 
-def _tree_core_rejections(cfg: Any) -> list[str]:
-    """Make the radix tree core that tracks the allocator's rotation bases (Python's) the default; refuse others."""
-    from sglang.srt.environ import envs
+def _dsa_rejections(cfg: Any, hf: Any, backend: str, arch: str) -> list[str]:
+    """A DSA model's rules: its prefill kernel, and the sharded indexer page layout."""
+    from sglang.srt.configs import model_config as mc
 
-    core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
-    if not core.is_set():
-        core.set("python")
-    if cfg.disable_radix_cache or core.get() == "python":
-        return []
-    return [_line(f"{core.name}={core.get()!r} does not track page-owner rotation", "unset it or set it to python")]
+    chosen = cfg.prefill_attention_backend
+    head_dim = getattr(hf, "index_head_dim", INDEX_HEAD_DIM)
+    pooled = mc.get_dsa_index_kpool(hf) != 1 or mc.get_dsa_index_kpool_compress(hf)
+    drop = f"drop --prefill-attention-backend {chosen} and " if chosen else ""
+    return _lines(
+        backend != "dsa"
+        and f"DSA model {arch} on prefill attention backend {backend!r}; {drop}use --attention-backend dsa",
+        backend == "dsa"
+        and cfg.dsa_prefill_backend not in DSA_PREFILL_BACKENDS
+        and f"--dsa-prefill-backend {cfg.dsa_prefill_backend} reads the pool outside "
+        "the sharded read contract; use --dsa-prefill-backend "
+        f"{' or '.join(DSA_PREFILL_BACKENDS)}",
+        head_dim != INDEX_HEAD_DIM
+        and f"indexer head dim {head_dim} is not the sharded layout's "
+        f"{INDEX_HEAD_DIM}; serve a model with 128-dim indexer keys",
+        pooled and "the model pools indexer keys (index_kpool > 1 or compressed); serve a model with index_kpool = 1",
+        cfg.page_size != 64  # a pooled indexer sets the page size itself
+        and not pooled
+        and f"--page-size {cfg.page_size}: SGLang's DSA pool stores 64-token indexer pages; set --page-size 64",
+    )
 
 
 def early_check(server_args: Any) -> None:
-    """After ``validate_prefill_cp_platform`` (before model resolution), flag on: the flag-only rules."""
+    """After ``validate_prefill_cp_platform`` (model unresolved): the flag rules."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     _raise(flag_rejections(resolving_view(server_args)))
 
 
 def resolved_check(server_args: Any) -> None:
-    """After ``handle_kv_cache_sharding`` (which runs twice; this is idempotent), flag on: the model and
-    resolved-value rules."""
-    from sglang.srt.arg_groups.overrides import resolving_view
+    """After ``handle_kv_cache_sharding`` (twice; idempotent): every rule, then on a
+    prefill server Python's radix tree core by default and an eager prefill."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.environ import envs
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
     cfg = resolving_view(server_args)
     if cfg.disaggregation_mode == "decode":
-        _raise(resolved_rejections(server_args))
-        return
-    _raise(resolved_rejections(server_args) + _tree_core_rejections(cfg))
-    _disable_prefill_cuda_graph(server_args)
+        return _raise(resolved_rejections(server_args))
+    core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND  # Python's tracks page owners
+    if not core.is_set():
+        core.set("python")
+    other = not cfg.disable_radix_cache and core.get() != "python"
+    tree = other and f"{core.name}={core.get()!r} does not track page owners; unset it"
+    _raise(resolved_rejections(server_args) + _lines(tree))
+    graph = cfg.cuda_graph_config
+    if graph.prefill.backend != Backend.DISABLED:  # the read plan is made per batch
+        logger.warning("%s: prefill CUDA graph (%s) off: the read plan runs eagerly", FLAG, graph.prefill.backend)
+        graph = with_phase(graph, Phase.PREFILL, backend=Backend.DISABLED)
+        declare_resolution(server_args, "cp_shared_kv", cuda_graph_config=graph)

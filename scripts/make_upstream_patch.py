@@ -571,7 +571,7 @@ SITES: list[Site] = [
             {import:record_sent_share}
 
             # --enable-cp-shared-kv: the positions this rank sends, for its manifest.
-            check_send_indices(self, pages, kv_indices, index_slice, is_last_chunk)
+            check_send_indices(self, pages, kv_indices, index_slice)
             record_sent_share(self, pages, index_slice)
 """,
         [(f"{_COMMON}.CommonKVSender._prepare_send_indices", "sent_share")],

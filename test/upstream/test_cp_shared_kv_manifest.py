@@ -9,11 +9,9 @@ anything else.
 import unittest
 
 from sglang.srt.disaggregation.mooncake.cp_shared_kv.manifest import (
+    Manifest,
     ManifestCollector,
     ManifestError,
-)
-from sglang.srt.disaggregation.mooncake.cp_shared_kv.manifest_codec import (
-    Manifest,
     decode,
     encode,
 )

@@ -248,7 +248,7 @@ def _worker(model_dir: str) -> None:
     owned0 = [p for p in range(3) if pages[p] % n == 0]
     forged = np.array([int(pages[owned0[0]]) // n]), np.array([owned0[0] + 1])
     try:
-        check_send_indices(sender, pages[:3], *forged, False)
+        check_send_indices(sender, pages[:3], *forged)
         out["share_check"] = "missed"
     except SendShareError:
         out["share_check"] = "caught"

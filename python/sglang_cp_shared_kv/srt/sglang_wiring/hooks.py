@@ -162,8 +162,8 @@ def prepare_forward(original, pool, req_to_token, forward_batch):
 
 def sent_share(result, sender, kv_indices, state_indices=None):
     if runtime_enabled():
-        local, positions, is_last, _skip = result
-        transfer.check_send_indices(sender, kv_indices, local, positions, is_last)
+        local, positions, _is_last, _skip = result
+        transfer.check_send_indices(sender, kv_indices, local, positions)
         dcp_size = decode_routes.routed_dcp_size(sender.kv_mgr, sender.bootstrap_room)
         transfer.record_sent_share(sender, kv_indices, positions, dcp_size)
     return result

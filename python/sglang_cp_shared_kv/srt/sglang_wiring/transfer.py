@@ -1,146 +1,108 @@
-"""PD transfer of a CP-shared pool through SGLang's Mooncake connector (``docs/sglang_plugin.md``,
-"Transfer" and "Manifest").
+"""PD from a CP-shared pool, prefill side: each CP rank's manifest of what it sent.
 
-SGLang 0.5.23's connector already sends each prefill CP rank's owned pages for its own page sharding, keyed
-on ``get_parallel().enable_kv_cache_sharding``, which ``pool_hooks`` sets once the CP-shared pool exists.
-SGLang's sender never sends positions, so each CP rank records per request the logical page at every
-position and the positions it selected (``record_sent_share``), and appends them to its Success status
-message after the frames SGLang parses (``manifest_frames``): a decode without the flag reads the message
-as before; one with it checks them before the request is ready (``decode_manifest``).
+SGLang's Mooncake connector sends each prefill CP rank's owned pages (under
+``get_parallel().enable_kv_cache_sharding``) but never says at which positions. Each rank records them
+(``record_sent_share``) and appends its manifest to its Success status after SGLang's frames.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
-from sglang_cp_shared_kv.srt.mem_cache.placement import debug_enabled, local_page, page_owner
+from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest as mf
+from sglang_cp_shared_kv.srt.mem_cache import placement
 from sglang_cp_shared_kv.srt.sglang_wiring.flag import FLAG, manager_enabled
-from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_if_any, state_of
+from sglang_cp_shared_kv.srt.sglang_wiring.plugin_state import state_of
 
 logger = logging.getLogger(__name__)
 
-# Marks the manifest frames appended to a prefill rank's Success status message:
-# [..status frames.., MANIFEST_FRAME, cp_size, control_messages.Manifest as JSON].
-MANIFEST_FRAME = b"CP_SHARED_KV_MANIFEST"
-
 
 class SendShareError(AssertionError):
-    """A prefill rank's sender selected pages it does not own, or missed some it does."""
-
-
-def check_send_indices(sender, kv_indices, local, positions, is_last: bool) -> None:
-    """Debug mode, after ``CommonKVSender._prepare_send_indices``: the ``local`` pages at ``positions`` it
-    selected are this rank's owned ones, and by the last chunk all of them."""
-    if not debug_enabled():
-        return
-    mgr = sender.kv_mgr
-    rank, cp_size = mgr.kv_shard_rank, mgr.kv_shard_size
-    if cp_size <= 1:
-        raise SendShareError(f"{FLAG}: the KV manager is not in sharded mode (kv_shard_size={cp_size})")
-    pages = np.asarray(kv_indices, dtype=np.int64)
-    start = sender.curr_idx - len(pages)
-    owned = page_owner(pages, cp_size) == rank
-    want_local, want_pos = local_page(pages[owned], cp_size), np.arange(start, start + len(pages))[owned]
-    got_pos = np.arange(positions.start, positions.stop) if isinstance(positions, slice) else np.asarray(positions)
-    if not (np.array_equal(np.asarray(local, dtype=np.int64), want_local) and np.array_equal(got_pos, want_pos)):
-        raise SendShareError(
-            f"{FLAG}: rank {rank} selected pages/positions it does not own in room {sender.bootstrap_room}"
-        )
-    sent_by_room = state_of(mgr).sent  # debug only: (all logical pages in order, positions this rank sent)
-    seen, sent = sent_by_room.setdefault(sender.bootstrap_room, ([], []))
-    seen.extend(pages.tolist())
-    sent.extend(want_pos.tolist())
-    if is_last:
-        sent_by_room.pop(sender.bootstrap_room, None)
-        expected = [p for p, lp in enumerate(seen) if page_owner(lp, cp_size) == rank]
-        if sent != expected:
-            raise SendShareError(f"{FLAG}: rank {rank} sent positions {sent}, owns {expected}")
-        logger.info("%s: room %s rank %d sent %d of %d pages", FLAG, sender.bootstrap_room, rank, len(sent), len(seen))
+    """Debug mode: a prefill rank's sender selected other pages than exactly its own."""
 
 
 @dataclass
 class SentShare:
     """What one prefill CP rank queued for one request, chunk by chunk."""
 
-    page_table: list[int] = field(default_factory=list)  # the logical page at every position
-    positions: list[int] = field(default_factory=list)  # the positions this rank selected to send
+    page_table: list[int] = field(default_factory=list)  # the page at every position
+    positions: list[int] = field(default_factory=list)  # the positions it selected
     dcp_size: int = 1  # the decode CP size its pages are routed by (1: not routed)
 
 
-def latent_page_bytes(kv_args: Any) -> int:
-    """Bytes of one page over every target layer's latent buffer (draft-model entries excluded)."""
-    lens = list(kv_args.kv_item_lens)
-    return int(sum(lens[: len(lens) - int(getattr(kv_args, "num_draft_entries", 0) or 0)]))
+def latent_page_bytes(kv_args) -> int:
+    """Bytes of one page over the target layers' latent buffers (no draft model's)."""
+    lens, drafts = list(kv_args.kv_item_lens), getattr(kv_args, "num_draft_entries", 0)
+    return int(sum(lens[: len(lens) - int(drafts or 0)]))
 
 
-def sharded_prefill(mgr: Any) -> bool:
-    """Whether ``mgr`` is a prefill KV manager of a CP-shared pool (flag on, pages sharded over its CP)."""
+def sharded_prefill(mgr) -> bool:
+    """Whether ``mgr`` is a prefill KV manager of a (sharded) CP-shared pool."""
     return manager_enabled(mgr, "prefill") and mgr.kv_shard_size > 1
 
 
+def check_send_indices(sender, kv_indices, local, positions) -> None:
+    """Debug mode, after ``CommonKVSender._prepare_send_indices``: it selected exactly this
+    rank's pages of the chunk ``kv_indices``."""
+    if not placement.debug_enabled():
+        return
+    rank, n = sender.kv_mgr.kv_shard_rank, sender.kv_mgr.kv_shard_size
+    if n <= 1:
+        raise SendShareError(f"{FLAG}: the KV manager is not sharded ({n} ranks)")
+    pages = np.asarray(kv_indices, dtype=np.int64)
+    owned = placement.page_owner(pages, n) == rank
+    want = np.arange(sender.curr_idx - len(pages), sender.curr_idx)[owned]
+    ok = np.array_equal(local, placement.local_page(pages[owned], n))
+    if not (ok and np.array_equal(np.r_[positions], want)):  # a slice or an array
+        room = sender.bootstrap_room
+        raise SendShareError(f"{FLAG}: rank {rank} sent others' pages in room {room}")
+
+
 def record_sent_share(sender, kv_indices, positions, dcp_size: int = 1) -> None:
-    """After ``CommonKVSender._prepare_send_indices``: record the chunk's logical pages (``kv_indices``), the
-    ``positions`` SGLang's filter selected for this rank and the decode CP size the pages are routed by."""
-    mgr = sender.kv_mgr
+    """After ``CommonKVSender._prepare_send_indices``: record the chunk's pages, the ``positions``
+    selected for this rank, and the decode CP size they are routed by."""
+    mgr, room = sender.kv_mgr, sender.bootstrap_room
     if not sharded_prefill(mgr):
         return
-    infos = getattr(mgr, "transfer_infos", {}).get(sender.bootstrap_room)
-    if infos and all(getattr(info, "is_dummy", False) for info in infos.values()):
-        # Every destination is a dummy (a decode rank that takes nothing from this one): SGLang's transfer
-        # worker marks the request Success and sends no status message, so there is no manifest to record.
-        return
+    infos = getattr(mgr, "transfer_infos", {}).get(room)
+    if infos and all(getattr(i, "is_dummy", False) for i in infos.values()):
+        return  # only dummy destinations: SGLang sends no status, so no manifest
     pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
-    positions = range(positions.start, positions.stop) if isinstance(positions, slice) else positions
     shares = state_of(mgr).shares
-    if sender.curr_idx == len(pages):  # the request's first chunk opens its share (a reused room starts over)
-        shares[sender.bootstrap_room] = SentShare(dcp_size=dcp_size)
-    share = shares.get(sender.bootstrap_room)
-    if share is None:  # never opened: the request goes without a manifest and the decode fails it
-        return
-    share.page_table.extend(pages.tolist())
-    share.positions.extend(int(p) for p in positions)
+    if sender.curr_idx == len(pages):  # the first chunk (a reused room starts over)
+        shares[room] = SentShare(dcp_size=dcp_size)
+    if room in shares:  # else no manifest: the decode fails the request
+        shares[room].page_table.extend(pages.tolist())
+        shares[room].positions.extend(np.r_[positions].tolist())  # a slice or an array
 
 
-def manifest_frames(mgr, bootstrap_room: int, status) -> list[bytes]:
-    """The frames a status message of ``CommonKVManager._encode_kv_status_message`` gets after SGLang's own: a
-    Success carries this rank's manifest (after an empty reason frame where the backend sends none); a Failed
-    drops the record; any other status leaves it."""
+def manifest_frames(mgr, room: int, status) -> list[bytes]:
+    """The frames after SGLang's in ``CommonKVManager._encode_kv_status_message``: a Success
+    carries this rank's manifest (after an empty reason frame where the backend sends none);
+    Success and Failed drop the record."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if not sharded_prefill(mgr) or status not in (KVPoll.Success, KVPoll.Failed):
         return []
-    state = state_if_any(mgr)
-    share = state.shares.pop(bootstrap_room, None) if state is not None else None
-    if status != KVPoll.Success:
+    share = state_of(mgr).shares.pop(room, None)
+    if status == KVPoll.Success and share is None:
+        logger.warning("%s: room %s has no share recorded: no manifest", FLAG, room)
+    if status != KVPoll.Success or share is None:
         return []
-    if share is None:
-        logger.warning("%s: room %s concluded with no recorded share; its manifest is missing", FLAG, bootstrap_room)
-        return []
-    manifest = cm.Manifest(
-        request_id=str(bootstrap_room),
-        rank=mgr.kv_shard_rank,
-        page_table=tuple(share.page_table),
-        positions=tuple(share.positions),
-        nbytes=len(share.positions) * latent_page_bytes(mgr.kv_args),
-        dcp_size=share.dcp_size,
-    )
+    nbytes = len(share.positions) * latent_page_bytes(mgr.kv_args)
+    sent = (share.page_table, share.positions, nbytes, share.dcp_size)
+    manifest = mf.encode(mf.Manifest(str(room), mgr.kv_shard_rank, *sent))
     reason = [] if mgr.kv_status_msg_carries_reason else [b""]
-    return [*reason, MANIFEST_FRAME, str(mgr.kv_shard_size).encode("ascii"), cm.encode(manifest)]
+    return [*reason, mf.MANIFEST_FRAME, str(mgr.kv_shard_size).encode(), manifest]
 
 
 def drop_unsent_share(sender) -> None:
-    """After ``CommonKVSender.clear``: forget a request that will send no Success (a Success keeps its record:
-    the sender may be cleared before the status is encoded)."""
+    """After ``CommonKVSender.clear``: forget a request that sends no Success (a Success may
+    clear its sender before its status is encoded)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    state = state_if_any(sender.kv_mgr)
-    if state is None:
-        return
-    state.sent.pop(sender.bootstrap_room, None)
     if sender.conclude_state != KVPoll.Success:
-        state.shares.pop(sender.bootstrap_room, None)
+        state_of(sender.kv_mgr).shares.pop(sender.bootstrap_room, None)

@@ -2,14 +2,14 @@
 
 Property tests (hypothesis) over the product path:
 
-- ``manifest_codec.decode`` on arbitrary bytes, arbitrary JSON and mutated manifests: it returns a
+- ``manifest.decode`` on arbitrary bytes, arbitrary JSON and mutated manifests: it returns a
   fully valid ``Manifest`` or raises ``ControlMessageError`` with one line, nothing else;
 - a request's status messages as the decode receives them (SGLang's status frames, then the
-  manifest frames of ``transfer.attach_manifest``), with any subset of the prefill ranks hostile
+  manifest frames of ``transfer.manifest_frames``), with any subset of the prefill ranks hostile
   (truncated, oversized or non-JSON manifests, wrong field types, out-of-range or duplicate
   positions, another request's id or page table, a rank claiming pages it does not own or leaving
   out pages it owns, a wrong byte count, a wrong rank or CP size, missing or extra frames), checked
-  by ``decode_manifest.read_manifest`` and the request's ``ManifestCollector`` as the hooked parser
+  by ``decode_manifest._judge`` and the request's ``ManifestCollector`` as the hooked parser
   does: a request with a hostile rank never completes and carries one one-line error naming the
   request; an honest request completes; nothing raises.
 
@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest_codec as cm
+from sglang_cp_shared_kv.srt.disaggregation.mooncake import manifest as cm
 from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
 
 EXAMPLES = int(os.environ.get("CP_SHARED_KV_FUZZ_EXAMPLES", "300"))
@@ -126,7 +126,7 @@ def test_codec_refuses_oversized_and_deeply_nested_messages():
         cm.decode(b" " * (cm.MAX_MESSAGE_BYTES + 1))
     with pytest.raises(cm.ControlMessageError, match="nested too deeply"):
         cm.decode(b"[" * 200_000)
-    with pytest.raises(cm.ControlMessageError, match=r"page_table\[0\] must be an int >= 0 and <= 2147483647"):
+    with pytest.raises(cm.ControlMessageError, match=r"page_table\[0\] must be an int in \[0, 2147483647\]"):
         cm.decode(json.dumps({"v": cm.PROTOCOL_VERSION, "type": "manifest", "request_id": "1", "rank": 0, "page_table": [2**70], "positions": [0], "nbytes": 0, "dcp_size": 1}).encode())  # fmt: skip
     # An integer past Python's digit limit for str -> int: json raises a plain ValueError for it.
     with pytest.raises(cm.ControlMessageError, match="not valid JSON: Exceeds the limit"):
@@ -144,7 +144,7 @@ def requests(draw):
 
 
 def honest_body(room: int, rank: int, cp_size: int, table: list[int], page_bytes: int) -> dict:
-    """What ``transfer.attach_manifest`` sends for rank ``rank``: the table and the positions it owns."""
+    """What ``transfer.manifest_frames`` sends for rank ``rank``: the table and the positions it owns."""
     positions = [p for p, lp in enumerate(table) if lp % cp_size == rank]
     return {
         "v": cm.PROTOCOL_VERSION,
@@ -323,17 +323,16 @@ def test_a_rejected_manifest_changes_nothing_in_the_collector(req, data):
         msg = None if kind == "honest" else hostile_message(data.draw, kind, room, rank, cp_size, table, pb)
         body = honest_body(room, rank, cp_size, table, pb)
         raw = json.dumps(body).encode() if msg is None else msg[-1]
-        before = (dict(c.reported_by), c._covered.copy(), None if c.page_table is None else c.page_table.copy())
+        before = (dict(c.reported_by), None if c.page_table is None else c.page_table.copy())
         try:
             m = cm.decode(raw)
             if msg is not None and msg[-3:-1] != [MANIFEST_FRAME, str(cp_size).encode()]:
-                raise ManifestError("frames")  # a frame-level fault: read_manifest rejects it first
+                raise ManifestError("frames")  # a frame-level fault: decode_manifest._read rejects it first
             c.add(m)
         except (cm.ControlMessageError, ManifestError) as e:
             assert one_line(e)
-            after = (c.reported_by, c._covered, c.page_table)
-            assert before[0] == after[0] and (before[1] == after[1]).all()
-            assert (before[2] is None and after[2] is None) or (before[2] == after[2]).all()
+            assert before[0] == c.reported_by
+            assert (before[1] is None and c.page_table is None) or (before[1] == c.page_table).all()
             continue
         # Accepted: exactly the honest share of its rank under the table the collector holds (a
         # table no other rank contradicts yet cannot be checked: the decode never sees logical pages).

@@ -2,8 +2,7 @@
 
 import pytest
 
-from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import ManifestCollector, ManifestError
-from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest_codec import Manifest
+from sglang_cp_shared_kv.srt.disaggregation.mooncake.manifest import Manifest, ManifestCollector, ManifestError
 
 PAGE_BYTES = 100
 
@@ -31,11 +30,11 @@ def test_complete_only_after_every_rank(n, n_pages):
 
 
 def _rejects(col, m, match):
-    before = (dict(col.reported_by), None if col.page_table is None else col.page_table.copy(), col._covered.copy())
+    before = (dict(col.reported_by), None if col.page_table is None else col.page_table.copy())
     with pytest.raises(ManifestError, match=match):
         col.add(m)
-    after = (col.reported_by, col.page_table, col._covered)
-    assert before[0] == after[0] and (before[1] is None) == (after[1] is None) and (before[2] == after[2]).all()
+    assert before[0] == col.reported_by and (before[1] is None) == (col.page_table is None)
+    assert before[1] is None or (before[1] == col.page_table).all()
     assert not col.complete
 
 
@@ -52,9 +51,11 @@ def test_duplicate_position_in_one_manifest_and_across_ranks():
     pos = [p for p, lp in enumerate(table) if lp % 2 == 0]
     _rejects(col, _manifest(table, 0, 2, pos + pos[:1]), "twice")
     col.add(_manifest(table, 0, 2))
-    # rank 1 repeats a position rank 0 already sent (also a non-owner claim; either error is a rejection)
+    # rank 1 repeats a position rank 0 already sent: rank 0 owns it
     _rejects(
-        col, _manifest(table, 1, 2, [p for p, lp in enumerate(table) if lp % 2 == 1] + pos[:1]), "already reported"
+        col,
+        _manifest(table, 1, 2, [p for p, lp in enumerate(table) if lp % 2 == 1] + pos[:1]),
+        f"rank 1 claimed position {pos[0]}, whose page {table[pos[0]]} rank 0 owns",
     )
 
 
@@ -70,7 +71,7 @@ def test_position_claimed_by_non_owner():
     col = ManifestCollector("r", 8, 4, PAGE_BYTES)
     mine = [p for p, lp in enumerate(table) if lp % 4 == 3]
     foreign = next(p for p, lp in enumerate(table) if lp % 4 == 0)
-    _rejects(col, _manifest(table, 3, 4, sorted(mine[1:] + [foreign])), f"claimed position {foreign}.*owned by rank 0")
+    _rejects(col, _manifest(table, 3, 4, sorted(mine[1:] + [foreign])), f"claimed position {foreign}.*rank 0 owns")
 
 
 def test_page_table_disagreement_and_shape():
@@ -79,8 +80,8 @@ def test_page_table_disagreement_and_shape():
     col.add(_manifest(table, 0, 2))
     other = list(table)
     other[3], other[5] = other[5], other[3]  # same owners, different pages
-    _rejects(col, _manifest(other, 1, 2), "differs from the other ranks' at position 3")
-    _rejects(col, _manifest(table[:-1], 1, 2), "has 7 pages, expected 8")
+    _rejects(col, _manifest(other, 1, 2), "differing at position 3")
+    _rejects(col, _manifest(table[:-1], 1, 2), "page table of 7 pages, expected 8")
     fresh = ManifestCollector("r", 3, 2, PAGE_BYTES)
     _rejects(fresh, _manifest([4, 4, 5], 0, 2), "lists a logical page twice")
 
@@ -90,7 +91,7 @@ def test_bytes_rank_and_repeat():
     col = ManifestCollector("r", 6, 2, PAGE_BYTES)
     _rejects(col, _manifest(table, 0, 2, nbytes=3 * PAGE_BYTES + 1), "bytes for 3 pages")
     _rejects(col, _manifest(table, 2, 2), "rank 2 out of range")
-    _rejects(col, _manifest(table, 0, 2, rid="other"), "the manifest is for request 'other'")
+    _rejects(col, _manifest(table, 0, 2, rid="other"), "rank 0 sent a manifest for request 'other'")
     col.add(_manifest(table, 0, 2))
     _rejects(col, _manifest(table, 0, 2), "second manifest")
 
@@ -108,7 +109,7 @@ def test_pages_routed_for_another_decode_cp_size(sent, decode):
     col = ManifestCollector("r", 8, 2, PAGE_BYTES, dcp_size=decode)
     m = _manifest(table, 0, 2)
     _rejects(col, Manifest(m.request_id, 0, m.page_table, m.positions, m.nbytes, dcp_size=sent),
-             f"rank 0 routed its pages for a decode CP size of {sent}, this decode runs {decode}")  # fmt: skip
+             f"rank 0 routed for a decode CP size of {sent}, this decode runs {decode}")  # fmt: skip
     routed = [Manifest(x.request_id, r, x.page_table, x.positions, x.nbytes, decode)
               for r, x in ((r, _manifest(table, r, 2)) for r in range(2))]  # fmt: skip
     assert [col.add(x) for x in routed] == [False, True]

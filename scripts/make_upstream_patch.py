@@ -85,6 +85,7 @@ UNWIRED_HOOKS = [
     (f"{_MOONCAKE}.MooncakeKVManager.send_kvcache", "send_to_owner"),
     (f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", "send_state_to_owner"),
 ]
+FIXES = 2  # the series' first commits: fixes of SGLang's KV connector for every PD deployment, no flag
 # Our other top-level packages (the benchmark harness's stacks, etc.) are not part of the series.
 SHIPPED_ROOT = "srt"
 
@@ -1477,7 +1478,7 @@ def _replace_generated(text: str, name: str, body: list[str]) -> str:
 
 
 def _pr_driver() -> list[str]:
-    """Why the series carries its own copy-engine driver calls: the figures of ``rank_model.json``."""
+    """The in-node transport, its driver calls and the figures of ``rank_model.json``."""
     data = json.loads((BENCH / "rank_model.json").read_text())
     summary, check = data["summary"], data["pacing_check"]
     rows = ["| prefix | view bytes per rank | copy engines, 2 x H200 (us) | NCCL all-gather, 2 x H200 (us) |"]
@@ -1488,10 +1489,13 @@ def _pr_driver() -> list[str]:
             f"| {e['nccl_2h200_us']:.0f} |"
         )
     return [
-        "The view transport inside a node is the series' own: CUDA IPC and `cuMemcpyDtoDAsync` on the copy",
-        "engines, ordered by 64-bit counters that each stream waits on (`cuStreamWaitValue64`). SGLang's",
-        "`cuda_wrapper.py` has the IPC handles but no copy queued on a stream and no stream wait on a",
-        "memory value, and PyNccl's all-gather runs on SMs. The copy engines are what make the",
+        "The view transport inside a node is CUDA IPC and `cuMemcpyDtoDAsync` on the copy engines, ordered",
+        "by 64-bit counters that each stream waits on (`cuStreamWaitValue64`), called through cuda-python's",
+        "driver bindings (`cuda.bindings.driver`), the SGLang dependency its own stream waits use.",
+        "`cuda_wrapper.py`'s runtime library has the IPC handles but no copy queued on a stream and no",
+        "stream wait on a memory value, and PyNccl's all-gather runs on SMs. Each batch's fence across the",
+        "ranks is one captured graph: queued call by call, a rank whose peer was killed never logged its",
+        "peer-lost line ([`fence_graph_bisect.txt`](benchmarks/fence_graph_bisect.txt)). The copy engines are what make the",
         "layer-ahead prefetch possible (NCCL's kernels would wait for the SMs the layer holds). In the",
         "rank model",
         f"([`rank_model.json`](benchmarks/rank_model.json), commit `{data['git_commit'][:7]}`: one rank of a",
@@ -1543,16 +1547,18 @@ def series_size(patches: list[Path]) -> dict[str, int]:
     return size
 
 
-def _pr_size(size: dict[str, int]) -> list[str]:
+def _pr_size(size: dict[str, int], fixes: dict[str, int]) -> list[str]:
     return [
-        f"The series adds {size['python'] + size['test']:,} lines at 88 columns: {size['python']:,} under `python/`",
+        f"The two connector fixes add {fixes['python'] + fixes['test']:,} lines at 88 columns ({fixes['test']:,} of "
+        "tests). The CP-shared KV commits",
+        f"add {size['python'] + size['test']:,}: {size['python']:,} under `python/`",
         f"and {size['test']:,} of tests. Of the {size['new']:,} lines of its new modules, {size['code']:,} are code,",
         f"{size['docstrings']:,} docstrings, {size['comments']:,} comments and {size['blank']:,} blank; the rest of",
         "`python/` is the call sites in SGLang's files, the flag's field and the environment variables.",
     ]
 
 
-def render_docs(stat: str, size: dict[str, int]) -> tuple[str, str]:
+def render_docs(stat: str, size: dict[str, int], fixes: dict[str, int]) -> tuple[str, str]:
     """``(docs/upstream.md, docs/upstream_generator.md)``: the PR text with its generated parts filled, and
     the generator's page."""
     modules = shipped_modules()
@@ -1562,7 +1568,7 @@ def render_docs(stat: str, size: dict[str, int]) -> tuple[str, str]:
     pr = _replace_generated(DOC.read_text(), "measurements", _pr_measurements())
     pr = _replace_generated(pr, "series", series + ["", "```", stat.rstrip(), "```"])
     pr = _replace_generated(pr, "driver", _pr_driver())
-    pr = _replace_generated(pr, "size", _pr_size(size))
+    pr = _replace_generated(pr, "size", _pr_size(size, fixes))
     generator = [
         _GENERATOR_HEAD,
         *_site_rows(hooks, modules),
@@ -1601,7 +1607,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         patches = build_series(args.out)
         if args.docs:
-            pr, generator = render_docs((args.out / "stat.txt").read_text(), series_size(patches))
+            pr, generator = render_docs(
+                (args.out / "stat.txt").read_text(), series_size(patches[FIXES:]), series_size(patches[:FIXES])
+            )
             DOC.write_text(pr)
             GENERATOR_DOC.write_text(generator)
         if args.apply_to:

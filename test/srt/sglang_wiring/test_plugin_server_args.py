@@ -126,7 +126,10 @@ def test_sglang_serve_takes_the_flag(model_dir):
     argv = [_sglang_cli(), "serve", "--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init"]
     serve = subprocess.run(argv + ["--enable-cp-shared-kv"], capture_output=True, text=True, timeout=240, env=_ENV)
     assert serve.returncode != 0
-    assert "--enable-cp-shared-kv: prefill CP is off, and the KV is sharded over its ranks; add --enable-prefill-cp" in serve.stderr
+    assert (
+        "--enable-cp-shared-kv: prefill CP is off, and the KV is sharded over its ranks; add --enable-prefill-cp"
+        in serve.stderr
+    )
 
 
 def test_parse_with_and_without_flag(worker_results):

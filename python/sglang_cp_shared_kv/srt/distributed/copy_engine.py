@@ -1,21 +1,19 @@
-"""A copy-engine all-gather for CP ranks inside one node: no SMs, no host sync (``docs/design.md``, "Transports").
+"""Copy-engine all-gather for CP ranks on one node: no SMs, no host sync.
 
-A view is all-gathered in place, owner-major: every rank pulls its peers' parts from their CUDA-IPC-mapped
-buffers with ``cuMemcpyDtoDAsync``, ordered by 64-bit counters each rank waits on only in its own memory.
-Per call ``k`` (the same count on every rank), on the caller's stream::
+Every rank pulls its peers' parts of a view from their CUDA-IPC-mapped buffers
+(``cuMemcpyDtoDAsync``), ordered by 64-bit counters it waits on in its own memory.
+Per call ``k`` (the same on every rank), on the caller's stream::
 
     ready[me] := k on every peer          (after this rank's part is written)
     wait ready[p] >= k; pull p's part      (every peer p)
     ack[me]   := k on every peer           (done reading the peers' parts)
     wait ack[p] >= k                       (no peer reads this rank's part any more)
 
-A caller that alternates two sets of buffers, its calls ordered on the device, may leave the ack out
-(``ack=False``): the next write into a set follows its next call's wait for ``ready[p] >= k + 1``, which a
-peer signals only after its pulls of call ``k``; it ends with an acked call or ``finish_reads``. Counters only
-grow, so no older call satisfies a wait.
-With the peers' pools mapped too (``sources``), a view built in line is one kernel reading every owner's
-pages where they lie, and one ``fence`` per batch orders the pools across ranks: a batch reads only pages
-written before it began."""
+``ack=False`` (calls alternating two buffer sets): the next write into a set follows
+the next call's wait for ``ready[p] >= k + 1``, sent after the peers' pulls of ``k``;
+end with an acked call or ``finish_reads``. With ``sources`` (the peers' pools mapped),
+one ``fence`` per batch orders the pools across ranks.
+"""
 
 from __future__ import annotations
 
@@ -35,20 +33,20 @@ logger = logging.getLogger(__name__)
 
 
 class CopyEngineUnavailable(RuntimeError):
-    """The copy-engine all-gather cannot run here (no CUDA driver entry points, ranks on several nodes)."""
+    """The copy engines cannot run here (no CUDA driver, ranks on several nodes)."""
 
 
 class _Driver:
-    """The CUDA driver calls the copy engines need, through cuda-python's bindings (an SGLang dependency);
-    each raises ``RuntimeError`` naming the call on failure."""
+    """The driver calls the copy engines need (cuda-python); errors name the call."""
 
     def __init__(self) -> None:
         try:
             from cuda.bindings import driver as cu
         except ImportError as e:
-            raise CopyEngineUnavailable(f"cuda-python's driver bindings cannot be imported: {e}") from e
+            msg = f"cuda-python's driver bindings cannot be imported: {e}"
+            raise CopyEngineUnavailable(msg) from e
         self.cu = cu
-        self._mapped: dict[bytes, list[int]] = {}  # IPC handle -> [address here, registrations]
+        self._mapped: dict[bytes, list[int]] = {}  # handle -> [address, opens]
 
     @staticmethod
     def _ok(result: tuple, what: str):
@@ -57,19 +55,23 @@ class _Driver:
         return result[1:]
 
     def write64(self, stream: int, address: int, value: int) -> None:
-        self._ok(self.cu.cuStreamWriteValue64(stream, address, value, 0), "cuStreamWriteValue64")
+        result = self.cu.cuStreamWriteValue64(stream, address, value, 0)
+        self._ok(result, "cuStreamWriteValue64")
 
     def wait64(self, stream: int, address: int, value: int, flags: int) -> None:
-        self._ok(self.cu.cuStreamWaitValue64(stream, address, value, flags), "cuStreamWaitValue64")
+        result = self.cu.cuStreamWaitValue64(stream, address, value, flags)
+        self._ok(result, "cuStreamWaitValue64")
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        self._ok(self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+        result = self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
+        self._ok(result, "cuMemcpyDtoDAsync")
 
     def capture(self, stream: int, body: Callable[[int], None]):
-        """The calls ``body(stream)`` queues on ``stream`` (idle, not the legacy default stream) as an
-        instantiated graph for ``launch``; an error of the body is raised as it was, out of capture mode."""
+        """What ``body(stream)`` queues on idle ``stream`` (not the legacy default), as
+        a graph for ``launch``; an error of ``body`` is raised after capture ends."""
         cu = self.cu
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED  # other threads' calls are not checked
+        # Relaxed: other threads' calls are not checked.
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         self._ok(cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
         try:
             body(stream)
@@ -89,20 +91,22 @@ class _Driver:
         self._ok(self.cu.cuGraphLaunch(exe, stream), "cuGraphLaunch")
 
     def export(self, t: torch.Tensor) -> tuple[bytes, int]:
-        """``(IPC handle of the allocation holding t, t's byte offset in it)``: a handle names a whole
-        allocation, and the caching allocator hands out pieces of larger ones."""
-        base, _ = self._ok(self.cu.cuMemGetAddressRange(t.data_ptr()), "cuMemGetAddressRange")
+        """(IPC handle of the allocation holding ``t``, ``t``'s offset in it)."""
+        address_range = self.cu.cuMemGetAddressRange(t.data_ptr())
+        base, _ = self._ok(address_range, "cuMemGetAddressRange")
         (handle,) = self._ok(self.cu.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
-        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), t.data_ptr() - int(base)
+        handle_bytes = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+        return handle_bytes, t.data_ptr() - int(base)
 
     def open(self, handle: bytes) -> int:
-        """Map a peer's allocation into the current context, once per handle (the last ``release`` unmaps)."""
+        """Map a peer's allocation once per handle; the last ``release`` unmaps it."""
         entry = self._mapped.get(handle)
         if entry is None:
             h = self.cu.CUipcMemHandle()
             ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
             flags = self.cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            (ptr,) = self._ok(self.cu.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle")
+            opened = self.cu.cuIpcOpenMemHandle(h, flags)
+            (ptr,) = self._ok(opened, "cuIpcOpenMemHandle")
             entry = self._mapped[handle] = [int(ptr), 0]
         entry[1] += 1
         return entry[0]
@@ -119,21 +123,20 @@ class _Driver:
 IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 
 
-# What a failed group writes into its signal rows (ready, ack, fence0, fence1): every wait passes.
+# A failed group's signal rows (ready, ack, fence0, fence1): every wait passes.
 RELEASED = (1 << 62, 1 << 62, 1, 1)
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 
 
-@functools.cache  # one per process; a failure is not cached, so it is raised again at the next call
+@functools.cache  # one per process; a failure is raised again at the next call
 def driver() -> _Driver:
     return _Driver()
 
 
 class CopyEngineGroup:
-    """In-place all-gathers inside registered ``buffers`` (this rank's CUDA tensors), pulled by copy engines.
-    Collective: every rank constructs it with the same shapes. Its waits for the peers have a deadline
-    (``peer_watchdog``; ``on_peer_lost``: the server's fail-stop)."""
+    """In-place all-gathers inside registered CUDA ``buffers``, by copy engines.
+    Collective (same shapes on every rank); ``on_peer_lost``: the fail-stop."""
 
     backend = "copy_engine"
 
@@ -150,20 +153,21 @@ class CopyEngineGroup:
         self.rank, self.size = group.rank, group.size
         self.device = buffers[0].device
         self._driver = d = driver()
-        # ready[p], ack[p], fence0[p], fence1[p]: written by peer p, waited on only by this rank.
+        # ready[p], ack[p], fence0[p], fence1[p]: written by peer p, read by this rank.
         self.signals = torch.zeros(4, self.size, dtype=torch.int64, device=self.device)
-        # This rank's outgoing counter (a call's ready and ack carry the same value), copied to the peers.
+        # This rank's counter (a call's ready and ack), copied to the peers.
         self.outbox = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._signals_at, self._outbox_at = self.signals.data_ptr(), self.outbox.data_ptr()
+        self._signals_at = self.signals.data_ptr()
+        self._outbox_at = self.outbox.data_ptr()
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
         mine, why = None, ""
-        with torch.cuda.device(self.device):  # the driver calls act on the current context: this device's
-            try:  # memory a custom allocator made (expandable segments, say) may not export
+        with torch.cuda.device(self.device):  # driver calls act on the current context
+            try:  # a custom allocator's memory (expandable segments) may not export
                 mine = (shapes, [d.export(t) for t in (self.signals, *self.buffers)])
             except RuntimeError as e:
                 why = f"exporting this rank's arena by CUDA IPC failed: {e}"
-            torch.cuda.current_stream(self.device).synchronize()  # sync-ok: once, at registration
+            torch.cuda.current_stream(self.device).synchronize()  # sync-ok: at setup
             everyone = group.all_gather_object(mine)
             # The peers' signals and buffers, mapped into this context (addresses).
             self._peer_signals: dict[int, int] = {}
@@ -173,7 +177,7 @@ class CopyEngineGroup:
                 if p == self.rank or theirs is None or why:
                     continue
                 their_shapes, exports = theirs
-                if their_shapes != shapes:  # said to every rank below, not raised here alone
+                if their_shapes != shapes:  # told to every rank below
                     why = f"rank {p} registered buffers {their_shapes}, this rank {shapes}: they must match"
                     continue
                 try:
@@ -186,31 +190,33 @@ class CopyEngineGroup:
                 except RuntimeError as e:
                     why = f"opening rank {p}'s arena by CUDA IPC failed: {e}"
                     continue
-                self._peer_signals[p], self._peer_buffers[p] = addresses[0], addresses[1:]
-        # All ranks use the copy engines, or all raise (``view_group`` then falls back on every rank alike).
-        failures = [f"rank {p}: {w}" for p, w in enumerate(group.all_gather_object(why)) if w]
+                self._peer_signals[p] = addresses[0]
+                self._peer_buffers[p] = addresses[1:]
+        # All ranks use the copy engines or all raise (``view_group`` falls back).
+        whys = group.all_gather_object(why)
+        failures = [f"rank {p}: {w}" for p, w in enumerate(whys) if w]
         if failures:
             self.close()
             raise CopyEngineUnavailable("; ".join(failures))
         self.calls = 0
         self.fences = 0  # fences queued so far (the same count on every rank)
-        self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # what a fence sends
-        self._fence_graphs: list = [None, None]  # per parity, captured at its first fence
+        self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # fence word
+        self._fence_graphs: list = [None, None]  # per parity, at its first fence
         self._capture_stream: torch.cuda.Stream | None = None
-        self.bytes_received = 0  # pulled from the others (a counter for benchmarks)
+        self.bytes_received = 0  # pulled from the peers (for benchmarks)
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
         self.source_table: torch.Tensor | None = None
         self.source_strides: list[int] = []
-        self._own_sources: list[tuple[int, int]] = []  # (address in source_table, this rank's buffer), per entry
-        self._side: torch.cuda.Stream | None = None  # the watchdog's reads and writes of the signals
+        self._own_sources: list[tuple[int, int]] = []  # (table slot, own pointer)
+        self._side: torch.cuda.Stream | None = None  # the watchdog's stream
         deadline = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get()
         self.watchdog = PeerWatchdog(deadline, self._laggards, self._release, on_peer_lost)
         if sources:
             self._map_sources(sources)
 
     def _map_sources(self, sources: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Map every peer's page buffers (``sources[layer][k]``: uint8 ``[P, W]`` pages, or empty) for
-        ``source_table``. Collective: where any rank cannot, no rank maps them."""
+        """Map the peers' pages (``sources[layer][k]``: uint8 ``[P, W]`` or empty).
+        Collective: if any rank cannot, none maps them."""
         d = self._driver
         shapes = [[(tuple(t.shape), t.stride(0) if t.numel() else 0) for t in layer] for layer in sources]
         kinds = len(sources[0])
@@ -232,7 +238,7 @@ class CopyEngineGroup:
                 except RuntimeError as e:
                     why = f"exporting this rank's pool by CUDA IPC failed: {e}"
         everyone = self.cpu_group.all_gather_object((shapes, mine, why))
-        table = [[[0] * self.size for _ in range(2)] for _ in sources]  # [layers, 2, N], as the pull reads it
+        table = [[[0] * self.size for _ in range(2)] for _ in sources]  # [layers, 2, N]
         for layer, bufs in enumerate(sources):
             for k, t in enumerate(bufs):
                 table[layer][k][self.rank] = t.data_ptr() if t.numel() else 0
@@ -258,21 +264,22 @@ class CopyEngineGroup:
             logger.info("CP-shared KV: views all-gathered by the copy engines (pools not mapped: %s)", failures[0])
             return
         self.source_table = torch.tensor(table, dtype=torch.int64).to(self.device)  # sync-ok: once, at registration
-        at, rows = self.source_table.data_ptr(), [entry for layer in table for entry in layer]  # [layers * 2] of N
+        at = self.source_table.data_ptr()
+        rows = [entry for layer in table for entry in layer]  # [layers * 2] of N
         self._own_sources = [
             (at + (i * self.size + p) * 8, row[self.rank]) for i, row in enumerate(rows) for p in self._peer_signals
         ]
-        # Words from one page to the next, per buffer kind (every layer's buffer of a kind has one shape).
+        # Words from one page to the next, per buffer kind (alike in every layer).
         self.source_strides = [
             next((layer[k].stride(0) // 4 for layer in sources if layer[k].numel()), 0) for k in range(kinds)
         ]
 
     def fence(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Queue on ``stream`` (default: the current one) a point every rank's stream passes only once every
-        rank's has reached it. Fence ``f`` sets word ``q = f % 2`` on every peer, waits for every peer's and
-        resets it (a peer sets it again only past its fence ``f + 1``, which waits for this rank's reset). Each
-        parity's calls are one captured graph: queued one by one, a fence blocked on a dead peer kept the
-        survivor's watchdog from getting its line out (``docs/benchmarks/fence_graph_bisect.txt``)."""
+        """Queue on ``stream`` a point no rank's stream passes before all reach it.
+        Fence ``f`` sets word ``f % 2`` on every peer, waits for the peers' and resets
+        it (set again only past fence ``f + 1``, which waits for this reset). One graph
+        per parity: queued call by call, a fence blocked on a dead peer kept the
+        watchdog's line from going out."""
         self.watchdog.check()
         stream = self._stream(stream)
         q = self.fences % 2
@@ -281,7 +288,8 @@ class CopyEngineGroup:
             if self._capture_stream is None:
                 self._capture_stream = torch.cuda.Stream(self.device)
             capture = self._capture_stream.cuda_stream
-            self._fence_graphs[q] = self._driver.capture(capture, lambda h: self._fence_calls(h, q))
+            graph = self._driver.capture(capture, lambda h: self._fence_calls(h, q))
+            self._fence_graphs[q] = graph
         self._driver.launch(self._fence_graphs[q], stream.cuda_stream)
         self._watch(stream, ("fence", self.fences))
 
@@ -300,25 +308,25 @@ class CopyEngineGroup:
         return torch.cuda.current_stream(self.device) if stream is None else stream
 
     def _watch(self, stream: torch.cuda.Stream, what: tuple[str, int]) -> None:
-        """Put the wait just queued on ``stream`` under the watchdog's deadline."""
+        """Put the wait just queued on ``stream`` under the watchdog."""
         event = torch.cuda.Event()
         event.record(stream)
         self.watchdog.watch(event.query, what)
 
     def _laggards(self, what: tuple[str, int]) -> list[int]:
-        """The peers whose signal for ``what`` has not reached this rank (read on a side stream)."""
+        """The peers whose signal for ``what`` has not arrived (on a side stream)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream()):
-            signals = self.signals.cpu().tolist()  # sync-ok: the watchdog's thread, on a failure
+            signals = self.signals.cpu().tolist()  # sync-ok: the watchdog's thread
         kind, n = what
         if kind == "fence":
             return [p for p in self._peer_signals if signals[2 + (n - 1) % 2][p] != 1]
         return [p for p in self._peer_signals if min(signals[0][p], signals[1][p]) < n]
 
     def _release(self) -> None:
-        """Satisfy every wait of this rank's streams for its peers (the group is failed), on a side stream. Only
-        stream memory writes: a kernel there could wait for SMs that work queued behind the blocked wait holds."""
+        """Satisfy this failed rank's waits for its peers by stream memory writes
+        (a kernel could wait for SMs held by work queued behind the blocked wait)."""
         d, side = self._driver, self._side_stream()
-        writes = list(self._own_sources)  # the failed batch's pulls read this rank's pool, not a dead peer's
+        writes = list(self._own_sources)  # pulls read this rank's pool, not a dead one
         for p in self._peer_signals:
             writes += [(self._signals_at + (row * self.size + p) * 8, v) for row, v in enumerate(RELEASED)]
         with torch.cuda.device(self.device):
@@ -326,20 +334,20 @@ class CopyEngineGroup:
                 d.write64(side.cuda_stream, at, value)
 
     def _side_stream(self) -> torch.cuda.Stream:
-        """The watchdog's stream for reading and writing the signals."""
+        """The watchdog's stream for the signals."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         return self._side
 
     def _wait_peers(self, stream: int, which: int, k: int) -> None:
-        """Queue on ``stream`` a wait for ``signals[which][p] >= k`` from every peer ``p`` (0 ready, 1 ack)."""
+        """Queue a wait for ``signals[which][p] >= k``, every peer ``p``."""
         d = self._driver
         for p in self._peer_signals:
             slot = self._signals_at + (which * self.size + p) * 8  # int64 signals
             d.wait64(stream, slot, k, WAIT_GEQ)
 
     def _announce(self, stream: int) -> int:
-        """The next call's counter ``k`` into the outbox, then to every peer as ready. Returns ``k``."""
+        """The next call's ``k`` into the outbox, then to the peers as ready."""
         d = self._driver
         self.calls += 1
         d.write64(stream, self._outbox_at, self.calls)
@@ -365,14 +373,14 @@ class CopyEngineGroup:
         return self.cpu_group.all_gather_object(obj)
 
     def _signal(self, stream: int, which: int) -> None:
-        """Queue ``signals[which][me] := outbox`` on every peer: 8 bytes by copy engine into each peer's slot."""
+        """Queue ``signals[which][me] := outbox`` on every peer (a copy each)."""
         d, src = self._driver, self._outbox_at
         slot = (which * self.size + self.rank) * 8  # int64 signals
         for peer in self._peer_signals.values():
             d.copy(peer + slot, src, 8, stream)
 
     def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, int, int]:
-        """(registered buffer, byte offset of ``out`` in it, bytes per part), or ``ValueError``."""
+        """(registered buffer, byte offset of ``out`` in it, bytes per part)."""
         n = local.shape[0]
         if out.shape[0] != n * self.size or out.shape[1:] != local.shape[1:] or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous [{self.size} * {n}, ...], got {tuple(out.shape)}")
@@ -387,8 +395,7 @@ class CopyEngineGroup:
         raise ValueError("out lies outside every registered buffer")
 
     def _pulls(self, outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> list[tuple[int, list]]:
-        """Per peer, in rank order: ``(its ready signal's address, [(destination, source, bytes)])``, computed
-        once per set of buffers (a batch all-gathers into the same views every layer)."""
+        """Per peer: ``(ready address, [(dst, src, bytes)])``, cached per buffer set."""
         key = tuple(
             (o.data_ptr(), o.numel(), o.is_contiguous(), o.dtype, x.data_ptr(), x.numel(), x.dtype)
             for o, x in zip(outs, locals_)
@@ -401,7 +408,8 @@ class CopyEngineGroup:
         spans = [self._locate(out, local) for out, local in zip(outs, locals_)]
         for out in outs:
             if out.device != self.device:
-                raise ValueError(f"out is on {out.device}, the registered buffers on {self.device}")
+                msg = f"out is on {out.device}, the registered buffers on {self.device}"
+                raise ValueError(msg)
         found = [
             (
                 self._signals_at + p * 8,  # int64 signals
@@ -425,14 +433,14 @@ class CopyEngineGroup:
         stream: torch.cuda.Stream | None = None,
         ack: bool = True,
     ) -> PendingCollective:
-        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, in place, queued on ``stream`` (default: the
-        current one): the result needs no wait. ``ack=False``: see the module docstring."""
+        """``outs[i][p * n : (p + 1) * n]`` <- rank ``p``'s part, queued on ``stream``
+        (no wait needed). ``ack=False``: see the module docstring."""
         self.watchdog.check()
         pulls = self._pulls(outs, locals_)
         d = self._driver
         torch_stream = self._stream(stream)
         stream = torch_stream.cuda_stream
-        # Ready once my part is written; the same word goes out again as ack once the pulls have run.
+        # Ready once my part is written; the same word is the ack after the pulls.
         k = self._announce(stream)
         for ready, copies in pulls:
             d.wait64(stream, ready, k, WAIT_GEQ)
@@ -444,27 +452,27 @@ class CopyEngineGroup:
         return PendingCollective()
 
     def finish_reads(self, stream: torch.cuda.Stream | None = None) -> None:
-        """The ack of the last call (after calls with ``ack=False``): what ``stream`` runs next may write this
-        rank's buffers."""
+        """Ack the last call (after ``ack=False`` ones) before ``stream`` writes."""
         self.watchdog.check()
         self._finish_reads(self._stream(stream), self.calls)
 
     def _finish_reads(self, stream: torch.cuda.Stream, k: int) -> None:
-        self._signal(stream.cuda_stream, 1)  # done reading the peers' parts: ack := k (the outbox) on every peer
+        self._signal(stream.cuda_stream, 1)  # ack := k (the outbox) on every peer
         self._wait_peers(stream.cuda_stream, 1, k)
         self._watch(stream, ("all-gather", k))
 
 
-PULL_CACHE_SIZE = 16  # sets of buffers whose pulls a group keeps computed (a batch uses one or two view sets)
+PULL_CACHE_SIZE = 16  # buffer sets whose pulls a group keeps (a batch uses 1 or 2)
 TRANSPORT_ENV = envs.SGLANG_CP_SHARED_KV_TRANSPORT.name
 TRANSPORTS = ("auto", "copy_engine", "nccl")
 
 
 def transport_setting(setting: str | None = None) -> str:
-    """``setting``, else ``$SGLANG_CP_SHARED_KV_TRANSPORT`` (``environ.Envs`` says what each value means)."""
+    """``setting``, else ``$SGLANG_CP_SHARED_KV_TRANSPORT`` (see ``environ.Envs``)."""
     raw = setting or envs.SGLANG_CP_SHARED_KV_TRANSPORT.get().strip() or "auto"
     if raw not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}")
+        msg = f"{TRANSPORT_ENV} must be one of {', '.join(TRANSPORTS)}, got {raw!r}"
+        raise ValueError(msg)
     return raw
 
 
@@ -475,13 +483,13 @@ def view_group(
     sources: Sequence[Sequence[torch.Tensor]] | None = None,
     on_peer_lost: Callable[[str], None] | None = None,
 ) -> CPGroup | CopyEngineGroup:
-    """The group that all-gathers views inside ``buffers`` (the view arena): copy engines or ``group`` itself,
-    decided alike on every rank (copy engines only if every rank loads the driver, on one host; never for CPU
-    buffers). ``sources``, ``on_peer_lost``: ``CopyEngineGroup``'s."""
+    """The group that all-gathers views in ``buffers``, alike on every rank: copy
+    engines (CUDA buffers, the driver on every rank, one host) or ``group``."""
     setting = transport_setting(setting)
     if setting == "nccl" or not buffers or not buffers[0].is_cuda:
         if setting == "copy_engine":
-            raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine needs CUDA view buffers")
+            msg = f"{TRANSPORT_ENV}=copy_engine needs CUDA view buffers"
+            raise CopyEngineUnavailable(msg)
         return group
     try:
         driver()
@@ -503,7 +511,7 @@ def view_group(
 
 
 def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
-    """``group`` in place of the copy engines, which cannot run (``why``): an error where they are required."""
+    """``group`` as the copy engines cannot run (``why``); an error if required."""
     if setting == "copy_engine":
         raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {why}")
     logger.warning(
@@ -516,8 +524,8 @@ def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
 
 
 def prefetch_on(group: CPGroup | CopyEngineGroup | None, requested: bool) -> bool:
-    """Whether views all-gathered by ``group`` are prefetched a layer ahead, when ``requested``: not over NCCL,
-    whose kernels wait for the SMs the layer holds (``docs/design.md``, "Layer-ahead prefetch")."""
+    """Whether to prefetch views a layer ahead: if ``requested``, and not over NCCL,
+    whose kernels wait for the SMs the layer holds."""
     if requested and getattr(group, "backend", None) == "nccl":
         logger.info("CP-shared KV: layer-ahead prefetch of the views off: they are all-gathered by NCCL")
         return False

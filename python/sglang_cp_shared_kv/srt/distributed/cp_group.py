@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-# ``all_gather_into_tensor`` was renamed ``all_gather_single`` (the old name warns); same call.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Newer torch renamed ``all_gather_into_tensor`` (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class PendingCollective:
-    """Collectives issued without waiting. ``wait()`` orders what the caller queues next after them."""
+    """Collectives issued without waiting; ``wait()`` orders later work after them."""
 
     def __init__(self, works: Sequence[object] = ()):
         self._works = list(works)
@@ -28,19 +28,19 @@ class CPGroup:
 
     def __init__(self, group: dist.ProcessGroup | None = None):
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+            raise RuntimeError("torch.distributed is not initialized")
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
-        self.bytes_received = 0  # through the all-gathers (a counter for benchmarks)
+        self.bytes_received = 0  # by the all-gathers (for benchmarks)
 
     def __repr__(self) -> str:
         return f"CPGroup(rank={self.rank}, size={self.size}, backend={self.backend})"
 
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """``out`` (``[size * n, ...]``) <- every rank's ``local`` (``[n, ...]``), rank-major, as raw bytes (fp8
-        on gloo too). ``local`` may be this rank's slice of ``out`` (an in-place all-gather)."""
+        """``out`` (``[size * n, ...]``) <- every rank's ``local`` (``[n, ...]``) as
+        bytes, rank-major; ``local`` may be this rank's slice of ``out``."""
         self._all_gather_many([out], [local], False, False)
         return out
 
@@ -53,10 +53,9 @@ class CPGroup:
         coalesce: bool | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> PendingCollective:
-        """``all_gather_into(outs[i], locals_[i])`` for every ``i`` as one collective call: on NCCL (or with
-        ``coalesce=True``) one kernel launch, else in order. ``async_op``: ``wait()`` on the result before
-        reading ``outs``. ``stream`` (CUDA): the collectives and their wait are queued there. The next write
-        into ``locals_`` is always safe (no ack, unlike ``CopyEngineGroup``)."""
+        """``all_gather_into`` of every pair, coalesced on NCCL (or ``coalesce=True``).
+        ``async_op``: ``wait()`` before reading ``outs``; ``stream``: queued there. No
+        ack is needed before writing ``locals_`` again (unlike ``CopyEngineGroup``)."""
         if stream is None:
             return self._all_gather_many(outs, locals_, async_op, coalesce)
         with torch.cuda.stream(stream):
@@ -72,14 +71,14 @@ class CPGroup:
     ) -> PendingCollective:
         check_pairs(outs, locals_)
         pairs = [self._byte_pair(out, local) for out, local in zip(outs, locals_)]
-        self.bytes_received += sum(out_b.numel() - local_b.numel() for out_b, local_b in pairs)
+        self.bytes_received += sum(o.numel() - x.numel() for o, x in pairs)
+        if len(pairs) == 1 and self.backend == "nccl":
+            work = _all_gather_single(*pairs[0], group=self.group, async_op=async_op)
+            return PendingCollective([work] if async_op else [])
         if coalesce is None:
             coalesce = self.backend == "nccl"
         manager = getattr(dist, "_coalescing_manager", None)
         if not coalesce or manager is None or len(pairs) == 1:
-            if len(pairs) == 1 and self.backend == "nccl":
-                work = _all_gather_single(pairs[0][0], pairs[0][1], group=self.group, async_op=async_op)
-                return PendingCollective([work] if async_op else [])
             for out_b, local_b in pairs:
                 self._all_gather_bytes(out_b, local_b)
             return PendingCollective()
@@ -100,8 +99,10 @@ class CPGroup:
         dist.barrier(group=self.group)
 
     def _byte_pair(self, out: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if out.shape[0] != local.shape[0] * self.size or out.shape[1:] != local.shape[1:]:
-            raise ValueError(f"out must be [{self.size} * {local.shape[0]}, ...], got {tuple(out.shape)}")
+        n = local.shape[0]
+        if out.shape[0] != n * self.size or out.shape[1:] != local.shape[1:]:
+            msg = f"out must be [{self.size} * {n}, ...], got {tuple(out.shape)}"
+            raise ValueError(msg)
         return _as_bytes(out), _as_bytes(local)
 
     def _all_gather_bytes(self, out_b: torch.Tensor, local_b: torch.Tensor) -> None:
@@ -112,8 +113,8 @@ class CPGroup:
 
 
 def check_pairs(outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> None:
-    """The arguments of an ``all_gather_into_many``: as many outputs as local parts, at least one, each pair
-    of one dtype and at least one dimension (a part's bytes are taken from its local tensor)."""
+    """Check ``all_gather_into_many``'s arguments: one or more pairs, each of one
+    dtype and at least one dimension."""
     if len(outs) != len(locals_) or not outs:
         raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
     for out, local in zip(outs, locals_):

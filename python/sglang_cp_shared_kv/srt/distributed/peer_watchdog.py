@@ -1,11 +1,9 @@
-"""A deadline on the device waits a CP rank queues for its peers (``docs/design.md``, "Fail-stop").
+"""A deadline on the device waits a CP rank queues for its peers (fail-stop).
 
-A stream waiting for a peer's signal (``cuStreamWaitValue64``) has no timeout: a peer that died leaves it
-blocked for ever. A host thread sees each queued wait through a ``done`` check; a wait still pending
-``deadline_s`` after it was queued means a peer stopped: one ERROR line names the peers behind and the wait,
-``on_failure`` (the server's fail-stop) is called, this rank's waits are released so that no stream stays
-blocked, and every later ``check`` raises ``PeerLost``. Every live rank waits for the dead one, so every
-live rank fails with it.
+A stream wait for a peer's signal has no timeout: a dead peer blocks it for ever. A
+host thread polls each queued wait; one pending past ``deadline_s`` logs one ERROR
+line, calls ``on_failure``, releases this rank's waits, and makes every later
+``check`` raise ``PeerLost``. Every live rank waits for the dead one, so all fail.
 """
 
 from __future__ import annotations
@@ -20,13 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 class PeerLost(RuntimeError):
-    """A CP peer stopped answering: this rank's group is failed (the message names the peer and the wait)."""
+    """A CP peer stopped answering; the message names it and the wait."""
 
 
 class PeerWatchdog:
-    """Fails a CP group whose device wait outlived ``deadline_s``: ``laggards(what)`` names the peers behind
-    a wait, ``release()`` satisfies this rank's waits, ``on_failure(line)`` stops the server (None: the
-    rank's next ``check`` raises). Polls every ``poll_s``; the thread starts at the first ``watch``."""
+    """Fails a CP group whose device wait outlived ``deadline_s``. ``laggards(what)``:
+    the peers behind a wait; ``release()`` frees this rank's waits; ``on_failure(line)``
+    stops the server. The polling thread starts at the first ``watch``."""
 
     def __init__(
         self,
@@ -45,8 +43,7 @@ class PeerWatchdog:
         self.failed: str | None = None
 
     def watch(self, done: Callable[[], bool], what: tuple[str, int]) -> None:
-        """A wait just queued: ``done()`` turns True once the stream has passed it; ``what`` names it
-        (``("fence", f)``: the rank's fence ``f``; ``("all-gather", k)``: its call ``k``)."""
+        """Watch a wait just queued, passed once ``done()``; ``what`` names it."""
         with self._lock:
             self._waits.append((time.monotonic(), done, what))
         if self._thread is None:
@@ -54,7 +51,7 @@ class PeerWatchdog:
             self._thread.start()
 
     def check(self) -> None:
-        """Raise ``PeerLost`` once a peer has been found dead (before anything more is queued)."""
+        """Raise ``PeerLost`` once a peer has been found dead."""
         if self.failed is not None:
             raise PeerLost(self.failed)
 
@@ -73,7 +70,7 @@ class PeerWatchdog:
         while not self._stop.wait(self.poll_s):
             try:
                 pending = self._oldest_pending()
-            except Exception as e:  # the device failed (a sticky CUDA error): the rank's next sync raises it too
+            except Exception as e:  # sticky CUDA error: the next sync raises it too
                 self.failed = f"--enable-cp-shared-kv: the device failed while this rank waited for its CP peers: {e}"
                 logger.error("%s", self.failed)
                 return
@@ -94,7 +91,7 @@ class PeerWatchdog:
         logger.error("%s", self.failed)
         if self._on_failure is not None:
             self._on_failure(self.failed)
-        # Satisfy every wait queued so far and any queued until the rank stops (bounded: no stream stays blocked).
+        # Release the waits queued so far and until the rank stops (for a bounded time).
         end = time.monotonic() + max(self.deadline_s, 1.0)
         while time.monotonic() < end:
             self._release()

@@ -1,24 +1,23 @@
-"""Per-batch read state of a sharded SGLang pool: what its page table and buffers mean this batch.
+"""Per-batch read state of a sharded SGLang pool: what its page table and buffers hold.
 
-SGLang's attention backends (DSA and its indexer, FA3 for plain MLA) read a "kv-shard pool" through one
-contract: once per extend batch ``begin_shard_extend``, then ``translate_loc_to_scratch(locs)`` maps logical
-token locs to rows of the buffer ``get_key_buffer(layer)`` (and the indexer's page reads) return.
-``BatchReadState.begin(BatchInputs)`` decides what that buffer is:
+SGLang's attention backends (DSA and its indexer, FA3 for plain MLA) read a kv-shard
+pool through one contract: per extend batch ``begin_shard_extend``, then
+``translate_loc_to_scratch(locs)`` maps token locs to rows of the buffer returned by
+``get_key_buffer(layer)`` and the indexer's page reads. ``BatchReadState.begin``
+decides what that buffer is:
 
-- **current-reuse** (no request reads a prefix): every key is in the chunk being computed, which every rank
-  holds (prefill CP all-gathers it before the pool write); it is staged page-aligned locally, nothing gathered.
-- **materialized** (any prefix): the prefix pages are planned (``plan_kernels.plan_batch``) and per layer
-  gathered from their owners into a dense owner-major view (``materialize.ViewMaterializer``), the current
-  chunk staged past it: ``[prefix view (N * S pages) | current pages | trash page]``, latent rows and indexer
-  pages alike (one plan, one gather, one collective for both). A request's prefix pages shared with an
-  earlier request (``BatchInputs.shared_prefix``) are not planned again (``S = sum_b ceil((Q_b - shared_b) /
-  N)``); the translation finds them through the source's slots.
+- **current-reuse** (no request reads a prefix): every key is in the chunk being
+  computed, which every rank holds, staged page-aligned locally.
+- **materialized**: the prefix pages are planned (``plan_kernels.plan_batch``) and per
+  layer gathered from their owners into a dense view (``materialize``), the chunk
+  staged past it: ``[prefix view (N * S pages) | current pages | trash page]``. Pages
+  a request shares with an earlier one (``BatchInputs.shared_prefix``) are not
+  planned again: the translation finds them through the source's slots.
 
-Sizes come from host lengths; nothing reads device data back (debug mode aside). What only the device can
-see (a plan whose pages do not rotate owners, a wrong shared-prefix hint) is flagged in pinned memory and
-raised ``VERDICT_LAG`` batches later, on every rank alike, before that batch's collectives
-(``slot_plan.DeviceFlagCheck``).
-"""
+Sizes come from host lengths: nothing reads device data back (debug mode aside). What
+only the device sees (a plan whose pages do not rotate owners, a wrong shared-prefix
+hint) is raised ``VERDICT_LAG`` batches later on every rank alike
+(``slot_plan.DeviceFlagCheck``)."""
 
 from __future__ import annotations
 
@@ -62,12 +61,11 @@ from sglang_cp_shared_kv.srt.mem_cache.placement import PageOwnership, debug_ena
 
 @dataclass(frozen=True)
 class BatchInputs:
-    """One extend batch as ``BatchReadState.begin`` takes it, built by the wiring from SGLang's arguments:
-    token ``t`` of request ``b`` is at loc ``req_to_token[rows[b], t]`` (int32 ``[rows, columns]`` and
-    ``req_pool_indices``, on the pool's device); ``prefix_lens`` and ``seq_lens`` are host ints (tokens read
-    from earlier batches, and in all); ``request_ids`` name the requests in errors (None: ``#0``, ``#1``, ...);
-    ``shared_prefix`` gives ``(source, pages)`` per request, its first ``pages`` prefix pages shared with the
-    earlier request ``source`` (None: no sharing known)."""
+    """One extend batch for ``BatchReadState.begin``: token ``t`` of request ``b`` is at
+    loc ``req_to_token[rows[b], t]`` (int32, on the pool's device); the lengths are host
+    ints; ``request_ids`` name requests in errors (None: ``#0``, ``#1``, ...);
+    ``shared_prefix[b] = (source, pages)``: request ``b``'s first ``pages`` prefix pages
+    are those of the earlier request ``source`` (None: no sharing known)."""
 
     req_to_token: torch.Tensor
     rows: torch.Tensor
@@ -79,38 +77,41 @@ class BatchInputs:
 
 @dataclass
 class DeferredPlan:
-    """A begun batch's plan, queued at the batch's first device call (``BatchReadState._queue_plan``), after
-    the copy engines' fence where ``fence``. ``launch``: None where the plan was computed in line."""
+    """A begun batch's plan, queued at its first device call after the copy engines'
+    fence where ``fence`` (``launch`` None: the plan was computed in line)."""
 
     launch: Callable[[], None] | None
     fence: bool
 
 
 class SharedPrefixError(RuntimeError):
-    """A batch's ``shared_prefix`` hint named pages a request does not share with its source: it read them wrong."""
+    """A ``shared_prefix`` hint named pages a request does not share with its source."""
 
 
 def shared_prefix_message(
-    wrong: Sequence[int], hint: Sequence[tuple[int, int]], prefix_pages: Sequence[int], requests: Sequence[str]
+    wrong: Sequence[int],
+    hint: Sequence[tuple[int, int]],
+    prefix_pages: Sequence[int],
+    requests: Sequence[str],
 ) -> str:
-    """One line naming the batch's requests and those whose hinted pages differ (``wrong[b] > 0``, host ints)."""
+    """One line naming the requests whose hinted pages differ (``wrong[b] > 0``)."""
     bad = ", ".join(
         f"{requests[b]} (its first {hint[b][1]} of {prefix_pages[b]} prefix pages as {requests[hint[b][0]]}'s)"
         for b, n in enumerate(wrong)
         if n
     )
     return (
-        f"--enable-cp-shared-kv: wrong shared-prefix hint: in the batch of requests [{', '.join(requests)}], the "
-        f"pages the hint shares are not the same logical pages for {bad}; they were read from other slots, so "
-        "the batch fails"
+        "--enable-cp-shared-kv: wrong shared-prefix hint: in the batch of requests "
+        f"[{', '.join(requests)}], the pages the hint shares are not the same logical "
+        f"pages for {bad}; they were read from other slots, so the batch fails"
     )
 
 
 class TensorMemo:
-    """``fn(t)`` once per input tensor: a later call with the very same, unmodified tensor (same object, same
-    ``_version``) returns the first result. SGLang hands every layer of a batch the same loc and page tensors,
-    so their translations run once per batch (host time). Holds the last ``size`` inputs; ``clear()`` when
-    what ``fn`` reads changes."""
+    """``fn(t)`` once per input tensor: the very same, unmodified tensor (same object,
+    same ``_version``) gets the first result again: SGLang hands every layer the same
+    loc and page tensors. Holds the last ``size``; ``clear()`` when what ``fn`` reads
+    changes."""
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], size: int = 4):
         self.fn, self.size = fn, size
@@ -118,7 +119,7 @@ class TensorMemo:
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         for src, version, out in self._entries:
-            if src is t and version == t._version:  # identity and a host counter: nothing read back
+            if src is t and version == t._version:  # host-side: nothing read back
                 return out
         out = self.fn(t)
         self._entries = [(t, t._version, out), *self._entries[: self.size - 1]]
@@ -146,38 +147,36 @@ class BatchReadState:
         self.latent = latent
         self.index = index
         if index is not None and index.row_bytes != INDEX_TOKEN_BYTES:
-            raise ValueError(f"indexer pages must hold {INDEX_TOKEN_BYTES} B per token, got {index.row_bytes}")
-        # Latent and indexer pages as one source: one plan, one gather launch, one collective.
-        self.source = PageBuffers(
-            ownership, rank, latent.row_bytes, latent.buffers, index.buffers if index is not None else None
-        )
+            got = f"{index.row_bytes} B per token"
+            raise ValueError(f"indexer pages must hold {INDEX_TOKEN_BYTES}, got {got}")
+        # Latent and indexer pages as one source: one plan, gather and collective.
+        indexer = index.buffers if index is not None else None
+        self.source = PageBuffers(ownership, rank, latent.row_bytes, latent.buffers, indexer)
         self.group = group
-        self.on_peer_lost = on_peer_lost  # the server's fail-stop when a peer stops (``peer_watchdog``)
-        # Built at the first materialized batch: a pool with no group still serves current-reuse batches.
-        self.views: ViewMaterializer | None = None
+        self.on_peer_lost = on_peer_lost  # the server's fail-stop (``peer_watchdog``)
+        self.views: ViewMaterializer | None = None  # at the first materialized batch
         self.device = latent.device
         # Per batch: the page of the read buffer each logical page maps to.
-        self.page_pos = torch.zeros(logical_pages, dtype=torch.int64, device=self.device)
-        self._device_index = self.page_pos.get_device()  # -1 on CPU (host time: compared as an int)
-        self.mode: str | None = None  # None (no extend in flight), "current" or "materialized"
+        self.page_pos = torch.zeros(logical_pages, dtype=torch.long, device=self.device)
+        self._device_index = self.page_pos.get_device()  # -1 on CPU
+        self.mode: str | None = None  # None (no extend), "current" or "materialized"
         self.counters: BatchCounters | None = None
-        # Per view set (two alternating by layer when prefetching): the latent rows and indexer pages staged into.
+        # Per view set (two, alternating by layer, when prefetching): the latent rows
+        # and indexer pages staged into.
         self._stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._layer_cache: dict[int, LayerView] = {}
         self.arena: dict[str, torch.Tensor] | None = None
-        self._arena_pages = float("inf")  # the pages every arena buffer holds (host time: read once)
-        self.prefetch = False  # one-layer-ahead prefetch of the views (set with the arena)
-        self.flags = DeviceFlagCheck()  # each batch's overflow and wrong-hint flags, read back later
-        self._deferred: DeferredPlan | None = None  # this batch's plan until it is queued
-        # This batch's translations of the tensors every layer passes again (cleared per batch).
+        self._arena_pages = float("inf")  # the pages every arena buffer holds
+        self.prefetch = False  # views prefetched a layer ahead (``attach_arena``)
+        self.flags = DeviceFlagCheck()  # each batch's overflow and wrong-hint flags
+        self._deferred: DeferredPlan | None = None  # this batch's plan until queued
+        # This batch's translations of the tensors every layer passes again.
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
 
     def attach_arena(self, prefix_tokens: int, chunk_tokens: int, prefetch: bool = False) -> int:
-        """Allocate the view arena, once, before the first batch (``materialize.allocate_arena``): room for
-        ``prefix_tokens`` of view and ``chunk_tokens`` staged (SGLang's ``PageShardSpec.scratch_rows``), and
-        with ``prefetch`` a second chunk (a batch whose views fit twice alternates its layers between two view
-        sets, layer ``l + 1`` gathered on a side stream while ``l`` reads). Returns its bytes."""
+        """Allocate the view arena before the first batch (``allocate_arena``), with a
+        second view set when ``prefetch``; returns its bytes."""
         if self.views is not None or self.mode is not None:
             raise RuntimeError("attach the view arena before the first batch")
         self.arena = allocate_arena(
@@ -194,26 +193,27 @@ class BatchReadState:
         return sum(t.numel() for t in self.arena.values())
 
     def check_overflow(self, wait: bool = False) -> None:
-        """Raise ``SlotOverflowError`` (``SharedPrefixError``) for an earlier batch whose flags are on the host;
-        ``wait``: wait for those in flight (at shutdown, in tests; ``begin`` acts on them at a fixed batch)."""
+        """Raise ``SlotOverflowError`` or ``SharedPrefixError`` for an earlier batch
+        whose flags landed; ``wait`` for those in flight too (shutdown, tests)."""
         if wait:
             self._queue_plan()
         self.flags.poll(wait=wait)
 
     # -- batch lifecycle --
     def begin(self, inputs: BatchInputs) -> BatchCounters:
-        """Start an extend batch: its lengths checked, its plan bound (queued at its first device call)."""
-        prefix_lens, seq_lens, rows = list(inputs.prefix_lens), list(inputs.seq_lens), inputs.rows
+        """Start an extend batch: its lengths checked, its plan bound (queued at its
+        first device call)."""
+        prefix_lens, seq_lens = list(inputs.prefix_lens), list(inputs.seq_lens)
+        rows, columns = inputs.rows, inputs.req_to_token.shape[1]
         if len(prefix_lens) != len(seq_lens) or len(seq_lens) != rows.shape[0]:
-            raise ValueError(
-                f"prefix_lens ({len(prefix_lens)}), seq_lens ({len(seq_lens)}) and req_pool_indices "
-                f"({rows.shape[0]}) must agree"
-            )
-        pages, prefix_pages = _batch_pages(prefix_lens, seq_lens, self.page_size, inputs.req_to_token.shape[1])
+            got = f"prefix_lens ({len(prefix_lens)}), seq_lens ({len(seq_lens)})"
+            raise ValueError(f"{got} and req_pool_indices ({rows.shape[0]}) must agree")
+        ps = self.page_size
+        pages, prefix_pages = _batch_pages(prefix_lens, seq_lens, ps, columns)
         hint = _check_shared_prefix(inputs.shared_prefix, prefix_pages)
-        self._queue_plan()  # a batch that made no device call after its begin still has its fence made
-        self.flags.next_batch()  # raises for the batch VERDICT_LAG before, on every rank alike
-        if self.views is not None:  # a layer gathered ahead still reads the plan this batch overwrites
+        self._queue_plan()  # the last batch's fence, even with no device call
+        self.flags.next_batch()  # raises for batch VERDICT_LAG before, on every rank
+        if self.views is not None:  # a layer gathered ahead reads the plan overwritten
             self.views.drain()
         self._layer_cache.clear()
         self.stage_rows.clear()
@@ -226,9 +226,9 @@ class BatchReadState:
             self._queue_plan()  # the checks read the plan
             if self.mode == "materialized":
                 check_plan(self.views.plan, self.latent.trash_page, self.views.group)
-            # The batch's logical pages by position: every page's first token loc // ps.
-            ps = self.page_size
-            page_table = inputs.req_to_token[rows.long(), : max(seq_lens, default=0) : ps].long() // ps
+            # The batch's logical pages by position: each page's first token loc // ps.
+            width = max(seq_lens, default=0)
+            page_table = inputs.req_to_token[rows.long(), :width:ps].long() // ps
             self._check_translation(page_table, seq_lens)
         return self.counters
 
@@ -244,12 +244,12 @@ class BatchReadState:
         fill: int,
         fence: bool,
     ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``) from one pinned buffer the launch reads in place and
-        writes its flags into (read by ``flags``); its launch is the batch's ``DeferredPlan``."""
+        """The batch's plan and page map (``plan_batch``) from one pinned buffer, which
+        its launch (the batch's ``DeferredPlan``) reads in place and writes flags to."""
         width, b, n = max(pages, default=0), len(pages), self.ownership.cp_size
         m = len(PLAN_META_ROWS) * b
         buf, host = self.flags.host_views(m + n + 2 + b, self.device)
-        # One host write: the lengths, and the flags zeroed (the landed word, set by the launch).
+        # One host write: the lengths, and the flags zeroed (the launch sets the last).
         host[:] = plan_meta_rows(pages, prefix_pages, hint) + [0] * (n + 2 + b)
         plan, queued = plan_batch(
             inputs.req_to_token,
@@ -275,62 +275,78 @@ class BatchReadState:
                 return None
             names = request_names(requests, b)
             if status[0]:
-                return SlotOverflowError(overflow_message(status, slots_per_rank, names))
-            return SharedPrefixError(shared_prefix_message(wrong, hint, prefix_pages, names))
+                message = overflow_message(status, slots_per_rank, names)
+                return SlotOverflowError(message)
+            message = shared_prefix_message(wrong, hint, prefix_pages, names)
+            return SharedPrefixError(message)
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
         self._deferred = DeferredPlan(queued, fence)
         return plan
 
     def _begin_current(self, inputs: BatchInputs, pages: list[int]) -> None:
-        ps, total = self.page_size, sum(pages)
-        # The arena's leading pages (checked before the plan writes anything), else new buffers.
-        stage_latent = arena_pages(self.arena, "latent", total + 1, ps * self.latent.row_bytes, self.device)
-        stage_index = None
+        ps, total, arena, device = self.page_size, sum(pages), self.arena, self.device
+        row_bytes = self.latent.row_bytes
+        # The arena's leading pages (checked before the plan writes), else new buffers.
+        latent = arena_pages(arena, "latent", total + 1, ps * row_bytes, device)
+        index = None
         if self.index is not None:
-            stage_index = arena_pages(self.arena, "index", total + 1, ps * INDEX_TOKEN_BYTES, self.device)
-        # Staged pages follow the batch's positions from page 1; unplanned ones land on page 0, SGLang's padding
-        # slot (row writers skip row 0). Fenced where there are views: peers may still read the pages reused.
-        self._plan(inputs, pages, [0] * len(pages), [(-1, 0)] * len(pages), 0, 0, 1, 0, self.views is not None)
-        self._stages = [(stage_latent.view(-1, self.latent.row_bytes), stage_index)]
+            width = ps * INDEX_TOKEN_BYTES
+            index = arena_pages(arena, "index", total + 1, width, device)
+        # Staged pages follow the batch's positions from page 1; unplanned ones land on
+        # page 0, SGLang's padding slot (row writers skip row 0). Fenced where there are
+        # views: peers may still read the pages reused.
+        no_prefix, no_hint = [0] * len(pages), [(-1, 0)] * len(pages)
+        fence = self.views is not None
+        self._plan(inputs, pages, no_prefix, no_hint, 0, 0, 1, 0, fence)
+        self._stages = [(latent.view(-1, row_bytes), index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
 
     def _begin_materialized(
-        self, inputs: BatchInputs, pages: list[int], prefix_pages: list[int], hint: list[tuple[int, int]]
+        self,
+        inputs: BatchInputs,
+        pages: list[int],
+        prefix_pages: list[int],
+        hint: list[tuple[int, int]],
     ) -> None:
         if self.views is None:
             if callable(self.group):
                 self.group = self.group()
             group, src = self.group, self.source
-            if self.arena is not None and group is not None:  # copy engines: the peers' arenas and pools mapped
+            if self.arena is not None and group is not None:  # copy engines map arenas
                 pools = None
-                if not self.prefetch:  # views read in line: from the peers' pools, mapped too
+                if not self.prefetch:  # views read in line: peers' pools mapped too
                     pools = [
                         [src.buffers[i]] + ([src.index[i]] if src.with_indexer else []) for i in range(src.num_layers)
                     ]
-                group = view_group(group, list(self.arena.values()), sources=pools, on_peer_lost=self.on_peer_lost)
+                arenas, on_lost = list(self.arena.values()), self.on_peer_lost
+                group = view_group(group, arenas, sources=pools, on_peer_lost=on_lost)
             prefetch = prefetch_on(group, self.prefetch)  # follows the transport chosen
-            self.views = ViewMaterializer(src, group, arena=self.arena, prefetch=prefetch)
+            arena = self.arena
+            self.views = ViewMaterializer(src, group, arena=arena, prefetch=prefetch)
         n = self.ownership.cp_size
         # The planned pages: each request's prefix pages past those it shares.
         plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
         s = slots_per_rank(plan_pages, n)
         view_pages = n * s
         staged = sum(pages) - sum(prefix_pages)
-        # The view covers the (unshared) prefixes only; the current pages and a trash page follow it.
-        if view_pages + staged + 1 > self._arena_pages:  # a batch past the arena fails before anything is written
+        # The view holds the unshared prefixes, the current pages and trash page next.
+        # A batch past the arena fails before anything is written.
+        if view_pages + staged + 1 > self._arena_pages:
             check_arena_fits(self.arena, view_pages + staged + 1)
-        # Prefix pages to their slots, current pages to the staged pages past the view; anything unplanned
-        # (padding locs of the write path) to the trash page past those.
-        out = self._plan(inputs, pages, prefix_pages, hint, s, sum(plan_pages), view_pages, view_pages + staged, True)
-        self.counters = self.views.begin_planned(out, batch_kind(prefix_pages), extra_pages=staged + 1)
+        # Prefix pages to their slots, current pages past the view, anything unplanned
+        # (the write path's padding locs) to the trash page past those.
+        trash, planned = view_pages + staged, sum(plan_pages)
+        out = self._plan(inputs, pages, prefix_pages, hint, s, planned, view_pages, trash, True)
+        kind = batch_kind(prefix_pages)
+        self.counters = self.views.begin_planned(out, kind, extra_pages=staged + 1)
         self.counters.pages_staged = staged
         self._stages = self.views.stages
         self.mode = "materialized"
 
     def _queue_plan(self) -> None:
-        """Queue the batch's deferred fence and plan (``begin``); nothing once they are queued."""
+        """Queue the batch's deferred fence and plan, once."""
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
@@ -347,17 +363,17 @@ class BatchReadState:
         self.stage_rows.clear()
         self.translate_pages_once.clear()
         if self.views is not None:
-            self.views.drain()  # a layer gathered ahead and never read: the next batch reuses its buffer
+            self.views.drain()  # a layer gathered ahead and never read: buffer reused
 
     # -- the buffers the write path stages the current chunk into --
     def stage(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(latent rows, indexer pages)`` that local ``layer`` stages its chunk into and reads."""
+        """``(latent rows, indexer pages)`` local ``layer`` stages its chunk into."""
         self._queue_plan()  # writes follow the fence
         return self._stages[layer % len(self._stages)]
 
     @property
     def stage_latent(self) -> torch.Tensor | None:
-        """The first view buffer's latent rows (the only one unless prefetching); None outside a batch."""
+        """The first view set's latent rows (None outside a batch)."""
         return self._stages[0][0] if self._stages else None
 
     @property
@@ -365,8 +381,8 @@ class BatchReadState:
         return self._stages[0][1] if self._stages else None
 
     # -- translation --
-    def translate(self, locs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Logical token locs -> rows of this batch's read buffer (same shape; ``dtype``, default the locs')."""
+    def translate(self, locs: torch.Tensor, dtype: torch.dtype | None = None):
+        """Token locs -> rows of this batch's read buffer (``dtype``: the locs')."""
         self._queue_plan()
         return translate_locs(self.page_pos, locs, self.page_size, dtype)
 
@@ -378,22 +394,23 @@ class BatchReadState:
     def _check_translation(self, page_table: torch.Tensor, seq_lens: list[int]) -> None:
         """Debug: every position of every request maps inside the read buffer."""
         pages = self.stage_latent.shape[0] // self.page_size
-        # Current-reuse: from page 1 (page 0 is the padding slot); materialized: all but the trash page.
+        # Current-reuse from page 1 (0: the padding slot); else all but the trash page.
         low, limit = (1, pages) if self.mode == "current" else (0, pages - 1)
         for b, p in enumerate(pages_for_lens(seq_lens, self.page_size)):
             mapped = self.page_pos[page_table[b, :p]]
             if p and bool((mapped >= limit).any() | (mapped < low).any()):
-                raise AssertionError(f"request {b}: a page maps outside the read buffer ({limit} pages)")
+                where = f"outside the read buffer ({limit} pages)"
+                raise AssertionError(f"request {b}: a page maps {where}")
 
     # -- buffers the kernels read --
     def latent_rows(self, layer: int) -> torch.Tensor:
-        """uint8 ``[rows, row_bytes]``: the latent rows ``translate`` points into, for local ``layer``."""
+        """uint8 ``[rows, row_bytes]``: the latent rows ``translate`` points into."""
         if self.mode == "current":
             return self.stage(layer)[0]
         return self._layer_view(layer).kv_rows
 
     def index_pages(self, layer: int) -> torch.Tensor:
-        """uint8 ``[pages, ps * 132]``: the indexer pages ``translate_pages`` points into."""
+        """uint8 ``[pages, ps * 132]``: the pages ``translate_pages`` points into."""
         if self.index is None:
             raise ValueError("this pool has no indexer")
         if self.mode == "current":
@@ -404,11 +421,11 @@ class BatchReadState:
         return pages
 
     def _layer_view(self, layer: int) -> LayerView:
-        """The layer's view, gathered at its first read (latent and indexer prefix pages together). The prefix
-        pages predate the batch and the staged pages lie past them, so the gather may run before or after the
-        layer's writes: when prefetching, this read also starts gathering layer ``l + 1`` into the other set."""
+        """The layer's view, gathered at its first read (which, when prefetching, starts
+        gathering the next). Prefix pages predate the batch and staged pages lie past
+        them, so the gather may run before or after the layer's writes."""
         view = self._layer_cache.get(layer)
-        if view is None:  # the batch's first read of the layer: its fence and plan go first
+        if view is None:  # the batch's first read of the layer: fence and plan first
             self._queue_plan()
             view = self._layer_cache[layer] = self.views.layer_view(layer)
         return view
@@ -417,36 +434,39 @@ class BatchReadState:
 def _batch_pages(
     prefix_lens: list[int], seq_lens: list[int], page_size: int, columns: int
 ) -> tuple[list[int], list[int]]:
-    """Per request the pages it reads (``ceil(seq_len / ps)``) and its prefix pages (host ints), its lengths
-    checked: a prefix within ``[0, seq_len]`` and page-aligned, ``seq_len`` within the token table's ``columns``."""
+    """Per request its pages and prefix pages (host ints), its lengths checked: a
+    page-aligned prefix in ``[0, seq_len]``, ``seq_len`` within ``columns`` tokens."""
     pages = pages_for_lens(seq_lens, page_size)
     prefix_pages = [p // page_size for p in prefix_lens]
-    if prefix_lens and (
-        min(prefix_lens) < 0 or max(seq_lens) > columns or any(map(operator.gt, prefix_lens, seq_lens))
-    ):
+    past = any(map(operator.gt, prefix_lens, seq_lens))
+    if prefix_lens and (min(prefix_lens) < 0 or max(seq_lens) > columns or past):
         raise ValueError(
-            f"prefix_lens must lie in [0, seq_len] and seq_lens within the token table's {columns} "
-            f"columns, got prefix_lens {prefix_lens} and seq_lens {seq_lens}"
+            "prefix_lens must lie in [0, seq_len] and seq_lens within the token "
+            f"table's {columns} columns, got prefix_lens {prefix_lens} and seq_lens "
+            f"{seq_lens}"
         )
-    if sum(prefix_lens) != page_size * sum(prefix_pages):  # the sum of every p % ps (each >= 0): one is not 0
-        raise ValueError(f"prefix_lens must be page-aligned (page size {page_size}), got {prefix_lens}")
+    if sum(prefix_lens) != page_size * sum(prefix_pages):  # a p % ps (>= 0) is not 0
+        got = f"(page size {page_size}), got {prefix_lens}"
+        raise ValueError(f"prefix_lens must be page-aligned {got}")
     return pages, prefix_pages
 
 
 def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:
-    """``(source, pages)`` each request shares with an earlier one (``(-1, 0)``: none), from a ``shared_prefix``
-    hint (host ints): at most the prefix pages it and its earlier source both have."""
+    """``(source, pages)`` per request (``(-1, 0)``: none) from a ``shared_prefix``
+    hint, checked: at most the prefix pages it and its earlier source both have."""
     if shared is None:
         return [(-1, 0)] * len(prefix_pages)
     if len(shared) != len(prefix_pages):
-        raise ValueError(f"shared_prefix must have one entry per request ({len(prefix_pages)}), got {len(shared)}")
+        got = f"({len(prefix_pages)}), got {len(shared)}"
+        raise ValueError(f"shared_prefix must have one entry per request {got}")
     out = []
     for b, (src, pages) in enumerate(shared):
         src, pages = int(src), int(pages)
         if pages and not (0 <= src < b and 0 < pages <= min(prefix_pages[b], prefix_pages[src])):
             raise ValueError(
-                f"shared_prefix[{b}] = ({src}, {pages}): a request shares at most the prefix pages it and an "
-                f"earlier source request both have (prefix pages {prefix_pages})"
+                f"shared_prefix[{b}] = ({src}, {pages}): a request shares at most the "
+                "prefix pages it and an earlier source request both have (prefix pages "
+                f"{prefix_pages})"
             )
         out.append((src, pages) if pages > 0 else (-1, 0))
     return out

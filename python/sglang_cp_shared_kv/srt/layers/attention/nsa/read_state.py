@@ -147,8 +147,8 @@ class BatchReadState:
         self.latent = latent
         self.index = index
         if index is not None and index.row_bytes != INDEX_TOKEN_BYTES:
-            got = f"{index.row_bytes} B per token"
-            raise ValueError(f"indexer pages must hold {INDEX_TOKEN_BYTES}, got {got}")
+            got = index.row_bytes
+            raise ValueError(f"indexer rows must be {INDEX_TOKEN_BYTES} B, got {got} B")
         # Latent and indexer pages as one source: one plan, gather and collective.
         indexer = index.buffers if index is not None else None
         self.source = PageBuffers(ownership, rank, latent.row_bytes, latent.buffers, indexer)

@@ -10,7 +10,6 @@ from page_fixtures import build_slot_plan, plan_meta
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import (
     PLAN_META_ROWS,
     assign_slots_ref,
-    build_slot_table_ref,
     map_batch_pages_ref,
     plan_batch,
     plan_batch_ref,
@@ -36,9 +35,9 @@ def test_reference_positions_and_slot_table(pages):
     max_pages = max(pages) + 2
     positions, cu = _ref_vectors(pages, max_pages)
     assert positions.tolist() == [b * max_pages + j for b, p in enumerate(pages) for j in range(p)]
-    slots = torch.randperm(4 * sum(pages) + 1, device=DEVICE)[: sum(pages)]
-    table = build_slot_table_ref(slots, positions, len(pages), max_pages, pad=-1)
-    assert table.dtype == torch.int32
+    page_table = torch.randint(0, 10_000, (len(pages), max_pages), device=DEVICE)
+    _, slots, table, _, _ = assign_slots_ref(page_table, positions, 3, slots_per_rank(pages, 3), 777, pad=-1)
+    assert table.dtype == torch.int32 and table.shape == page_table.shape
     for b, p in enumerate(pages):
         assert table[b, :p].tolist() == slots[int(cu[b]) : int(cu[b]) + p].tolist()
         assert table[b, p:].tolist() == [-1] * (max_pages - p)

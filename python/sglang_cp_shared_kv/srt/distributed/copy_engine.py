@@ -77,7 +77,7 @@ class _Driver:
             body(stream)
         except BaseException:
             _, graph = cu.cuStreamEndCapture(stream)
-            if graph:
+            if int(graph):  # a null handle where nothing was captured
                 cu.cuGraphDestroy(graph)
             raise
         (graph,) = self._ok(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")

@@ -27,69 +27,69 @@ def pull_pages_ref(
     return view if out is None else out.copy_(view)
 
 
-if triton is not None:
+@triton.jit
+def _copy_page(src, out, words, BLOCK: tl.constexpr):
+    for start in range(0, words, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < words
+        tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
 
-    @triton.jit
-    def _copy_page(src, out, words, BLOCK: tl.constexpr):
-        for start in range(0, words, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < words
-            tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
 
-    @triton.jit
-    def _gather_pages_kernel(
-        page_ids,
-        num_slots,
-        src_a,
-        out_a,
-        words_a,
-        src_stride_a,
-        out_stride_a,
-        src_b,
-        out_b,
-        words_b,
-        src_stride_b,
-        out_stride_b,
-        BLOCK: tl.constexpr,
-    ):
-        # Program (i, k) copies slots i, i + G, ... of buffer a (k = 0) or b (k = 1).
-        first = tl.program_id(0).to(tl.int64)
-        for slot in range(first, num_slots, tl.num_programs(0)):
-            page = tl.load(page_ids + slot).to(tl.int64)
-            if tl.program_id(1) == 0:
-                _copy_page(src_a + page * src_stride_a, out_a + slot * out_stride_a, words_a, BLOCK)
-            else:
-                _copy_page(src_b + page * src_stride_b, out_b + slot * out_stride_b, words_b, BLOCK)
+@triton.jit
+def _gather_pages_kernel(
+    page_ids,
+    num_slots,
+    src_a,
+    out_a,
+    words_a,
+    src_stride_a,
+    out_stride_a,
+    src_b,
+    out_b,
+    words_b,
+    src_stride_b,
+    out_stride_b,
+    BLOCK: tl.constexpr,
+):
+    # Program (i, k) copies slots i, i + G, ... of buffer a (k = 0) or b (k = 1).
+    first = tl.program_id(0).to(tl.int64)
+    for slot in range(first, num_slots, tl.num_programs(0)):
+        page = tl.load(page_ids + slot).to(tl.int64)
+        if tl.program_id(1) == 0:
+            _copy_page(src_a + page * src_stride_a, out_a + slot * out_stride_a, words_a, BLOCK)
+        else:
+            _copy_page(src_b + page * src_stride_b, out_b + slot * out_stride_b, words_b, BLOCK)
 
-    @triton.jit(do_not_specialize=["start", "layer"])
-    def _pull_pages_kernel(
-        slot_phys,
-        start,
-        num_slots,
-        slots_per_rank,
-        table,
-        layer,
-        cp_size,
-        out_a,
-        words_a,
-        stride_a,
-        out_b,
-        words_b,
-        stride_b,
-        BLOCK: tl.constexpr,
-    ):
-        # table: int64 [layers, 2, cp_size], owner o's buffer k per layer. Program
-        # (i, k) copies slots i, i + G, ... of buffer k, each from its block's owner.
-        first = tl.program_id(0).to(tl.int64)
-        k = tl.program_id(1)
-        owners = table + (layer.to(tl.int64) * 2 + k) * cp_size
-        for slot in range(first, num_slots, tl.num_programs(0)):
-            page = tl.load(slot_phys + start + slot).to(tl.int64)
-            src = tl.load(owners + slot // slots_per_rank).to(tl.pointer_type(tl.int32))
-            if k == 0:
-                _copy_page(src + page * stride_a, out_a + slot * words_a, words_a, BLOCK)
-            else:
-                _copy_page(src + page * stride_b, out_b + slot * words_b, words_b, BLOCK)
+
+@triton.jit(do_not_specialize=["start", "layer"])
+def _pull_pages_kernel(
+    slot_phys,
+    start,
+    num_slots,
+    slots_per_rank,
+    table,
+    layer,
+    cp_size,
+    out_a,
+    words_a,
+    stride_a,
+    out_b,
+    words_b,
+    stride_b,
+    BLOCK: tl.constexpr,
+):
+    # table: int64 [layers, 2, cp_size], owner o's buffer k per layer. Program
+    # (i, k) copies slots i, i + G, ... of buffer k, each from its block's owner.
+    first = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    owners = table + (layer.to(tl.int64) * 2 + k) * cp_size
+    for slot in range(first, num_slots, tl.num_programs(0)):
+        page = tl.load(slot_phys + start + slot).to(tl.int64)
+        src = tl.load(owners + slot // slots_per_rank).to(tl.pointer_type(tl.int32))
+        if k == 0:
+            _copy_page(src + page * stride_a, out_a + slot * words_a, words_a, BLOCK)
+        else:
+            _copy_page(src + page * stride_b, out_b + slot * words_b, words_b, BLOCK)
 
 
 def word_view(t: torch.Tensor) -> torch.Tensor:
@@ -210,25 +210,18 @@ def translate_locs_ref(
     return rows.to(out_dtype or locs.dtype)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _translated_rows(page_pos, loc, live, page_size, num_pages):
-        """``translate_locs_ref`` of int64 locs ``loc`` (0 where not ``live``)."""
-        # As torch indexes: floor division, and negative pages from the end.
-        offset = loc % page_size
-        offset = tl.where(offset < 0, offset + page_size, offset)
-        page = (loc - offset) // page_size
-        page = tl.where(page < 0, page + num_pages, page)
-        return tl.load(page_pos + page, mask=live, other=0) * page_size + offset
-
-    @triton.jit(do_not_specialize=["n", "page_size", "num_pages"])
-    def _translate_kernel(page_pos, locs, out, n, page_size, num_pages, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        loc = tl.load(locs + i, mask=live, other=0).to(tl.int64)
-        row = _translated_rows(page_pos, loc, live, page_size, num_pages)
-        tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
+@triton.jit(do_not_specialize=["n", "page_size", "num_pages"])
+def _translate_kernel(page_pos, locs, out, n, page_size, num_pages, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n
+    loc = tl.load(locs + i, mask=live, other=0).to(tl.int64)
+    # As torch indexes: floor division, and negative pages from the end.
+    offset = loc % page_size
+    offset = tl.where(offset < 0, offset + page_size, offset)
+    page = (loc - offset) // page_size
+    page = tl.where(page < 0, page + num_pages, page)
+    row = tl.load(page_pos + page, mask=live, other=0) * page_size + offset
+    tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
 
 
 _TRANSLATE_BLOCK = 1024

@@ -48,23 +48,21 @@ class _Driver:
         self.cu = cu
         self._mapped: dict[bytes, list[int]] = {}  # handle -> [address, opens]
 
-    @staticmethod
-    def _ok(result: tuple, what: str):
+    def _call(self, name: str, *args) -> tuple:
+        """``cu.<name>(*args)``'s values past its result code, which must be success."""
+        result = getattr(self.cu, name)(*args)
         if result[0]:
-            raise RuntimeError(f"{what} failed: {result[0].name} ({int(result[0])})")
+            raise RuntimeError(f"{name} failed: {result[0].name} ({int(result[0])})")
         return result[1:]
 
     def write64(self, stream: int, address: int, value: int) -> None:
-        result = self.cu.cuStreamWriteValue64(stream, address, value, 0)
-        self._ok(result, "cuStreamWriteValue64")
+        self._call("cuStreamWriteValue64", stream, address, value, 0)
 
     def wait64(self, stream: int, address: int, value: int, flags: int) -> None:
-        result = self.cu.cuStreamWaitValue64(stream, address, value, flags)
-        self._ok(result, "cuStreamWaitValue64")
+        self._call("cuStreamWaitValue64", stream, address, value, flags)
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        result = self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
-        self._ok(result, "cuMemcpyDtoDAsync")
+        self._call("cuMemcpyDtoDAsync", dst, src, nbytes, stream)
 
     def capture(self, stream: int, body: Callable[[int], None]):
         """What ``body(stream)`` queues on idle ``stream`` (not the legacy default), as
@@ -72,7 +70,7 @@ class _Driver:
         cu = self.cu
         # Relaxed: other threads' calls are not checked.
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        self._ok(cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        self._call("cuStreamBeginCapture", stream, mode)
         try:
             body(stream)
         except BaseException:
@@ -80,23 +78,21 @@ class _Driver:
             if int(graph):  # a null handle where nothing was captured
                 cu.cuGraphDestroy(graph)
             raise
-        (graph,) = self._ok(cu.cuStreamEndCapture(stream), "cuStreamEndCapture")
+        (graph,) = self._call("cuStreamEndCapture", stream)
         try:
-            (exe,) = self._ok(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            (exe,) = self._call("cuGraphInstantiate", graph, 0)
         finally:
             cu.cuGraphDestroy(graph)
         return exe
 
     def launch(self, exe, stream: int) -> None:
-        self._ok(self.cu.cuGraphLaunch(exe, stream), "cuGraphLaunch")
+        self._call("cuGraphLaunch", exe, stream)
 
     def export(self, t: torch.Tensor) -> tuple[bytes, int]:
         """(IPC handle of the allocation holding ``t``, ``t``'s offset in it)."""
-        address_range = self.cu.cuMemGetAddressRange(t.data_ptr())
-        base, _ = self._ok(address_range, "cuMemGetAddressRange")
-        (handle,) = self._ok(self.cu.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
-        handle_bytes = ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
-        return handle_bytes, t.data_ptr() - int(base)
+        base, _ = self._call("cuMemGetAddressRange", t.data_ptr())
+        (handle,) = self._call("cuIpcGetMemHandle", base)
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), t.data_ptr() - int(base)
 
     def open(self, handle: bytes) -> int:
         """Map a peer's allocation once per handle; the last ``release`` unmaps it."""
@@ -105,8 +101,7 @@ class _Driver:
             h = self.cu.CUipcMemHandle()
             ctypes.memmove(h.getPtr(), handle, IPC_HANDLE_BYTES)
             flags = self.cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            opened = self.cu.cuIpcOpenMemHandle(h, flags)
-            (ptr,) = self._ok(opened, "cuIpcOpenMemHandle")
+            (ptr,) = self._call("cuIpcOpenMemHandle", h, flags)
             entry = self._mapped[handle] = [int(ptr), 0]
         entry[1] += 1
         return entry[0]

@@ -74,8 +74,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
             raise ValueError("a CP-shared DSA pool needs index_kpool 1, no extra keys")
         if self.size % ps:
             raise ValueError(f"pool size {self.size} is not whole {ps}-token pages")
-        ranks = cp_rank, cp_size
-        if isinstance(cp_group, CPGroup) and (cp_group.rank, cp_group.size) != ranks:
+        if isinstance(cp_group, CPGroup) and (cp_group.rank, cp_group.size) != (cp_rank, cp_size):
             raise ValueError(f"cp_group {cp_group} is not rank {cp_rank} of {cp_size}")
         row_bytes, phys = self.kv_buffer[0][0].nbytes, self.size // ps + 1
         self.spec = spec = CPSharedSpec(cp_size, cp_rank, ps, phys, row_bytes, dsa)
@@ -88,8 +87,7 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
         if dsa:
             keys = list(self.index_key_cache.buffer)
             index = PageBuffers(own, cp_rank, INDEX_TOKEN_BYTES, keys)
-        args = own, cp_rank, spec.logical_pages, latent, index, cp_group, lost
-        self.read = BatchReadState(*args)
+        self.read = BatchReadState(own, cp_rank, spec.logical_pages, latent, index, cp_group, lost)
         # Each loc's physical row here, once per loc tensor (every layer writes it).
         trash = spec.trash_page
         self.store_rows = TensorMemo(lambda loc: own.store_rows(loc.long(), cp_rank, trash, phys)[0])
@@ -144,9 +142,8 @@ class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     def begin_shard_extend(self, req_to_token, req_pool_indices, prefix_lens_cpu, seq_lens_cpu):
         self.store_rows.clear()  # a kernel may refill a loc tensor, version unbumped
         (names, shared), self.next_batch = self.next_batch, (None, None)
-        lens = _host_ints(prefix_lens_cpu), _host_ints(seq_lens_cpu)
-        inputs = BatchInputs(req_to_token, req_pool_indices, *lens, names, shared)
-        self.read.begin(inputs)
+        prefix_lens, seq_lens = _host_ints(prefix_lens_cpu), _host_ints(seq_lens_cpu)
+        self.read.begin(BatchInputs(req_to_token, req_pool_indices, prefix_lens, seq_lens, names, shared))
 
     def end_shard_extend(self) -> None:
         self.store_rows.clear()

@@ -148,5 +148,5 @@ def test_a_launch_refuses_tensors_off_its_device_and_takes_pinned_host_memory():
                 plan_batch(tokens, rows, ps, buf[:12], 4, m, n, s, 0, None, 0, 0, flags=buf[12:])
     page_pos = torch.arange(24, dtype=torch.int64, device=dev)
     assert translate_locs(page_pos, tokens[:2], ps).is_cuda
-    with pytest.raises(ValueError, match="locs are on cpu"):
+    with pytest.raises(ValueError, match="locs on cpu, the page map on cuda.*translate on one device"):
         translate_locs(page_pos, tokens[:2].cpu(), ps)

@@ -90,9 +90,10 @@ class _Driver:
 
     def export(self, t: torch.Tensor) -> tuple[bytes, int]:
         """(IPC handle of the allocation holding ``t``, ``t``'s offset in it)."""
-        base, _ = self._call("cuMemGetAddressRange", t.data_ptr())
+        ptr = t.data_ptr()
+        base, _ = self._call("cuMemGetAddressRange", ptr)
         (handle,) = self._call("cuIpcGetMemHandle", base)
-        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), t.data_ptr() - int(base)
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES), ptr - int(base)
 
     def open(self, handle: bytes) -> int:
         """Map a peer's allocation once per handle; the last ``release`` unmaps it."""
@@ -143,11 +144,11 @@ class CopyEngineGroup:
         on_peer_lost: Callable[[str], None] | None = None,
     ):
         if not buffers or any(not b.is_cuda or not b.is_contiguous() for b in buffers):
-            raise ValueError("copy-engine buffers must be a non-empty list of contiguous CUDA tensors")
+            raise ValueError("copy engines need one or more contiguous CUDA buffers")
         self.cpu_group = group
         self.rank, self.size = group.rank, group.size
         self.device = buffers[0].device
-        self._driver = d = driver()
+        self._driver = driver()
         # ready[p], ack[p], fence0[p], fence1[p]: written by peer p, read by this rank.
         self.signals = torch.zeros(4, self.size, dtype=torch.int64, device=self.device)
         # This rank's counter (a call's ready and ack), copied to the peers.
@@ -155,48 +156,22 @@ class CopyEngineGroup:
         self._signals_at = self.signals.data_ptr()
         self._outbox_at = self.outbox.data_ptr()
         self.buffers = [b.view(torch.uint8).view(-1) for b in buffers]
+        self._opened: list[bytes] = []  # the peers' handles mapped, released at close
+        self._fence_graphs: list = [None, None]  # per parity, at its first fence
+        secs = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get()
+        self.watchdog = PeerWatchdog(secs, self._laggards, self._release, on_peer_lost)
+        torch.cuda.current_stream(self.device).synchronize()  # sync-ok: at setup
         shapes = [(tuple(b.shape), b.dtype) for b in buffers]
-        mine, why = None, ""
-        with torch.cuda.device(self.device):  # driver calls act on the current context
-            try:  # a custom allocator's memory (expandable segments) may not export
-                mine = (shapes, [d.export(t) for t in (self.signals, *self.buffers)])
-            except RuntimeError as e:
-                why = f"exporting this rank's arena by CUDA IPC failed: {e}"
-            torch.cuda.current_stream(self.device).synchronize()  # sync-ok: at setup
-            everyone = group.all_gather_object(mine)
-            # The peers' signals and buffers, mapped into this context (addresses).
-            self._peer_signals: dict[int, int] = {}
-            self._peer_buffers: dict[int, list[int]] = {}
-            self._opened: list[bytes] = []
-            for p, theirs in enumerate(everyone):
-                if p == self.rank or theirs is None or why:
-                    continue
-                their_shapes, exports = theirs
-                if their_shapes != shapes:  # told to every rank below
-                    why = f"rank {p} registered buffers {their_shapes}, this rank {shapes}: they must match"
-                    continue
-                try:
-                    bases: dict[bytes, int] = {}
-                    for handle, _ in exports:
-                        if handle not in bases:
-                            bases[handle] = d.open(handle)
-                            self._opened.append(handle)
-                    addresses = [bases[handle] + offset for handle, offset in exports]
-                except RuntimeError as e:
-                    why = f"opening rank {p}'s arena by CUDA IPC failed: {e}"
-                    continue
-                self._peer_signals[p] = addresses[0]
-                self._peer_buffers[p] = addresses[1:]
-        # All ranks use the copy engines or all raise (``view_group`` falls back).
-        whys = group.all_gather_object(why)
-        failures = [f"rank {p}: {w}" for p, w in enumerate(whys) if w]
-        if failures:
+        mapped, failed = self._map_peers("arena", shapes, [self.signals, *self.buffers])
+        if failed:  # on every rank alike (``view_group`` falls back)
             self.close()
-            raise CopyEngineUnavailable("; ".join(failures))
+            raise CopyEngineUnavailable("; ".join(failed))
+        # The peers' signals and buffers, mapped into this context (addresses).
+        self._peer_signals = {p: addresses[0] for p, addresses in mapped.items()}
+        self._peer_buffers = {p: addresses[1:] for p, addresses in mapped.items()}
         self.calls = 0
         self.fences = 0  # fences queued so far (the same count on every rank)
         self._one = torch.ones(1, dtype=torch.int64, device=self.device)  # fence word
-        self._fence_graphs: list = [None, None]  # per parity, at its first fence
         self._capture_stream: torch.cuda.Stream | None = None
         self.bytes_received = 0  # pulled from the peers (for benchmarks)
         self._pull_cache: dict[tuple, list[tuple[int, list]]] = {}
@@ -204,63 +179,69 @@ class CopyEngineGroup:
         self.source_strides: list[int] = []
         self._own_sources: list[tuple[int, int]] = []  # (table slot, own pointer)
         self._side: torch.cuda.Stream | None = None  # the watchdog's stream
-        deadline = envs.SGLANG_CP_SHARED_KV_PEER_TIMEOUT.get()
-        self.watchdog = PeerWatchdog(deadline, self._laggards, self._release, on_peer_lost)
         if sources:
             self._map_sources(sources)
+
+    def _map_peers(self, what: str, shapes: object, tensors: list, why: str = "") -> tuple[dict, list[str]]:
+        """Export ``tensors`` (None: a hole) and map the peers' alike by CUDA IPC, a
+        collective: ``{peer: [address or None]}``, and every rank's failure."""
+        mine, mapped = None, {}
+        with torch.cuda.device(self.device):  # driver calls act on the current context
+            try:  # a custom allocator's memory (expandable segments) may not export
+                if not why:
+                    mine = [t if t is None else self._driver.export(t) for t in tensors]
+            except RuntimeError as e:
+                why = f"exporting this rank's {what} by CUDA IPC failed: {e}"
+            everyone = self.cpu_group.all_gather_object((shapes, mine, why))
+            for p, (their_shapes, exports, their_why) in enumerate(everyone):
+                if p == self.rank or why or their_why:  # a failed rank tells its own
+                    continue
+                if their_shapes != shapes:
+                    why = f"rank {p} registered buffers shaped unlike this rank's ({what}): they must match"
+                    continue
+                try:
+                    mapped[p] = [self._open(entry) for entry in exports]
+                except RuntimeError as e:
+                    why = f"opening rank {p}'s {what} by CUDA IPC failed: {e}"
+        whys = self.cpu_group.all_gather_object(why)
+        return mapped, [f"rank {p}: {w}" for p, w in enumerate(whys) if w]
+
+    def _open(self, export: tuple[bytes, int] | None) -> int | None:
+        """A peer's ``(handle, offset)`` as an address here (unmapped at ``close``)."""
+        if export is None:
+            return None
+        address = self._driver.open(export[0]) + export[1]
+        self._opened.append(export[0])
+        return address
 
     def _map_sources(self, sources: Sequence[Sequence[torch.Tensor]]) -> None:
         """Map the peers' pages (``sources[layer][k]``: uint8 ``[P, W]`` or empty).
         Collective: if any rank cannot, none maps them."""
-        d = self._driver
-        shapes = [[(tuple(t.shape), t.stride(0) if t.numel() else 0) for t in layer] for layer in sources]
         kinds = len(sources[0])
+        flat = [t for layer in sources for t in layer]
+        used = [t for t in flat if t.numel()]
         why = ""
         if kinds > 2 or any(len(layer) != kinds for layer in sources):
             why = "one or two page buffers per layer are needed"
-        elif any(
-            t.numel()
-            and (t.dtype != torch.uint8 or t.shape[1] % 4 or t.stride(0) % 4 or t.stride(1) != 1 or t.data_ptr() % 4)
-            for layer in sources
-            for t in layer
-        ):
-            why = "page buffers must be uint8 rows of int32 words"
-        mine = None
-        if not why:
-            with torch.cuda.device(self.device):
-                try:
-                    mine = [[d.export(t) if t.numel() else None for t in layer] for layer in sources]
-                except RuntimeError as e:
-                    why = f"exporting this rank's pool by CUDA IPC failed: {e}"
-        everyone = self.cpu_group.all_gather_object((shapes, mine, why))
-        table = [[[0] * self.size for _ in range(2)] for _ in sources]  # [layers, 2, N]
-        for layer, bufs in enumerate(sources):
-            for k, t in enumerate(bufs):
-                table[layer][k][self.rank] = t.data_ptr() if t.numel() else 0
-        with torch.cuda.device(self.device):
-            for p, (their_shapes, exports, their_why) in enumerate(everyone):
-                why = why or (f"rank {p}: {their_why}" if their_why else "")
-                if p == self.rank or why:
-                    continue
-                if their_shapes != shapes:
-                    why = f"rank {p}'s pool buffers differ in shape from this rank's"
-                    continue
-                try:
-                    for layer, handles in enumerate(exports):
-                        for k, entry in enumerate(handles):
-                            if entry is not None:
-                                handle, offset = entry
-                                table[layer][k][p] = d.open(handle) + offset
-                                self._opened.append(handle)
-                except RuntimeError as e:
-                    why = f"opening rank {p}'s pool by CUDA IPC failed: {e}"
-        failures = [w for w in self.cpu_group.all_gather_object(why) if w]
-        if failures:
-            logger.info("CP-shared KV: views all-gathered by the copy engines (pools not mapped: %s)", failures[0])
+        elif any(t.dtype != torch.uint8 or t.stride(1) != 1 for t in used):
+            why = "page buffers must be uint8 rows"
+        elif any(x % 4 for t in used for x in (t.shape[1], t.stride(0), t.data_ptr())):
+            why = "page rows must be int32 words, 4-byte aligned"
+        shapes = [(tuple(t.shape), t.stride(0) if t.numel() else 0) for t in flat]
+        tensors = [t if t.numel() else None for t in flat]
+        mapped, failed = self._map_peers("pool", (kinds, shapes), tensors, why)
+        if failed:
+            logger.info("CP-shared KV: views all-gathered by the copy engines (pools not mapped: %s)", failed[0])
             return
-        self.source_table = torch.tensor(table, dtype=torch.int64).to(self.device)  # sync-ok: once, at registration
+        table = [[[0] * self.size for _ in range(2)] for _ in sources]  # [layers, 2, N]
+        for i, t in enumerate(tensors):
+            row = table[i // kinds][i % kinds]
+            row[self.rank] = 0 if t is None else t.data_ptr()
+            for p, addresses in mapped.items():
+                row[p] = addresses[i] or 0
+        self.source_table = torch.tensor(table, dtype=torch.int64).to(self.device)  # sync-ok: at registration
         at = self.source_table.data_ptr()
-        rows = [entry for layer in table for entry in layer]  # [layers * 2] of N
+        rows = [row for layer in table for row in layer]  # [layers * 2] of N
         self._own_sources = [
             (at + (i * self.size + p) * 8, row[self.rank]) for i, row in enumerate(rows) for p in self._peer_signals
         ]
@@ -283,8 +264,7 @@ class CopyEngineGroup:
             if self._capture_stream is None:
                 self._capture_stream = torch.cuda.Stream(self.device)
             capture = self._capture_stream.cuda_stream
-            graph = self._driver.capture(capture, lambda h: self._fence_calls(h, q))
-            self._fence_graphs[q] = graph
+            self._fence_graphs[q] = self._driver.capture(capture, lambda h: self._fence_calls(h, q))
         self._driver.launch(self._fence_graphs[q], stream.cuda_stream)
         self._watch(stream, ("fence", self.fences))
 
@@ -293,11 +273,15 @@ class CopyEngineGroup:
         d.write64(stream, one, 1)  # the barrier: earlier work visible
         for peer in self._peer_signals.values():
             d.copy(peer + (row * self.size + self.rank) * 8, one, 8, stream)
-        mine = [self._signals_at + (row * self.size + p) * 8 for p in self._peer_signals]
+        mine = [self._slot(row, p) for p in self._peer_signals]
         for slot in mine:
             d.wait64(stream, slot, 1, WAIT_EQ)
         for slot in mine:
             d.write64(stream, slot, 0)
+
+    def _slot(self, row: int, p: int) -> int:
+        """The address of ``signals[row][p]`` (int64)."""
+        return self._signals_at + (row * self.size + p) * 8
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device) if stream is None else stream
@@ -323,46 +307,28 @@ class CopyEngineGroup:
         d, side = self._driver, self._side_stream()
         writes = list(self._own_sources)  # pulls read this rank's pool, not a dead one
         for p in self._peer_signals:
-            writes += [(self._signals_at + (row * self.size + p) * 8, v) for row, v in enumerate(RELEASED)]
+            writes += [(self._slot(row, p), v) for row, v in enumerate(RELEASED)]
         with torch.cuda.device(self.device):
             for at, value in writes:
                 d.write64(side.cuda_stream, at, value)
 
     def _side_stream(self) -> torch.cuda.Stream:
-        """The watchdog's stream for the signals."""
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         return self._side
 
-    def _wait_peers(self, stream: int, which: int, k: int) -> None:
-        """Queue a wait for ``signals[which][p] >= k``, every peer ``p``."""
-        d = self._driver
-        for p in self._peer_signals:
-            slot = self._signals_at + (which * self.size + p) * 8  # int64 signals
-            d.wait64(stream, slot, k, WAIT_GEQ)
-
-    def _announce(self, stream: int) -> int:
-        """The next call's ``k`` into the outbox, then to the peers as ready."""
-        d = self._driver
-        self.calls += 1
-        d.write64(stream, self._outbox_at, self.calls)
-        self._signal(stream, 0)
-        return self.calls
-
     def close(self) -> None:
         """Unmap the peers' allocations (after the last call has run)."""
-        if hasattr(self, "watchdog"):
-            self.watchdog.close()
-        graphs, self._fence_graphs = getattr(self, "_fence_graphs", []), [None, None]
+        self.watchdog.close()
+        graphs, self._fence_graphs = self._fence_graphs, [None, None]
         for exe in graphs:
             if exe is not None:
                 self._driver.cu.cuGraphExecDestroy(exe)
-        opened, self._opened = getattr(self, "_opened", []), []
+        opened, self._opened = self._opened, []
         with torch.cuda.device(self.device):
             for handle in opened:
                 self._driver.release(handle)
-        self._peer_signals, self._peer_buffers = {}, {}
-        self._pull_cache = {}
+        self._peer_signals, self._peer_buffers, self._pull_cache = {}, {}, {}
 
     def all_gather_object(self, obj: object) -> list[object]:
         return self.cpu_group.all_gather_object(obj)
@@ -374,28 +340,26 @@ class CopyEngineGroup:
         for peer in self._peer_signals.values():
             d.copy(peer + slot, src, 8, stream)
 
-    def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, int, int]:
-        """(registered buffer, byte offset of ``out`` in it, bytes per part)."""
+    def _locate(self, out: torch.Tensor, local: torch.Tensor) -> tuple[int, ...]:
+        """(registered buffer, ``out``'s address and offset in it, bytes per part)."""
         n = local.shape[0]
-        if out.shape[0] != n * self.size or out.shape[1:] != local.shape[1:] or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous [{self.size} * {n}, ...], got {tuple(out.shape)}")
-        part = local.numel() * local.element_size()
-        if local.data_ptr() != out.data_ptr() + self.rank * part:
+        if out.shape != (n * self.size, *local.shape[1:]) or not out.is_contiguous():
+            msg = f"out must be contiguous [{self.size} * {n}, ...], got {tuple(out.shape)}"
+            raise ValueError(msg)
+        part, ptr = local.numel() * local.element_size(), out.data_ptr()
+        if local.data_ptr() != ptr + self.rank * part:
             raise ValueError("a copy-engine all-gather is in place: local must be this rank's part of out")
-        ptr = out.data_ptr()
         for i, buf in enumerate(self.buffers):
             base = buf.data_ptr()
             if base <= ptr and ptr + part * self.size <= base + buf.numel():
-                return i, ptr - base, part
+                return i, ptr, ptr - base, part
         raise ValueError("out lies outside every registered buffer")
 
     def _pulls(self, outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> list[tuple[int, list]]:
         """Per peer: ``(ready address, [(dst, src, bytes)])``, cached per buffer set."""
-        key = tuple(
-            (o.data_ptr(), o.numel(), o.is_contiguous(), o.dtype, x.data_ptr(), x.numel(), x.dtype)
-            for o, x in zip(outs, locals_)
-        )
-        key += (len(outs), len(locals_))
+        key: tuple = (len(outs),)
+        for t in (*outs, *locals_):
+            key += (t.data_ptr(), t.numel(), t.is_contiguous(), t.dtype)
         found = self._pull_cache.get(key)
         if found is not None:
             return found
@@ -405,16 +369,11 @@ class CopyEngineGroup:
             if out.device != self.device:
                 msg = f"out is on {out.device}, the registered buffers on {self.device}"
                 raise ValueError(msg)
-        found = [
-            (
-                self._signals_at + p * 8,  # int64 signals
-                [
-                    (out.data_ptr() + p * part, self._peer_buffers[p][i] + offset + p * part, part)
-                    for (i, offset, part), out in zip(spans, outs)
-                ],
-            )
-            for p in sorted(self._peer_signals)
-        ]
+        found = []
+        for p in sorted(self._peer_signals):
+            src = self._peer_buffers[p]
+            copies = [(dst + p * n, src[i] + at + p * n, n) for i, dst, at, n in spans]
+            found.append((self._slot(0, p), copies))
         if len(self._pull_cache) >= PULL_CACHE_SIZE:
             self._pull_cache.clear()
         self._pull_cache[key] = found
@@ -432,15 +391,17 @@ class CopyEngineGroup:
         (no wait needed). ``ack=False``: see the module docstring."""
         self.watchdog.check()
         pulls = self._pulls(outs, locals_)
-        d = self._driver
-        torch_stream = self._stream(stream)
-        stream = torch_stream.cuda_stream
+        d, torch_stream = self._driver, self._stream(stream)
+        h = torch_stream.cuda_stream
         # Ready once my part is written; the same word is the ack after the pulls.
-        k = self._announce(stream)
+        self.calls += 1
+        k = self.calls
+        d.write64(h, self._outbox_at, k)
+        self._signal(h, 0)
         for ready, copies in pulls:
-            d.wait64(stream, ready, k, WAIT_GEQ)
+            d.wait64(h, ready, k, WAIT_GEQ)
             for dst, src, nbytes in copies:
-                d.copy(dst, src, nbytes, stream)
+                d.copy(dst, src, nbytes, h)
                 self.bytes_received += nbytes
         if ack:
             self._finish_reads(torch_stream, k)
@@ -452,8 +413,10 @@ class CopyEngineGroup:
         self._finish_reads(self._stream(stream), self.calls)
 
     def _finish_reads(self, stream: torch.cuda.Stream, k: int) -> None:
-        self._signal(stream.cuda_stream, 1)  # ack := k (the outbox) on every peer
-        self._wait_peers(stream.cuda_stream, 1, k)
+        h = stream.cuda_stream
+        self._signal(h, 1)  # ack := k (the outbox) on every peer
+        for p in self._peer_signals:
+            self._driver.wait64(h, self._slot(1, p), k, WAIT_GEQ)
         self._watch(stream, ("all-gather", k))
 
 
@@ -509,12 +472,10 @@ def fall_back(group: CPGroup, setting: str, why: str) -> CPGroup:
     """``group`` as the copy engines cannot run (``why``); an error if required."""
     if setting == "copy_engine":
         raise CopyEngineUnavailable(f"{TRANSPORT_ENV}=copy_engine cannot run: {why}")
-    logger.warning(
-        "CP-shared KV: copy engines unavailable (%s): views all-gathered by the CP group's %s collectives instead%s",
-        why,
-        group.backend,
-        ", which run on SMs, with no layer-ahead prefetch" if group.backend == "nccl" else "",
-    )
+    instead = f"the CP group's {group.backend} collectives instead"
+    if group.backend == "nccl":
+        instead += ", which run on SMs, with no layer-ahead prefetch"
+    logger.warning(f"CP-shared KV: copy engines unavailable ({why}): views all-gathered by {instead}")
     return group
 
 

@@ -62,29 +62,34 @@ class CPGroup:
             self._all_gather_many(outs, locals_, True, coalesce).wait()
         return PendingCollective()
 
-    def _all_gather_many(
-        self,
-        outs: Sequence[torch.Tensor],
-        locals_: Sequence[torch.Tensor],
-        async_op: bool,
-        coalesce: bool | None,
-    ) -> PendingCollective:
+    def _all_gather_many(self, outs, locals_, async_op: bool, coalesce: bool | None) -> PendingCollective:
         check_pairs(outs, locals_)
-        pairs = [self._byte_pair(out, local) for out, local in zip(outs, locals_)]
+        pairs = []  # as bytes
+        for out, local in zip(outs, locals_):
+            n = local.shape[0]
+            if out.shape[0] != n * self.size or out.shape[1:] != local.shape[1:]:
+                msg = f"out must be [{self.size} * {n}, ...], got {tuple(out.shape)}"
+                raise ValueError(msg)
+            if not out.is_contiguous() or not local.is_contiguous():
+                raise ValueError("all-gather buffers must be contiguous")
+            pairs.append((out.view(torch.uint8), local.view(torch.uint8)))
         self.bytes_received += sum(o.numel() - x.numel() for o, x in pairs)
-        if len(pairs) == 1 and self.backend == "nccl":
+        nccl = self.backend == "nccl"
+        if len(pairs) == 1 and nccl:
             work = _all_gather_single(*pairs[0], group=self.group, async_op=async_op)
             return PendingCollective([work] if async_op else [])
         if coalesce is None:
-            coalesce = self.backend == "nccl"
-        manager = getattr(dist, "_coalescing_manager", None)
-        if not coalesce or manager is None or len(pairs) == 1:
-            for out_b, local_b in pairs:
-                self._all_gather_bytes(out_b, local_b)
+            coalesce = nccl
+        if not coalesce or len(pairs) == 1:
+            for out, local in pairs:
+                if nccl:
+                    _all_gather_single(out, local, group=self.group)
+                else:
+                    dist.all_gather(list(out.chunk(self.size)), local, group=self.group)
             return PendingCollective()
-        with manager(group=self.group, async_ops=True) as coalesced:
-            for out_b, local_b in pairs:
-                _all_gather_single(out_b, local_b, group=self.group)
+        with dist._coalescing_manager(group=self.group, async_ops=True) as coalesced:
+            for out, local in pairs:
+                _all_gather_single(out, local, group=self.group)
         pending = PendingCollective([coalesced])
         if not async_op:
             pending.wait()
@@ -98,23 +103,9 @@ class CPGroup:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def _byte_pair(self, out: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = local.shape[0]
-        if out.shape[0] != n * self.size or out.shape[1:] != local.shape[1:]:
-            msg = f"out must be [{self.size} * {n}, ...], got {tuple(out.shape)}"
-            raise ValueError(msg)
-        return _as_bytes(out), _as_bytes(local)
-
-    def _all_gather_bytes(self, out_b: torch.Tensor, local_b: torch.Tensor) -> None:
-        if self.backend == "nccl":
-            _all_gather_single(out_b, local_b, group=self.group)
-        else:
-            dist.all_gather(list(out_b.chunk(self.size)), local_b, group=self.group)
-
 
 def check_pairs(outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> None:
-    """Check ``all_gather_into_many``'s arguments: one or more pairs, each of one
-    dtype and at least one dimension."""
+    """Refuse ``all_gather_into_many`` arguments other than pairs of like dtypes."""
     if len(outs) != len(locals_) or not outs:
         raise ValueError(f"outs and locals_ must be non-empty and pair up, got {len(outs)} and {len(locals_)}")
     for out, local in zip(outs, locals_):
@@ -123,9 +114,3 @@ def check_pairs(outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -
                 f"out and local must share a dtype and have a first dimension, got {out.dtype} {tuple(out.shape)} "
                 f"and {local.dtype} {tuple(local.shape)}"
             )
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError("all-gather buffers must be contiguous")
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t

@@ -108,17 +108,17 @@ class _Driver:
         return entry[0]
 
     def release(self, handle: bytes) -> None:
-        entry = self._mapped.get(handle)
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._mapped[handle]
-                self.cu.cuIpcCloseMemHandle(entry[0])
+        entry = self._mapped[handle]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._mapped[handle]
+            self.cu.cuIpcCloseMemHandle(entry[0])
 
 
 IPC_HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
-
-
+PULL_CACHE_SIZE = 16  # buffer sets whose pulls a group keeps (a batch uses 1 or 2)
+TRANSPORT_ENV = envs.SGLANG_CP_SHARED_KV_TRANSPORT.name
+TRANSPORTS = ("auto", "copy_engine", "nccl")
 # A failed group's signal rows (ready, ack, fence0, fence1): every wait passes.
 RELEASED = (1 << 62, 1 << 62, 1, 1)
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -182,7 +182,7 @@ class CopyEngineGroup:
         if sources:
             self._map_sources(sources)
 
-    def _map_peers(self, what: str, shapes: object, tensors: list, why: str = "") -> tuple[dict, list[str]]:
+    def _map_peers(self, what: str, shapes, tensors: list, why: str = "") -> tuple:
         """Export ``tensors`` (None: a hole) and map the peers' alike by CUDA IPC, a
         collective: ``{peer: [address or None]}``, and every rank's failure."""
         mine, mapped = None, {}
@@ -264,7 +264,8 @@ class CopyEngineGroup:
             if self._capture_stream is None:
                 self._capture_stream = torch.cuda.Stream(self.device)
             capture = self._capture_stream.cuda_stream
-            self._fence_graphs[q] = self._driver.capture(capture, lambda h: self._fence_calls(h, q))
+            graph = self._driver.capture(capture, lambda h: self._fence_calls(h, q))
+            self._fence_graphs[q] = graph
         self._driver.launch(self._fence_graphs[q], stream.cuda_stream)
         self._watch(stream, ("fence", self.fences))
 
@@ -279,8 +280,7 @@ class CopyEngineGroup:
         for slot in mine:
             d.write64(stream, slot, 0)
 
-    def _slot(self, row: int, p: int) -> int:
-        """The address of ``signals[row][p]`` (int64)."""
+    def _slot(self, row: int, p: int) -> int:  # of ``signals[row][p]``
         return self._signals_at + (row * self.size + p) * 8
 
     def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
@@ -344,8 +344,7 @@ class CopyEngineGroup:
         """(registered buffer, ``out``'s address and offset in it, bytes per part)."""
         n = local.shape[0]
         if out.shape != (n * self.size, *local.shape[1:]) or not out.is_contiguous():
-            msg = f"out must be contiguous [{self.size} * {n}, ...], got {tuple(out.shape)}"
-            raise ValueError(msg)
+            raise ValueError(f"out must be a contiguous [{self.size} * {n}, ...], got {tuple(out.shape)}")
         part, ptr = local.numel() * local.element_size(), out.data_ptr()
         if local.data_ptr() != ptr + self.rank * part:
             raise ValueError("a copy-engine all-gather is in place: local must be this rank's part of out")
@@ -355,7 +354,7 @@ class CopyEngineGroup:
                 return i, ptr, ptr - base, part
         raise ValueError("out lies outside every registered buffer")
 
-    def _pulls(self, outs: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor]) -> list[tuple[int, list]]:
+    def _pulls(self, outs, locals_) -> list[tuple[int, list]]:
         """Per peer: ``(ready address, [(dst, src, bytes)])``, cached per buffer set."""
         key: tuple = (len(outs),)
         for t in (*outs, *locals_):
@@ -418,11 +417,6 @@ class CopyEngineGroup:
         for p in self._peer_signals:
             self._driver.wait64(h, self._slot(1, p), k, WAIT_GEQ)
         self._watch(stream, ("all-gather", k))
-
-
-PULL_CACHE_SIZE = 16  # buffer sets whose pulls a group keeps (a batch uses 1 or 2)
-TRANSPORT_ENV = envs.SGLANG_CP_SHARED_KV_TRANSPORT.name
-TRANSPORTS = ("auto", "copy_engine", "nccl")
 
 
 def transport_setting(setting: str | None = None) -> str:

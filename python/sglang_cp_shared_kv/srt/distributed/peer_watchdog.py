@@ -22,9 +22,8 @@ class PeerLost(RuntimeError):
 
 
 class PeerWatchdog:
-    """Fails a CP group whose device wait outlived ``deadline_s``. ``laggards(what)``:
-    the peers behind a wait; ``release()`` frees this rank's waits; ``on_failure(line)``
-    stops the server. The polling thread starts at the first ``watch``."""
+    """``laggards(what)``: the peers behind a wait; ``release()`` frees this rank's
+    waits; ``on_failure(line)`` stops the server. Polls from the first ``watch``."""
 
     def __init__(
         self,
@@ -37,8 +36,7 @@ class PeerWatchdog:
         self.deadline_s, self.poll_s = deadline_s, poll_s
         self._laggards, self._release, self._on_failure = laggards, release, on_failure
         self._waits: deque[tuple[float, Callable[[], bool], tuple[str, int]]] = deque()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._lock, self._stop = threading.Lock(), threading.Event()
         self._thread: threading.Thread | None = None
         self.failed: str | None = None
 
@@ -79,9 +77,10 @@ class PeerWatchdog:
                 return
 
     def _fail(self, since: float, what: tuple[str, int]) -> None:
+        who = "no peer known"
         try:
-            behind = self._laggards(what)
-            who = f"rank {behind[0]}" if len(behind) == 1 else f"ranks {behind}" if behind else "no peer known"
+            if behind := self._laggards(what):
+                who = f"rank {behind[0]}" if len(behind) == 1 else f"ranks {behind}"
         except Exception as e:  # the line goes out whatever the device says
             who = f"unknown peers ({e})"
         self.failed = (

@@ -41,7 +41,7 @@ class CPGroup:
     def all_gather_into(self, out: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """``out`` (``[size * n, ...]``) <- every rank's ``local`` (``[n, ...]``) as
         bytes, rank-major; ``local`` may be this rank's slice of ``out``."""
-        self._all_gather_many([out], [local], False, False)
+        self.all_gather_into_many([out], [local], coalesce=False)
         return out
 
     def all_gather_into_many(
@@ -56,13 +56,10 @@ class CPGroup:
         """``all_gather_into`` of every pair, coalesced on NCCL (or ``coalesce=True``).
         ``async_op``: ``wait()`` before reading ``outs``; ``stream``: queued there. No
         ack is needed before writing ``locals_`` again (unlike ``CopyEngineGroup``)."""
-        if stream is None:
-            return self._all_gather_many(outs, locals_, async_op, coalesce)
-        with torch.cuda.stream(stream):
-            self._all_gather_many(outs, locals_, True, coalesce).wait()
-        return PendingCollective()
-
-    def _all_gather_many(self, outs, locals_, async_op: bool, coalesce: bool | None) -> PendingCollective:
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                self.all_gather_into_many(outs, locals_, async_op=True, coalesce=coalesce).wait()
+            return PendingCollective()
         check_pairs(outs, locals_)
         pairs = []  # as bytes
         for out, local in zip(outs, locals_):

@@ -49,7 +49,6 @@ class _Driver:
         self._mapped: dict[bytes, list[int]] = {}  # handle -> [address, opens]
 
     def _call(self, name: str, *args) -> tuple:
-        """``cu.<name>(*args)``'s values past its result code, which must be success."""
         result = getattr(self.cu, name)(*args)
         if result[0]:
             raise RuntimeError(f"{name} failed: {result[0].name} ({int(result[0])})")
@@ -166,7 +165,6 @@ class CopyEngineGroup:
         if failed:  # on every rank alike (``view_group`` falls back)
             self.close()
             raise CopyEngineUnavailable("; ".join(failed))
-        # The peers' signals and buffers, mapped into this context (addresses).
         self._peer_signals = {p: addresses[0] for p, addresses in mapped.items()}
         self._peer_buffers = {p: addresses[1:] for p, addresses in mapped.items()}
         self.calls = 0
@@ -207,7 +205,6 @@ class CopyEngineGroup:
         return mapped, [f"rank {p}: {w}" for p, w in enumerate(whys) if w]
 
     def _open(self, export: tuple[bytes, int] | None) -> int | None:
-        """A peer's ``(handle, offset)`` as an address here (unmapped at ``close``)."""
         if export is None:
             return None
         address = self._driver.open(export[0]) + export[1]
@@ -287,7 +284,6 @@ class CopyEngineGroup:
         return torch.cuda.current_stream(self.device) if stream is None else stream
 
     def _watch(self, stream: torch.cuda.Stream, what: tuple[str, int]) -> None:
-        """Put the wait just queued on ``stream`` under the watchdog."""
         event = torch.cuda.Event()
         event.record(stream)
         self.watchdog.watch(event.query, what)

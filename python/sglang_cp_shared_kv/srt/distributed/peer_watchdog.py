@@ -49,7 +49,6 @@ class PeerWatchdog:
             self._thread.start()
 
     def check(self) -> None:
-        """Raise ``PeerLost`` once a peer has been found dead."""
         if self.failed is not None:
             raise PeerLost(self.failed)
 

@@ -210,21 +210,18 @@ def translate_locs_ref(
     return rows.to(out_dtype or locs.dtype)
 
 
-@triton.jit(do_not_specialize=["n", "page_size", "num_pages"])
-def _translate_kernel(page_pos, locs, out, n, page_size, num_pages, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "ps", "num_pages"])
+def _translate_kernel(page_pos, locs, out, n, ps, num_pages, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = i < n
     loc = tl.load(locs + i, mask=live, other=0).to(tl.int64)
     # As torch indexes: floor division, and negative pages from the end.
-    offset = loc % page_size
-    offset = tl.where(offset < 0, offset + page_size, offset)
-    page = (loc - offset) // page_size
+    offset = loc % ps
+    offset = tl.where(offset < 0, offset + ps, offset)
+    page = (loc - offset) // ps
     page = tl.where(page < 0, page + num_pages, page)
-    row = tl.load(page_pos + page, mask=live, other=0) * page_size + offset
+    row = tl.load(page_pos + page, mask=live, other=0) * ps + offset
     tl.store(out + i, row.to(out.dtype.element_ty), mask=live)
-
-
-_TRANSLATE_BLOCK = 1024
 
 
 def translate_locs(
@@ -243,7 +240,7 @@ def translate_locs(
         return translate_locs_ref(page_pos, locs, page_size, out_dtype)
     flat = locs.contiguous()  # walked as flat memory (SGLang's tables are contiguous)
     out = torch.empty_like(flat, dtype=out_dtype)  # None: the locs' dtype
-    n, block = flat.numel(), _TRANSLATE_BLOCK
+    n, block = flat.numel(), 1024
     args = (page_pos, flat, out, n, page_size, page_pos.shape[0])
     _translate_kernel[(triton.cdiv(n, block),)](*args, BLOCK=block)
     return out

@@ -22,7 +22,7 @@ hint) is raised ``VERDICT_LAG`` batches later on every rank alike
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,36 +75,8 @@ class BatchInputs:
     shared_prefix: tuple[tuple[int, int], ...] | None = None
 
 
-@dataclass
-class DeferredPlan:
-    """A begun batch's plan, queued at its first device call after the copy engines'
-    fence where ``fence`` (``launch`` None: the plan was computed in line)."""
-
-    launch: Callable[[], None] | None
-    fence: bool
-
-
 class SharedPrefixError(RuntimeError):
     """A ``shared_prefix`` hint named pages a request does not share with its source."""
-
-
-def shared_prefix_message(
-    wrong: Sequence[int],
-    hint: Sequence[tuple[int, int]],
-    prefix_pages: Sequence[int],
-    requests: Sequence[str],
-) -> str:
-    """One line naming the requests whose hinted pages differ (``wrong[b] > 0``)."""
-    bad = ", ".join(
-        f"{requests[b]} (its first {hint[b][1]} of {prefix_pages[b]} prefix pages as {requests[hint[b][0]]}'s)"
-        for b, n in enumerate(wrong)
-        if n
-    )
-    return (
-        "--enable-cp-shared-kv: wrong shared-prefix hint: in the batch of requests "
-        f"[{', '.join(requests)}], the pages the hint shares are not the same logical "
-        f"pages for {bad}; they were read from other slots, so the batch fails"
-    )
 
 
 class TensorMemo:
@@ -146,9 +118,6 @@ class BatchReadState:
         self.page_size = ownership.page_size
         self.latent = latent
         self.index = index
-        if index is not None and index.row_bytes != INDEX_TOKEN_BYTES:
-            got = index.row_bytes
-            raise ValueError(f"indexer rows must be {INDEX_TOKEN_BYTES} B, got {got} B")
         # Latent and indexer pages as one source: one plan, gather and collective.
         indexer = index.buffers if index is not None else None
         self.source = PageBuffers(ownership, rank, latent.row_bytes, latent.buffers, indexer)
@@ -158,7 +127,6 @@ class BatchReadState:
         self.device = latent.device
         # Per batch: the page of the read buffer each logical page maps to.
         self.page_pos = torch.zeros(logical_pages, dtype=torch.long, device=self.device)
-        self._device_index = self.page_pos.get_device()  # -1 on CPU
         self.mode: str | None = None  # None (no extend), "current" or "materialized"
         self.counters: BatchCounters | None = None
         # Per view set (two, alternating by layer, when prefetching): the latent rows
@@ -166,30 +134,24 @@ class BatchReadState:
         self._stages: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._layer_cache: dict[int, LayerView] = {}
         self.arena: dict[str, torch.Tensor] | None = None
-        self._arena_pages = float("inf")  # the pages every arena buffer holds
         self.prefetch = False  # views prefetched a layer ahead (``attach_arena``)
         self.flags = DeviceFlagCheck()  # each batch's overflow and wrong-hint flags
-        self._deferred: DeferredPlan | None = None  # this batch's plan until queued
+        # This batch's plan launch (None: computed in line) and whether the copy
+        # engines' fence precedes it, until queued at its first device call.
+        self._deferred: tuple[Callable[[], None] | None, bool] | None = None
         # This batch's translations of the tensors every layer passes again.
         self.stage_rows = TensorMemo(lambda locs: self.translate(locs, torch.int64))
         self.translate_pages_once = TensorMemo(self.translate_pages)
 
-    def attach_arena(self, prefix_tokens: int, chunk_tokens: int, prefetch: bool = False) -> int:
+    def attach_arena(self, prefix: int, chunk: int, prefetch: bool = False) -> int:
         """Allocate the view arena before the first batch (``allocate_arena``), with a
         second view set when ``prefetch``; returns its bytes."""
         if self.views is not None or self.mode is not None:
             raise RuntimeError("attach the view arena before the first batch")
-        self.arena = allocate_arena(
-            prefix_tokens,
-            chunk_tokens,
-            self.page_size,
-            self.latent.row_bytes,
-            self.index is not None,
-            self.device,
-            prefetch,
-        )
+        ps, row_bytes, device = self.page_size, self.latent.row_bytes, self.device
+        with_index = self.index is not None
+        self.arena = allocate_arena(prefix, chunk, ps, row_bytes, with_index, device, prefetch)
         self.prefetch = prefetch
-        self._arena_pages = min(buf.shape[0] for buf in self.arena.values())
         return sum(t.numel() for t in self.arena.values())
 
     def check_overflow(self, wait: bool = False) -> None:
@@ -232,34 +194,25 @@ class BatchReadState:
             self._check_translation(page_table, seq_lens)
         return self.counters
 
-    def _plan(
-        self,
-        inputs: BatchInputs,
-        pages: list[int],
-        prefix_pages: list[int],
-        hint: list[tuple[int, int]],
-        slots_per_rank: int,
-        num_positions: int,
-        base: int,
-        fill: int,
-        fence: bool,
-    ) -> BatchPlan:
-        """The batch's plan and page map (``plan_batch``) from one pinned buffer, which
-        its launch (the batch's ``DeferredPlan``) reads in place and writes flags to."""
+    def _plan(self, inputs, pages, prefix_pages, hint, s, base, fill) -> BatchPlan:
+        """The batch's plan (``s`` slots per rank) and page map from one pinned buffer,
+        which its deferred launch reads in place and writes flags to."""
         width, b, n = max(pages, default=0), len(pages), self.ownership.cp_size
         m = len(PLAN_META_ROWS) * b
         buf, host = self.flags.host_views(m + n + 2 + b, self.device)
         # One host write: the lengths, and the flags zeroed (the launch sets the last).
         host[:] = plan_meta_rows(pages, prefix_pages, hint) + [0] * (n + 2 + b)
+        # The pages planned: the prefix pages past those shared.
+        planned = sum(prefix_pages) - sum(shared for _, shared in hint)
         plan, queued = plan_batch(
             inputs.req_to_token,
             inputs.rows,
             self.page_size,
             buf[:m],
             width,
-            num_positions,
+            planned,
             n,
-            slots_per_rank,
+            s,
             self.latent.trash_page,
             self.page_pos,
             base,
@@ -275,13 +228,22 @@ class BatchReadState:
                 return None
             names = request_names(requests, b)
             if status[0]:
-                message = overflow_message(status, slots_per_rank, names)
-                return SlotOverflowError(message)
-            message = shared_prefix_message(wrong, hint, prefix_pages, names)
-            return SharedPrefixError(message)
+                return SlotOverflowError(overflow_message(status, s, names))
+            bad = ", ".join(
+                f"{names[i]} (its first {hint[i][1]} of {prefix_pages[i]} prefix pages as {names[hint[i][0]]}'s)"
+                for i, w in enumerate(wrong)
+                if w
+            )
+            return SharedPrefixError(
+                "--enable-cp-shared-kv: wrong shared-prefix hint: in the batch of "
+                f"requests [{', '.join(names)}], the pages the hint shares are not the "
+                f"same logical pages for {bad}; they were read from other slots, so the "
+                "batch fails"
+            )
 
         self.flags.watch(buf, fail, self.device, landed=m + n + 1 + b, array=host)
-        self._deferred = DeferredPlan(queued, fence)
+        # Fenced where there are views: peers may still read the pages reused.
+        self._deferred = (queued, self.views is not None)
         return plan
 
     def _begin_current(self, inputs: BatchInputs, pages: list[int]) -> None:
@@ -294,22 +256,13 @@ class BatchReadState:
             width = ps * INDEX_TOKEN_BYTES
             index = arena_pages(arena, "index", total + 1, width, device)
         # Staged pages follow the batch's positions from page 1; unplanned ones land on
-        # page 0, SGLang's padding slot (row writers skip row 0). Fenced where there are
-        # views: peers may still read the pages reused.
-        no_prefix, no_hint = [0] * len(pages), [(-1, 0)] * len(pages)
-        fence = self.views is not None
-        self._plan(inputs, pages, no_prefix, no_hint, 0, 0, 1, 0, fence)
+        # page 0, SGLang's padding slot (row writers skip row 0).
+        self._plan(inputs, pages, [0] * len(pages), [(-1, 0)] * len(pages), 0, 1, 0)
         self._stages = [(latent.view(-1, row_bytes), index)]
         self.counters = BatchCounters(kind="current", pages_staged=total)
         self.mode = "current"
 
-    def _begin_materialized(
-        self,
-        inputs: BatchInputs,
-        pages: list[int],
-        prefix_pages: list[int],
-        hint: list[tuple[int, int]],
-    ) -> None:
+    def _begin_materialized(self, inputs, pages, prefix_pages, hint) -> None:
         if self.views is None:
             if callable(self.group):
                 self.group = self.group()
@@ -327,20 +280,19 @@ class BatchReadState:
             self.views = ViewMaterializer(src, group, arena=arena, prefetch=prefetch)
         n = self.ownership.cp_size
         # The planned pages: each request's prefix pages past those it shares.
-        plan_pages = [q - s for q, (_, s) in zip(prefix_pages, hint)]
-        s = slots_per_rank(plan_pages, n)
+        s = slots_per_rank([q - p for q, (_, p) in zip(prefix_pages, hint)], n)
         view_pages = n * s
         staged = sum(pages) - sum(prefix_pages)
         # The view holds the unshared prefixes, the current pages and trash page next.
         # A batch past the arena fails before anything is written.
-        if view_pages + staged + 1 > self._arena_pages:
+        if self.arena is not None:
             check_arena_fits(self.arena, view_pages + staged + 1)
         # Prefix pages to their slots, current pages past the view, anything unplanned
         # (the write path's padding locs) to the trash page past those.
-        trash, planned = view_pages + staged, sum(plan_pages)
-        out = self._plan(inputs, pages, prefix_pages, hint, s, planned, view_pages, trash, True)
+        trash = view_pages + staged
+        plan = self._plan(inputs, pages, prefix_pages, hint, s, view_pages, trash)
         kind = batch_kind(prefix_pages)
-        self.counters = self.views.begin_planned(out, kind, extra_pages=staged + 1)
+        self.counters = self.views.begin_planned(plan, kind, staged + 1)
         self.counters.pages_staged = staged
         self._stages = self.views.stages
         self.mode = "materialized"
@@ -350,10 +302,11 @@ class BatchReadState:
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        if deferred.fence:
+        launch, fence = deferred
+        if fence:
             self.views.fence()
-        if deferred.launch is not None:
-            deferred.launch()
+        if launch is not None:
+            launch()
 
     def end(self) -> None:
         self._queue_plan()
@@ -431,13 +384,11 @@ class BatchReadState:
         return view
 
 
-def _batch_pages(
-    prefix_lens: list[int], seq_lens: list[int], page_size: int, columns: int
-) -> tuple[list[int], list[int]]:
+def _batch_pages(prefix_lens: list[int], seq_lens: list[int], ps: int, columns: int):
     """Per request its pages and prefix pages (host ints), its lengths checked: a
     page-aligned prefix in ``[0, seq_len]``, ``seq_len`` within ``columns`` tokens."""
-    pages = pages_for_lens(seq_lens, page_size)
-    prefix_pages = [p // page_size for p in prefix_lens]
+    pages = pages_for_lens(seq_lens, ps)
+    prefix_pages = [p // ps for p in prefix_lens]
     past = any(map(operator.gt, prefix_lens, seq_lens))
     if prefix_lens and (min(prefix_lens) < 0 or max(seq_lens) > columns or past):
         raise ValueError(
@@ -445,13 +396,13 @@ def _batch_pages(
             f"table's {columns} columns, got prefix_lens {prefix_lens} and seq_lens "
             f"{seq_lens}"
         )
-    if sum(prefix_lens) != page_size * sum(prefix_pages):  # a p % ps (>= 0) is not 0
-        got = f"(page size {page_size}), got {prefix_lens}"
+    if sum(prefix_lens) != ps * sum(prefix_pages):  # a p % ps (>= 0) is not 0
+        got = f"(page size {ps}), got {prefix_lens}"
         raise ValueError(f"prefix_lens must be page-aligned {got}")
     return pages, prefix_pages
 
 
-def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages: list[int]) -> list[tuple[int, int]]:
+def _check_shared_prefix(shared, prefix_pages: list[int]) -> list[tuple[int, int]]:
     """``(source, pages)`` per request (``(-1, 0)``: none) from a ``shared_prefix``
     hint, checked: at most the prefix pages it and its earlier source both have."""
     if shared is None:
@@ -462,7 +413,8 @@ def _check_shared_prefix(shared: Sequence[tuple[int, int]] | None, prefix_pages:
     out = []
     for b, (src, pages) in enumerate(shared):
         src, pages = int(src), int(pages)
-        if pages and not (0 <= src < b and 0 < pages <= min(prefix_pages[b], prefix_pages[src])):
+        fits = 0 <= src < b and 0 < pages <= min(prefix_pages[b], prefix_pages[src])
+        if pages and not fits:
             raise ValueError(
                 f"shared_prefix[{b}] = ({src}, {pages}): a request shares at most the "
                 "prefix pages it and an earlier source request both have (prefix pages "

@@ -10,13 +10,12 @@ written before the batch, so it equals one gathered in line.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import prepare_gather, pull_launch, word_view
+from sglang_cp_shared_kv.srt.layers.attention.nsa.materialize_kernels import gather_page_buffers, pull_launch, word_view
 from sglang_cp_shared_kv.srt.layers.attention.nsa.page_source import PageBuffers
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan
 from sglang_cp_shared_kv.srt.mem_cache.kv_layout_constants import INDEX_TOKEN_BYTES
@@ -75,15 +74,8 @@ def arena_pages(arena: Arena | None, key: str, pages: int, width: int, device, p
     ``ViewArenaError`` if even one set does not fit; without an arena, a new buffer."""
     if arena is None:
         return torch.empty((pages, width), dtype=torch.uint8, device=device)
-    buf = arena.get(key)
-    if buf is None or buf.dtype != torch.uint8 or buf.shape[1:] != (width,):
-        got = None if buf is None else f"{buf.dtype} {tuple(buf.shape)}"
-        raise ValueError(f"arena[{key!r}] must be uint8 [pages, {width}], got {got}")
     check_arena_fits(arena, pages)
-    have = buf.shape[0]
-    if (part + 1) * pages > have:
-        raise ValueError(f"view set {part} of {pages} pages is past the arena ({have})")
-    return buf[part * pages : (part + 1) * pages]
+    return arena[key][part * pages : (part + 1) * pages]
 
 
 def check_arena_fits(arena: Arena, pages: int) -> None:
@@ -98,10 +90,10 @@ def check_arena_fits(arena: Arena, pages: int) -> None:
         )
 
 
-def arena_tokens(prefix_tokens: int, chunk_tokens: int, page_size: int, prefetch: bool = False) -> int:
+def arena_tokens(prefix: int, chunk: int, page_size: int, prefetch: bool) -> int:
     """Token rows of a view arena: one batch's largest read buffer (view, staged chunk,
     trash page), and for a prefetching reader a second chunk and trash page."""
-    return prefix_tokens + (2 if prefetch else 1) * (chunk_tokens + page_size)
+    return prefix + (2 if prefetch else 1) * (chunk + page_size)
 
 
 def allocate_arena(
@@ -120,10 +112,8 @@ def allocate_arena(
         if value % page_size:
             raise ValueError(f"{name} {value} is not page-aligned (page size {page_size})")
     pages = arena_tokens(prefix_tokens, chunk_tokens, page_size, prefetch) // page_size
-    arena = {}
-    for key, width in page_widths(page_size, row_bytes, with_indexer).items():
-        arena[key] = torch.empty((pages, width), dtype=torch.uint8, device=device)
-    return arena
+    widths = page_widths(page_size, row_bytes, with_indexer)
+    return {k: arena_pages(None, k, pages, w, device) for k, w in widths.items()}
 
 
 class ViewMaterializer:
@@ -144,7 +134,6 @@ class ViewMaterializer:
         use_triton: bool | None = None,
         arena: Arena | None = None,
         prefetch_gather: str = "compute",
-        prefetch_priority: int = HIGHEST_STREAM_PRIORITY,
     ):
         n = pool.ownership.cp_size
         if prefetch_gather not in PREFETCH_GATHER_PLACES:
@@ -160,7 +149,6 @@ class ViewMaterializer:
         self.arena = arena
         self.prefetch = prefetch
         self.prefetch_gather = prefetch_gather
-        self.prefetch_priority = prefetch_priority
         self.use_triton = use_triton
         self.plan: BatchPlan | None = None
         self.counters: BatchCounters | None = None
@@ -176,19 +164,15 @@ class ViewMaterializer:
         self._unacked = False  # the last transfer did not wait for the peers' reads
         self._source_table = None if prefetch else getattr(group, "source_table", None)
 
-    def begin_planned(self, plan: BatchPlan, kind: str, extra_pages: int) -> BatchCounters:
-        """Start a batch of ``plan``, ``extra_pages`` staged past its view."""
+    def begin_planned(self, plan: BatchPlan, kind: str, extra: int) -> BatchCounters:
+        """Start a batch of ``plan``, ``extra`` pages staged past its view: its view sets,
+        and the parts this rank gathers into and all-gathers."""
         self.drain()  # a gather still in flight writes buffers this batch replaces
         self.counters = BatchCounters(kind=kind)
         self.plan = plan
-        self._allocate(plan, 2 if self.prefetch else 1, extra_pages)
-        return self.counters
-
-    def _allocate(self, plan: BatchPlan, copies: int, extra_pages: int) -> None:
-        """The view sets, and the parts this rank gathers into and all-gathers."""
         pool, arena = self.pool, self.arena
         self._parts = []
-        pages = plan.view_pages + extra_pages
+        pages, copies = plan.view_pages + extra, 2 if self.prefetch else 1
         widths = page_widths(pool.page_size, pool.row_bytes, pool.with_indexer)
         if arena is not None:  # as many view sets as the arena holds (at least 1)
             have = min(buf.shape[0] for buf in arena.values())
@@ -208,6 +192,7 @@ class ViewMaterializer:
                 mine = [v[start:end] for v in views.values()]
                 whole = [v[: plan.view_pages] for v in views.values()]
                 self._parts.append((send, mine, whole))
+        return self.counters
 
     def layer_view(self, layer: int) -> LayerView:
         if self.counters is None:
@@ -225,56 +210,42 @@ class ViewMaterializer:
         return LayerView(self._rows[slot], index, self.plan.slot_table)
 
     @property
-    def reads_pools(self) -> bool:
-        """Whether each layer's view is read from the owners' pools (no all-gather)."""
-        return self._source_table is not None
-
-    @property
     def view_sets(self) -> int:
         """View sets of the batch in progress: 2 when prefetched, else 1."""
         return len(self._views)
 
     # -- the gather, now or ahead --
-    def _gather(
-        self, layer: int, slot: int, transfer_stream: torch.cuda.Stream | None = None, ack: bool = True
-    ) -> None:
+    def _gather(self, layer: int, slot: int, side=None, ack: bool = True) -> None:
         """Gather ``layer``'s owned pages into view set ``slot`` and all-gather them, on
-        the current stream or after the gather on ``transfer_stream`` (``ack``:
+        the current stream or after the gather on the ``side`` stream (``ack``:
         ``CopyEngineGroup.all_gather_into_many``'s)."""
-        plan, group = self.plan, self.group
+        plan, group, pool = self.plan, self.group, self.pool
         if self._source_table is not None:
             page_bytes = self._pull(layer)
         else:
-            launch, whole, mine, page_bytes = self._prepare_gather(layer, slot)
-            launch()
+            sources = [pool.latent_pages(layer)]
+            if pool.has_index[layer]:
+                sources.append(pool.index[layer])
+            page_ids, mine, whole = self._parts[slot]
+            mine, whole = mine[: len(sources)], whole[: len(sources)]
+            gather_page_buffers(sources, page_ids, mine, self.use_triton)
+            page_bytes = sum(src.shape[1] for src in sources)
             if group is not None and plan.slots_per_rank:  # else every page is staged
-                if transfer_stream is None:
+                if side is None:
                     group.all_gather_into_many(whole, mine)
                 else:
-                    gathered = self._gathered
-                    gathered.record(torch.cuda.current_stream(self.pool.device))
-                    gathered.wait(transfer_stream)
+                    self._gathered.record(torch.cuda.current_stream(pool.device))
+                    self._gathered.wait(side)
                     if ack or group.backend != "copy_engine":
-                        group.all_gather_into_many(whole, mine, stream=transfer_stream)
+                        group.all_gather_into_many(whole, mine, stream=side)
                     else:
-                        group.all_gather_into_many(whole, mine, stream=transfer_stream, ack=False)
+                        group.all_gather_into_many(whole, mine, stream=side, ack=False)
                         self._unacked = True
         counters = self.counters
         counters.view_pages = plan.view_pages
         counters.pages_gathered += plan.slots_per_rank
         counters.bytes_materialized += plan.view_pages * page_bytes
         counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
-
-    def _prepare_gather(self, layer: int, slot: int) -> tuple[Callable[[], None], list, list, int]:
-        """``(launch, views to all-gather, this rank's part, page bytes)`` of a layer."""
-        pool = self.pool
-        sources = [pool.latent_pages(layer)]
-        if pool.has_index[layer]:
-            sources.append(pool.index[layer])
-        used = len(sources)
-        page_ids, mine, whole = self._parts[slot]
-        _, launch = prepare_gather(sources, page_ids, mine[:used], self.use_triton)
-        return launch, whole[:used], mine[:used], sum(src.shape[1] for src in sources)
 
     def _pull(self, layer: int) -> int:
         """``layer``'s view read from the owners' pools, one launch; its page bytes."""
@@ -302,7 +273,7 @@ class ViewMaterializer:
         if device.type == "cuda":
             side = self._side_stream
             if side is None:
-                priority = self.prefetch_priority
+                priority = HIGHEST_STREAM_PRIORITY
                 side = self._side_stream = torch.cuda.Stream(device, priority=priority)
                 self._fork, self._prefetched = torch.cuda.Event(), torch.cuda.Event()
                 self._gathered = torch.cuda.Event()
@@ -310,7 +281,7 @@ class ViewMaterializer:
                 # The gather in line between the compute stream's kernels, the transfer
                 # on the side stream.
                 last = layer + 1 == self.pool.num_layers
-                self._gather(layer, slot, transfer_stream=side, ack=last)
+                self._gather(layer, slot, side, ack=last)
             else:
                 # The side stream starts after everything queued so far (pool writes,
                 # readers of this view set).

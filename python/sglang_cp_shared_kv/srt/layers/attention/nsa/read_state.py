@@ -116,8 +116,6 @@ class BatchReadState:
     ):
         self.ownership = ownership
         self.page_size = ownership.page_size
-        self.latent = latent
-        self.index = index
         # Latent and indexer pages as one source: one plan, gather and collective.
         indexer = index.buffers if index is not None else None
         self.source = PageBuffers(ownership, rank, latent.row_bytes, latent.buffers, indexer)
@@ -148,9 +146,8 @@ class BatchReadState:
         second view set when ``prefetch``; returns its bytes."""
         if self.views is not None or self.mode is not None:
             raise RuntimeError("attach the view arena before the first batch")
-        ps, row_bytes, device = self.page_size, self.latent.row_bytes, self.device
-        with_index = self.index is not None
-        self.arena = allocate_arena(prefix, chunk, ps, row_bytes, with_index, device, prefetch)
+        ps, src = self.page_size, self.source
+        self.arena = allocate_arena(prefix, chunk, ps, src.row_bytes, src.with_indexer, self.device, prefetch)
         self.prefetch = prefetch
         return sum(t.numel() for t in self.arena.values())
 
@@ -187,7 +184,7 @@ class BatchReadState:
         if debug_enabled():
             self._queue_plan()  # the checks read the plan
             if self.mode == "materialized":
-                check_plan(self.views.plan, self.latent.trash_page, self.views.group)
+                check_plan(self.views.plan, self.source.trash_page, self.views.group)
             # The batch's logical pages by position: each page's first token loc // ps.
             width = max(seq_lens, default=0)
             page_table = inputs.req_to_token[rows.long(), :width:ps].long() // ps
@@ -204,22 +201,9 @@ class BatchReadState:
         host[:] = plan_meta_rows(pages, prefix_pages, hint) + [0] * (n + 2 + b)
         # The pages planned: the prefix pages past those shared.
         planned = sum(prefix_pages) - sum(shared for _, shared in hint)
-        plan, queued = plan_batch(
-            inputs.req_to_token,
-            inputs.rows,
-            self.page_size,
-            buf[:m],
-            width,
-            planned,
-            n,
-            s,
-            self.latent.trash_page,
-            self.page_pos,
-            base,
-            fill,
-            flags=buf[m:],
-            queue=False,
-        )
+        batch = (inputs.req_to_token, inputs.rows, self.page_size, buf[:m], width)
+        slots = (planned, n, s, self.source.trash_page, self.page_pos, base, fill)
+        plan, queued = plan_batch(*batch, *slots, flags=buf[m:], queue=False)
         requests = inputs.request_ids
 
         def fail(values: list) -> Exception | None:
@@ -248,11 +232,11 @@ class BatchReadState:
 
     def _begin_current(self, inputs: BatchInputs, pages: list[int]) -> None:
         ps, total, arena, device = self.page_size, sum(pages), self.arena, self.device
-        row_bytes = self.latent.row_bytes
+        row_bytes = self.source.row_bytes
         # The arena's leading pages (checked before the plan writes), else new buffers.
         latent = arena_pages(arena, "latent", total + 1, ps * row_bytes, device)
         index = None
-        if self.index is not None:
+        if self.source.with_indexer:
             width = ps * INDEX_TOKEN_BYTES
             index = arena_pages(arena, "index", total + 1, width, device)
         # Staged pages follow the batch's positions from page 1; unplanned ones land on
@@ -364,7 +348,7 @@ class BatchReadState:
 
     def index_pages(self, layer: int) -> torch.Tensor:
         """uint8 ``[pages, ps * 132]``: the pages ``translate_pages`` points into."""
-        if self.index is None:
+        if not self.source.with_indexer:
             raise ValueError("this pool has no indexer")
         if self.mode == "current":
             return self.stage(layer)[1]

@@ -269,7 +269,6 @@ class ViewMaterializer:
 
     def _start_prefetch(self, layer: int, slot: int) -> None:
         device = self.pool.device
-        event = None
         if device.type == "cuda":
             side = self._side_stream
             if side is None:
@@ -293,11 +292,10 @@ class ViewMaterializer:
                     self._gather(layer, slot)
                 finally:
                     torch.cuda.set_stream(main)
-            event = self._prefetched
-            event.record(side)
+            self._prefetched.record(side)
         else:
             self._gather(layer, slot)
-        self._pending = (layer, slot, event)
+        self._pending = (layer, slot, self._prefetched)  # None off CUDA
 
     def _wait(self) -> tuple[int, int] | None:
         """Order the current stream after the gather started ahead, if any; returns

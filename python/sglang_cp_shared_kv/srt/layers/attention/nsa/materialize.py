@@ -40,9 +40,8 @@ class BatchCounters:
 
 # The side stream's default priority, the device's highest (torch clamps it).
 HIGHEST_STREAM_PRIORITY = -(1 << 10)
-# Where a prefetched layer's own-page gather runs: on the compute stream, the side
-# stream only transferring ("compute": no SM work beside the layer's kernels), or on
-# the side stream.
+# Where a prefetched layer's own-page gather runs: "compute" (the side stream only
+# transfers: no SM work beside the layer's kernels) or "side".
 PREFETCH_GATHER_PLACES = ("compute", "side")
 
 

@@ -11,11 +11,13 @@ from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 from sglang_cp_shared_kv.srt.layers.attention.nsa.plan_kernels import BatchPlan
 from sglang_cp_shared_kv.srt.mem_cache.placement import page_owner
 
-_INCONSISTENT = "slot plan is inconsistent: "
-
 
 class CPSharedKVDebugError(RuntimeError):
     """A debug-mode invariant of the sharded read path does not hold."""
+
+
+def _inconsistent(what: str) -> CPSharedKVDebugError:
+    return CPSharedKVDebugError(f"slot plan is inconsistent: {what}")
 
 
 def plan_digest(plan: BatchPlan) -> str:
@@ -36,28 +38,24 @@ def check_plan_local(plan: BatchPlan, trash_page: int) -> None:
     logical, slots = plan.logical.cpu(), plan.slots.cpu()
     owner = page_owner(logical, n)
     counts = torch.bincount(owner, minlength=n)
-    if counts.numel() and int(counts.max()) > s:
-        o = int(counts.argmax())
+    o = int(counts.argmax())
+    if int(counts[o]) > s:
         raise CPSharedKVDebugError(
             f"slot overflow: owner {o} holds {int(counts[o])} of this batch's page "
-            f"positions, more than S={s} (pages of a request are not spread over "
-            "owners within one page)"
+            f"positions, more than S={s} (a request's pages do not rotate owners)"
         )
     wrong_owner = plan.slot_owner(slots) != owner
     outside = bool(((slots < 0) | (slots >= plan.view_pages) | wrong_owner).any())
-    if len(slots) and (outside or len(set(slots.tolist())) != len(slots)):
-        raise CPSharedKVDebugError(_INCONSISTENT + "a slot lies outside its owner's block or is reused")
-    phys = plan.slot_phys.cpu()
+    if outside or len(set(slots.tolist())) != len(slots):
+        raise _inconsistent("a slot lies outside its owner's block or is reused")
     expected = torch.full((n * s,), trash_page, dtype=torch.int64)
     expected[slots] = logical // n  # slot x gathers slot_phys[x]
-    if not torch.equal(phys, expected):
-        x = int((phys != expected).nonzero()[0])
-        raise CPSharedKVDebugError(
-            f"{_INCONSISTENT}slot {x} gathers physical page {int(phys[x])}, expected {int(expected[x])}"
-        )
+    for x, (got, want) in enumerate(zip(plan.slot_phys.tolist(), expected.tolist())):
+        if got != want:
+            raise _inconsistent(f"slot {x} gathers page {got}, expected {want}")
     table = plan.slot_table.cpu().reshape(-1)
     if not torch.equal(table[plan.positions.cpu()].long(), slots):
-        raise CPSharedKVDebugError(_INCONSISTENT + "the slot table does not match")
+        raise _inconsistent("the slot table does not match")
 
 
 def check_plan(plan: BatchPlan, trash_page: int, group: CPGroup | None) -> None:
@@ -78,7 +76,6 @@ def check_plan(plan: BatchPlan, trash_page: int, group: CPGroup | None) -> None:
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if differ:
         raise CPSharedKVDebugError(
-            f"slot plan differs across CP ranks: rank(s) {differ} disagree with rank "
-            f"0 (digests {[d[:12] for d in digests]}); the batch's page tables or "
-            "lengths differ between ranks"
+            f"slot plan differs across CP ranks: rank(s) {differ} disagree with rank 0 "
+            f"(digests {[d[:12] for d in digests]}): page tables or lengths differ"
         )

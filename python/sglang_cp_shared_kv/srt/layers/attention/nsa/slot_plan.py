@@ -40,15 +40,15 @@ def plan_meta_rows(
     ``prefix_pages[b]`` of them prefix pages (default: all), the first ``shared`` of
     those its source's, ``hint[b] = (source, shared)`` (default: none)."""
     prefix_pages = pages if prefix_pages is None else prefix_pages
-    b = len(pages)
-    shared = [0] * b if hint is None else [s for _, s in hint]
+    hint = [(-1, 0)] * len(pages) if hint is None else hint
+    shared = [s for _, s in hint]
     starts, plan_starts, start, plan_start = [], [], 0, 0
     for total, prefix, skip in zip(pages, prefix_pages, shared):
         starts.append(start)
         plan_starts.append(plan_start)
         start += total - prefix
         plan_start += prefix - skip
-    sources = [-1] * b if hint is None else [src for src, _ in hint]
+    sources = [src for src, _ in hint]
     return [*shared, *prefix_pages, *pages, *starts, *sources, *plan_starts]
 
 
@@ -56,13 +56,13 @@ class SlotOverflowError(RuntimeError):
     """A batch's page positions overflowed an owner's block and read the trash page."""
 
 
-def overflow_message(status: Sequence[int], slots_per_rank: int, requests: Sequence[str]) -> str:
+def overflow_message(status: Sequence[int], block: int, requests: Sequence[str]) -> str:
     """One line naming the batch's requests and the owners' page counts."""
     counts = [int(c) for c in status[1:]]
     return (
         "--enable-cp-shared-kv: slot overflow: the batch of requests "
         f"[{', '.join(requests)}] reads {counts} page positions from owners "
-        f"0..{len(counts) - 1}, more than the {slots_per_rank} pages of an owner's "
+        f"0..{len(counts) - 1}, more than the {block} pages of an owner's "
         "block (the pages of a request do not rotate owners); those positions read "
         "the trash page, so the batch fails"
     )
@@ -141,11 +141,11 @@ class DeviceFlagCheck:
         """Act on the records of batches ``<= due``, waiting up to ``deadline_s`` for
         each (host polling: no device sync); with ``due=None``, on those landed."""
         while self._pending:
-            batch, flags, array, event, landed, pinned, fail = self._pending[0]
+            batch, flags, array, event, word, pinned, fail = self._pending[0]
             if due is not None and batch > due:
                 return
             deadline = time.monotonic() + self.deadline_s
-            while not self._landed(array, event, landed):
+            while not (event.query() if event else word is None or array[word] == 1):
                 if due is None:
                     return
                 if time.monotonic() > deadline:
@@ -156,23 +156,16 @@ class DeviceFlagCheck:
                     )
                 time.sleep(50e-6)
             self._pending.pop(0)
-            host = array.tolist()  # sync-ok: host memory, its writes landed
             if event is not None:
                 self._spare.append(event)
             if pinned:  # the pinned buffer serves later records
                 self._buffers.append(flags if flags._base is None else flags._base)
-            error = fail(host)
+            error = fail(array.tolist())  # sync-ok: host memory, its writes landed
             if error is not None:
                 # Later records: values dropped, buffers held (launches may use them).
                 pinned_only = [r[:-1] for r in self._pending if r[5]]
                 self._pending = [(*r, lambda _: None) for r in pinned_only]
                 raise error
-
-    @staticmethod
-    def _landed(array: np.ndarray, event: torch.cuda.Event | None, landed: int | None) -> bool:
-        if landed is not None:
-            return bool(array[landed] == 1)
-        return event is None or event.query()
 
     @property
     def pending(self) -> int:

@@ -34,8 +34,7 @@ def assign_slots_ref(
     """``(logical, slots, slot_table, slot_phys, status)`` of the positions
     ``positions_flat`` of ``page_table``: ``slot_table`` is ``pad`` past them,
     ``status`` the overflow flag then the positions per owner."""
-    n, s = cp_size, slots_per_rank
-    device = page_table.device
+    n, s, device = cp_size, slots_per_rank, page_table.device
     logical = page_table.reshape(-1).index_select(0, positions_flat).long()
     owner = page_owner(logical, n)
     # Rank among same-owner positions: a cumsum of a one-hot [N, M] along its inner
@@ -53,10 +52,9 @@ def assign_slots_ref(
     slot_phys = torch.full((n * s + 1,), trash_page, dtype=torch.int64, device=device)
     slot_phys.scatter_(0, target, local_page(logical, n))
     status = torch.cat([(counts.amax() > s).to(torch.int64).reshape(1), counts])
-    batch, width = page_table.shape
-    table = torch.full((batch * width,), pad, dtype=torch.int32, device=device)
-    table.index_copy_(0, positions_flat.long(), slots.to(torch.int32))
-    return logical, slots, table.view(batch, width), slot_phys[: n * s], status
+    table = torch.full(page_table.shape, pad, dtype=torch.int32, device=device)
+    table.view(-1).index_copy_(0, positions_flat.long(), slots.to(torch.int32))
+    return logical, slots, table, slot_phys[: n * s], status
 
 
 def map_batch_pages_ref(
@@ -135,8 +133,6 @@ class BatchPlan:
 
     def rank_view_slots(self, rank: int) -> tuple[int, int]:
         """``[start, end)``: the view slots ``rank``'s block fills."""
-        if not 0 <= rank < self.cp_size:
-            raise ValueError(f"rank must be in [0, {self.cp_size}), got {rank!r}")
         s = self.slots_per_rank
         return rank * s, (rank + 1) * s
 
@@ -183,8 +179,7 @@ def plan_batch_ref(
         map_batch_pages_ref(page_pos, page_table, table, lengths[:4], base, fill)
     differs = page_table != page_table[source.clamp(min=0)]
     wrong = (differs & (cols < shared.unsqueeze(1))).sum(1)
-    landed = torch.ones(1, dtype=torch.int64, device=status.device)
-    flags = torch.cat([status, wrong, landed])
+    flags = torch.cat([status, wrong, status.new_ones(1)])  # then the landed word
     words = torch.cat([positions, logical, slots, phys])
     return BatchPlan(words, table, flags, cp_size, num_positions, slots_per_rank)
 
@@ -197,12 +192,12 @@ def _table_pages(tokens, tok_stride0, row, j, live, page_size):
 
 
 @triton.jit
-def _owner_ranks(owner, live, before, N: tl.constexpr, NP2: tl.constexpr, BLOCK: tl.constexpr):
+def _owner_ranks(owner, live, before, N: tl.constexpr, NP2: tl.constexpr):
     """Rank of each live position among its owner's, in order, past ``before[o]``
     earlier ones; and this block's positions per owner."""
     owners = tl.arange(0, NP2)
-    rank = tl.zeros([BLOCK], dtype=tl.int64)
-    counts = tl.zeros([NP2], dtype=tl.int64)
+    rank = tl.zeros_like(owner)
+    counts = tl.zeros_like(before)
     for o in tl.static_range(N):
         mine = (owner == o) & live
         ones = mine.to(tl.int32)  # int32 scans, as every Triton target has
@@ -245,9 +240,6 @@ def _plan_batch_kernel(
     # One program walks the batch twice: the positions per owner, then each position's
     # rank, slot and stores. ``out``: positions, logical pages, slots ([M] each), send
     # entries ([N * S] and a dump entry), the lengths' device copy ([6 * B]).
-    positions_out = out
-    logical_out = out + num_positions
-    slots_out = out + 2 * num_positions
     phys_out = out + 3 * num_positions
     meta = phys_out + N * slots_per_rank + 1
     wrong_out = flags_out + N + 1  # flags_out: status [N + 1], wrong [B], landed
@@ -257,11 +249,14 @@ def _plan_batch_kernel(
     for i0 in range(0, 6 * batch, BLOCK):
         i = i0 + lanes
         tl.store(meta + i, tl.load(meta_in + i, mask=i < 6 * batch), mask=i < 6 * batch)
-    if MAP:  # every page unmapped until the batch's pages are mapped below
-        fills = tl.zeros([BLOCK], dtype=tl.int64) + fill
+    # Every send entry the trash page, every page unmapped, until the second walk.
+    for e0 in range(0, N * slots_per_rank, BLOCK):
+        e = e0 + lanes
+        tl.store(phys_out + e, trash_page, mask=e < N * slots_per_rank)
+    if MAP:
         for p0 in range(0, num_pages, BLOCK):
             p = p0 + lanes
-            tl.store(page_pos + p, fills, mask=p < num_pages)
+            tl.store(page_pos + p, fill, mask=p < num_pages)
     tl.debug_barrier()
     totals = tl.zeros([NP2], dtype=tl.int64)
     for b in range(batch):
@@ -272,29 +267,17 @@ def _plan_batch_kernel(
             j = j0 + lanes
             live = j < prefix
             owner = _table_pages(tokens, tok_stride0, row, j, live, page_size) % N
-            _, counts = _owner_ranks(owner, live, totals, N, NP2, BLOCK)
+            _, counts = _owner_ranks(owner, live, totals, N, NP2)
             totals += counts
     # The status: the overflow flag, then the positions per owner.
     tl.store(flags_out + 1 + owners, totals, mask=owners < N)
     overflow = tl.max(tl.where(owners < N, totals, 0), axis=0) > slots_per_rank
     tl.store(flags_out, overflow.to(tl.int64))
-    # Send entry (o, r) with r >= totals[o] holds the trash page.
-    trash = tl.zeros([BLOCK], dtype=tl.int64) + trash_page
-    for e0 in range(0, N * slots_per_rank, BLOCK):
-        e = e0 + lanes
-        o_e = e // slots_per_rank
-        count = tl.zeros([BLOCK], dtype=tl.int64)
-        for o in tl.static_range(N):
-            total = tl.sum(tl.where(owners == o, totals, 0), axis=0)
-            count = tl.where(o_e == o, total, count)
-        unused = (e < N * slots_per_rank) & (e - o_e * slots_per_rank >= count)
-        tl.store(phys_out + e, trash, mask=unused)
     # Past its owner's block, a position reads the least loaded owner's first free one.
     totals_o = tl.where(owners < N, totals, 1 << 62)
     fewest = tl.argmin(totals_o, axis=0).to(tl.int64)
     free = tl.minimum(tl.min(totals_o, axis=0), slots_per_rank - 1)
     spare = fewest * slots_per_rank + free
-    pads = tl.zeros([BLOCK], dtype=tl.int32) + pad
     seen = tl.zeros([NP2], dtype=tl.int64)
     for b in range(batch):
         shared = tl.load(meta + b)
@@ -311,22 +294,22 @@ def _plan_batch_kernel(
             live = j < prefix
             lp = _table_pages(tokens, tok_stride0, row, j, live, page_size)
             owner = lp % N
-            rank, counts = _owner_ranks(owner, live, seen, N, NP2, BLOCK)
+            rank, counts = _owner_ranks(owner, live, seen, N, NP2)
             seen += counts
             inside = rank < slots_per_rank
             slot = tl.where(inside, owner * slots_per_rank + rank, spare)
             target = tl.where(inside, slot, N * slots_per_rank)  # else the dump entry
-            i = first + j - shared
-            tl.store(positions_out + i, b * width + j - shared, mask=live)
-            tl.store(logical_out + i, lp, mask=live)
-            tl.store(slots_out + i, slot, mask=live)
+            at = out + first + j - shared  # its position, logical page and slot
+            tl.store(at, b * width + j - shared, mask=live)
+            tl.store(at + num_positions, lp, mask=live)
+            tl.store(at + 2 * num_positions, slot, mask=live)
             tl.store(table_row + j - shared, slot.to(tl.int32), mask=live)
             tl.store(phys_out + target, lp // N, mask=live)
             if MAP:
                 tl.store(page_pos + lp, slot, mask=live)
         for c0 in range(0, width, BLOCK):  # the slot table past the planned pages
             c = c0 + lanes
-            tl.store(table_row + c, pads, mask=(c >= prefix - shared) & (c < width))
+            tl.store(table_row + c, pad, mask=(c >= prefix - shared) & (c < width))
         if MAP:  # the current pages: staged past the view
             for j0 in range(prefix, pages, BLOCK):
                 j = j0 + lanes
@@ -377,13 +360,11 @@ def plan_batch(
     batch, m = rows.shape[0], num_positions
     n_flags, lengths = cp_size + 2 + batch, len(PLAN_META_ROWS) * batch
     if meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
-        raise ValueError(f"meta must be contiguous int64 [6, {batch}], got {tuple(meta.shape)}")
+        raise ValueError(f"meta must be contiguous int64 [6, {batch}]")
     if page_pos is not None and (page_pos.dtype != torch.int64 or page_pos.dim() != 1):
-        raise ValueError(f"page_pos must be 1-D int64, got {page_pos.dtype} {tuple(page_pos.shape)}")
-    if num_positions and slots_per_rank < 1:
-        raise ValueError(f"slots_per_rank must be >= 1, got {slots_per_rank}")
+        raise ValueError(f"page_pos must be 1-D int64, got {page_pos.dtype}")
     if flags is not None and (flags.dtype != torch.int64 or flags.shape != (n_flags,)):
-        raise ValueError(f"flags must be int64 [{n_flags}], got {flags.dtype} {tuple(flags.shape)}")
+        raise ValueError(f"flags must be int64 [{n_flags}], got {flags.dtype}")
     row_stride, col_stride = tokens.stride()
     if not triton_enabled(tokens.device, use_triton) or batch == 0 or col_stride != 1:
         meta = meta.to(tokens.device, non_blocking=True)  # as the launch reads it
@@ -406,8 +387,8 @@ def plan_batch(
     args = (tokens, row_stride, rows, meta, flat, table, flags, page_map, batch, width)
     args += (page_size, m, slots_per_rank, trash_page, pad, base, fill, num_pages)
     np2 = max(2, 1 << (cp_size - 1).bit_length())  # the next power of two
-    kernel = _plan_batch_kernel[(1,)]
-    launch = partial(kernel, *args, N=cp_size, NP2=np2, BLOCK=1024, MAP=mapped, num_warps=8)
+    consts = {"N": cp_size, "NP2": np2, "BLOCK": 1024, "MAP": mapped}
+    launch = partial(_plan_batch_kernel[(1,)], *args, **consts, num_warps=8)
     if queue:
         launch()
     plan = BatchPlan(flat, table, flags, cp_size, m, slots_per_rank)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -41,15 +42,10 @@ def plan_meta_rows(
     those its source's, ``hint[b] = (source, shared)`` (default: none)."""
     prefix_pages = pages if prefix_pages is None else prefix_pages
     hint = [(-1, 0)] * len(pages) if hint is None else hint
-    shared = [s for _, s in hint]
-    starts, plan_starts, start, plan_start = [], [], 0, 0
-    for total, prefix, skip in zip(pages, prefix_pages, shared):
-        starts.append(start)
-        plan_starts.append(plan_start)
-        start += total - prefix
-        plan_start += prefix - skip
-    sources = [src for src, _ in hint]
-    return [*shared, *prefix_pages, *pages, *starts, *sources, *plan_starts]
+    sources, shared = [src for src, _ in hint], [s for _, s in hint]
+    starts = list(accumulate((t - p for t, p in zip(pages, prefix_pages)), initial=0))
+    firsts = list(accumulate((p - s for p, s in zip(prefix_pages, shared)), initial=0))
+    return [*shared, *prefix_pages, *pages, *starts[:-1], *sources, *firsts[:-1]]
 
 
 class SlotOverflowError(RuntimeError):

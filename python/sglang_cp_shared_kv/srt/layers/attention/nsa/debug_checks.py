@@ -44,9 +44,8 @@ def check_plan_local(plan: BatchPlan, trash_page: int) -> None:
             f"slot overflow: owner {o} holds {int(counts[o])} of this batch's page "
             f"positions, more than S={s} (a request's pages do not rotate owners)"
         )
-    wrong_owner = plan.slot_owner(slots) != owner
-    outside = bool(((slots < 0) | (slots >= plan.view_pages) | wrong_owner).any())
-    if outside or len(set(slots.tolist())) != len(slots):
+    outside = (slots < 0) | (slots >= n * s) | (plan.slot_owner(slots) != owner)
+    if bool(outside.any()) or len(set(slots.tolist())) != len(slots):
         raise _inconsistent("a slot lies outside its owner's block or is reused")
     expected = torch.full((n * s,), trash_page, dtype=torch.int64)
     expected[slots] = logical // n  # slot x gathers slot_phys[x]

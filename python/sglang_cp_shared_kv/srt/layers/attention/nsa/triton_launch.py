@@ -22,7 +22,6 @@ def triton_enabled(device: torch.device, use_triton: bool | None = None) -> bool
 
 
 def check_index(name: str, t: torch.Tensor, dim: int) -> None:
-    """A ``ValueError`` unless ``t`` is an int32 or int64 tensor of ``dim`` dims."""
     if t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if t.dim() != dim:

@@ -361,10 +361,6 @@ def plan_batch(
     n_flags, lengths = cp_size + 2 + batch, len(PLAN_META_ROWS) * batch
     if meta.dtype != torch.int64 or meta.numel() != lengths or not meta.is_contiguous():
         raise ValueError(f"meta must be contiguous int64 [6, {batch}]")
-    if page_pos is not None and (page_pos.dtype != torch.int64 or page_pos.dim() != 1):
-        raise ValueError(f"page_pos must be 1-D int64, got {page_pos.dtype}")
-    if flags is not None and (flags.dtype != torch.int64 or flags.shape != (n_flags,)):
-        raise ValueError(f"flags must be int64 [{n_flags}], got {flags.dtype}")
     row_stride, col_stride = tokens.stride()
     if not triton_enabled(tokens.device, use_triton) or batch == 0 or col_stride != 1:
         meta = meta.to(tokens.device, non_blocking=True)  # as the launch reads it

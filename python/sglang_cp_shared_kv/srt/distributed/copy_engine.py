@@ -195,7 +195,8 @@ class CopyEngineGroup:
                 if p == self.rank or why or their_why:  # a failed rank tells its own
                     continue
                 if their_shapes != shapes:
-                    why = f"rank {p} registered buffers shaped unlike this rank's ({what}): they must match"
+                    mismatch = f"{what} buffers {their_shapes}, this rank {shapes}"
+                    why = f"rank {p} registered {mismatch}: they must match"
                     continue
                 try:
                     mapped[p] = [self._open(entry) for entry in exports]

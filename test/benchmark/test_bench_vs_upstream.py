@@ -245,3 +245,21 @@ def test_a_busy_host_pass_queues_work_after_each_drain_and_counts_calls_that_out
     assert probe.busy_ended == 1  # the second read ended after its sleep: counted, so the run shows it
     probe.reset()
     assert probe.busy_ended == 0
+
+
+def test_every_host_timer_target_names_a_callable_that_exists():
+    """A renamed or inlined function must not drop silently out of ``--profile-host``'s table."""
+    import importlib
+    import inspect
+
+    from benchmark.cp_shared_kv.bench_vs_upstream import HOST_TIMER_TARGETS
+
+    missing = []
+    for target in HOST_TIMER_TARGETS:
+        module, _, path = target.partition(":")
+        owner = importlib.import_module(module)
+        for part in path.split("."):
+            owner = inspect.getattr_static(owner, part, None)
+        if owner is None:
+            missing.append(target)
+    assert not missing, missing

@@ -133,6 +133,7 @@ class ViewMaterializer:
         use_triton: bool | None = None,
         arena: Arena | None = None,
         prefetch_gather: str = "compute",
+        prefetch_priority: int = HIGHEST_STREAM_PRIORITY,
     ):
         n = pool.ownership.cp_size
         if prefetch_gather not in PREFETCH_GATHER_PLACES:
@@ -148,6 +149,7 @@ class ViewMaterializer:
         self.arena = arena
         self.prefetch = prefetch
         self.prefetch_gather = prefetch_gather
+        self.prefetch_priority = prefetch_priority  # the side stream's
         self.use_triton = use_triton
         self.plan: BatchPlan | None = None
         self.counters: BatchCounters | None = None
@@ -246,6 +248,11 @@ class ViewMaterializer:
         counters.bytes_materialized += plan.view_pages * page_bytes
         counters.bytes_received += (plan.view_pages - plan.slots_per_rank) * page_bytes
 
+    @property
+    def reads_pools(self) -> bool:
+        """Whether each layer's view is read from the owners' pools (no all-gather)."""
+        return self._source_table is not None
+
     def _pull(self, layer: int) -> int:
         """``layer``'s view read from the owners' pools, one launch; its page bytes."""
         plan, used = self.plan, 2 if self.pool.has_index[layer] else 1
@@ -271,7 +278,7 @@ class ViewMaterializer:
         if device.type == "cuda":
             side = self._side_stream
             if side is None:
-                priority = HIGHEST_STREAM_PRIORITY
+                priority = self.prefetch_priority
                 side = self._side_stream = torch.cuda.Stream(device, priority=priority)
                 self._fork, self._prefetched = torch.cuda.Event(), torch.cuda.Event()
                 self._gathered = torch.cuda.Event()

@@ -22,8 +22,9 @@ class PeerLost(RuntimeError):
 
 
 class PeerWatchdog:
-    """``laggards(what)``: the peers behind a wait; ``release()`` frees this rank's
-    waits; ``on_failure(line)`` stops the server. Polls from the first ``watch``."""
+    """Fails a CP group whose device wait outlived ``deadline_s``. ``laggards(what)``:
+    the peers behind a wait; ``release()`` frees this rank's waits; ``on_failure(line)``
+    stops the server. Polls from the first ``watch``."""
 
     def __init__(
         self,

@@ -1,5 +1,16 @@
 """A batch's slot plan, page map and shared-prefix check from its token table: one
-Triton program (``plan_batch``) beside the plain-torch references it equals."""
+Triton program (``plan_batch``) beside the plain-torch references it equals.
+
+The batch plans ``M`` page positions, request-major: request ``b``'s ``pages_b`` prefix
+pages past those it shares. Owner ``o`` of a page sends a block of ``S = sum_b
+ceil(pages_b / N)`` pages; position ``(b, j)`` whose owner ``o`` has ``r`` earlier
+positions in the batch takes the view slot (owner-major)::
+
+    slot(b, j) = o * S + r
+
+A block overflows only if a request's pages do not rotate owners (the allocator's
+policy, not a law): such a position reads the trash page and the device status flags
+the batch (``slot_plan.DeviceFlagCheck``)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ the indexer's pool calls, ``forward_extend`` with the ``flashmla_kv`` impl SGLan
 over SGLang's stock pool, SGLang's layer-split pool and ours, same batches (current, mixed, history, a
 shared-prefix second turn); the timed forwards' outputs bit-identical across the pools; the bytes are
 the ones the transports moved. (SGLang's page-interleave pool builds a NCCL communicator: its column
-needs a GPU per rank.) Also the stand-ins' semantics against plain-torch references."""
+needs a GPU per rank.) Every path's pools write through ``reference.sglang_writers``' twins of SGLang's
+per-token writers. Also the stand-ins' semantics against plain-torch references."""
 
 import os
 
@@ -20,10 +21,19 @@ pytestmark = [
 ARGS = dict(device="cpu", scale="tiny", kv_format="fp8", page_size=64, paths=["stock", "ours", "layersplit"])
 
 
+def _rank(rank: int, world: int, args: dict) -> dict:
+    """The harness's rank, every path's pools writing through the same plain-torch twins of SGLang's
+    per-token KV writers (interpreted, they would be most of the run)."""
+    from benchmark.cp_shared_kv import bench_vs_upstream
+
+    from reference.sglang_writers import use_torch_writers
+
+    use_torch_writers()
+    return bench_vs_upstream._rank(rank, world, args)
+
+
 @pytest.fixture(scope="module")
 def tiny_run():
-    from benchmark.cp_shared_kv.bench_vs_upstream import _rank
-
     from reference.spawn import spawn_ranks
 
     return spawn_ranks(_rank, 2, dict(ARGS, warmup=False), timeout_s=900)
@@ -91,7 +101,7 @@ def test_a_piece_of_the_workload_measures_what_the_whole_run_measures_for_it(tin
     import json
 
     from benchmark.cp_shared_kv import bench_common
-    from benchmark.cp_shared_kv.bench_vs_upstream import SCALES, _rank, _write, main, schedule, summarize
+    from benchmark.cp_shared_kv.bench_vs_upstream import SCALES, _write, main, schedule, summarize
 
     from reference.spawn import spawn_ranks
 

@@ -49,6 +49,8 @@ sys.path.insert(0, HERE)
 # The connector and configurator stand-ins of the single-request manifest test, shared.
 from test_plugin_decode_manifest import _configurator_build, _kv_args, _prefill_info  # noqa: E402
 
+from reference.sglang_writers import use_torch_writers  # noqa: E402
+
 FLAG = "--enable-cp-shared-kv"
 ADDR = "127.0.0.1:1"  # the bootstrap address the decode knows the prefill by (no HTTP is made)
 N_AUX = 64
@@ -145,50 +147,6 @@ def _manager(mode: Any, engine: Any, kv_args: Any, rank: int, shard_size: int, h
     m = build(mode, engine, kv_args, rank, shard_size, host)
     m.enable_deferred_decode_kv_release = True  # SGLang's default for Mooncake
     return m
-
-
-def _set_k_and_s_torch(pool: Any, buf: Any, loc: Any, index_k: Any, index_k_scale: Any) -> None:
-    """SGLang's ``_set_k_and_s_triton`` (no preshuffle) in torch: the same bytes at the same offsets."""
-    import torch
-
-    ps, dim = pool.index_page_size, index_k.shape[-1]
-    per_page = buf[0].numel()
-    flat = buf.view(-1)
-    loc = loc.to(torch.int64)
-    page, off = loc // ps, loc % ps
-    k_at = (page * per_page + off * dim)[:, None] + torch.arange(dim)
-    flat[k_at.reshape(-1)] = index_k.contiguous().view(torch.uint8).reshape(-1)
-    s_at = (page * per_page + ps * dim + off * 4)[:, None] + torch.arange(4)
-    flat[s_at.reshape(-1)] = index_k_scale.to(torch.float32).contiguous().view(torch.uint8).reshape(-1)
-
-
-def use_torch_indexer_store(ps: int) -> None:
-    """Swap SGLang's indexer-key store kernel for its torch formulation, after checking they write the same bytes.
-
-    Under the Triton interpreter the kernel runs one Python program per token (seconds per thousand
-    tokens on this CPU), which would make the prefill forward, not the transfer, the soak's cost.
-    """
-    import torch
-    from sglang.kernels.ops.kvcache import dsa_index_k_cache as k
-
-    class Pool:
-        index_page_size = ps
-
-    g = torch.Generator().manual_seed(0)
-    loc = torch.tensor([0, 5, ps - 1, ps + 3, 3 * ps - 2], dtype=torch.int64)
-    index_k = (torch.randn(len(loc), 128, generator=g) * 4).to(torch.float8_e4m3fn)
-    scale = torch.rand(len(loc), 1, generator=g) + 0.5
-    bufs = [torch.randint(0, 256, (3, ps * (128 + 4)), dtype=torch.uint8, generator=g) for _ in range(2)]
-    bufs[1].copy_(bufs[0])
-    k.SetKAndS.triton(Pool(), bufs[0], loc, index_k, scale)
-    _set_k_and_s_torch(Pool(), bufs[1], loc, index_k, scale)
-    if not torch.equal(bufs[0], bufs[1]):
-        raise AssertionError("the torch formulation of SGLang's indexer-key store differs from the kernel")
-
-    def triton(cls: Any, pool: Any, buf: Any, loc: Any, index_k: Any, index_k_scale: Any) -> None:
-        _set_k_and_s_torch(pool, buf, loc, index_k, index_k_scale)
-
-    k.SetKAndS.triton = classmethod(triton)
 
 
 # ======================================================================= decode process
@@ -576,7 +534,7 @@ def prefill_main(cfg: dict) -> None:  # noqa: C901 - one event loop, read top to
 
     t_start = time.monotonic()
     n, ps, model_dir = cfg["n"], cfg["ps"], cfg["model_dir"]
-    use_torch_indexer_store(ps)
+    use_torch_writers()  # SGLang's per-token indexer-key writer, interpreted, would be the soak's cost
     rng = random.Random(cfg["seed"])
     argv = ["--model-path", os.path.join(model_dir, "mla"), "--device", "cpu", "--skip-tokenizer-init"]
     argv += ["--enable-prefill-cp", "--cp-strategy", "interleave", "--tp-size", str(n), "--attn-cp-size", str(n)]

@@ -48,9 +48,10 @@ first clear after the window does); the tables are sampled through the run (neve
 requests in flight at the prefill) and are empty at the end. Every decode session that ever
 registered stays in the prefill's ``decode_kv_args_table``: one entry per decode start.
 
-The indexer-key store kernel runs under the Triton interpreter at one Python program per token;
-the prefill process swaps it for its torch formulation after checking both write the same bytes
-(``pd_soak_worker.use_torch_indexer_store``). Nothing else is replaced.
+SGLang's per-token KV writers run under the Triton interpreter at one Python program per token; the
+prefill process writes through their plain-torch twins (``reference.sglang_writers``, compared with the
+kernels in ``test_sglang_writers.py``; the bf16 cache here reaches only the indexer-key one). Nothing
+else is replaced.
 
 ``CP_SHARED_KV_SOAK_RANKS=2,4`` runs it with 2 and 4 prefill ranks, ``CP_SHARED_KV_SOAK_REQUESTS``
 requests each (40 by default); without it the module is skipped: CI runs the same soak with 2 ranks

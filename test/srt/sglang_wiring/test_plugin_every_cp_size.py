@@ -16,7 +16,7 @@ request and ``release_kv_cache`` when it ends. Seeded at random: requests that s
 - **Views, CP 3, 5 and 8** (gloo ranks, each running the same workload as a server's ranks do): each
   batch goes through ``prepare_kv_shard_forward`` and the DSA backend's pool calls; the indexer keys
   and the latent rows read equal a stock replicated pool's, bit for bit (both pools write their
-  indexer keys through ``reference.sglang_writers``' twin of SGLang's kernel), and no batch raises a slot
+  indexer keys through ``reference.sglang_writers``' twin of SGLang's writer), and no batch raises a slot
   overflow (at the second batch after it, or for the last batches once the run ends).
 """
 
@@ -191,10 +191,10 @@ def _views_rank(rank: int, cp_size: int, model_root: str, seed: int, steps: int)
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from test_plugin_sharded_pool import _chunk, _Layer, _no_dcp
 
-    from reference.sglang_writers import use_torch_index_k_writer
+    from reference.sglang_writers import use_torch_writers
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
 
-    use_torch_index_k_writer()  # SGLang's per-token Triton writer, interpreted, would be most of the run
+    use_torch_writers()  # SGLang's per-token Triton writer, interpreted, would be most of the run
     config, pool, allocator, req_to_token, tree = _scheduler(model_root, rank, cp_size, 12)
     pool.read.group = CPGroup()
     (stock,) = stock_dsa_pools([cp_size * pool.phys_pages * PS - PS], PS)

@@ -5,8 +5,8 @@
   rank's storage, trash page aside, is bit-exact with the stock bytes of the locs it owns placed at
   their physical rows (``PageOwnership.phys_row``) and zeros elsewhere, so exactly the owned rows
   were written.
-- Read path on N spawned gloo ranks (indexer keys written through ``reference.sglang_writers``' twin of
-  SGLang's kernel): the kv-shard contract SGLang's DSA backend and indexer call
+- Read path on N spawned gloo ranks (SGLang's two per-token writers replaced by
+  ``reference.sglang_writers``' twins): the kv-shard contract SGLang's DSA backend and indexer call
   (``begin_shard_extend``, ``translate_loc_to_scratch``, ``get_key_buffer``,
   ``get_index_k_scale_buffer`` with logical pages; ``get_mla_kv_buffer`` for plain MLA's
   chunked-prefix read) returns exactly the replicated pool's bytes,
@@ -190,11 +190,11 @@ def _rank_read_path(rank: int, world: int, cfg: dict) -> dict:
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
 
-    from reference.sglang_writers import use_torch_index_k_writer
+    from reference.sglang_writers import use_torch_writers
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool, CPSharedMLATokenToKVPool
 
-    use_torch_index_k_writer()  # the write path's test runs SGLang's kernel; here it would be most of the run
+    use_torch_writers()  # the write path's test runs SGLang's kernels; here they would be most of the run
     size, layers, mla_ps = 12 * PS, 2, cfg["mla_ps"]
     kwargs = _dsa_kwargs(layers, fp8=cfg["fp8"])
     mla_kwargs = dict(_mla_kwargs(layers), page_size=mla_ps)

@@ -1,8 +1,9 @@
 """Spawn ``cp_size`` ranks on this host with a loopback rendezvous, and collect what each returns.
 
 Used by the multi-rank tests and the demo (with ``wait_until``, their bounded polling). Every rank runs ``fn(cp_rank, cp_size,
-*args)`` in its own spawned process with ``torch.distributed`` initialized (gloo
-on CPU, NCCL when ``backend="nccl"``). A rank that raises, dies or outlives the
+*args)`` in its own process with ``torch.distributed`` initialized (gloo on CPU, NCCL when
+``backend="nccl"``) and the caller's environment: forked from a forkserver that imported torch and SGLang
+once where there is no CUDA device, spawned where there is. A rank that raises, dies or outlives the
 deadline fails the whole run with a message naming the rank.
 """
 
@@ -39,7 +40,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, cp_rank, cp_size, port, backend, timeout_s, args, results, threads):
+# What a CPU rank imports anyway, about 11 s of a 2-core machine per process: a forkserver imports it once.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "sglang.srt.server_args",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.model_executor.forward_batch_info",
+]
+
+
+def _context():
+    """A forkserver with SGLang imported where no CUDA device is (a CUDA parent must not fork: spawn there)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # a module that does not import is skipped
+    return ctx
+
+
+def _rank_main(fn, cp_rank, cp_size, port, backend, timeout_s, args, results, threads, env):
+    os.environ.clear()  # the caller's environment now, not the forkserver's when it started
+    os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     try:
@@ -78,13 +103,13 @@ def spawn_ranks(
     """Run ``fn(cp_rank, cp_size, *args)`` on ``cp_size`` spawned ranks; return results by rank."""
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, cp_size, port, backend, timeout_s, args, results, threads_per_rank),
+            args=(fn, r, cp_size, port, backend, timeout_s, args, results, threads_per_rank, dict(os.environ)),
             daemon=True,
         )
         for r in range(cp_size)

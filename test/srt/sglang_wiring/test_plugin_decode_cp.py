@@ -5,7 +5,10 @@ the masked store); a replicated ``DSATokenToKVPool`` gets the same writes. Per l
 the indexer keys it holds (``decode_cp.position_rows`` finds them by the pool's ownership), the ranks
 merge their candidates into the global top-k, attend over their own selected rows and merge by LSE:
 the top-k equals the replicated pool's (same positions, same order) and the output equals sparse MLA
-over the replicated rows within fp32 rounding.
+over the replicated rows within fp32 rounding. Read as SGLang's paged indexer reads (each page through
+``decode_cp.indexer_pages``, another rank's the trash page), ``decode_cp.owned_topk`` selects what
+SGLang's torch top-k selects over the replicated scores, in its format (tied positions at the ``k``-th
+score aside: each picks its own).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ SM_SCALE = 576**-0.5
 
 
 def _rank(rank: int, world: int, seed: int) -> dict:
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
     from test_plugin_sharded_pool import _chunk, _dsa_kwargs, _Layer
@@ -35,8 +39,10 @@ def _rank(rank: int, world: int, seed: int) -> dict:
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import (
         global_topk,
+        indexer_pages,
         merge_by_lse,
         owned_rows,
+        owned_topk,
         position_rows,
     )
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool
@@ -64,7 +70,7 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         replicated.dcp_replicated = True
     locs = torch.cat([(torch.tensor(p).repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(p)))[:n]
                       for p, n in zip(pages, LENS)])  # fmt: skip
-    out: dict = {"top_equal": [], "out_err": []}
+    out: dict = {"top_equal": [], "out_err": [], "sglang_topk_equal": []}
     for layer in range(LAYERS):
         nope, rope, k, scale = _chunk(len(locs), seed + layer)
         for p in (pool, replicated):  # every rank receives the whole chunk; the pool keeps its own rows
@@ -102,8 +108,35 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         group.all_gather_into_many([outs, lses], [o, lse])
         merged, _ = merge_by_lse(outs.view(world, *o.shape), lses.view(world, *lse.shape))
         out["top_equal"].append(bool(torch.equal(top, want)))
+
+        # As SGLang's paged indexer reads it: every position through this rank's page table (another
+        # rank's page reads the trash page), then its decode top-k format, against SGLang's torch top-k
+        # over the replicated scores.
+        own_pages = indexer_pages(table[q_req], world, rank)
+        paged = own_pages[:, torch.arange(longest) // PS] * PS + torch.arange(longest) % PS
+        k_read, s_read = read_index_k(pool.index_k_with_scale_buffer[layer], PS, paged)
+        read_scores = indexer_scores(q_index, q_scale, weights, k_read, s_read)
+        lengths = (q_pos + 1).int()
+        got = owned_topk(read_scores, lengths, table[q_req], PS, TOPK, group)
+        sglang = DSATopKBackend.TORCH.topk_func(scores.clone(), lengths, TOPK)
+        out["sglang_topk_equal"].append(_same_selection(got, sglang, scores, TOPK))
         out["out_err"].append(float((merged - want_out).abs().max()))
     return out
+
+
+def _same_selection(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor, k: int) -> bool:
+    """Both int32 ``[R, k]`` top-k in SGLang's format select every position scored above the ``k``-th
+    score and as many at it: which tied positions is each top-k's own (``torch.topk`` leaves it open,
+    ``owned_topk`` takes the first positions); the attention reads the selection as a set."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    for g, w, row in zip(got, want, scores):
+        kth = row.sort(descending=True).values[min(k, row.numel()) - 1]
+        sets = [set(t[t >= 0].tolist()) for t in (g, w)]
+        above = [{p for p in chosen if row[p] > kth} for chosen in sets]
+        if len(sets[0]) != len(sets[1]) or above[0] != above[1] or any(row[p] < kth for p in sets[0] | sets[1]):
+            return False
+    return True
 
 
 @needs_interpreter
@@ -113,5 +146,5 @@ def test_decode_over_sharded_pools_equals_the_replicated_pool(world):
 
     results = spawn_ranks(_rank, world, 7, timeout_s=300)
     for rank, res in enumerate(results):
-        assert all(res["top_equal"]), (rank, res)
+        assert all(res["top_equal"]) and all(res["sglang_topk_equal"]), (rank, res)
         assert max(res["out_err"]) < 1e-5, (rank, res)

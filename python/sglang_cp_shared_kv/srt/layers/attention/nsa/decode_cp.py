@@ -7,7 +7,8 @@ indexer's, ``reference.dsa_reference.indexer_topk``):
 1. each rank scores its own positions and keeps its ``k`` first (``ranked_topk``);
 2. the ``N * k`` candidates are all-gathered and ranked again (``global_topk``). Exact: every position
    ranked before a global top-``k`` position on its owner is ranked before it globally too, so it
-   already is among its owner's ``k`` first;
+   already is among its owner's ``k`` first. In SGLang's paged indexer: its keys read through
+   ``indexer_pages``, its top-k in SGLang's format from ``owned_topk``;
 3. each rank attends over the selected positions it owns (``owned_rows``; in a CP-shared pool a
    position's row is ``position_rows``'s, by the pool's page ownership), giving ``(out_r, lse_r)``,
    ``lse_r = -inf`` where it owns none;
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.mem_cache.placement import local_page, page_owner
+from sglang_cp_shared_kv.srt.mem_cache.placement import TRASH_PAGE, local_page, page_owner
 
 
 def ranked_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,6 +54,27 @@ def global_topk(scores: torch.Tensor, positions: torch.Tensor, k: int, group: CP
         return t.view(n, rows, k).transpose(0, 1).reshape(rows, n * k)
 
     return ranked_topk(per_row(all_values), per_row(all_chosen), k)[1]
+
+
+def indexer_pages(pages: torch.Tensor, cp_size: int, rank: int) -> torch.Tensor:
+    """``pages [B, W]`` logical as the pages of ``rank``'s indexer buffer, where SGLang's paged indexer reads
+    a request's keys (``DSAIndexerMetadata.get_page_table_64``); a page another rank owns reads the trash
+    page, whose scores ``owned_topk`` drops."""
+    owned = page_owner(pages, cp_size) == rank
+    return torch.where(owned, local_page(pages, cp_size), TRASH_PAGE).to(pages.dtype)
+
+
+def owned_topk(
+    scores: torch.Tensor, lengths: torch.Tensor, pages: torch.Tensor, page_size: int, topk: int, group: CPGroup
+) -> torch.Tensor:
+    """int32 ``[B, topk]``: SGLang's decode top-k of the replicated indexer (positions in ``[0, length)``, -1
+    after them) from this rank's ``scores`` fp32 ``[B, L]`` (column ``j``: position ``j``, read through
+    ``indexer_pages``), ``lengths [B]`` and the logical ``pages [B, W]``."""
+    pos = torch.arange(scores.shape[1], device=scores.device)
+    page = pages.long()[:, (pos // page_size).clamp(max=pages.shape[1] - 1)]
+    mine = (page_owner(page, group.size) == group.rank) & (pos < lengths.unsqueeze(1))
+    ranked = torch.where(mine, scores.float(), -torch.inf)
+    return global_topk(ranked, torch.where(mine, pos, -1), topk, group).to(torch.int32)
 
 
 def position_rows(pages: torch.Tensor, page_size: int, cp_size: int, rank: int, width: int) -> torch.Tensor:

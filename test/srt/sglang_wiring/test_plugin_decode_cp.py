@@ -8,7 +8,9 @@ the top-k equals the replicated pool's (same positions, same order) and the outp
 over the replicated rows within fp32 rounding. Read as SGLang's paged indexer reads (each page through
 ``decode_cp.indexer_pages``, another rank's the trash page), ``decode_cp.owned_topk`` selects what
 SGLang's torch top-k selects over the replicated scores, in its format (tied positions at the ``k``-th
-score aside: each picks its own).
+score aside: each picks its own); and SGLang's own DCP merge kernel (2 ranks: it takes a power of
+two) over ``decode_cp.for_dcp_merge``'s output gives the same result, where natural-log LSE read as
+base 2 does not.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SM_SCALE = 576**-0.5
 
 
 def _rank(rank: int, world: int, seed: int) -> dict:
+    from sglang.kernels.ops.attention.dcp_kernels import correct_attn_out
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
@@ -38,6 +41,7 @@ def _rank(rank: int, world: int, seed: int) -> dict:
     from reference.dsa_reference import _top_positions, indexer_scores, read_index_k, sparse_mla
     from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
     from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import (
+        for_dcp_merge,
         global_topk,
         indexer_pages,
         merge_by_lse,
@@ -70,7 +74,7 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         replicated.dcp_replicated = True
     locs = torch.cat([(torch.tensor(p).repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(p)))[:n]
                       for p, n in zip(pages, LENS)])  # fmt: skip
-    out: dict = {"top_equal": [], "out_err": [], "sglang_topk_equal": []}
+    out: dict = {"top_equal": [], "out_err": [], "sglang_topk_equal": [], "sglang_merge_err": [], "base_e_err": []}
     for layer in range(LAYERS):
         nope, rope, k, scale = _chunk(len(locs), seed + layer)
         for p in (pool, replicated):  # every rank receives the whole chunk; the pool keeps its own rows
@@ -121,6 +125,19 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         sglang = DSATopKBackend.TORCH.topk_func(scores.clone(), lengths, TOPK)
         out["sglang_topk_equal"].append(_same_selection(got, sglang, scores, TOPK))
         out["out_err"].append(float((merged - want_out).abs().max()))
+
+        # SGLang's own DCP merge kernel (its per-rank correction; the sum over ranks stands in for its
+        # reduce-scatter), fed as a `dsa` backend's output: base-2 LSE. Natural-log LSE read as base 2
+        # (what SGLang does with flash_mla_with_kvcache's today) is measured beside it.
+        pairs = (("sglang_merge_err", for_dcp_merge(o, lse)), ("base_e_err", (o, lse)))
+        for name, (o_r, lse_r) in pairs if world & (world - 1) == 0 else ():  # its kernel: 2^k ranks
+            lses = torch.empty((world * lse_r.shape[0], *lse_r.shape[1:]))
+            group.all_gather_into(lses, lse_r.contiguous())
+            heads_first = torch.empty((o_r.shape[1], o_r.shape[0], o_r.shape[2]))  # [H, R, D], as it writes
+            mine, _ = correct_attn_out(o_r.contiguous(), lses.view(world, *lse_r.shape), rank, None,
+                                       heads_first, is_lse_base_on_e=False)  # fmt: skip
+            torch.distributed.all_reduce(mine)
+            out[name].append(float((mine.transpose(0, 1) - want_out).abs().max()))
     return out
 
 
@@ -148,3 +165,6 @@ def test_decode_over_sharded_pools_equals_the_replicated_pool(world):
     for rank, res in enumerate(results):
         assert all(res["top_equal"]) and all(res["sglang_topk_equal"]), (rank, res)
         assert max(res["out_err"]) < 1e-5, (rank, res)
+        if world & (world - 1) == 0:  # SGLang's merge kernel takes 2^k ranks
+            assert len(res["sglang_merge_err"]) == LAYERS and max(res["sglang_merge_err"]) < 1e-5, (rank, res)
+            assert min(res["base_e_err"]) > 1e-3, (rank, res)  # the base matters: a wrong one is seen

@@ -12,7 +12,8 @@ indexer's, ``reference.dsa_reference.indexer_topk``):
 3. each rank attends over the selected positions it owns (``owned_rows``; in a CP-shared pool a
    position's row is ``position_rows``'s, by the pool's page ownership), giving ``(out_r, lse_r)``,
    ``lse_r = -inf`` where it owns none;
-4. ``merge_by_lse``: ``lse = logsumexp_r lse_r``, ``out = sum_r exp(lse_r - lse) * out_r``.
+4. ``merge_by_lse``: ``lse = logsumexp_r lse_r``, ``out = sum_r exp(lse_r - lse) * out_r``; in SGLang's
+   decode its own DCP merge, fed by ``for_dcp_merge``.
 
 Static shapes and no host sync: sizes come from ``k`` and the batch's rows only.
 """
@@ -92,6 +93,15 @@ def owned_rows(selected: torch.Tensor, row_of_position: torch.Tensor) -> torch.T
     ``row_of_position`` int64 ``[R, P]``: each position's row here, -1 where another rank owns it."""
     rows = row_of_position.gather(-1, selected.clamp(min=0))
     return torch.where(selected < 0, -1, rows)
+
+
+def for_dcp_merge(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``out [R, H, D]`` and natural-log ``lse [R, H]`` (``flash_mla_with_kvcache``'s) as SGLang's
+    DCP merge takes a ``dsa`` backend's: the LSE in base 2, and a row this rank attends to nothing (lse
+    not finite) ``out = 0``, ``lse = -inf``, so its output weighs nothing whatever the kernel left there."""
+    empty = ~torch.isfinite(lse)
+    lse2 = torch.where(empty, -torch.inf, lse.float() * 1.4426950408889634)  # log2(e)
+    return torch.where(empty.unsqueeze(-1), 0.0, out).to(out.dtype), lse2
 
 
 def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

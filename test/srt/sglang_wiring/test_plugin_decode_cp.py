@@ -8,7 +8,8 @@ the top-k equals the replicated pool's (same positions, same order) and the outp
 over the replicated rows within fp32 rounding. Read as SGLang's paged indexer reads (each page through
 ``decode_cp.indexer_pages``, another rank's the trash page), ``decode_cp.owned_topk`` selects what
 SGLang's torch top-k selects over the replicated scores, in its format (tied positions at the ``k``-th
-score aside: each picks its own); and SGLang's own DCP merge kernel (2 ranks: it takes a power of
+score aside: each picks its own); SGLang's loc transform of the top-k, through
+``decode_cp.owned_loc_rows``, gives this rank's rows; and SGLang's own DCP merge kernel (2 ranks: it takes a power of
 two) over ``decode_cp.for_dcp_merge``'s output gives the same result, where natural-log LSE read as
 base 2 does not.
 """
@@ -33,6 +34,7 @@ SM_SCALE = 576**-0.5
 
 def _rank(rank: int, world: int, seed: int) -> dict:
     from sglang.kernels.ops.attention.dcp_kernels import correct_attn_out
+    from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_decode
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     from sglang.srt.runtime_context import get_parallel
@@ -45,6 +47,7 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         global_topk,
         indexer_pages,
         merge_by_lse,
+        owned_loc_rows,
         owned_rows,
         owned_topk,
         position_rows,
@@ -74,7 +77,14 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         replicated.dcp_replicated = True
     locs = torch.cat([(torch.tensor(p).repeat_interleave(PS) * PS + torch.arange(PS).repeat(len(p)))[:n]
                       for p, n in zip(pages, LENS)])  # fmt: skip
-    out: dict = {"top_equal": [], "out_err": [], "sglang_topk_equal": [], "sglang_merge_err": [], "base_e_err": []}
+    out: dict = {
+        "top_equal": [],
+        "out_err": [],
+        "sglang_topk_equal": [],
+        "sglang_merge_err": [],
+        "base_e_err": [],
+        "loc_rows_equal": [],
+    }
     for layer in range(LAYERS):
         nope, rope, k, scale = _chunk(len(locs), seed + layer)
         for p in (pool, replicated):  # every rank receives the whole chunk; the pool keeps its own rows
@@ -104,6 +114,11 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         local = torch.where(mine, indexer_scores(q_index, q_scale, weights, k_own, s_own), -torch.inf)
         positions = torch.where(mine, torch.arange(longest), -1)
         top = global_topk(local, positions, TOPK, group)
+        # SGLang's decode turns the top-k positions into token locs of the request's page table.
+        top_locs = transform_index_page_table_decode(page_table=logical.int(), topk_indices=top.int(), page_size=1)
+        out["loc_rows_equal"].append(
+            bool(torch.equal(owned_loc_rows(top_locs, PS, world, rank), owned_rows(top, row_of)))
+        )
         kv_own = pool.kv_buffer[layer]
         o, lse = sparse_mla(q, kv_own.view(torch.uint8).reshape(kv_own.shape[0], -1), "bf16",
                             owned_rows(top, row_of), SM_SCALE)  # fmt: skip
@@ -163,7 +178,7 @@ def test_decode_over_sharded_pools_equals_the_replicated_pool(world):
 
     results = spawn_ranks(_rank, world, 7, timeout_s=300)
     for rank, res in enumerate(results):
-        assert all(res["top_equal"]) and all(res["sglang_topk_equal"]), (rank, res)
+        assert all(res["top_equal"]) and all(res["sglang_topk_equal"]) and all(res["loc_rows_equal"]), (rank, res)
         assert max(res["out_err"]) < 1e-5, (rank, res)
         if world & (world - 1) == 0:  # SGLang's merge kernel takes 2^k ranks
             assert len(res["sglang_merge_err"]) == LAYERS and max(res["sglang_merge_err"]) < 1e-5, (rank, res)

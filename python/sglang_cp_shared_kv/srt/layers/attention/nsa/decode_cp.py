@@ -10,7 +10,8 @@ indexer's, ``reference.dsa_reference.indexer_topk``):
    already is among its owner's ``k`` first. In SGLang's paged indexer: its keys read through
    ``indexer_pages``, its top-k in SGLang's format from ``owned_topk``;
 3. each rank attends over the selected positions it owns (``owned_rows``; in a CP-shared pool a
-   position's row is ``position_rows``'s, by the pool's page ownership), giving ``(out_r, lse_r)``,
+   position's row is ``position_rows``'s, by the pool's page ownership; from SGLang's token locs,
+   ``owned_loc_rows``), giving ``(out_r, lse_r)``,
    ``lse_r = -inf`` where it owns none;
 4. ``merge_by_lse``: ``lse = logsumexp_r lse_r``, ``out = sum_r exp(lse_r - lse) * out_r``; in SGLang's
    decode its own DCP merge, fed by ``for_dcp_merge``.
@@ -93,6 +94,14 @@ def owned_rows(selected: torch.Tensor, row_of_position: torch.Tensor) -> torch.T
     ``row_of_position`` int64 ``[R, P]``: each position's row here, -1 where another rank owns it."""
     rows = row_of_position.gather(-1, selected.clamp(min=0))
     return torch.where(selected < 0, -1, rows)
+
+
+def owned_loc_rows(locs: torch.Tensor, page_size: int, cp_size: int, rank: int) -> torch.Tensor:
+    """This rank's row of each token loc it owns (SGLang's decode gives the top-k as locs of the
+    request's page table, -1: none), -1 elsewhere; ``locs`` int ``[R, k]``."""
+    page = locs.clamp(min=0) // page_size
+    rows = local_page(page, cp_size) * page_size + locs.clamp(min=0) % page_size
+    return torch.where((locs >= 0) & (page_owner(page, cp_size) == rank), rows, -1).to(locs.dtype)
 
 
 def for_dcp_merge(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -141,6 +141,19 @@ def test_decode_cp_each_rank_attends_over_its_own_rows_and_the_lse_merge_equals_
     assert torch.allclose(lse, lse_repl[:, :, 0].float(), atol=1e-4), (lse - lse_repl[:, :, 0]).abs().max()
     assert torch.allclose(out, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (out - out_repl[:, 0]).abs().max()
 
+    # SGLang's own DCP merge kernel, fed as a `dsa` backend's output (base-2 LSE, empty rows zeroed); the
+    # sum over ranks stands in for its reduce-scatter.
+    dcp_kernels = pytest.importorskip("sglang.kernels.ops.attention.dcp_kernels")
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import for_dcp_merge
+
+    fed = [for_dcp_merge(o.float(), lse_r) for o, lse_r in zip(outs, lses)]
+    all_lses = torch.stack([lse_r for _, lse_r in fed])
+    merged = sum(
+        dcp_kernels.correct_attn_out(o, all_lses, r, None, torch.empty_like(o.transpose(0, 1)))[0]
+        for r, (o, _) in enumerate(fed)
+    ).transpose(0, 1)
+    assert torch.allclose(merged, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (merged - out_repl[:, 0]).abs().max()
+
 
 def test_decode_cp_step_makes_no_host_sync_and_replays_in_a_cuda_graph():
     """A whole decode CP step for every rank of a group of 4 (``decode_cp``), on one GPU: each rank's

@@ -9,9 +9,9 @@ over the replicated rows within fp32 rounding. Read as SGLang's paged indexer re
 ``decode_cp.indexer_pages``, another rank's the trash page), ``decode_cp.owned_topk`` selects what
 SGLang's torch top-k selects over the replicated scores, in its format (tied positions at the ``k``-th
 score aside: each picks its own); SGLang's loc transform of the top-k, through
-``decode_cp.owned_loc_rows``, gives this rank's rows; and SGLang's own DCP merge kernel (2 ranks: it takes a power of
-two) over ``decode_cp.for_dcp_merge``'s output gives the same result, where natural-log LSE read as
-base 2 does not.
+``decode_cp.owned_loc_rows``, gives this rank's rows; and SGLang's own DCP merge kernel (2 ranks: it
+takes a power of two) over ``decode_cp.for_dcp_merge``'s output gives the same result, where
+natural-log LSE read as base 2 does not.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         # SGLang's decode turns the top-k positions into token locs of the request's page table.
         top_locs = transform_index_page_table_decode(page_table=logical.int(), topk_indices=top.int(), page_size=1)
         out["loc_rows_equal"].append(
-            bool(torch.equal(owned_loc_rows(top_locs, PS, world, rank), owned_rows(top, row_of)))
+            bool(torch.equal(owned_loc_rows(top_locs, pool.ownership, rank), owned_rows(top, row_of)))
         )
         kv_own = pool.kv_buffer[layer]
         o, lse = sparse_mla(q, kv_own.view(torch.uint8).reshape(kv_own.shape[0], -1), "bf16",
@@ -146,13 +146,13 @@ def _rank(rank: int, world: int, seed: int) -> dict:
         # (what SGLang does with flash_mla_with_kvcache's today) is measured beside it.
         pairs = (("sglang_merge_err", for_dcp_merge(o, lse)), ("base_e_err", (o, lse)))
         for name, (o_r, lse_r) in pairs if world & (world - 1) == 0 else ():  # its kernel: 2^k ranks
-            lses = torch.empty((world * lse_r.shape[0], *lse_r.shape[1:]))
-            group.all_gather_into(lses, lse_r.contiguous())
+            every_lse = torch.empty((world * lse_r.shape[0], *lse_r.shape[1:]))
+            group.all_gather_into(every_lse, lse_r.contiguous())
             heads_first = torch.empty((o_r.shape[1], o_r.shape[0], o_r.shape[2]))  # [H, R, D], as it writes
-            mine, _ = correct_attn_out(o_r.contiguous(), lses.view(world, *lse_r.shape), rank, None,
-                                       heads_first, is_lse_base_on_e=False)  # fmt: skip
-            torch.distributed.all_reduce(mine)
-            out[name].append(float((mine.transpose(0, 1) - want_out).abs().max()))
+            corrected, _ = correct_attn_out(o_r.contiguous(), every_lse.view(world, *lse_r.shape), rank, None,
+                                            heads_first, is_lse_base_on_e=False)  # fmt: skip
+            torch.distributed.all_reduce(corrected)
+            out[name].append(float((corrected.transpose(0, 1) - want_out).abs().max()))
     return out
 
 

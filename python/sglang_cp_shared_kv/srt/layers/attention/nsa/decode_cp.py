@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from sglang_cp_shared_kv.srt.distributed.cp_group import CPGroup
-from sglang_cp_shared_kv.srt.mem_cache.placement import TRASH_PAGE, local_page, page_owner
+from sglang_cp_shared_kv.srt.mem_cache.placement import TRASH_PAGE, PageOwnership, local_page, page_owner
 
 
 def ranked_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +96,12 @@ def owned_rows(selected: torch.Tensor, row_of_position: torch.Tensor) -> torch.T
     return torch.where(selected < 0, -1, rows)
 
 
-def owned_loc_rows(locs: torch.Tensor, page_size: int, cp_size: int, rank: int) -> torch.Tensor:
+def owned_loc_rows(locs: torch.Tensor, ownership: PageOwnership, rank: int) -> torch.Tensor:
     """This rank's row of each token loc it owns (SGLang's decode gives the top-k as locs of the
-    request's page table, -1: none), -1 elsewhere; ``locs`` int ``[R, k]``."""
-    page = locs.clamp(min=0) // page_size
-    rows = local_page(page, cp_size) * page_size + locs.clamp(min=0) % page_size
-    return torch.where((locs >= 0) & (page_owner(page, cp_size) == rank), rows, -1).to(locs.dtype)
+    request's page table, -1: none), -1 elsewhere; ``locs`` int ``[R, k]``, the pool's ``ownership``."""
+    some = locs.clamp(min=0)
+    mine = (locs >= 0) & (ownership.loc_owner(some) == rank)
+    return torch.where(mine, ownership.phys_row(some), -1).to(locs.dtype)
 
 
 def for_dcp_merge(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

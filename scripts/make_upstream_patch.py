@@ -76,14 +76,29 @@ PLUGIN_ONLY = {
     "srt.disaggregation",
 }
 # Built and tested here, not wired into SGLang yet: not part of the series until it is.
-UNWIRED = {"srt.layers.attention.nsa.decode_cp", "srt.sglang_wiring.decode_routes"}
-# The plugin's hooks into a decode that no SGLang server builds yet (a decode pool sharded by page
-# ownership): the series carries them with that decode.
+UNWIRED = {
+    "srt.layers.attention.nsa.decode_cp",
+    "srt.layers.attention.nsa.decode_cp_checks",
+    "srt.sglang_wiring.decode_routes",
+    "srt.sglang_wiring.decode_server",
+}
+# The plugin's hooks of the decode CP server (a decode pool sharded by page ownership over --dcp-size
+# ranks): the plugin runs it, the series does not carry it yet (its startup rules refuse --dcp-size on a
+# decode there).
 _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+_DSA = "sglang.srt.layers.attention.dsa"
+_DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
 UNWIRED_HOOKS = [
     ("sglang.srt.disaggregation.common.conn.CommonKVManager.requires_dcp_relayout", "keep_pages_whole"),
     (f"{_MOONCAKE}.MooncakeKVManager.send_kvcache", "send_to_owner"),
     (f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", "send_state_to_owner"),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._transfer_page_indices", "transfer_pages"),
+    ("sglang.srt.disaggregation.common.conn.CommonKVManager.try_ensure_parallel_info", "prefill_info"),
+    (f"{_DSA}.dsa_indexer_metadata.DSAIndexerMetadata.get_page_table_64", "indexer_page_table"),
+    (f"{_DSA}.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform", "indexer_topk"),
+    (f"{_DSA_BACKEND}.__init__", "decode_heads"),
+    (f"{_DSA_BACKEND}.forward_decode", "decode_attention"),
+    ("sglang.srt.arg_groups.model_overrides.deepseek_v2._dsa_dcp_overrides", "dsa_dcp_overrides"),
 ]
 FIXES = 2  # the series' first commits: fixes of SGLang's KV connector for every PD deployment, no flag
 # Our other top-level packages (the benchmark harness's stacks, etc.) are not part of the series.
@@ -1376,7 +1391,7 @@ def _site_rows(hooks: dict[tuple[str, str], object], modules: dict[str, Path]) -
         if (target, name) in FLAG_SITES_COVER:
             where = "a field of `arg_groups/fields/parallel.py` (the parallel group), its help the plugin's"
         elif (target, name) in UNWIRED_HOOKS:
-            where = "not in the series yet: it comes with a decode server that shards its pool by page ownership"
+            where = "not in the series yet: the decode CP server (its pool sharded by page ownership) is the plugin's"
         else:
             sites = [s for s in SITES if (target, name) in s.covers]
             paths = ", ".join(f"`{s.path}`" + (f" ({s.count} call sites)" if s.count > 1 else "") for s in sites)

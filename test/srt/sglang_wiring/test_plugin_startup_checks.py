@@ -50,6 +50,21 @@ def _with(argv: list[str], flag: str, value: str) -> list[str]:
     return argv[: i + 1] + [value] + argv[i + 2 :]
 
 
+# A decode CP server with the flag (--dcp-size over as many TP ranks).
+DECODE_CP = [
+    "--enable-cp-shared-kv",
+    "--disaggregation-mode",
+    "decode",
+    "--disaggregation-transfer-backend",
+    "mooncake",
+    "--tp-size",
+    "2",
+    "--dcp-size",
+    "2",
+    "--skip-tokenizer-init",
+]
+DECODE_CP_RESOLVED = DSA_RESOLVED + ["--dsa-decode-backend", "flashmla_kv"]
+
 # (case id, model, mode, argv, expected: None = accepted, else the flag the one line must name)
 CASES = [
     # -- rejections by the early hook, through the real pipeline --
@@ -200,6 +215,46 @@ CASES = [
         GOOD + ["--device", "cuda", "--page-size", "64", "--attention-backend", "fa3"],
         None,
     ),
+    # -- a decode CP server: admitted for a DSA model on FlashMLA's decode kernel, the rest refused --
+    ("ok_decode_cp", "dsa", "resolved", DECODE_CP + DECODE_CP_RESOLVED, None),
+    (
+        "ok_decode_cp_bf16",
+        "dsa",
+        "resolved",
+        DECODE_CP + _with(DSA_RESOLVED, "--kv-cache-dtype", "bf16") + ["--dsa-decode-backend", "flashmla_sparse"],
+        None,
+    ),
+    (
+        "decode_cp_kernel",
+        "dsa",
+        "resolved",
+        DECODE_CP + _with(DECODE_CP_RESOLVED, "--dsa-decode-backend", "flashmla_sparse"),
+        "--dsa-decode-backend flashmla_sparse on a decode CP server",
+    ),
+    (
+        "decode_cp_not_dsa",
+        "mla",
+        "resolved",
+        DECODE_CP + ["--device", "cuda", "--page-size", "64"],
+        "the flag shards a DSA model's latent and indexer pages there",
+    ),
+    ("decode_cp_index_kpool", "dsa_kpool", "resolved", DECODE_CP + DECODE_CP_RESOLVED, "index_kpool"),
+    (
+        "decode_cp_speculative",
+        "dsa",
+        "pipeline",
+        DECODE_CP + ["--speculative-algorithm", "EAGLE"],
+        "--speculative-algorithm",
+    ),
+    (
+        "decode_cp_hicache",
+        "dsa",
+        "pipeline",
+        DECODE_CP + ["--enable-hierarchical-cache"],
+        "--enable-hierarchical-cache",
+    ),
+    ("decode_cp_hisparse", "dsa", "pipeline", DECODE_CP + ["--enable-hisparse"], "--enable-hisparse"),
+    ("decode_attn_cp", "dsa", "pipeline", DECODE_CP + ["--attn-cp-size", "2"], "--attn-cp-size 2 on the decode server"),
     # -- flag off: the same rejected shapes resolve as stock --
     (
         "off_zigzag_gqa",
@@ -231,6 +286,7 @@ def _worker(model_dir: str) -> None:
     import sglang.version
     from sglang.srt.server_args import prepare_server_args
 
+    from sglang_cp_shared_kv.srt.sglang_wiring.decode_server import decode_cp_rejections
     from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError, resolved_rejections
 
     results = {}
@@ -246,7 +302,7 @@ def _worker(model_dir: str) -> None:
             if mode in ("pipeline", "other_version"):
                 server_args.resolve_once()
             else:
-                lines = resolved_rejections(server_args)
+                lines = resolved_rejections(server_args, decode_cp_rejections)  # as the plugin's hook
                 if lines:
                     raise CPSharedKVStartupError("\n".join(lines))
             results[case_id] = {"accepted": True, "flag_on": bool(getattr(server_args, "enable_cp_shared_kv", False))}
@@ -259,7 +315,34 @@ def _worker(model_dir: str) -> None:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+    results["_overrides"] = _dcp_overrides(model_dir)
     print("RESULT:" + json.dumps(results))
+
+
+# SGLang's DSA DCP overrides (its model-override step) on a decode CP server, by argv.
+OVERRIDE_CASES = {
+    "flag_fp8": DECODE_CP + ["--kv-cache-dtype", "fp8_e4m3"],
+    "flag_bf16": DECODE_CP + ["--kv-cache-dtype", "bf16"],
+    "flag_kernel_given": DECODE_CP + ["--kv-cache-dtype", "fp8_e4m3", "--dsa-decode-backend", "flashmla_sparse"],
+    "no_flag": _without(DECODE_CP, "--enable-cp-shared-kv", False) + ["--kv-cache-dtype", "fp8_e4m3"],
+}
+
+
+def _dcp_overrides(model_dir: str) -> dict:
+    """What ``_dsa_dcp_overrides`` returns (or raises) for each of ``OVERRIDE_CASES`` (the function the
+    DeepSeek family's override step calls, as the hook installed it)."""
+    from sglang.srt.arg_groups.model_overrides import deepseek_v2
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    out = {}
+    for name, argv in OVERRIDE_CASES.items():
+        server_args = prepare_server_args(["--model-path", os.path.join(model_dir, "dsa")] + argv)
+        try:
+            out[name] = {"overrides": deepseek_v2._dsa_dcp_overrides(resolving_view(server_args))}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +365,17 @@ def test_startup_check(results, case_id, model, mode, argv, expected):
     assert all(line.startswith("--enable-cp-shared-kv: ") and line.endswith(".") for line in lines), lines
     assert all(line.count("--enable-cp-shared-kv: ") == 1 and not line.endswith("..") for line in lines), lines
     assert any(expected in line for line in lines), f"no line names {expected!r}: {lines}"
+
+
+def test_sglang_dsa_dcp_overrides_on_a_decode_cp_server(results):
+    """With the flag, SGLang's DSA DCP overrides admit PD on the decode and pick FlashMLA's decode kernel for
+    the cache (SGLang's default, trtllm, is SM100's); a kernel given stays; without the flag SGLang's own
+    refusal of PD stands."""
+    got = results["_overrides"]
+    assert got["flag_fp8"] == {"overrides": {"dsa_decode_backend": "flashmla_kv"}}, got
+    assert got["flag_bf16"] == {"overrides": {"dsa_decode_backend": "flashmla_sparse"}}, got
+    assert got["flag_kernel_given"] == {"overrides": {}}, got
+    assert "DSA DCP does not support PD disaggregation" in got["no_flag"]["error"], got
 
 
 def test_each_rejection_is_alone_in_its_case(results):

@@ -21,6 +21,7 @@ from sglang_cp_shared_kv.srt.sglang_wiring import (
     connector_sockets,
     decode_manifest,
     decode_routes,
+    decode_server,
     metrics,
     pool_hooks,
     startup_checks,
@@ -39,6 +40,8 @@ ANY_SGLANG_ENV = "SGLANG_CP_SHARED_KV_ANY_SGLANG"
 _CFG = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _COMMON = "sglang.srt.disaggregation.common.conn"
 _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+_DSA = "sglang.srt.layers.attention.dsa"
+_DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
 
 
 # -- the flag on SGLang's server args --
@@ -97,18 +100,22 @@ def startup_early(server_args: Any, previous) -> None:
     previous(server_args)
     if enabled(server_args):
         startup_checks._raise(hook_rejections())
-        startup_checks.early_check(server_args)
+        startup_checks.early_check(server_args, decode_cp=True)
 
 
 def startup_resolved(server_args: Any, previous) -> None:
     previous(server_args)
     if enabled(server_args):
-        startup_checks.resolved_check(server_args)
+        startup_checks.resolved_check(server_args, decode_server.decode_cp_rejections)
+
+
+def _builds_pool(configurator) -> bool:
+    return view_arena.builds_cp_shared_pool(configurator) or decode_server.builds_pool(configurator)
 
 
 def _pool_builder(kind: str):
     def build(original, configurator, **kwargs):
-        if view_arena.builds_cp_shared_pool(configurator):
+        if _builds_pool(configurator):
             kwargs[f"{kind}_pool_class"] = pool_hooks.cp_shared_pool_class(kind)
         return original(configurator, **kwargs)
 
@@ -122,15 +129,18 @@ build_mla_kv_pool = _pool_builder("mla")
 
 def build_allocator(original, configurator, **kwargs):
     pool = kwargs.get("token_to_kv_pool")
-    if not view_arena.is_cp_shared_pool(pool) or kwargs.get("token_to_kv_pool_allocator") is not None:
-        return original(configurator, **kwargs)
+    if not view_arena.builds_cp_shared_pool(configurator) or kwargs.get("token_to_kv_pool_allocator") is not None:
+        return original(configurator, **kwargs)  # a decode CP pool keeps SGLang's DCP allocator
     return pool_hooks.build_allocator(configurator, pool, kwargs["sizes"].max_total_num_tokens)
 
 
 def built_pools(result, configurator, **_kwargs):
-    if view_arena.builds_cp_shared_pool(configurator):
+    if _builds_pool(configurator):
         startup_checks._raise(hook_rejections())
         pool, allocator = result.token_to_kv_pool, result.token_to_kv_pool_allocator
+        if decode_server.builds_pool(configurator):
+            logger.info(decode_server.check_built_pools(pool, allocator))
+            return result
         pool_hooks.check_built_pools(pool, allocator)
         metrics.report_pools(pool, allocator)
     return result
@@ -245,6 +255,67 @@ def close_room(original, sender):
     return result
 
 
+def transfer_pages(original, queue, decode_req, kv_indices, page_size):
+    page_size = decode_server.transfer_page_size(queue.token_to_kv_pool, page_size)
+    return original(queue, decode_req, kv_indices, page_size)
+
+
+def prefill_info(original, mgr, bootstrap_addr):
+    """``CommonKVManager.try_ensure_parallel_info`` on a decode CP server with the flag: SGLang's DCP block
+    there refuses a CP prefill (SGLang's DCP relayouts tokens from one prefill rank); a decode CP pool takes
+    whole pages from every CP rank, each routed to its owner by the prefill (``decode_routes``). The block
+    is its only reader of ``dcp_size``, read as 1 for the call (the scheduler thread, the attribute's only
+    reader on a decode)."""
+    if not (manager_enabled(mgr, "decode") and mgr.dcp_size > 1):
+        return original(mgr, bootstrap_addr)
+    dcp_size, mgr.dcp_size = mgr.dcp_size, 1
+    try:
+        return original(mgr, bootstrap_addr)
+    finally:
+        mgr.dcp_size = dcp_size
+
+
+def _forward_pool():
+    from sglang.srt.model_executor.forward_context import get_token_to_kv_pool
+
+    return get_token_to_kv_pool()
+
+
+def indexer_page_table(original, metadata):
+    pages, pool = original(metadata), _forward_pool()
+    return decode_server.indexer_page_table(pool, pages) if decode_server.is_decode_pool(pool) else pages
+
+
+def indexer_topk(original, metadata, logits, topk, *args, **kwargs):
+    pool = _forward_pool()
+    if not decode_server.is_decode_pool(pool):
+        return original(metadata, logits, topk, *args, **kwargs)
+    if args or any(v is not None for v in kwargs.values()):
+        raise NotImplementedError(f"{FLAG}: a decode CP pool's top-k of a batch other than a decode")
+    seqlens, pages = metadata.get_seqlens_int32(), metadata.attn_metadata.real_page_table
+    return decode_server.indexer_topk(pool, logits, seqlens, pages, topk)
+
+
+def decode_heads(_result, backend, *_args, **_kwargs) -> None:
+    if decode_server.is_decode_pool(backend.token_to_kv_pool) and backend.dcp_size > 1:
+        backend.flashmla_kv_num_q_heads = decode_server.flashmla_kv_heads(backend.num_dcp_q_heads)
+
+
+def decode_attention(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    if not (decode_server.is_decode_pool(backend.token_to_kv_pool) and backend.dcp_size > 1):
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    rope, k_rope, topk = (kwargs.pop(n, None) for n in ("q_rope", "k_rope", "topk_indices"))
+    if any(v is not None for v in kwargs.values()):
+        raise NotImplementedError(f"{FLAG}: decode CP with {sorted(n for n, v in kwargs.items() if v is not None)}")
+    return decode_server.forward_decode(backend, q, k, layer, forward_batch, save_kv_cache, rope, k_rope, topk)
+
+
+def dsa_dcp_overrides(original, cfg):
+    if not (enabled(cfg) and cfg.disaggregation_mode == "decode" and (cfg.dcp_size or 1) > 1):
+        return original(cfg)
+    return decode_server.decode_cp_overrides(cfg, original)
+
+
 HOOKS = [
     ("sglang.srt.server_args.ServerArgs.add_cli_args", add_flag, "after"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", copy_flag, "after"),
@@ -268,6 +339,13 @@ HOOKS = [
     (f"{_COMMON}.CommonKVManager.requires_dcp_relayout", keep_pages_whole, "around"),
     (f"{_MOONCAKE}.MooncakeKVManager.send_kvcache", send_to_owner, "around"),
     (f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", send_state_to_owner, "around"),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue._transfer_page_indices", transfer_pages, "around"),
+    (f"{_COMMON}.CommonKVManager.try_ensure_parallel_info", prefill_info, "around"),
+    (f"{_DSA}.dsa_indexer_metadata.DSAIndexerMetadata.get_page_table_64", indexer_page_table, "around"),
+    (f"{_DSA}.dsa_indexer_metadata.DSAIndexerMetadata.topk_transform", indexer_topk, "around"),
+    (f"{_DSA_BACKEND}.__init__", decode_heads, "after"),
+    (f"{_DSA_BACKEND}.forward_decode", decode_attention, "around"),
+    ("sglang.srt.arg_groups.model_overrides.deepseek_v2._dsa_dcp_overrides", dsa_dcp_overrides, "around"),
 ]
 RESOLUTION_HOOKS = [
     ("validate_prefill_cp_platform", startup_early),

@@ -52,21 +52,30 @@ def _unsupported(what: str):
     return method
 
 
+def server_group():
+    """``(rank, size, group)`` a server's pool is sharded over: a decode's DCP ranks
+    (``--dcp-size``), else the prefill's attention CP ranks; the group (a ``CPGroup``)
+    made at first use."""
+    from sglang.srt.runtime_context import get_disagg, get_parallel
+
+    p = get_parallel()
+    if get_disagg().disaggregation_mode == "decode":
+        return p.attn_dcp_rank, p.attn_dcp_size, lambda: CPGroup(get_parallel().dcp_group.device_group)
+    return p.attn_cp_rank, p.attn_cp_size, lambda: CPGroup(get_parallel().attn_cp_group.device_group)
+
+
 class CPSharedKVPoolMixin(PageInterleaveKVPoolMixin):
     """Sharded storage and the kv-shard read contract over an SGLang MLA/DSA pool.
     SGLang's mixin is inherited for its type only (its backends check it)."""
 
     def __init__(self, *args, cp_rank=None, cp_size=None, cp_group=None, **kwargs):
         """SGLang's pool, then this rank's share: ranks given (a lost peer raises), else
-        SGLang's CP group, looked up at first use (a lost peer stops the server)."""
+        the server's group (``server_group``; a lost peer stops the server)."""
         super().__init__(*args, **kwargs)
         lost, ps, dsa = None, self.page_size, isinstance(self, DSATokenToKVPool)
         if cp_rank is None or cp_size is None:
-            from sglang.srt.runtime_context import get_parallel
-
-            p = get_parallel()
-            cp_rank, cp_size, lost = p.attn_cp_rank, p.attn_cp_size, stop_server
-            cp_group = cp_group or (lambda: CPGroup(get_parallel().attn_cp_group.device_group))
+            cp_rank, cp_size, server = server_group()
+            cp_group, lost = cp_group or server, stop_server
         check_int("cp_size", cp_size, 2)
         if self.use_dsa and not dsa:
             raise ValueError("DSA pools are CPSharedDSATokenToKVPool")
@@ -240,7 +249,13 @@ class CPSharedIndexKeyCache(IndexKeyCache):
 
 
 class CPSharedDSATokenToKVPool(CPSharedKVPoolMixin, DSATokenToKVPool):
-    """SGLang's DSA pool (latent + indexer pages), sharded over the prefill CP ranks."""
+    """SGLang's DSA pool (latent + indexer pages), sharded over the prefill CP ranks or a
+    decode's DCP ranks."""
+
+    def __init__(self, size, *args, index_buf_size=None, **kwargs):
+        # Indexer rows as the latent's: SGLang's DCP default replicates them (N x size).
+        index_buf_size = size if index_buf_size is None else index_buf_size
+        super().__init__(size, *args, index_buf_size=index_buf_size, **kwargs)
 
     def _create_index_key_cache(self) -> IndexKeyCache:
         return CPSharedIndexKeyCache(self, self.index_buf_size)

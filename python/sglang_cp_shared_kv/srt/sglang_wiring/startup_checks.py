@@ -36,7 +36,17 @@ _DROP = {
     "--enable-two-batch-overlap": "is not wired: one read plan per pool",
     "--enable-pdmux": "is not wired: split prefill batches are not planned",
 }
-_DECODE_CP = ("--enable-prefill-cp", "--enable-cp-decode-attn-tp", "--attn-cp-size", "--dcp-size")
+_DECODE_CP = ("--enable-prefill-cp", "--enable-cp-decode-attn-tp", "--attn-cp-size")
+# Flags a decode CP server (--dcp-size > 1) cannot combine with this one, and why.
+_DROP_DECODE_CP = {
+    "--speculative-algorithm": "is not wired on a decode CP server: the draft model's pool is not sharded",
+    "--enable-hierarchical-cache": "is not wired on a decode CP server: host copies of a sharded pool",
+    "--enable-hisparse": "is not wired on a decode CP server: HiSparse needs whole pages on a rank",
+    "--enable-lmcache": "is not wired on a decode CP server: LMCache reads whole pages from one rank",
+    "--enable-dsa-cache-layer-split": "splits the same DSA cache by layer, not page",
+    "--enable-two-batch-overlap": "is not wired on a decode CP server",
+    "--pp-size": "is not wired on a decode CP server: pipeline-parallel slices of the pool",
+}
 
 
 class CPSharedKVStartupError(ValueError):
@@ -95,8 +105,9 @@ def model_config_rejections(path: str, revision: str | None = None) -> list[str]
     )
 
 
-def flag_rejections(cfg: Any) -> list[str]:
-    """The rules on the flags alone (the record or a resolving view of it)."""
+def flag_rejections(cfg: Any, decode_cp: bool = False) -> list[str]:
+    """The rules on the flags alone (the record or a resolving view of it); ``decode_cp``: a decode may
+    shard its pool over ``--dcp-size`` ranks (its hooks are installed)."""
     from sglang.srt.environ import envs
 
     backend, mode = cfg.disaggregation_transfer_backend, cfg.disaggregation_mode
@@ -110,13 +121,16 @@ def flag_rejections(cfg: Any) -> list[str]:
         and "SGLANG_DISAGG_STAGING_BUFFER: staged transfers send no owned pages or manifests; unset it",
     ]
     if mode == "decode":
-        on = [f for f in _DECODE_CP if _given(cfg, f)]
+        on = [f for f in _DECODE_CP + (() if decode_cp else ("--dcp-size",)) if _given(cfg, f)]
         shown = ", ".join(_given(cfg, f) for f in on)
+        dcp = decode_cp and (cfg.dcp_size or 1) > 1
+        kept = "shards its KV over --dcp-size ranks, or holds it whole" if decode_cp else "holds the KV whole"
         return _lines(
             *both,
             on
-            and f"{shown} on the decode server: it stays non-CP (the KV is sharded on "
-            f"the --disaggregation-mode prefill server); drop {', '.join(on)} here",
+            and f"{shown} on the decode server: prefill CP runs on the --disaggregation-mode prefill "
+            f"server (a decode {kept}); drop {', '.join(on)} here",
+            *(dcp and f"{g} {w}; drop {f}" for f, w in _DROP_DECODE_CP.items() if (g := _given(cfg, f))),
         )
     chunk, ps = cfg.chunked_prefill_size, cfg.page_size
     out = model_config_rejections(str(cfg.model_path), getattr(cfg, "revision", None))
@@ -173,15 +187,18 @@ def _setting_rejections() -> list[str]:
     )
 
 
-def resolved_rejections(server_args: Any) -> list[str]:
-    """The flag rules, then those on the model and the resolved values."""
+def resolved_rejections(server_args: Any, decode_cp_rules=None) -> list[str]:
+    """The flag rules, then those on the model and the resolved values; ``decode_cp_rules(server_args)``:
+    a decode CP server's lines, None where a decode may not shard its pool."""
     from sglang.srt.arg_groups import overrides
     from sglang.srt.configs.model_config import AttentionArch, is_deepseek_dsa
 
     cfg = overrides.resolving_view(server_args)
-    out = flag_rejections(cfg)
-    if cfg.disaggregation_mode == "decode":  # its pool, model and kernels are SGLang's
-        return out
+    out = flag_rejections(cfg, decode_cp_rules is not None)
+    if cfg.disaggregation_mode == "decode":
+        # A decode CP server's pool is sharded; a non-CP decode's pool, model and kernels are SGLang's.
+        sharded = decode_cp_rules is not None and (cfg.dcp_size or 1) > 1
+        return out + (decode_cp_rules(server_args) if sharded else [])
     cp = cfg.attn_cp_size or 1  # SGLang sets a DeepSeek model's CP size itself
     out += _lines(
         cfg.enable_prefill_cp
@@ -252,14 +269,14 @@ def _dsa_rejections(cfg: Any, hf: Any, backend: str, arch: str) -> list[str]:
     )
 
 
-def early_check(server_args: Any) -> None:
+def early_check(server_args: Any, decode_cp: bool = False) -> None:
     """After ``validate_prefill_cp_platform`` (model unresolved): the flag rules."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    _raise(flag_rejections(resolving_view(server_args)))
+    _raise(flag_rejections(resolving_view(server_args), decode_cp))
 
 
-def resolved_check(server_args: Any) -> None:
+def resolved_check(server_args: Any, decode_cp_rules=None) -> None:
     """After ``handle_kv_cache_sharding`` (twice; idempotent): every rule, then on a
     prefill server Python's radix tree core by default and an eager prefill."""
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
@@ -268,13 +285,13 @@ def resolved_check(server_args: Any) -> None:
 
     cfg = resolving_view(server_args)
     if cfg.disaggregation_mode == "decode":
-        return _raise(resolved_rejections(server_args))
+        return _raise(resolved_rejections(server_args, decode_cp_rules))
     core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND  # Python's tracks page owners
     if not core.is_set():
         core.set("python")
     other = not cfg.disable_radix_cache and core.get() != "python"
     tree = other and f"{core.name}={core.get()!r} does not track page owners; unset it"
-    _raise(resolved_rejections(server_args) + _lines(tree))
+    _raise(resolved_rejections(server_args, decode_cp_rules) + _lines(tree))
     graph = cfg.cuda_graph_config
     if graph.prefill.backend != Backend.DISABLED:  # the read plan is made per batch
         logger.warning("%s: prefill CUDA graph (%s) off: the read plan runs eagerly", FLAG, graph.prefill.backend)

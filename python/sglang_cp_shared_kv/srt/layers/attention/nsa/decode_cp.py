@@ -66,17 +66,25 @@ def indexer_pages(pages: torch.Tensor, cp_size: int, rank: int) -> torch.Tensor:
     return torch.where(owned, local_page(pages, cp_size), TRASH_PAGE).to(pages.dtype)
 
 
+def owned_scores(
+    scores: torch.Tensor, lengths: torch.Tensor, pages: torch.Tensor, page_size: int, cp_size: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 and int64 ``[B, L]``: this rank's ``scores`` (column ``j``: position ``j``, read through
+    ``indexer_pages``) and positions where it owns a position in ``[0, length)``, ``-inf`` and -1 elsewhere;
+    ``lengths [B]``, the logical ``pages [B, W]``."""
+    pos = torch.arange(scores.shape[1], device=scores.device)
+    page = pages.long()[:, (pos // page_size).clamp(max=pages.shape[1] - 1)]
+    mine = (page_owner(page, cp_size) == rank) & (pos < lengths.unsqueeze(1))
+    return torch.where(mine, scores.float(), -torch.inf), torch.where(mine, pos, -1)
+
+
 def owned_topk(
     scores: torch.Tensor, lengths: torch.Tensor, pages: torch.Tensor, page_size: int, topk: int, group: CPGroup
 ) -> torch.Tensor:
     """int32 ``[B, topk]``: SGLang's decode top-k of the replicated indexer (positions in ``[0, length)``, -1
-    after them) from this rank's ``scores`` fp32 ``[B, L]`` (column ``j``: position ``j``, read through
-    ``indexer_pages``), ``lengths [B]`` and the logical ``pages [B, W]``."""
-    pos = torch.arange(scores.shape[1], device=scores.device)
-    page = pages.long()[:, (pos // page_size).clamp(max=pages.shape[1] - 1)]
-    mine = (page_owner(page, group.size) == group.rank) & (pos < lengths.unsqueeze(1))
-    ranked = torch.where(mine, scores.float(), -torch.inf)
-    return global_topk(ranked, torch.where(mine, pos, -1), topk, group).to(torch.int32)
+    after them) from this rank's ``scores`` fp32 ``[B, L]`` (``owned_scores``)."""
+    ranked, positions = owned_scores(scores, lengths, pages, page_size, group.size, group.rank)
+    return global_topk(ranked, positions, topk, group).to(torch.int32)
 
 
 def position_rows(pages: torch.Tensor, page_size: int, cp_size: int, rank: int, width: int) -> torch.Tensor:

@@ -26,7 +26,13 @@ prefill and decode alike):
   cache matches them (``#cached-token: 1536`` in SGLang's batch log), the CP ranks read that prefix
   through the views, and the decoded tokens and log-probabilities equal the stock pair's;
 - the decode killed mid-request (its process group, while it generates): its client gets its answer at
-  once (the connection closes), not a hang, and the prefill serves the next request.
+  once (the connection closes), not a hang, and the prefill serves the next request;
+- a decode CP server (``--tp-size 2 --dcp-size 2``, the flag) beside the prefill: each decode rank builds
+  the pool sharded by page ownership under SGLang's DCP allocator, takes the pages it owns from both
+  prefill ranks, and decodes 8 tokens through SGLang's DCP path (the plugin's top-k over the ranks, each
+  rank's FlashMLA stand-in over its own rows, SGLang's LSE merge), every step checked in debug mode
+  against the replicated top-k and attention. Its tokens are not compared with a replicated decode's:
+  the random model turns the merge's bf16 rounding into other top-k picks at the next layer.
 
 Not reached: on the prefill server alone (SGLang's fake transfer) the second prompt's prefix is not
 matched (``#cached-token: 0``); SGLang's router (not installed here: the test sends to both servers
@@ -63,6 +69,7 @@ READY_S = 210 * CP  # CP scheduler processes importing SGLang on 2 shared cores
 ANSWER_S = 150 * CP  # a request on CP ranks sharing 2 cores
 SHARED = 1536  # the second prompt's prefix shared with the first
 DECODE_TOKENS = 8
+DCP = 2  # decode CP ranks of the decode CP server
 # SGLang's own flags for a CPU server: the torch top-k (the platform sets SGLANG_DSA_FUSE_TOPK=0) and no
 # overlap scheduling (its early KV send records a CUDA event).
 CPU_FLAGS = ["--dsa-topk-backend", "torch", "--disable-overlap-schedule"]
@@ -99,8 +106,10 @@ def _prefill_argv(model: str, bootstrap_port: int, flag: bool) -> list[str]:
     return argv + CPU_FLAGS + (["--enable-cp-shared-kv"] if flag else [])
 
 
-def _decode_argv(model: str, flag: bool) -> list[str]:
-    argv = decode_argv(str(model), PAGE)
+def _decode_argv(model: str, flag: bool, tp: int = 1, dcp: int = 1) -> list[str]:
+    argv = decode_argv(str(model), PAGE) + ["--tp-size", str(tp)]
+    if dcp > 1:  # decode context parallel: DCP ranks within the TP ranks
+        argv += ["--dcp-size", str(dcp)]
     argv[argv.index("--model-path") + 1] = model
     argv += ["--load-format", "dummy", "--attention-backend", "dsa", "--max-total-tokens", str(SLOTS)]
     argv += ["--context-length", "4096", "--mem-fraction-static", "0.05", "--enable-metrics", "--skip-server-warmup"]
@@ -120,7 +129,7 @@ def _series(metrics: str, name: str) -> dict[int, float]:
     return out
 
 
-def _servers(tmp_path_factory, name: str, *, flag: bool, decode: bool = False):
+def _servers(tmp_path_factory, name: str, *, flag: bool, decode: bool = False, tp: int = 1, dcp: int = 1):
     """Starts a prefill server (CP ``CP`` ranks), and first a decode server when ``decode``; yields (prefill,
     decode or None)."""
     missing = missing_server_stack()
@@ -140,7 +149,7 @@ def _servers(tmp_path_factory, name: str, *, flag: bool, decode: bool = False):
         if decode:
             # The decode's debug log names each request whose manifests it accepted (no device syncs there).
             dec_env = {**env, "SGLANG_DEBUG_CP_SHARED_KV": "1"}
-            dec = Server(_decode_argv(model, flag), dec_env, root / "decode.log", free_port())
+            dec = Server(_decode_argv(model, flag, tp, dcp), dec_env, root / "decode.log", free_port())
             started.append(dec)
             dec.ready_s = dec.wait_ready(READY_S)
         bootstrap_port = free_port()
@@ -416,3 +425,41 @@ class TestPDWithTheFlag:
             timeout_s=ANSWER_S,
         )
         assert status == 200, (status, text[:300], prefill.tail(40))
+
+
+class TestPDIntoDecodeCP:
+    """The CP prefill with the flag into a decode CP server (``--tp-size 2 --dcp-size 2``, the flag): each
+    decode rank builds the pool sharded by page ownership over the DCP ranks, takes the pages it owns from
+    both prefill CP ranks (routed by the prefill), and decodes through SGLang's DCP path: the indexer's
+    top-k from each rank's own keys merged over the ranks, each rank's attention over its own rows,
+    SGLang's LSE merge. The decode runs in debug mode: every step's top-k and attention, per layer and
+    rank, are checked in the server against the replicated ones (the scores and rows gathered from their
+    owners); a mismatch stops it."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def servers(cls, tmp_path_factory):
+        yield from _servers(tmp_path_factory, "pd_dcp", flag=True, decode=True, tp=DCP, dcp=DCP)
+
+    def test_each_decode_rank_builds_the_sharded_pool(self, servers):
+        _, decode = servers
+        log = decode.text()
+        for rank in range(DCP):
+            line = (
+                f"--enable-cp-shared-kv: decode CP pool, rank {rank} of {DCP}: {SLOTS} latent and indexer rows "
+                f"here, {DCP * SLOTS} tokens across the ranks"
+            )
+            assert line in log, decode.tail(60)
+
+    def test_a_request_through_prefill_and_decode_cp(self, servers):
+        prefill, decode = servers
+        _, _, answer = _pd_request(prefill, decode, room=7, max_new_tokens=DECODE_TOKENS)
+        log = decode.text()
+        # Each decode rank accepted both prefill ranks' manifests, routed by its DCP size.
+        assert log.count(f"--enable-cp-shared-kv: room 7: {CP} manifests cover its {PROMPT // PAGE} pages") == DCP
+        assert "manifest check failed" not in log
+        checked = "--enable-cp-shared-kv: debug mode: every decode CP step's top-k and attention are checked"
+        assert log.count(checked) == DCP, decode.tail(60)
+        decoded = _decoded(answer)
+        assert len(decoded["output_ids"]) == DECODE_TOKENS
+        assert all(math.isfinite(lp) and lp < 0 for lp, _tok, _ in decoded["output_token_logprobs"])

@@ -70,8 +70,8 @@ def _install_device_waiver() -> None:
     if getattr(checks, "_cpu_platform_waiver", False):
         return
 
-    def resolved_rejections(server_args):
-        return [line for line in checks(server_args) if "--device cpu:" not in line]
+    def resolved_rejections(server_args, *args):
+        return [line for line in checks(server_args, *args) if "--device cpu:" not in line]
 
     resolved_rejections._cpu_platform_waiver = True
     startup_checks.resolved_rejections = resolved_rejections
@@ -104,6 +104,26 @@ def _install_flash_mla() -> None:
     from cp_shared_kv_cpu_platform.dsa_stand_ins import install_flash_mla
 
     install_flash_mla()
+
+
+# The dummy weights' range: the tiny model's next-token distribution then depends on its attention.
+DUMMY_WEIGHT_RANGE = 0.5
+
+
+def _install_dummy_weight_range() -> None:
+    import functools
+
+    from sglang.srt.model_loader import loader, weight_utils
+
+    init = weight_utils.initialize_dummy_weights
+    r = DUMMY_WEIGHT_RANGE
+    loader.initialize_dummy_weights = functools.partial(init, low=-r, high=r)
+
+
+def _install_dcp_platform() -> None:
+    from sglang.srt.distributed import parallel_state
+
+    parallel_state.is_cuda = lambda: True
 
 
 def _install_sender_indices() -> None:
@@ -163,6 +183,18 @@ STAND_INS: dict[str, tuple[str, str, object]] = {
         "SGLang's own masking and torch top-k; decode batches: the keys through SGLang's page table and "
         "read buffer (reference.dsa_reference.read_index_k), the same logits (other batch kinds raise)",
         _install_dsa_ops,
+    ),
+    "--load-format dummy: the weights' range": (
+        "SGLang draws every dummy weight from U(-1e-3, 1e-3): the tiny model's next-token distribution is "
+        "uniform to about 1e-6, whatever its attention reads",
+        f"U(-{DUMMY_WEIGHT_RANGE}, {DUMMY_WEIGHT_RANGE}), SGLang's own initializer and seed",
+        _install_dummy_weight_range,
+    ),
+    "parallel_state.is_cuda": (
+        "initialize_model_parallel refuses --dcp-size > 1 (decode context parallel) on a platform that is not "
+        "CUDA, HIP, NPU or XPU; that check is the only reader of is_cuda in its module",
+        "returns True there: the decode CP groups are built as on a GPU, over gloo",
+        _install_dcp_platform,
     ),
     "MooncakeKVSender.supports_host_tensor_indices": (
         "a stock prefill (not one with the flag: its CP ranks all send) copies each chunk's page indices into "

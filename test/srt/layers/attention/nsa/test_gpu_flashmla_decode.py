@@ -155,6 +155,76 @@ def test_decode_cp_each_rank_attends_over_its_own_rows_and_the_lse_merge_equals_
     assert torch.allclose(merged, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (merged - out_repl[:, 0]).abs().max()
 
 
+def test_decode_server_fp8_decode_through_sglang_flashmla_merges_to_the_replicated_decode():
+    """The decode CP server's FlashMLA call (``decode_server._flashmla_kv``: SGLang's ``flash_mla_interface``,
+    the DSA backend's legacy schedule for the padded head count over the full lengths, 16 heads padded
+    to 64): each of 2 ranks over the selected rows it owns; merged by LSE (``merge_by_lse``, and SGLang's
+    ``correct_attn_out`` over ``for_dcp_merge``'s base-2 LSE), the outputs equal the same call over the
+    replicated pool within its bf16 output's rounding, a rank that attends to nothing included."""
+    from types import SimpleNamespace
+
+    interface = pytest.importorskip("sglang.kernels.ops.attention.flash_mla_interface")
+    dcp_kernels = pytest.importorskip("sglang.kernels.ops.attention.dcp_kernels")
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import (
+        for_dcp_merge,
+        merge_by_lse,
+        owned_rows,
+        position_rows,
+    )
+    from sglang_cp_shared_kv.srt.sglang_wiring import decode_server
+
+    cp_size, dev, topk, heads = 2, "cuda", 128, 16
+    lens = [3 * PS + 5, 9 * PS + 17, 13 * PS]
+    _, req_pages, replicated, ranks = _pools(cp_size, lens, seed=3)
+    b, width = len(lens), max(lens)
+    q = (torch.randn(b, heads, 576, device=dev) / 4).to(torch.bfloat16)
+    selected = torch.stack([torch.randperm(n, device=dev)[:topk] for n in lens])
+    selected[0] = torch.cat([torch.randperm(PS, device=dev)[:40], torch.full((topk - 40,), -1, device=dev)])
+    padded = decode_server.flashmla_kv_heads(heads)
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32, device=dev).clamp(max=topk)  # dsa_cache_seqlens
+    meta, splits = interface.get_mla_metadata(
+        cache_seqlens=cache_seqlens,
+        num_q_tokens_per_head_k=padded,
+        num_heads_k=1,
+        num_heads_q=padded,
+        is_fp8_kvcache=True,
+        topk=topk,
+    )
+    backend = SimpleNamespace(flashmla_kv_num_q_heads=padded, physical_page_size=PS, kv_cache_dim=656,
+                              flashmla_kv_format="V32")  # fmt: skip
+    flashmla = SimpleNamespace(flashmla_metadata=meta, num_splits=splits)
+    metadata = SimpleNamespace(dsa_cache_seqlens_int32=cache_seqlens, flashmla_metadata=flashmla)
+    layer = SimpleNamespace(v_head_dim=512, scaling=576**-0.5)
+
+    def attend(latent, rows):
+        kv = latent.view(torch.float8_e4m3fn).view(-1, 1, 656)
+        out, lse = decode_server._flashmla_kv(backend, q, kv, rows, layer=layer, metadata=metadata)
+        return out[:, :heads].float(), lse[:, :heads]
+
+    want, want_lse = attend(replicated.latent[0], _rows_through(selected, req_pages))
+    outs, lses = [], []
+    for r, pool in enumerate(ranks):
+        row_of = torch.stack(
+            [
+                torch.nn.functional.pad(position_rows(p.view(1, -1), PS, cp_size, r, n)[0], (0, width - n), value=-1)
+                for p, n in zip(req_pages, lens)
+            ]
+        )
+        out, lse = attend(pool.latent[0], owned_rows(selected, row_of).to(torch.int32))
+        outs.append(out)
+        lses.append(lse)
+    out, lse = merge_by_lse(torch.stack(outs), torch.stack(lses))
+    assert torch.allclose(lse, want_lse.float(), atol=1e-4), (lse - want_lse).abs().max()
+    assert torch.allclose(out, want, atol=1e-2, rtol=1e-2), (out - want).abs().max()
+    fed = [for_dcp_merge(o, lse_r) for o, lse_r in zip(outs, lses)]
+    all_lses = torch.stack([lse_r for _, lse_r in fed])
+    merged = sum(
+        dcp_kernels.correct_attn_out(o, all_lses, r, None, torch.empty_like(o.transpose(0, 1)))[0]
+        for r, (o, _) in enumerate(fed)
+    ).transpose(0, 1)
+    assert torch.allclose(merged, want, atol=1e-2, rtol=1e-2), (merged - want).abs().max()
+
+
 def test_decode_cp_step_makes_no_host_sync_and_replays_in_a_cuda_graph():
     """A whole decode CP step for every rank of a group of 4 (``decode_cp``), on one GPU: each rank's
     own top-k over the index scores of the positions it owns, the global top-k over every rank's

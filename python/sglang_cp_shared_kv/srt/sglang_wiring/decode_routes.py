@@ -5,8 +5,8 @@ the request's logical destination pages, the same on every decode rank. Each pre
 the pages it owns whose destination logical page ``l`` has ``l % D == d``, to that rank's physical page
 ``l // D`` (``route_to_owner``), latent and indexer pages alike: every page once, from its prefill
 owner to its decode owner, whole, for any ``D`` (not SGLang's token relayout). Each rank's manifest names the
-``D`` it routed by (``routed_dcp_size``) and the decode refuses any other. No decode server builds such
-a pool yet (the startup checks refuse ``--dcp-size`` there); the demo's ``--decode-cp-size`` runs it.
+``D`` it routed by (``routed_dcp_size``) and the decode refuses any other. A decode server with the flag
+and ``--dcp-size D`` builds such a pool (``decode_server``), as do the demo's ``--decode-cp-size`` ranks.
 """
 
 from __future__ import annotations

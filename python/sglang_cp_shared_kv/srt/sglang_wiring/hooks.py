@@ -50,8 +50,9 @@ _HELP = (
     "Shard the MLA latent + DSA indexer KV cache across the prefill context-parallel ranks: "
     "each logical page is stored once, on rank (page %% attn-cp-size), instead of on every CP rank. "
     "On a prefill server: needs --enable-prefill-cp --cp-strategy interleave over N > 1 attention CP ranks and "
-    "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake. On a (non-CP) decode server "
-    "with --disaggregation-mode decode: expect and check the prefill ranks' page manifests (sglang-cp-shared-kv plugin)."
+    "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake. On a decode server "
+    "with --disaggregation-mode decode: expect and check the prefill ranks' page manifests; with --dcp-size N > 1 "
+    "(a DSA model, FlashMLA decode) also shard its KV the same way over its N DCP ranks (sglang-cp-shared-kv plugin)."
 )
 
 

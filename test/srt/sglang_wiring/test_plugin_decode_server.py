@@ -35,12 +35,13 @@ SM_SCALE = 576**-0.5
 
 
 def _flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
-    """FlashMLA's sparse kernel by the project's oracle: (out, None, natural-log lse)."""
+    """SGLang's ``flash_mla_sparse_fwd`` by the project's oracle: (out, None, lse), the lse in base 2 as
+    SGLang's wrapper returns the legacy kernel's."""
     from reference.dsa_reference import sparse_mla
 
     out, lse = sparse_mla(q.float(), kv.reshape(kv.shape[0], -1).contiguous().view(torch.uint8), "bf16",
                           indices[:, 0, :].long(), sm_scale, d_v)  # fmt: skip
-    return out.to(q.dtype), None, lse
+    return out.to(q.dtype), None, lse * 1.4426950408889634  # log2(e)
 
 
 def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
@@ -183,8 +184,8 @@ def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
 
 def _attend(q, kv, indices):
     """The step's kernel as the check calls it: ``(out, natural lse)`` over ``indices [R, k]``."""
-    out, _, lse = _flash_mla_sparse_fwd(q, kv, indices.unsqueeze(1), SM_SCALE)
-    return out, lse
+    out, _, lse2 = _flash_mla_sparse_fwd(q, kv, indices.unsqueeze(1), SM_SCALE)
+    return out, lse2 * 0.6931471805599453  # ln(2)
 
 
 def _raises(error: type, fn, *args) -> bool:

@@ -167,15 +167,16 @@ def _padded_heads(q: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _flashmla_sparse(backend, q, kv, rows, *, layer):
-    """FlashMLA's sparse kernel over a bf16 cache: ``(out [R, H', D_v], natural lse [R, H'])``."""
+    """FlashMLA's sparse kernel over a bf16 cache: ``(out [R, H', D_v], natural lse [R, H'])`` (SGLang's
+    wrapper returns the legacy kernel's LSE in base 2)."""
     from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd
 
     block = 128 if backend.device_sm_major >= 10 else 64  # the kernel's head multiple
     q = _padded_heads(q, -(-q.shape[1] // block) * block)
-    out, _, lse = flash_mla_sparse_fwd(
+    out, _, lse2 = flash_mla_sparse_fwd(
         q=q, kv=kv, indices=rows.unsqueeze(1), sm_scale=layer.scaling, d_v=layer.v_head_dim
     )
-    return out, lse
+    return out, lse2 * 0.6931471805599453  # ln(2)
 
 
 def _flashmla_kv(backend, q, kv, rows, *, layer, metadata):

@@ -124,7 +124,8 @@ def _topk_paged(self, layer_id, q_fp8, weights, metadata):
 
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, *, use_legacy=True):
-    """FlashMLA's sparse prefill over a bf16 ``kv`` by the project's oracle: (out, None, natural-log lse)."""
+    """SGLang's ``flash_mla_sparse_fwd`` over a bf16 ``kv`` by the project's oracle: (out, None, lse), the lse
+    in base 2 as SGLang's wrapper returns the legacy kernel's."""
     from reference.dsa_reference import sparse_mla
 
     if attn_sink is not None:
@@ -135,7 +136,7 @@ def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk
         rows = torch.where(cols < topk_length.unsqueeze(-1), rows, torch.full_like(rows, -1))
     kv_rows = kv.reshape(kv.shape[0], -1).contiguous().view(torch.uint8)
     out, lse = sparse_mla(q, kv_rows, "bf16", rows, sm_scale, d_v)
-    return out.to(q.dtype), None, lse
+    return out.to(q.dtype), None, lse * 1.4426950408889634  # log2(e)
 
 
 def install_flash_mla() -> None:

@@ -42,21 +42,25 @@ def _rows_through(positions: torch.Tensor, tables: list[torch.Tensor]) -> torch.
     ).to(torch.int32)
 
 
-def _pools(cp_size: int, lens: list[int], seed: int):
-    """Random fp8 rows for requests of ``lens`` tokens on rotating pages, stored in a replicated pool and
-    in every rank's sharded pool: ``(ownership, pages per request, replicated pool, rank pools)``."""
+def _pools(cp_size: int, lens: list[int], seed: int, kv_format: str = "fp8"):
+    """Random fp8 (or bf16) rows for requests of ``lens`` tokens on rotating pages, stored in a replicated
+    pool and in every rank's sharded pool: ``(ownership, pages per request, replicated pool, rank pools)``."""
     torch.manual_seed(seed)
     own = PageOwnership(cp_size, PS)
     alloc = RotatingPages(own.cp_size, 16)
-    replicated = PagePool(PageOwnership(1, PS), 0, 16 * cp_size, 1, "fp8", with_indexer=False, device="cuda")
-    ranks = [PagePool(own, r, 16, 1, "fp8", with_indexer=False, device="cuda") for r in range(cp_size)]
+    replicated = PagePool(PageOwnership(1, PS), 0, 16 * cp_size, 1, kv_format, with_indexer=False, device="cuda")
+    ranks = [PagePool(own, r, 16, 1, kv_format, with_indexer=False, device="cuda") for r in range(cp_size)]
     req_pages = []
     for n in lens:
         pages = alloc.alloc(-(-n // PS), 0).to("cuda")
         req_pages.append(pages)
         pos = torch.arange(n, device="cuda")
         locs = pages[pos // PS] * PS + pos % PS
-        rows = quantize_mla_fp8(torch.randn(n, 512, device="cuda") * 3, torch.randn(n, 64, device="cuda"))
+        nope, rope = torch.randn(n, 512, device="cuda") * 3, torch.randn(n, 64, device="cuda")
+        if kv_format == "fp8":
+            rows = quantize_mla_fp8(nope, rope)
+        else:
+            rows = torch.cat([nope, rope], dim=1).to(torch.bfloat16).view(torch.uint8)
         replicated.set_latent(0, locs, rows)
         for pool in ranks:
             pool.set_latent(0, locs, rows)
@@ -155,12 +159,15 @@ def test_decode_cp_each_rank_attends_over_its_own_rows_and_the_lse_merge_equals_
     assert torch.allclose(merged, out_repl[:, 0].float(), atol=1e-2, rtol=1e-2), (merged - out_repl[:, 0]).abs().max()
 
 
-def test_decode_server_fp8_decode_through_sglang_flashmla_merges_to_the_replicated_decode():
-    """The decode CP server's FlashMLA call (``decode_server._flashmla_kv``: SGLang's ``flash_mla_interface``,
-    the DSA backend's legacy schedule for the padded head count over the full lengths, 16 heads padded
-    to 64): each of 2 ranks over the selected rows it owns; merged by LSE (``merge_by_lse``, and SGLang's
+@pytest.mark.parametrize("kernel", ["flashmla_kv", "flashmla_sparse"])
+def test_decode_server_flashmla_call_merges_to_the_replicated_decode(kernel):
+    """The decode CP server's FlashMLA calls through SGLang's ``flash_mla_interface``: ``flashmla_kv`` over
+    the fp8 cache (the DSA backend's legacy schedule for the padded head count over the full lengths) and
+    ``flashmla_sparse`` over a bf16 cache (the legacy kernel's base-2 LSE, read as such), 16 heads padded
+    to 64: each of 2 ranks over the selected rows it owns; merged by LSE (``merge_by_lse``, and SGLang's
     ``correct_attn_out`` over ``for_dcp_merge``'s base-2 LSE), the outputs equal the same call over the
-    replicated pool within its bf16 output's rounding, a rank that attends to nothing included."""
+    replicated pool within its bf16 output's rounding (and its natural LSE the plain-torch reference's),
+    a rank that attends to nothing included."""
     from types import SimpleNamespace
 
     interface = pytest.importorskip("sglang.kernels.ops.attention.flash_mla_interface")
@@ -175,7 +182,8 @@ def test_decode_server_fp8_decode_through_sglang_flashmla_merges_to_the_replicat
 
     cp_size, dev, topk, heads = 2, "cuda", 128, 16
     lens = [3 * PS + 5, 9 * PS + 17, 13 * PS]
-    _, req_pages, replicated, ranks = _pools(cp_size, lens, seed=3)
+    kv_format = "fp8" if kernel == "flashmla_kv" else "bf16"
+    _, req_pages, replicated, ranks = _pools(cp_size, lens, seed=3, kv_format=kv_format)
     b, width = len(lens), max(lens)
     q = (torch.randn(b, heads, 576, device=dev) / 4).to(torch.bfloat16)
     selected = torch.stack([torch.randperm(n, device=dev)[:topk] for n in lens])
@@ -191,17 +199,29 @@ def test_decode_server_fp8_decode_through_sglang_flashmla_merges_to_the_replicat
         topk=topk,
     )
     backend = SimpleNamespace(flashmla_kv_num_q_heads=padded, physical_page_size=PS, kv_cache_dim=656,
-                              flashmla_kv_format="V32")  # fmt: skip
+                              flashmla_kv_format="V32", device_sm_major=9)  # fmt: skip
     flashmla = SimpleNamespace(flashmla_metadata=meta, num_splits=splits)
     metadata = SimpleNamespace(dsa_cache_seqlens_int32=cache_seqlens, flashmla_metadata=flashmla)
     layer = SimpleNamespace(v_head_dim=512, scaling=576**-0.5)
 
     def attend(latent, rows):
-        kv = latent.view(torch.float8_e4m3fn).view(-1, 1, 656)
-        out, lse = decode_server._flashmla_kv(backend, q, kv, rows, layer=layer, metadata=metadata)
+        if kernel == "flashmla_kv":
+            kv = latent.view(torch.float8_e4m3fn).view(-1, 1, 656)
+            out, lse = decode_server._flashmla_kv(backend, q, kv, rows, layer=layer, metadata=metadata)
+        else:
+            kv = latent.view(torch.bfloat16).view(-1, 1, 576)
+            out, lse = decode_server._flashmla_sparse(backend, q, kv, rows, layer=layer)
         return out[:, :heads].float(), lse[:, :heads]
 
-    want, want_lse = attend(replicated.latent[0], _rows_through(selected, req_pages))
+    rows_repl = _rows_through(selected, req_pages)
+    want, want_lse = attend(replicated.latent[0], rows_repl)
+    for i in range(b):  # the natural LSE against the plain-torch reference
+        _, ref_lse = sparse_mla(q[i : i + 1].float(), replicated.latent[0], kv_format, rows_repl[i : i + 1].long(),
+                                layer.scaling)  # fmt: skip
+        assert torch.allclose(want_lse[i].float(), ref_lse[0], atol=1e-3), (
+            kernel,
+            (want_lse[i] - ref_lse[0]).abs().max(),
+        )
     outs, lses = [], []
     for r, pool in enumerate(ranks):
         row_of = torch.stack(

@@ -510,7 +510,7 @@ def _decode_sharded(args, ranks: _Ranks, model_dir: str) -> dict:
 
 def _decode_rank(rank: int, size: int, cfg: dict, to_driver, inbox) -> None:
     """One rank of a decode sharded by page ownership: its pool (``CPSharedDSATokenToKVPool``, rank ``rank`` of
-    ``size``, built directly: a decode server does not build it under ``--dcp-size`` yet), SGLang's Mooncake
+    ``size``, built directly; a decode server with the flag and ``--dcp-size`` builds it itself), SGLang's Mooncake
     manager and receivers with the manifest check, the pages it owns checked, then its part of a decode step."""
     import numpy as np
     import torch
@@ -703,7 +703,7 @@ def _report(args, res: dict, seconds: float) -> tuple[list[str], dict, bool]:
         f"{r0['classes']['allocator']}, prepare_kv_shard_forward; "
         f"stock {r0['classes']['stock']}; MooncakeKVManager, MooncakeKVSender, MooncakeKVReceiver, "
         f"MooncakeTransferEngine; decode {res['decode_pool']}"
-        + (" (built directly: a decode server does not build it under --dcp-size yet)" if size > 1 else ""),
+        + (" (built directly, as a decode server's under --dcp-size)" if size > 1 else ""),
         "",
         f"{'per prefill rank':<34}{'stock (replicated)':>20}{'kv-cache-sharding':>20}{'cp-shared-kv (ours)':>22}",
         f"{'  KV held':<34}{_fmt_bytes(r0['stock_held']):>20}{_fmt_bytes(r0['kv_held']):>20}"

@@ -21,17 +21,10 @@ import types
 
 import pytest
 import torch
+from test_plugin_decode_cp import HEADS, INDEX_HEADS, LAYERS, LENS, PS, SM_SCALE, TOPK, needs_interpreter
 
 pytestmark = [pytest.mark.sglang, pytest.mark.multirank]
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="SGLang's pool writers are Triton kernels: CPU needs TRITON_INTERPRET=1",
-)
-
-PS, TOPK, HEADS, INDEX_HEADS, LAYERS = 64, 96, 4, 2, 2
-LENS = [300, 130, 40]  # tokens per request (the last shorter than TOPK)
 SLOTS = 1024  # rows per rank
-SM_SCALE = 576**-0.5
 
 
 def _flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):

@@ -1,4 +1,4 @@
-"""The decode CP server's step (``decode_server``) over SGLang's DSA pool and DCP allocator, on 2 gloo ranks.
+"""The decode CP server's step (``decode_server``) over SGLang's DSA pool and DCP allocator, on 2-4 gloo ranks.
 
 Each rank builds the CP-shared pool of a decode CP server (its ranks, group and indexer rows as the server
 reads them: ``server_group``, ``dcp_group``) under SGLang's own DCP allocator, ``PagedTokenToKVPoolAllocator``
@@ -7,9 +7,9 @@ the prefill's page size). Requests get their slots from that allocator; SGLang's
 a replicated ``DSATokenToKVPool``. Per layer, as the decode's indexer reads it (``indexer_page_table``),
 the top-k (``indexer_topk``) selects what SGLang's torch top-k selects over the replicated scores, and
 ``forward_decode`` (FlashMLA's sparse kernel stood in by the project's oracle) gives each rank's
-``(out, lse)``, which SGLang's DCP merge kernel turns into sparse MLA over the replicated rows. Debug
-mode is on: the step's own checks (``decode_cp_checks``) pass, and fail on a top-k or an output that is
-not the replicated one.
+``(out, lse)``, which SGLang's DCP merge kernel (2 and 4 ranks; 3: the LSE merge in plain torch) turns
+into sparse MLA over the replicated rows. Debug mode is on: the step's own checks (``decode_cp_checks``)
+pass, and fail on a top-k or an output that is not the replicated one.
 """
 
 from __future__ import annotations
@@ -58,7 +58,12 @@ def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
     from reference.dsa_reference import indexer_scores, read_index_k, sparse_mla
     from sglang_cp_shared_kv.srt.layers.attention.nsa import decode_cp_checks
     from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import CPSharedKVDebugError
-    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import for_dcp_merge, owned_loc_rows, owned_scores
+    from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import (
+        for_dcp_merge,
+        merge_by_lse,
+        owned_loc_rows,
+        owned_scores,
+    )
     from sglang_cp_shared_kv.srt.sglang_wiring import decode_server
     from sglang_cp_shared_kv.srt.sglang_wiring.sharded_kv_pool import CPSharedDSATokenToKVPool, server_group
     from sglang_cp_shared_kv.srt.sglang_wiring.startup_checks import CPSharedKVStartupError
@@ -151,11 +156,18 @@ def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
         # SGLang's DCP merge kernel over the ranks' (out, base-2 lse); the sum stands in for its reduce-scatter.
         every_lse = torch.empty((world * lse2.shape[0], *lse2.shape[1:]))
         group.all_gather_into(every_lse, lse2.contiguous())
-        heads_first = torch.empty((o2.shape[1], o2.shape[0], o2.shape[2]))
-        merged, _ = correct_attn_out(o2.float().contiguous(), every_lse.view(world, *lse2.shape), rank, None,
-                                     heads_first, is_lse_base_on_e=False)  # fmt: skip
-        torch.distributed.all_reduce(merged)
-        out["merge_err"].append(float((merged.transpose(0, 1) - want_out).abs().max()))
+        if world & (world - 1) == 0:  # SGLang's merge kernel takes 2^k ranks
+            heads_first = torch.empty((o2.shape[1], o2.shape[0], o2.shape[2]))
+            merged, _ = correct_attn_out(o2.float().contiguous(), every_lse.view(world, *lse2.shape), rank, None,
+                                         heads_first, is_lse_base_on_e=False)  # fmt: skip
+            torch.distributed.all_reduce(merged)
+            merged = merged.transpose(0, 1)
+        else:  # the LSE merge in plain torch
+            every_out = torch.empty((world * o2.shape[0], *o2.shape[1:]))
+            group.all_gather_into(every_out, o2.float().contiguous())
+            natural = every_lse.view(world, *lse2.shape) * 0.6931471805599453
+            merged, _ = merge_by_lse(every_out.view(world, *o2.shape), natural)
+        out["merge_err"].append(float((merged - want_out).abs().max()))
 
         # The checks fail on a top-k missing a position, and on an output that dropped a row.
         bad_top = top.clone()
@@ -190,13 +202,13 @@ def _raises(error: type, fn, *args) -> bool:
 
 
 @needs_interpreter
-def test_decode_cp_server_step_equals_the_replicated_decode(tmp_path):
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_decode_cp_server_step_equals_the_replicated_decode(tmp_path, world):
     from plugin_models import write_model_dirs
 
     from reference.spawn import spawn_ranks
 
     write_model_dirs(tmp_path, ["mla"])
-    world = 2  # SGLang's merge kernel takes 2^k ranks
     os.environ["SGLANG_DEBUG_CP_SHARED_KV"] = "1"  # the ranks inherit it: the step checks itself
     try:
         results = spawn_ranks(_rank, world, 11, str(tmp_path), timeout_s=300)

@@ -66,7 +66,12 @@ STARTUP = [  # (case, extra argv, expected phrase or None)
         ["--enable-prefill-cp", "--cp-strategy", "interleave", "--tp-size", "2", "--attn-cp-size", "2"],
         "--attn-cp-size 2",
     ),
-    ("decode_dcp", ["--tp-size", "2", "--dcp-size", "2"], "--dcp-size 2"),
+    # A decode CP server shards a DSA model's pages: the tiny MLA model is refused, by its architecture.
+    (
+        "decode_dcp",
+        ["--tp-size", "2", "--dcp-size", "2"],
+        "on a decode CP server (--dcp-size 2): the flag shards a DSA",
+    ),
     ("decode_nixl", ["--disaggregation-transfer-backend", "nixl"], "use --disaggregation-transfer-backend mooncake"),
     ("decode_kv_sharding", ["--enable-kv-cache-sharding"], "--enable-kv-cache-sharding"),
 ]

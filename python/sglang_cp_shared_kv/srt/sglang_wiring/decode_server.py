@@ -215,9 +215,8 @@ def decode_cp_rejections(server_args: Any) -> list[str]:
         return startup_checks._lines(device)
     hf = overrides.model_config_of(server_args).hf_config
     arch = (hf.architectures or ["?"])[0]
-    if not mc.is_deepseek_dsa(hf):
+    if not mc.is_deepseek_dsa(hf):  # the other rules are a DSA model's
         return startup_checks._lines(
-            device,
             f"{arch} on a decode CP server (--dcp-size {cfg.dcp_size}): the flag shards a DSA model's latent "
             "and indexer pages there; serve a DSA model (DeepSeek-V3.2, GLM-5) or drop the flag",
         )

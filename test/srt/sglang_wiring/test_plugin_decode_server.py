@@ -150,7 +150,8 @@ def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
         want_out, _ = sparse_mla(q.float(), kv.view(torch.uint8).reshape(kv.shape[0], -1), "bf16",
                                  top_locs.long(), SM_SCALE)  # fmt: skip
         lay = SimpleNamespace(layer_id=layer, tp_q_head_num=HEADS, head_dim=576, v_head_dim=512, scaling=SM_SCALE)
-        o2, lse2 = decode_server.forward_decode(backend, q, None, lay, batch, False, None, None, top)
+        # q as the model hands it over: the absorbed nope part and the rope part apart
+        o2, lse2 = decode_server.forward_decode(backend, q[..., :512], None, lay, batch, False, q[..., 512:], None, top)
         out["checks_pass"].append(True)  # forward_decode and indexer_topk ran their checks
 
         # SGLang's DCP merge kernel over the ranks' (out, base-2 lse); the sum stands in for its reduce-scatter.

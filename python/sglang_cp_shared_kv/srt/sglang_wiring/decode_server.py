@@ -124,6 +124,7 @@ def forward_decode(backend, q, k, layer, forward_batch, save_kv_cache: bool, q_r
     """``DeepseekSparseAttnBackend.forward_decode`` on a decode CP pool: this rank's
     ``(out [R, H, D_v], lse [R, H])`` over the selected locs it owns, for SGLang's DCP merge."""
     from sglang.kernels.ops.attention.dsa.transform_index import transform_index_page_table_decode
+    from sglang.kernels.ops.attention.utils import concat_mla_absorb_q_general
 
     pool, metadata, impl = backend.token_to_kv_pool, backend.forward_metadata, backend.dsa_decode_impl
     if not forward_batch.forward_mode.is_decode():
@@ -131,8 +132,10 @@ def forward_decode(backend, q, k, layer, forward_batch, save_kv_cache: bool, q_r
     if k is not None and save_kv_cache:
         pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
     heads, d = layer.tp_q_head_num, layer.head_dim
-    if q_rope is not None:
-        q = torch.cat([q.view(-1, heads, layer.v_head_dim), q_rope.view(-1, heads, d - layer.v_head_dim)], -1)
+    if q_rope is not None:  # SGLang's concat (its CUDA kernel on a GPU), as its own decode does
+        q = concat_mla_absorb_q_general(
+            q.view(-1, heads, layer.v_head_dim), q_rope.view(-1, heads, d - layer.v_head_dim)
+        )
     q = q.reshape(-1, heads, d)
     topk = backend._pad_topk_indices(topk_indices, q.shape[0])
     locs = transform_index_page_table_decode(page_table=metadata.page_table_1, topk_indices=topk, page_size=1)

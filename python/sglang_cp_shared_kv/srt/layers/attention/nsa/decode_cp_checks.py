@@ -11,9 +11,9 @@ from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import merge_by_lse
 
 
 def _gathered(group: CPGroup, local: torch.Tensor) -> torch.Tensor:
-    """``[size, ...]``: every rank's ``local``."""
+    """``[size, n, ...]``: every rank's ``local [n, ...]``."""
     out = torch.empty((group.size, *local.shape), dtype=local.dtype, device=local.device)
-    group.all_gather_into(out.view(-1, *local.shape[1:]) if local.dim() else out, local)
+    group.all_gather_into(out.view(-1, *local.shape[1:]), local)
     return out
 
 

@@ -212,6 +212,21 @@ def sparse_mla(
     return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
 
 
+def flash_mla_sparse_fwd_ref(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, *, use_legacy=True):
+    """SGLang's ``flash_mla_sparse_fwd`` (``flash_mla_interface``) by ``sparse_mla`` over a bf16 ``kv
+    [rows, 1, 576]``: ``(out, None, lse)``, ``out`` in ``q``'s dtype, the LSE in base 2 as SGLang's wrapper
+    returns the legacy kernel's; ``indices [T, 1, K]``, ``topk_length [T]`` the valid ones of each row."""
+    if attn_sink is not None:
+        raise NotImplementedError("sparse MLA with attention sinks has no reference")
+    rows = indices[:, 0, :]
+    if topk_length is not None:
+        cols = torch.arange(rows.shape[1], device=rows.device)
+        rows = torch.where(cols < topk_length.unsqueeze(-1), rows, torch.full_like(rows, -1))
+    kv_rows = kv.reshape(kv.shape[0], -1).contiguous().view(torch.uint8)
+    out, lse = sparse_mla(q, kv_rows, "bf16", rows, sm_scale, d_v)
+    return out.to(q.dtype), None, lse * 1.4426950408889634  # log2(e)
+
+
 def _sparse_mla_block(
     q: torch.Tensor, kv_rows_u8: torch.Tensor, kv_format: str, rows: torch.Tensor, sm_scale: float, d_v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,16 +27,6 @@ pytestmark = [pytest.mark.sglang, pytest.mark.multirank]
 SLOTS = 1024  # rows per rank
 
 
-def _flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
-    """SGLang's ``flash_mla_sparse_fwd`` by the project's oracle: (out, None, lse), the lse in base 2 as
-    SGLang's wrapper returns the legacy kernel's."""
-    from reference.dsa_reference import sparse_mla
-
-    out, lse = sparse_mla(q.float(), kv.reshape(kv.shape[0], -1).contiguous().view(torch.uint8), "bf16",
-                          indices[:, 0, :].long(), sm_scale, d_v)  # fmt: skip
-    return out.to(q.dtype), None, lse * 1.4426950408889634  # log2(e)
-
-
 def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
     from types import SimpleNamespace
 
@@ -55,7 +45,7 @@ def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
     from test_plugin_sharded_pool import _chunk, _dsa_kwargs, _Layer
 
     from demo.sglang_parts import decode_argv
-    from reference.dsa_reference import indexer_scores, read_index_k, sparse_mla
+    from reference.dsa_reference import flash_mla_sparse_fwd_ref, indexer_scores, read_index_k, sparse_mla
     from sglang_cp_shared_kv.srt.layers.attention.nsa import decode_cp_checks
     from sglang_cp_shared_kv.srt.layers.attention.nsa.debug_checks import CPSharedKVDebugError
     from sglang_cp_shared_kv.srt.layers.attention.nsa.decode_cp import (
@@ -75,7 +65,7 @@ def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
     publish(server_args, role="scheduler")
     assert get_disagg().disaggregation_mode == "decode"
     module = types.ModuleType("sglang.kernels.ops.attention.flash_mla_interface")
-    module.flash_mla_sparse_fwd = _flash_mla_sparse_fwd
+    module.flash_mla_sparse_fwd = flash_mla_sparse_fwd_ref
     sys.modules[module.__name__] = module
     g = torch.Generator().manual_seed(seed)
     kwargs = _dsa_kwargs(LAYERS, fp8=False)
@@ -190,7 +180,9 @@ def _rank(rank: int, world: int, seed: int, model_dir: str) -> dict:
 
 def _attend(q, kv, indices):
     """The step's kernel as the check calls it: ``(out, natural lse)`` over ``indices [R, k]``."""
-    out, _, lse2 = _flash_mla_sparse_fwd(q, kv, indices.unsqueeze(1), SM_SCALE)
+    from reference.dsa_reference import flash_mla_sparse_fwd_ref
+
+    out, _, lse2 = flash_mla_sparse_fwd_ref(q, kv, indices.unsqueeze(1), SM_SCALE)
     return out, lse2 * 0.6931471805599453  # ln(2)
 
 

@@ -5,7 +5,8 @@ K-cache store (through the pool, so the plugin's masked store) and head gate, re
 through the pool's read contract (``get_index_k_scale_buffer``: the plugin's views) and hands the
 logits to SGLang's own masking and torch top-k (a decode batch reads its keys through SGLang's page
 table, as SGLang's paged path does); the sparse attention is the project's oracle
-``reference.dsa_reference.sparse_mla`` over the rows SGLang's DSA backend selected.
+``reference.dsa_reference.flash_mla_sparse_fwd_ref`` (SGLang's wrapper over ``sparse_mla``) over the rows
+SGLang's DSA backend selected.
 """
 
 from __future__ import annotations
@@ -123,27 +124,13 @@ def _topk_paged(self, layer_id, q_fp8, weights, metadata):
     return topk
 
 
-def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, *, use_legacy=True):
-    """SGLang's ``flash_mla_sparse_fwd`` over a bf16 ``kv`` by the project's oracle: (out, None, lse), the lse
-    in base 2 as SGLang's wrapper returns the legacy kernel's."""
-    from reference.dsa_reference import sparse_mla
-
-    if attn_sink is not None:
-        raise NotImplementedError("cpu platform: sparse MLA with attention sinks has no stand-in")
-    rows = indices[:, 0, :]
-    if topk_length is not None:
-        cols = torch.arange(rows.shape[1], device=rows.device)
-        rows = torch.where(cols < topk_length.unsqueeze(-1), rows, torch.full_like(rows, -1))
-    kv_rows = kv.reshape(kv.shape[0], -1).contiguous().view(torch.uint8)
-    out, lse = sparse_mla(q, kv_rows, "bf16", rows, sm_scale, d_v)
-    return out.to(q.dtype), None, lse * 1.4426950408889634  # log2(e)
-
-
 def install_flash_mla() -> None:
     """SGLang's ``flash_mla_interface`` (it imports the ``flash_mla`` CUDA package) as a module of the stand-in."""
+    from reference.dsa_reference import flash_mla_sparse_fwd_ref
+
     name = "sglang.kernels.ops.attention.flash_mla_interface"
     module = types.ModuleType(name)
-    module.flash_mla_sparse_fwd = flash_mla_sparse_fwd
+    module.flash_mla_sparse_fwd = flash_mla_sparse_fwd_ref
     sys.modules[name] = module
 
 

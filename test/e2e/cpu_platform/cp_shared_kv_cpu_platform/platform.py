@@ -205,8 +205,8 @@ STAND_INS: dict[str, tuple[str, str, object]] = {
     "flash_mla_sparse_fwd": (
         "FlashMLA's sparse attention (--dsa-prefill-backend flashmla_sparse, and the test's "
         "--dsa-decode-backend flashmla_sparse; the flash_mla package)",
-        "reference.dsa_reference.sparse_mla, the project's oracle, over the rows SGLang's DSA backend selected "
-        "(its LSE in base 2, as SGLang's wrapper returns the legacy kernel's)",
+        "reference.dsa_reference.flash_mla_sparse_fwd_ref (the project's oracle sparse_mla) over the rows "
+        "SGLang's DSA backend selected (its LSE in base 2, as SGLang's wrapper returns the legacy kernel's)",
         _install_flash_mla,
     ),
 }
